@@ -1,0 +1,25 @@
+"""The benchmark's tasks for taskrunner (worker: `taskrunner worker -A bench.tasks_taskrunner`)."""
+
+import os
+
+from taskrunner import TaskRunner
+
+from bench import record
+
+app = TaskRunner("bench", redis_url=f"unix://{record.socket_path()}",
+                 prefix=os.environ.get("TASKRUNNER_PREFIX", "trbench"))
+
+
+@app.task(name="bench.noop", max_duration=60)
+def noop():
+    record.done()
+
+
+@app.task(name="bench.latency", max_duration=60)
+def latency(enqueued_at):
+    record.latency(enqueued_at)
+
+
+@app.task(name="bench.sleep", max_duration=120)
+def sleep(seconds):
+    record.sleep(seconds)

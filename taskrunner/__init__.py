@@ -1,0 +1,18 @@
+"""taskrunner: a reliable task runner on Redis."""
+
+from .app import JobSpec, Schedule, Task, TaskRunner
+from .errors import (
+    InvalidName,
+    JobFailed,
+    JobNotFound,
+    NotJSONError,
+    PayloadTooLarge,
+    Reject,
+    Retry,
+    TaskRunnerError,
+    Timeout,
+)
+from .job import Job
+
+__all__ = ["TaskRunner", "Task", "Job", "JobSpec", "Schedule", "Retry", "Reject", "TaskRunnerError", "JobFailed",
+           "JobNotFound", "NotJSONError", "PayloadTooLarge", "InvalidName", "Timeout"]

@@ -1,0 +1,231 @@
+"""The application object: task registry, schedules, enqueueing and job lookup."""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import redis
+from croniter import croniter
+
+from . import codec, scripts
+from .config import Settings
+from .connection import connect
+from .errors import JobNotFound, PayloadTooLarge, TaskRunnerError
+from .job import Job
+from .keys import Keys
+
+TIMEOUT_POLICIES = ("kill", "flag")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a job needs besides its arguments; task defaults, overridable per call."""
+
+    queue: str = "default"
+    max_duration: float | None = None
+    retries: int = 0
+    retry_backoff: float = 1.0
+    timeout_policy: str = "kill"
+    max_lost: int | None = None
+
+    def merged(self, **changes: Any) -> JobSpec:
+        values = {k: v for k, v in changes.items() if v is not None}
+        spec = JobSpec(**{**self.__dict__, **values})
+        codec.check_name("queue", spec.queue)
+        if spec.timeout_policy not in TIMEOUT_POLICIES:
+            raise ValueError(f"timeout_policy must be one of {TIMEOUT_POLICIES}, not {spec.timeout_policy!r}")
+        if spec.max_duration is not None and spec.max_duration <= 0:
+            raise ValueError("max_duration must be positive")
+        if spec.retries < 0:
+            raise ValueError("retries must be >= 0")
+        return spec
+
+
+@dataclass
+class Schedule:
+    """A cron schedule that enqueues a task; fired by the dispatcher."""
+
+    name: str
+    cron: str
+    task: str
+    args: list = field(default_factory=list)
+    kwargs: dict = field(default_factory=dict)
+    queue: str = "default"
+    missed: str = "once"  # after downtime: "once" fires the latest missed tick, "skip" none
+
+
+class Task:
+    """A function that can run as a job. Calling it runs it here and now."""
+
+    def __init__(self, app: TaskRunner, fn: Callable, name: str, spec: JobSpec):
+        self.app, self.fn, self.name, self.spec = app, fn, name, spec
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<Task {self.name} queue={self.spec.queue}>"
+
+    def delay(self, *args: Any, **kwargs: Any) -> Job:
+        return self.apply_async(args, kwargs)
+
+    def apply_async(self, args: Iterable = (), kwargs: dict | None = None, *, queue: str | None = None,
+                    delay: float | None = None, max_duration: float | None = None, job_id: str | None = None,
+                    retries: int | None = None) -> Job:
+        spec = self.spec.merged(queue=queue, max_duration=max_duration, retries=retries)
+        return self.app.enqueue(self.name, args, kwargs, spec=spec, delay=delay, job_id=job_id)
+
+
+class TaskRunner:
+    def __init__(self, name: str = "taskrunner", redis_url: str | None = None, prefix: str | None = None,
+                 **settings: Any):
+        self.name = name
+        self.settings = Settings.from_env(redis_url=redis_url, prefix=prefix, **settings)
+        self.keys = Keys(self.settings.prefix)
+        self.tasks: dict[str, Task] = {}
+        self.schedules: dict[str, Schedule] = {}
+        self._redis: redis.Redis | None = None
+        self._redis_pid = 0
+        self._known_queues: set[str] = set()
+        self._producer = f"{socket.gethostname()}:{os.getpid()}"
+
+    def __repr__(self) -> str:
+        return f"<TaskRunner {self.name} prefix={self.settings.prefix}>"
+
+    @property
+    def redis(self) -> redis.Redis:
+        """The client, made on first use (and again in a forked child)."""
+        if self._redis is None or self._redis_pid != os.getpid():
+            self._redis = connect(self.settings.redis_url)
+            self._redis_pid = os.getpid()
+            self._known_queues = set()
+        return self._redis
+
+    def configure(self, **overrides: Any) -> None:
+        """Change settings (e.g. redis_url from a CLI flag) before first use."""
+        self.settings = replace(self.settings, **{k: v for k, v in overrides.items() if v is not None})
+        self.keys = Keys(self.settings.prefix)
+        self._redis = None
+
+    # -- declaring -------------------------------------------------------------------
+
+    def task(self, fn: Callable | None = None, *, name: str | None = None, queue: str = "default",
+             max_duration: float | None = None, retries: int = 0, retry_backoff: float = 1.0,
+             timeout_policy: str = "kill", max_lost: int | None = None) -> Any:
+        """Declare a task: `@app.task` or `@app.task(queue=..., max_duration=..., retries=...)`.
+        The name defaults to module.function. timeout_policy: "kill" ends a job that passes
+        its max duration (failed, TimeLimitExceeded); "flag" only flags it stuck."""
+
+        def register(f: Callable) -> Task:
+            spec = JobSpec().merged(queue=queue, max_duration=max_duration, retries=retries,
+                                    retry_backoff=retry_backoff, timeout_policy=timeout_policy, max_lost=max_lost)
+            task_name = codec.check_name("task", name or f"{f.__module__}.{f.__qualname__}")
+            if task_name in self.tasks and self.tasks[task_name].fn is not f:
+                raise TaskRunnerError(f"two tasks named {task_name!r}: pass name= to one of them")
+            t = self.tasks[task_name] = Task(self, f, task_name, spec)
+            return t
+
+        return register(fn) if fn is not None else register
+
+    def periodic(self, cron: str, *, name: str | None = None, args: Iterable = (), kwargs: dict | None = None,
+                 missed: str = "once", **task_options: Any) -> Callable[[Callable], Task]:
+        """Declare a task and run it on a cron schedule (UTC), e.g. "*/5 * * * *".
+        Each tick is enqueued exactly once, however many dispatchers run."""
+        if not isinstance(cron, str) or not croniter.is_valid(cron):
+            raise ValueError(f"invalid cron expression {cron!r} (expected e.g. '*/5 * * * *')")
+        if missed not in ("once", "skip"):
+            raise ValueError("missed must be 'once' or 'skip'")
+
+        def register(f: Callable) -> Task:
+            t = self.task(f, **task_options)
+            sname = codec.check_name("schedule", name or t.name)
+            self.schedules[sname] = Schedule(sname, cron, t.name, list(args), dict(kwargs or {}),
+                                             t.spec.queue, missed)
+            return t
+
+        return register
+
+    # -- enqueueing ------------------------------------------------------------------
+
+    def _fields(self, task: str, args: Iterable, kwargs: dict | None, spec: JobSpec) -> list[Any]:
+        codec.check_name("task", task)
+        if isinstance(args, (str, bytes, dict)):
+            raise TypeError("args must be a list or tuple of arguments")
+        a = codec.dumps(list(args), "args")
+        k = codec.dumps(kwargs or {}, "kwargs")
+        if not isinstance(kwargs or {}, dict):
+            raise TypeError("kwargs must be a dict")
+        if len(a) + len(k) > self.settings.max_payload:
+            raise PayloadTooLarge(f"arguments of {task} take {len(a) + len(k)} bytes; the limit "
+                                  f"is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
+        return ["task", task, "queue", spec.queue, "args", a, "kwargs", k,
+                "max_duration", spec.max_duration or self.settings.max_duration, "retries", spec.retries,
+                "retry_backoff", spec.retry_backoff, "timeout_policy", spec.timeout_policy,
+                "max_lost", spec.max_lost or self.settings.max_lost,
+                "producer", f"{self._producer}:{threading.get_ident()}"]
+
+    def _spec_for(self, task: str) -> JobSpec:
+        t = self.tasks.get(task)
+        return t.spec if t else JobSpec()
+
+    def enqueue(self, task: str, args: Iterable = (), kwargs: dict | None = None, *, spec: JobSpec | None = None,
+                delay: float | None = None, job_id: str | None = None, **options: Any) -> Job:
+        """Enqueue by task name (the task need not be importable here). Options are those
+        of JobSpec (queue, max_duration, retries, ...). With a job_id that exists already
+        nothing is enqueued and the existing job is returned, with .created False."""
+        spec = (spec or self._spec_for(task)).merged(**options)
+        job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
+        fields = self._fields(task, args, kwargs, spec)
+        if delay is not None and delay < 0:
+            raise ValueError("delay must be >= 0")
+        created = self._enqueue_batch(spec.queue, [(job_id, delay or 0, fields)])[0]
+        job = Job(self, job_id, spec.queue)
+        job.created = bool(created)
+        return job
+
+    def _enqueue_batch(self, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> list[int]:
+        args: list[Any] = [len(jobs)]
+        for job_id, delay, fields in jobs:
+            args += [job_id, delay, len(fields) // 2, *fields]
+        batch = scripts.Batch(self.redis)
+        batch.call(scripts.ENQUEUE, [self.keys.q(queue)], args)
+        new_queue = queue not in self._known_queues
+        if new_queue:
+            batch.pipe.sadd(self.keys.queues, queue)
+        result = batch.execute()[0]
+        if new_queue:
+            self._known_queues.add(queue)
+        return result
+
+    # -- looking up ------------------------------------------------------------------
+
+    def queue_names(self) -> list[str]:
+        """Every queue ever enqueued into or served, sorted."""
+        return sorted(self.redis.smembers(self.keys.queues))
+
+    def job(self, job_id: str, queue: str | None = None) -> Job:
+        """The job with that id (its queue is looked up when not given)."""
+        codec.check_id(job_id)
+        queues = [queue] if queue else self.queue_names()
+        pipe = self.redis.pipeline(transaction=False)
+        for q in queues:
+            pipe.hgetall(self.keys.job(q, job_id))
+        for q, data in zip(queues, pipe.execute()):
+            if data:
+                return Job(self, job_id, q, data)
+        raise JobNotFound(f"no job {job_id} (never enqueued, or expired after its result TTL)")
+
+    def send_control(self, worker: str, message: dict) -> None:
+        """Put a message on a worker's control list (it BRPOPs it at once)."""
+        key = self.keys.control(worker)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.lpush(key, codec.dumps(message))
+        pipe.expire(key, 3600)
+        pipe.execute()

@@ -1,0 +1,281 @@
+"""The `taskrunner` command. Every command takes --redis-url (default $REDIS_URL, else
+the socket of a running `taskrunner up`, else localhost:6379) and -A/--app (default
+$TASKRUNNER_APP): a module holding one TaskRunner, or module:attribute."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+import click
+import redis
+
+from . import listing
+from .app import TaskRunner
+from .errors import JobFailed, TaskRunnerError, Timeout
+from .loader import load_app
+
+
+def common(f: Callable) -> Callable:
+    f = click.option("-A", "--app", "app_spec", envvar="TASKRUNNER_APP", metavar="APP",
+                     help="Module with your TaskRunner (module or module:attr). Env: TASKRUNNER_APP.")(f)
+    f = click.option("--redis-url", envvar="REDIS_URL", metavar="URL",
+                     help="redis://host:port/db, rediss://..., unix:///path. Env: REDIS_URL.")(f)
+    return f
+
+
+def _app(app_spec: str | None, redis_url: str | None) -> TaskRunner:
+    return load_app(app_spec, redis_url)
+
+
+def _json_arg(value: str | None, kind: type, what: str) -> Any:
+    if value is None:
+        return kind()
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise click.BadParameter(f"not valid JSON ({e}): {value[:80]!r}", param_hint=what) from None
+    if not isinstance(parsed, kind):
+        raise click.BadParameter(f"must be a JSON {'array' if kind is list else 'object'}", param_hint=what)
+    return parsed
+
+
+def _ts(t: Any) -> str:
+    if not t:
+        return "-"
+    return datetime.fromtimestamp(float(t), timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _emit(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+class Main(click.Group):
+    """Turns taskrunner and Redis errors into one clear line and exit code 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (TaskRunnerError, ValueError, TypeError) as e:
+            raise click.ClickException(str(e)) from None
+        except redis.ConnectionError as e:
+            raise click.ClickException(f"cannot reach Redis: {e} (set REDIS_URL or --redis-url)") from None
+
+
+@click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="taskrunner")
+def main() -> None:
+    """taskrunner: reliable jobs on Redis, run in child processes, watched by a dispatcher.
+
+    \b
+    Run the whole stack locally with a demo:   taskrunner up --demo
+    Run a worker for your app:                  taskrunner worker -A myapp -c 4
+    Enqueue and wait from the shell:            id=$(taskrunner enqueue myapp.add --args '[1,2]')
+                                                taskrunner wait $id
+    """
+
+
+@main.command()
+@click.argument("task")
+@click.option("--args", "args_json", metavar="JSON_ARRAY", help='Positional arguments, e.g. \'[1, "a"]\'.')
+@click.option("--kwargs", "kwargs_json", metavar="JSON_OBJECT", help='Keyword arguments, e.g. \'{"n": 2}\'.')
+@click.option("-q", "--queue", help="Queue (default: the task's, else 'default').")
+@click.option("--delay", type=float, help="Seconds before it may run.")
+@click.option("--max-duration", type=float, help="Seconds it may run before it is stopped.")
+@click.option("--retries", type=int, help="Retries after failures (exponential backoff).")
+@click.option("--id", "job_id", help="Job id (default: a new time-sortable id). An existing id is not enqueued twice.")
+@common
+def enqueue(task: str, args_json: str | None, kwargs_json: str | None, queue: str | None, delay: float | None,
+            max_duration: float | None, retries: int | None, job_id: str | None, app_spec: str | None,
+            redis_url: str | None) -> None:
+    """Enqueue TASK by name; prints the job id alone."""
+    app = _app(app_spec, redis_url)
+    args = _json_arg(args_json, list, "--args")
+    kwargs = _json_arg(kwargs_json, dict, "--kwargs")
+    job = app.enqueue(task, args, kwargs, queue=queue, delay=delay, max_duration=max_duration,
+                      retries=retries, job_id=job_id)
+    if not job.created:
+        click.echo(f"job {job.id} exists already; not enqueued again", err=True)
+    click.echo(job.id)
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Every field as JSON.")
+@common
+def status(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
+    """Show a job: state, attempts, where it ran, result or error."""
+    job = _app(app_spec, redis_url).job(job_id)
+    d = job.to_dict()
+    if as_json:
+        return _emit(d)
+    state = d["state"] + (" (stuck)" if d["stuck"] else "")
+    rows = [("id", d["id"]), ("task", d.get("task")), ("queue", d["queue"]), ("state", state),
+            ("attempts", d["attempts"]), ("enqueued", _ts(d.get("enqueued_at"))),
+            ("started", _ts(d.get("started_at"))), ("finished", _ts(d.get("finished_at"))),
+            ("worker", d.get("worker") or "-"), ("host", d.get("host") or "-"), ("pid", d.get("pid") or "-")]
+    if d.get("result") is not None:
+        rows.append(("result", json.dumps(d["result"])))
+    if d.get("error_type"):
+        rows.append(("error", f"{d['error_type']}: {d.get('error')}"))
+    for k, v in rows:
+        click.echo(f"{k:>9}  {v}")
+    if d.get("traceback") and d["state"] == "failed":
+        click.echo(d["traceback"].rstrip())
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--timeout", type=float, help="Give up after this many seconds (exit 2).")
+@common
+def wait(job_id: str, timeout: float | None, app_spec: str | None, redis_url: str | None) -> None:
+    """Wait for a job; print its result as JSON. Exit 0 completed, 1 failed or killed, 2 timeout."""
+    job = _app(app_spec, redis_url).job(job_id)
+    try:
+        result = job.wait(timeout)
+    except JobFailed as e:
+        click.echo(f"{e.state}: {e.error_type}: {e.message}", err=True)
+        sys.exit(1)
+    except Timeout as e:
+        click.echo(str(e), err=True)
+        sys.exit(2)
+    click.echo(json.dumps(result))
+
+
+@main.command()
+@click.argument("job_id")
+@common
+def kill(job_id: str, app_spec: str | None, redis_url: str | None) -> None:
+    """Kill a job: pending/delayed at once; running ones are stopped by their worker."""
+    job = _app(app_spec, redis_url).job(job_id)
+    state = job.kill()
+    msg = {"killed": "killed", "running": "kill requested; its worker stops it now"}.get(state, f"already {state}")
+    click.echo(f"{job_id}: {msg}")
+
+
+@main.command()
+@click.option("-q", "--queue", help="Only this queue.")
+@click.option("--state", type=click.Choice(listing.LIST_STATES), help="Only jobs in this state.")
+@click.option("--limit", type=int, default=50, show_default=True)
+@click.option("--offset", type=int, default=0)
+@click.option("--json", "as_json", is_flag=True)
+@common
+def jobs(queue: str | None, state: str | None, limit: int, offset: int, as_json: bool, app_spec: str | None,
+         redis_url: str | None) -> None:
+    """List jobs (by default: a page of each state in each queue)."""
+    found = listing.list_jobs(_app(app_spec, redis_url), queue, state, limit, offset)
+    if as_json:
+        return _emit([j.to_dict() for j in found])
+    click.echo(f"{'ID':26}  {'QUEUE':12} {'STATE':10} {'TASK':30} {'TRIES':>5}  WHERE")
+    for j in found:
+        d = j.data
+        st = d.get("state", "?") + ("*" if d.get("stuck") == "1" else "")
+        where = f"{d.get('worker', '')} pid {d.get('pid')}" if d.get("state") == "running" else d.get("error_type", "")
+        click.echo(f"{j.id:26}  {j.queue:12} {st:10} {d.get('task', '?')[:30]:30} {d.get('attempts', 0):>5}  {where}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@common
+def queues(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
+    """Every queue with its counts (finished counts cover the result TTL)."""
+    stats = listing.queue_stats(_app(app_spec, redis_url))
+    if as_json:
+        return _emit(stats)
+    cols = ("pending", "delayed", "running", "completed", "failed", "killed")
+    click.echo(f"{'QUEUE':20}" + "".join(f"{c.upper():>11}" for c in cols))
+    for s in stats:
+        click.echo(f"{s['name']:20}" + "".join(f"{s[c]:>11}" for c in cols))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@common
+def workers(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
+    """Workers: alive ones with their heartbeat, and those found dead in the last hour."""
+    ws = listing.workers(_app(app_spec, redis_url))
+    if as_json:
+        return _emit(ws)
+    click.echo(f"{'NAME':28} {'STATE':6} {'HOST':16} {'IP':15} {'PID':>7} {'BUSY':>6} {'BEAT':>6} "
+               f"{'RSS MB':>7}  QUEUES")
+    for w in ws:
+        beat = f"{w['heartbeat_age']:.1f}s" if w.get("heartbeat_age") is not None else "-"
+        busy = f"{w.get('busy', '?')}/{w.get('concurrency', '?')}"
+        click.echo(f"{w['name'][:28]:28} {w['state']:6} {str(w.get('host', '-'))[:16]:16} {w.get('ip', '-'):15} "
+                   f"{w.get('pid', '-'):>7} {busy:>6} {beat:>6} {w.get('rss', 0) / 1e6:>7.1f}  "
+                   f"{','.join(w.get('queues', []))}")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+
+
+@main.command()
+@click.option("-Q", "--queues", "queue_list", help="Queues in priority order, comma-separated "
+              "(default: 'default' then the queues of the app's tasks).")
+@click.option("-c", "--concurrency", type=int, default=os.cpu_count() or 2, show_default=True,
+              help="Child processes running jobs.")
+@click.option("-n", "--name", help="Worker name (default host.pid); must be unique among live workers.")
+@click.option("--log-level", default="info", show_default=True)
+@common
+def worker(queue_list: str | None, concurrency: int, name: str | None, log_level: str, app_spec: str | None,
+           redis_url: str | None) -> None:
+    """Run jobs: claim from the queues, run each in a child process, report back."""
+    from .worker import Worker
+
+    _setup_logging(log_level)
+    if not app_spec:
+        raise click.UsageError("the worker needs your app: -A module (or TASKRUNNER_APP)")
+    app = _app(app_spec, redis_url)
+    qs = [q.strip() for q in queue_list.split(",") if q.strip()] if queue_list else \
+        list(dict.fromkeys(["default", *(t.spec.queue for t in app.tasks.values())]))
+    sys.exit(Worker(app, qs, concurrency, name).run())
+
+
+@main.command()
+@click.option("-n", "--name", help="Dispatcher name (default host.pid).")
+@click.option("--log-level", default="info", show_default=True)
+@common
+def dispatcher(name: str | None, log_level: str, app_spec: str | None, redis_url: str | None) -> None:
+    """Requeue jobs of dead workers, stop stuck jobs, promote delayed jobs, fire cron
+    schedules (those of -A APP). Several may run at once."""
+    from .dispatcher import Dispatcher
+
+    _setup_logging(log_level)
+    sys.exit(Dispatcher(_app(app_spec, redis_url), name).run())
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=5000, show_default=True, envvar="PORT")
+@common
+def dashboard(host: str, port: int, app_spec: str | None, redis_url: str | None) -> None:
+    """Serve the web dashboard (development server; use gunicorn in production)."""
+    from dashboard import create_app
+
+    app = _app(app_spec, redis_url)
+    create_app(app).run(host=host, port=port)
+
+
+@main.command()
+@click.option("--demo", is_flag=True, help="Use the demo app and enqueue a demo workload.")
+@click.option("-c", "--concurrency", type=int, default=2, show_default=True)
+@click.option("--port", type=int, default=5000, show_default=True, help="Dashboard port.")
+@click.option("--exit", "exit_after", is_flag=True, help="With --demo: stop when the demo workload is done.")
+@common
+def up(demo: bool, concurrency: int, port: int, exit_after: bool, app_spec: str | None,
+       redis_url: str | None) -> None:
+    """Run everything locally: Redis (its own, under ./var, unless REDIS_URL is set), a
+    dispatcher, a worker and the dashboard. Ctrl-C stops it all cleanly."""
+    from .up import run_stack
+
+    if not app_spec and not demo:
+        raise click.UsageError("give your app with -A module, or try --demo")
+    sys.exit(run_stack(app_spec or "taskrunner.demo:app", redis_url, concurrency, port, demo, exit_after))
+

@@ -1,0 +1,50 @@
+"""JSON on the wire, strictly: values JSON cannot carry are refused, never coerced."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Any
+
+import orjson
+
+from .errors import InvalidName, NotJSONError
+
+# orjson would turn dataclasses, datetimes and numpy values into JSON silently;
+# passthrough makes them errors, so what a consumer reads is what the producer sent.
+_STRICT = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}\Z")
+_ID = re.compile(r"[A-Za-z0-9_.:@-]{1,200}\Z")
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def dumps(value: Any, what: str = "value") -> bytes:
+    try:
+        return orjson.dumps(value, option=_STRICT)
+    except TypeError as e:
+        raise NotJSONError(f"{what} is not JSON: {e} (taskrunner sends JSON only)") from None
+
+
+def loads(data: str | bytes) -> Any:
+    return orjson.loads(data)
+
+
+def check_name(kind: str, name: str) -> str:
+    """Queue and task names: letters, digits and _.:@- , at most 200, starting alnum."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidName(f"invalid {kind} name {name!r}: use letters, digits and _.:@- "
+                          "(at most 200, starting with a letter or digit)")
+    return name
+
+
+def check_id(job_id: str) -> str:
+    if not isinstance(job_id, str) or not _ID.match(job_id):
+        raise InvalidName(f"invalid job id {job_id!r}: use 1-200 letters, digits and _.:@-")
+    return job_id
+
+
+def new_id() -> str:
+    """A ULID: 26 characters that sort by creation time (ms), then 80 random bits."""
+    n = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10), "big")
+    return "".join(_CROCKFORD[(n >> s) & 31] for s in range(125, -1, -5))

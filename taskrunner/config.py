@@ -1,0 +1,58 @@
+"""Every setting and its default, in one place. Each is read from the environment
+(12-factor) and can be overridden by keyword or CLI flag."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Settings:
+    #: Redis to use (redis://, rediss://, unix://). None: `taskrunner up` starts its own.
+    redis_url: str | None = None  # REDIS_URL
+    #: First part of every key; lets several apps share one Redis.
+    prefix: str = "tr"  # TASKRUNNER_PREFIX
+    #: Seconds between worker heartbeats.
+    heartbeat: float = 2.0  # TASKRUNNER_HEARTBEAT
+    #: A worker silent this long is dead: its jobs are requeued.
+    dead_after: float = 10.0  # TASKRUNNER_DEAD_AFTER
+    #: Seconds a finished job (result or error) is kept.
+    result_ttl: int = 86400  # TASKRUNNER_RESULT_TTL
+    #: Max duration of a job whose task sets none.
+    max_duration: float = 300.0  # TASKRUNNER_MAX_DURATION
+    #: Seconds between SIGTERM and SIGKILL when a job is killed or timed out.
+    kill_grace: float = 5.0  # TASKRUNNER_KILL_GRACE
+    #: On SIGTERM, seconds a worker lets running jobs finish before requeueing them
+    #: (Heroku sends SIGKILL 30 s after SIGTERM).
+    shutdown_grace: float = 20.0  # TASKRUNNER_SHUTDOWN_GRACE
+    #: Seconds between dispatcher passes.
+    dispatch_interval: float = 0.5  # TASKRUNNER_DISPATCH_INTERVAL
+    #: Width of a deadline bucket, seconds.
+    bucket_width: int = 1  # TASKRUNNER_BUCKET_WIDTH
+    #: Seconds between the dispatcher's checks of a stuck job.
+    stuck_recheck: float = 10.0  # TASKRUNNER_STUCK_RECHECK
+    #: Largest encoded args + kwargs of one job, bytes.
+    max_payload: int = 1 << 20  # TASKRUNNER_MAX_PAYLOAD
+    #: A job whose process died this many times ends failed with WorkerLost.
+    max_lost: int = 5  # TASKRUNNER_MAX_LOST
+    #: Cap of the exponential retry backoff, seconds.
+    retry_backoff_max: float = 600.0  # TASKRUNNER_RETRY_BACKOFF_MAX
+    #: Seconds an idle worker blocks in Redis before it looks again anyway.
+    idle_block: float = 5.0  # TASKRUNNER_IDLE_BLOCK
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Settings:
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            env = "REDIS_URL" if f.name == "redis_url" else "TASKRUNNER_" + f.name.upper()
+            raw = os.environ.get(env)
+            if raw not in (None, ""):
+                kind = type(f.default) if f.default is not None else str
+                try:
+                    values[f.name] = kind(raw)
+                except ValueError:
+                    raise ValueError(f"{env}={raw!r} is not a valid {kind.__name__}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return replace(cls(), **values)

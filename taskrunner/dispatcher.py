@@ -1,0 +1,212 @@
+"""The dispatcher: requeues the jobs of dead processes, flags (and has killed) jobs past
+their max duration, promotes delayed jobs and fires cron schedules.
+
+Every action is a fenced script, so several dispatchers may run side by side, and one
+killed at any moment leaves nothing half done: the next pass sees the same due buckets
+and dead workers again. Cron ticks are enqueued under a job id made of the schedule and
+the tick, so each tick exists once however many dispatchers fire it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import psutil
+import redis
+from croniter import croniter
+
+from . import codec, scripts
+from .app import TaskRunner
+from .worker import pid_namespace
+
+log = logging.getLogger("taskrunner.dispatcher")
+_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+#: Dead workers stay listed (as dead) this long.
+DEAD_KEPT = 3600
+#: With missed="skip", a tick this late still fires.
+SKIP_GRACE = 60.0
+
+
+class Dispatcher:
+    def __init__(self, app: TaskRunner, name: str | None = None):
+        self.app, self.s, self.keys = app, app.settings, app.keys
+        self.redis = app.redis
+        self.host = socket.gethostname()
+        self.pidns = pid_namespace()
+        self.name = name or f"{self.host}.{os.getpid()}"
+        self.stop_event = threading.Event()
+        self._hosts: dict[str, dict[str, Any]] = {}  # worker name -> info (host, pid, ...)
+        self.passes = 0
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
+        self.publish_schedules()
+        log.info("dispatcher %s: every %.2fs, %d schedules", self.name, self.s.dispatch_interval,
+                 len(self.app.schedules))
+        backoff = 0.0
+        while not self.stop_event.is_set():
+            started = time.monotonic()
+            try:
+                self.run_once()
+                backoff = 0.0
+            except _REDIS_ERRORS as e:
+                backoff = min(max(backoff * 2, 0.2), 5.0)
+                log.warning("dispatcher %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, backoff)
+            self.stop_event.wait(max(backoff, self.s.dispatch_interval - (time.monotonic() - started)))
+        log.info("dispatcher %s: stopped after %d passes", self.name, self.passes)
+        return 0
+
+    def publish_schedules(self) -> None:
+        """Let the dashboard and CLI see the schedules this dispatcher fires."""
+        pipe = self.redis.pipeline(transaction=False)
+        for s in self.app.schedules.values():
+            pipe.sadd(self.keys.queues, s.queue)
+            pipe.hsetnx(self.keys.schedules, s.name, "{}")
+        pipe.execute()
+
+    def run_once(self) -> dict[str, int]:
+        """One pass; returns what it did (for logs and tests)."""
+        sec, usec = self.redis.time()
+        now = sec + usec / 1e6
+        alive, dead = self.liveness(now)
+        queues = sorted(self.redis.smembers(self.keys.queues))
+        stats = {"promoted": 0, "requeued": 0, "failed": 0, "killed": 0, "stuck": 0, "fired": 0}
+        batch = scripts.Batch(self.redis)
+        for q in queues:
+            batch.call(scripts.SWEEP, [self.keys.q(q)], [1000, 100, self.s.result_ttl])
+        for q, res in zip(queues, batch.execute()):
+            stats["promoted"] += int(res[0])
+            lost: list[Any] = []
+            for job_id, raw in zip(res[1::2], res[2::2]):
+                try:
+                    entry = codec.loads(raw)
+                    worker, attempt = entry["worker"], str(entry["attempt"])
+                except (ValueError, KeyError, TypeError):
+                    log.error("dispatcher: corrupt holding entry for job %s in %s: %r", job_id, q, raw[:200])
+                    continue
+                if worker not in alive:
+                    lost += [job_id, attempt, f"worker {worker} is dead", ""]
+                else:
+                    self._stuck(q, job_id, attempt, stats)
+            self._lose(q, lost, stats)
+        if dead:
+            self._reap(queues, dead, now, stats)
+        stats["fired"] = self.fire_schedules(now)
+        self.passes += 1
+        self.redis.hset(self.keys.dispatchers, self.name, codec.dumps({
+            "name": self.name, "host": self.host, "pid": os.getpid(), "last_pass": now,
+            "lag": round(time.time() - now, 3), "passes": self.passes}))
+        if any(stats.values()):
+            log.info("dispatcher %s: %s", self.name, " ".join(f"{k}={v}" for k, v in stats.items() if v))
+        return stats
+
+    def liveness(self, now: float) -> tuple[set[str], set[str]]:
+        """Workers whose heartbeat is fresh, and the others. On this host (same PID
+        namespace) a worker whose process is gone is dead at once."""
+        beats = dict(self.redis.zrange(self.keys.workers, 0, -1, withscores=True))
+        unknown = [n for n in beats if n not in self._hosts]
+        if unknown:
+            for n, raw in zip(unknown, self.redis.mget([self.keys.worker(n) for n in unknown])):
+                try:
+                    self._hosts[n] = codec.loads(raw) if raw else {}
+                except ValueError:
+                    self._hosts[n] = {}
+        alive, dead = set(), set()
+        for n, last in beats.items():
+            if now - last >= self.s.dead_after or not self._process_alive(self._hosts.get(n, {})):
+                dead.add(n)
+            else:
+                alive.add(n)
+        return alive, dead
+
+    def _process_alive(self, info: dict[str, Any]) -> bool:
+        if info.get("host") != self.host or info.get("pidns", "") != self.pidns or not self.pidns:
+            return True  # cannot tell from here; the heartbeat decides
+        try:
+            return abs(psutil.Process(int(info["pid"])).create_time() - float(info["create_time"])) < 1
+        except (psutil.Error, KeyError, ValueError, TypeError):
+            return False
+
+    def _stuck(self, queue: str, job_id: str, attempt: str, stats: dict[str, int]) -> None:
+        res = scripts.STUCK(self.redis, [self.keys.q(queue)],
+                            [job_id, attempt, time.time() + self.s.stuck_recheck, self.s.bucket_width])
+        if not res:
+            return
+        worker, policy, first = res
+        stats["stuck"] += 1
+        if first:
+            log.warning("dispatcher: job %s in %s passed its max duration on %s", job_id, queue, worker)
+        if policy == "kill":
+            self.app.send_control(worker, {"kill": job_id, "attempt": int(attempt), "reason": "timeout"})
+
+    def _lose(self, queue: str, values: list[Any], stats: dict[str, int]) -> None:
+        if not values:
+            return
+        for job_id, state in zip(values[::4], scripts.LOSE(self.redis, [self.keys.q(queue)],
+                                                           [self.s.result_ttl, *values])):
+            if state:
+                stats["requeued" if state == "pending" else state] += 1
+                log.warning("dispatcher: job %s in %s lost its process -> %s", job_id, queue, state)
+
+    def _reap(self, queues: list[str], dead: set[str], now: float, stats: dict[str, int]) -> None:
+        """Requeue every job the dead workers held, then list them as dead."""
+        pipe = self.redis.pipeline(transaction=False)
+        for q in queues:
+            pipe.hgetall(self.keys.q(q) + "running")
+        for q, running in zip(queues, pipe.execute()):
+            lost: list[Any] = []
+            for job_id, raw in running.items():
+                try:
+                    entry = codec.loads(raw)
+                except ValueError:
+                    continue
+                if entry.get("worker") in dead:
+                    lost += [job_id, str(entry.get("attempt")), f"worker {entry['worker']} is dead", entry["worker"]]
+            self._lose(q, lost, stats)
+        pipe = self.redis.pipeline(transaction=False)
+        for n in dead:
+            log.warning("dispatcher: worker %s is dead", n)
+            pipe.zrem(self.keys.workers, n).zadd(self.keys.workers_dead, {n: now})
+            self._hosts.pop(n, None)
+        pipe.zremrangebyscore(self.keys.workers_dead, "-inf", now - DEAD_KEPT).execute()
+
+    def fire_schedules(self, now: float) -> int:
+        """Enqueue each schedule's due tick once (see Schedule.missed for downtime)."""
+        schedules = list(self.app.schedules.values())
+        if not schedules:
+            return 0
+        states = self.redis.hmget(self.keys.schedules, [s.name for s in schedules])
+        fired = 0
+        at = datetime.fromtimestamp(now, timezone.utc)
+        for s, raw in zip(schedules, states):
+            try:
+                state = codec.loads(raw) if raw else {}
+            except ValueError:
+                state = {}
+            latest = croniter(s.cron, at).get_prev(float)
+            last = state.get("last")
+            if last is None or latest <= last:
+                tick = None  # first sight: start from now, fire nothing past
+            elif s.missed == "skip" and now - latest > SKIP_GRACE:
+                tick = None
+            else:
+                tick = latest
+            if tick is not None:
+                job = self.app.enqueue(s.task, s.args, s.kwargs, queue=s.queue, job_id=f"cron.{s.name}.{int(tick)}")
+                fired += job.created
+                if job.created:
+                    log.info("dispatcher: fired %s for %s (job %s)", s.name,
+                             datetime.fromtimestamp(tick, timezone.utc).isoformat(), job.id)
+            nxt = croniter(s.cron, at).get_next(float)
+            new = {"name": s.name, "cron": s.cron, "task": s.task, "queue": s.queue,
+                   "last": max(latest, last or 0),
+                   "next": nxt, "last_fired_at": now if tick is not None else state.get("last_fired_at")}
+            self.redis.hset(self.keys.schedules, s.name, codec.dumps(new))
+        return fired

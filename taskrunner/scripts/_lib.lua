@@ -1,0 +1,113 @@
+-- Shared helpers, prepended to every per-queue script when it is loaded.
+--
+-- Every per-queue script gets KEYS[1] = the queue's key prefix, e.g. "tr:{emails}:",
+-- and touches only keys that start with it (one hash slot, see docs/PROTOCOL.md):
+--   <p>pending      LIST  ids waiting; producers LPUSH, claims take from the right
+--   <p>items        SET   ids that are in `pending` and may be claimed
+--   <p>processing   SET   ids claimed and not yet released
+--   <p>running      HASH  id -> holding entry (JSON: worker, host, ip, pid, started_at, ...)
+--   <p>dl:<b>       SET   ids whose deadline falls in bucket b (b = floor(deadline / width))
+--   <p>buckets      ZSET  b -> end time of bucket b, one member per non-empty bucket
+--   <p>delayed      ZSET  id -> time the job becomes due
+--   <p>wake         LIST  0 or 1 token; idle workers BRPOP it
+--   <p>completed|failed|killed  ZSET  id -> finish time
+--   <p>job:<id>     HASH  the job record
+--   <p>notify:<id>  LIST  one token per waiter when the job ends
+
+local function now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+local function fmt(x)
+  return string.format('%.6f', x)
+end
+
+-- Leave one token for an idle worker, never more (a hint; claims re-check everything).
+local function wake(p)
+  if redis.call('LLEN', p .. 'wake') == 0 then
+    redis.call('LPUSH', p .. 'wake', '1')
+  end
+end
+
+-- Forget that a job runs: holding entry, processing set, deadline bucket.
+local function release(p, id, job)
+  redis.call('HDEL', p .. 'running', id)
+  redis.call('SREM', p .. 'processing', id)
+  local b = redis.call('HGET', job, 'bucket')
+  if b then
+    local bk = p .. 'dl:' .. b
+    redis.call('SREM', bk, id)
+    if redis.call('SCARD', bk) == 0 then
+      redis.call('ZREM', p .. 'buckets', b)
+    end
+  end
+end
+
+-- Make a job claimable again; `front` puts it next in line.
+local function to_pending(p, id, job, front)
+  redis.call('HSET', job, 'state', 'pending')
+  redis.call('HDEL', job, 'due_at')
+  redis.call('SADD', p .. 'items', id)
+  if front then
+    redis.call('RPUSH', p .. 'pending', id)
+  else
+    redis.call('LPUSH', p .. 'pending', id)
+  end
+  wake(p)
+end
+
+local function to_delayed(p, id, job, due)
+  redis.call('HSET', job, 'state', 'delayed', 'due_at', fmt(due))
+  redis.call('ZADD', p .. 'delayed', due, id)
+end
+
+-- A job reached completed, failed or killed: index it, expire it, wake its waiters.
+-- `fields` is a flat list of extra field/value pairs for the record.
+local function finalize(p, id, job, state, t, ttl, fields)
+  redis.call('HSET', job, 'state', state, 'finished_at', fmt(t), unpack(fields))
+  redis.call('ZADD', p .. state, t, id)
+  redis.call('EXPIRE', job, ttl)
+  local waiters = tonumber(redis.call('HGET', job, 'waiters') or '0')
+  if waiters > 0 then
+    local nk = p .. 'notify:' .. id
+    for _ = 1, waiters do
+      redis.call('LPUSH', nk, '1')
+    end
+    redis.call('EXPIRE', nk, 60)
+    redis.call('HDEL', job, 'waiters')
+  end
+end
+
+-- The process running a job is gone. A kill request wins; otherwise requeue at the
+-- front, until the job has been lost max_lost times (a poison pill): then WorkerLost.
+local function lose(p, id, job, t, ttl, reason)
+  release(p, id, job)
+  if redis.call('HEXISTS', job, 'kill_requested') == 1 then
+    finalize(p, id, job, 'killed', t, ttl, {'error_type', 'Killed', 'error', 'killed on request'})
+    return 'killed'
+  end
+  local lost = redis.call('HINCRBY', job, 'lost', 1)
+  local max_lost = tonumber(redis.call('HGET', job, 'max_lost') or '5') or 5
+  if lost >= max_lost then
+    finalize(p, id, job, 'failed', t, ttl, {'error_type', 'WorkerLost',
+      'error', 'the process running the job died ' .. lost .. ' times; last: ' .. reason})
+    return 'failed'
+  end
+  redis.call('HINCRBY', job, 'requeues', 1)
+  redis.call('HSET', job, 'last_requeued_at', fmt(t), 'last_lost_reason', reason)
+  to_pending(p, id, job, true)
+  return 'pending'
+end
+
+-- Is the caller still the job's holder? 1 yes, 0 another delivery holds it now,
+-- 2 this delivery is no longer running (already released or requeued).
+local function holder_check(p, id, job, attempt)
+  if redis.call('HGET', job, 'attempts') ~= attempt then
+    return 0
+  end
+  if redis.call('HEXISTS', p .. 'running', id) == 0 then
+    return 2
+  end
+  return 1
+end

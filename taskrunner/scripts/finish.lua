@@ -1,0 +1,57 @@
+-- Record how deliveries ended (ack many in one round trip), fenced by delivery.
+-- KEYS[1]  queue key prefix
+-- ARGV[1]  result TTL (s)   ARGV[2] retry backoff cap (s)
+-- then 7 values per job: id, attempt, outcome, v1, v2, v3, v4 where outcome is
+--   completed  v1 = result JSON
+--   failed     v1 = error type, v2 = message, v3 = traceback         (final)
+--   error      as failed, v4 = jitter factor: retried with backoff while retries remain
+--   killed     v2 = reason
+--   requeue    v1 = delay (s), v2 = "front" to put it next in line
+--   lost       v1 = why its process died (requeue, or WorkerLost after max_lost)
+-- Returns one integer per job: 1 applied; 0 fenced off (another delivery holds the job);
+-- 2 nothing to do (this delivery was already released, e.g. a retried call).
+local p = KEYS[1]
+local ttl, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
+local t = now()
+local out = {}
+for i = 3, #ARGV, 7 do
+  local id, attempt, outcome = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local v1, v2, v3, v4 = ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
+  local job = p .. 'job:' .. id
+  local held = holder_check(p, id, job, attempt)
+  out[#out + 1] = held
+  if held == 1 then
+    if outcome == 'lost' then
+      lose(p, id, job, t, ttl, v1)
+    else
+      release(p, id, job)
+      if outcome == 'completed' then
+        finalize(p, id, job, 'completed', t, ttl, {'result', v1})
+      elseif outcome == 'killed' then
+        finalize(p, id, job, 'killed', t, ttl, {'error_type', 'Killed', 'error', v2})
+      elseif outcome == 'requeue' then
+        redis.call('HINCRBY', job, 'requeues', 1)
+        redis.call('HSET', job, 'last_requeued_at', fmt(t))
+        local delay = tonumber(v1) or 0
+        if delay > 0 then
+          to_delayed(p, id, job, t + delay)
+        else
+          to_pending(p, id, job, v2 == 'front')
+        end
+      else
+        local err = {'error_type', v1, 'error', v2, 'traceback', v3}
+        local failures = redis.call('HINCRBY', job, 'failures', 1)
+        local retries = tonumber(redis.call('HGET', job, 'retries') or '0') or 0
+        if outcome == 'error' and failures <= retries then
+          local base = tonumber(redis.call('HGET', job, 'retry_backoff') or '1') or 1
+          local delay = math.min(base * 2 ^ (failures - 1), cap) * (tonumber(v4) or 1)
+          redis.call('HSET', job, unpack(err))
+          to_delayed(p, id, job, t + delay)
+        else
+          finalize(p, id, job, 'failed', t, ttl, err)
+        end
+      end
+    end
+  end
+end
+return out

@@ -1,0 +1,28 @@
+-- Kill a job. Pending or delayed: it ends killed at once. Running: flag the request and
+-- tell the caller which worker holds it, so the caller can message that worker; a
+-- delivery that is later lost with the flag set also ends killed (see lose()).
+-- KEYS[1]  queue key prefix
+-- ARGV[1]  id   ARGV[2] who asked   ARGV[3] result TTL (s)
+-- Returns {state after, worker, attempt}; state "" when there is no such job.
+local p = KEYS[1]
+local id = ARGV[1]
+local job = p .. 'job:' .. id
+local t = now()
+local state = redis.call('HGET', job, 'state')
+if not state then
+  return {''}
+end
+local why = 'killed by ' .. ARGV[2]
+if state == 'pending' or state == 'delayed' then
+  redis.call('SREM', p .. 'items', id)
+  redis.call('LREM', p .. 'pending', 0, id)
+  redis.call('ZREM', p .. 'delayed', id)
+  finalize(p, id, job, 'killed', t, tonumber(ARGV[3]), {'error_type', 'Killed', 'error', why, 'killed_by', ARGV[2]})
+  return {'killed'}
+end
+if state == 'running' then
+  redis.call('HSET', job, 'kill_requested', fmt(t), 'killed_by', ARGV[2])
+  local f = redis.call('HMGET', job, 'worker', 'attempts')
+  return {'running', f[1] or '', f[2] or '0'}
+end
+return {state}

@@ -1,0 +1,22 @@
+-- The process running a delivery is gone (its worker's heartbeat expired, its PID is
+-- dead, or its worker found it orphaned): requeue it at the front, or end it as killed
+-- (kill requested) or failed WorkerLost (lost max_lost times). Fenced by delivery.
+-- KEYS[1]  queue key prefix
+-- ARGV[1]  result TTL (s); then per job: id, attempt, reason, owner ("" = any worker)
+-- Returns per job: the new state, or "" when the delivery is not (or no longer) held
+-- by that owner.
+local p = KEYS[1]
+local ttl = tonumber(ARGV[1])
+local t = now()
+local out = {}
+for i = 2, #ARGV, 4 do
+  local id, attempt, reason, owner = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local job = p .. 'job:' .. id
+  local result = ''
+  if holder_check(p, id, job, attempt) == 1
+    and (owner == '' or redis.call('HGET', job, 'worker') == owner) then
+    result = lose(p, id, job, t, ttl, reason)
+  end
+  out[#out + 1] = result
+end
+return out

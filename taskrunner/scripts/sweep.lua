@@ -1,0 +1,41 @@
+-- One dispatcher pass over a queue: promote due delayed jobs, list due deadlines,
+-- trim the finished-job indexes.
+-- KEYS[1]  queue key prefix
+-- ARGV[1]  most delayed jobs to promote   ARGV[2] most deadline buckets to read
+-- ARGV[3]  result TTL (s): index entries older than this are trimmed
+-- Returns {promoted count, id, holding entry, id, holding entry, ...} for every job in a
+-- due bucket that still runs. Ids in a due bucket that no longer run are dropped here;
+-- running ones stay until the dispatcher acts on them (lose.lua / stuck.lua), so a
+-- dispatcher that dies between the two calls loses nothing.
+local p = KEYS[1]
+local t = now()
+local promoted = 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. 'delayed', '-inf', t, 'LIMIT', 0, tonumber(ARGV[1]))) do
+  redis.call('ZREM', p .. 'delayed', id)
+  local job = p .. 'job:' .. id
+  if redis.call('HGET', job, 'state') == 'delayed' then
+    to_pending(p, id, job, false)
+    promoted = promoted + 1
+  end
+end
+local out = {promoted}
+for _, b in ipairs(redis.call('ZRANGEBYSCORE', p .. 'buckets', '-inf', t, 'LIMIT', 0, tonumber(ARGV[2]))) do
+  local bk = p .. 'dl:' .. b
+  for _, id in ipairs(redis.call('SMEMBERS', bk)) do
+    local entry = redis.call('HGET', p .. 'running', id)
+    if entry and redis.call('HGET', p .. 'job:' .. id, 'bucket') == b then
+      out[#out + 1] = id
+      out[#out + 1] = entry
+    else
+      redis.call('SREM', bk, id)
+    end
+  end
+  if redis.call('SCARD', bk) == 0 then
+    redis.call('ZREM', p .. 'buckets', b)
+  end
+end
+local cutoff = t - tonumber(ARGV[3])
+for _, state in ipairs({'completed', 'failed', 'killed'}) do
+  redis.call('ZREMRANGEBYSCORE', p .. state, '-inf', cutoff)
+end
+return out

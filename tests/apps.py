@@ -1,0 +1,102 @@
+"""Tasks the tests run in real worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from taskrunner import Reject, Retry, TaskRunner
+
+app = TaskRunner("tests")
+
+
+def mark(name: str) -> int:
+    """Count a run in Redis (a ledger the test reads), e.g. per job id."""
+    return app.redis.incr(f"{app.settings.prefix}:ledger:{name}")
+
+
+@app.task
+def add(a, b):
+    return a + b
+
+
+@app.task
+def record(key: str) -> int:
+    return mark(key)
+
+
+@app.task(max_duration=60)
+def hold(key: str, seconds: float = 30) -> str:
+    """Marks that it started, then runs until released (a Redis key) or `seconds` pass."""
+    mark(key)
+    app.redis.rpush(f"{app.settings.prefix}:started", f"{key}:{os.getpid()}")
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if app.redis.get(f"{app.settings.prefix}:release:{key}"):
+            return "released"
+        time.sleep(0.02)
+    return "timeout"
+
+
+@app.task(max_duration=60)
+def stubborn(key: str) -> None:
+    """Ignores SIGTERM: only SIGKILL stops it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    mark(key)
+    time.sleep(60)
+
+
+@app.task(max_duration=0.5)
+def too_slow(key: str) -> None:
+    mark(key)
+    time.sleep(30)
+
+
+@app.task
+def boom(message: str) -> None:
+    raise ValueError(message)
+
+
+@app.task(retries=2, retry_backoff=0.1)
+def flaky(key: str, succeed_on: int) -> str:
+    n = mark(key)
+    if n < succeed_on:
+        raise RuntimeError(f"try {n}")
+    return f"ok on try {n}"
+
+
+@app.task(max_lost=2)
+def crash(key: str) -> None:
+    mark(key)
+    os._exit(7)
+
+
+@app.task
+def requeue_me(key: str, times: int) -> int:
+    n = mark(key)
+    if n <= times:
+        raise Retry(delay=0.2)
+    return n
+
+
+@app.task(retries=5)
+def reject(reason: str) -> None:
+    raise Reject(reason)
+
+
+@app.task
+def not_json() -> object:
+    return {1, 2}
+
+
+@app.task(queue="high")
+def high(key: str) -> int:
+    return mark(key)
+
+
+
+@app.task
+def nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds

@@ -1,0 +1,114 @@
+"""Fixtures: a real redis-server per session (and per module where a test restarts it),
+real worker and dispatcher processes, each stopped by the test that started it."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from taskrunner import TaskRunner
+from taskrunner.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Settings that make failures show up in a test's lifetime.
+FAST = {
+    "TASKRUNNER_HEARTBEAT": "0.2",
+    "TASKRUNNER_DEAD_AFTER": "1.5",
+    "TASKRUNNER_DISPATCH_INTERVAL": "0.1",
+    "TASKRUNNER_KILL_GRACE": "1",
+    "TASKRUNNER_SHUTDOWN_GRACE": "5",
+    "TASKRUNNER_IDLE_BLOCK": "1",
+    "TASKRUNNER_STUCK_RECHECK": "1",
+}
+_prefixes = itertools.count()
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll until cond() is truthy; fail with `what` after a generous deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=False).start()
+    yield server
+    server.stop()
+
+
+class Stack:
+    """Starts worker/dispatcher processes in their own process groups; stops them all."""
+
+    def __init__(self, app: TaskRunner, url: str):
+        self.app, self.url = app, url
+        self.procs: list[subprocess.Popen] = []
+        self.env = {**os.environ, **FAST, "REDIS_URL": url, "TASKRUNNER_PREFIX": app.settings.prefix,
+                    "PYTHONPATH": str(ROOT)}
+
+    def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-m", "taskrunner", *args], cwd=ROOT, env={**self.env, **(env or {})},
+                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.procs.append(p)
+        return p
+
+    def worker(self, *args: str, app: str = "tests.apps", concurrency: int = 2, name: str | None = None,
+               env: dict[str, str] | None = None) -> subprocess.Popen:
+        extra = ["-n", name] if name else []
+        return self.spawn("worker", "-A", app, "-c", str(concurrency), *extra, *args, env=env)
+
+    def dispatcher(self, app: str = "tests.apps", env: dict[str, str] | None = None) -> subprocess.Popen:
+        return self.spawn("dispatcher", "-A", app, env=env)
+
+    def cli(self, *args: str, check: bool = False, timeout: float = 60) -> subprocess.CompletedProcess:
+        r = subprocess.run([sys.executable, "-m", "taskrunner", *args], cwd=ROOT, env=self.env,
+                           capture_output=True, text=True, timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError(f"taskrunner {' '.join(args)} exited {r.returncode}: {r.stderr}")
+        return r
+
+    def children_of(self, p: subprocess.Popen) -> list[int]:
+        import psutil
+
+        return [c.pid for c in psutil.Process(p.pid).children()]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+
+
+@pytest.fixture
+def app(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> TaskRunner:
+    """The tests' app (tests/apps.py) on a fresh key prefix of the session's Redis."""
+    prefix = f"t{os.getpid()}x{next(_prefixes)}"
+    for k, v in FAST.items():
+        monkeypatch.setenv(k, v)
+    from tests import apps
+
+    apps.app.configure(redis_url=redis_server.url, prefix=prefix)
+    return apps.app
+
+
+@pytest.fixture
+def stack(app: TaskRunner, redis_server: RedisServer):
+    s = Stack(app, redis_server.url)
+    yield s
+    s.stop()

@@ -1,0 +1,166 @@
+"""The Python API against a real Redis and real worker processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from taskrunner import (
+    InvalidName,
+    JobFailed,
+    JobNotFound,
+    NotJSONError,
+    PayloadTooLarge,
+    TaskRunner,
+    Timeout,
+)
+from tests import apps
+from tests.conftest import wait_for
+
+
+def test_task_names_default_to_module_function(app):
+    assert apps.add.name == "tests.apps.add"
+    assert app.tasks["tests.apps.add"] is apps.add
+    assert apps.add(2, 3) == 5  # calling a task runs it here
+
+
+def test_delay_enqueues_a_pending_job(app):
+    job = apps.add.delay(1, 2)
+    assert len(job.id) == 26 and job.queue == "default"
+    assert job.state == "pending"
+    d = job.refresh().to_dict()
+    assert d["task"] == "tests.apps.add" and d["args"] == [1, 2] and d["kwargs"] == {}
+    assert d["attempts"] == 0 and d["enqueued_at"] > 0
+    assert app.job(job.id).id == job.id
+
+
+def test_apply_async_options(app):
+    job = apps.add.apply_async([1], {"b": 2}, queue="other", max_duration=7, job_id="my-id.1", delay=100)
+    d = app.job("my-id.1").to_dict()
+    assert (d["queue"], d["state"], d["max_duration"]) == ("other", "delayed", 7.0)
+    assert d["kwargs"] == {"b": 2} and d["due_at"] > d["enqueued_at"] + 99
+    assert job.created
+    again = apps.add.apply_async([5], {"b": 5}, queue="other", job_id="my-id.1")
+    assert not again.created and app.job("my-id.1").to_dict()["args"] == [1]
+
+
+@pytest.mark.parametrize("bad", [{1, 2}, object(), b"bytes", float("nan") if False else complex(1, 2)])
+def test_non_json_arguments_are_refused(app, bad):
+    with pytest.raises(NotJSONError, match="not JSON"):
+        apps.add.delay(bad, 1)
+    with pytest.raises(NotJSONError):
+        apps.add.apply_async([], {"a": bad})
+    assert app.queue_names() == []  # nothing was written
+
+
+def test_oversized_payload_is_refused(app):
+    app.configure(max_payload=1000)
+    try:
+        with pytest.raises(PayloadTooLarge, match="limit is 1000"):
+            apps.add.delay("x" * 2000, 1)
+    finally:
+        app.configure(max_payload=1 << 20)
+
+
+@pytest.mark.parametrize("queue", ["", "a b", "{x}", "_", "x" * 300, "é"])
+def test_bad_queue_names_are_refused(app, queue):
+    with pytest.raises(InvalidName):
+        apps.add.apply_async([1, 2], queue=queue)
+
+
+def test_bad_job_id_and_unknown_job(app):
+    with pytest.raises(InvalidName):
+        apps.add.apply_async([1, 2], job_id="has space")
+    with pytest.raises(JobNotFound):
+        app.job("nope")
+
+
+def test_bad_settings_are_clear():
+    with pytest.raises(ValueError, match="timeout_policy"):
+        TaskRunner("x").task(timeout_policy="explode")(lambda: None)
+    with pytest.raises(ValueError, match="invalid cron"):
+        TaskRunner("x").periodic("every day")(lambda: None)
+
+
+def test_kill_pending_job(app):
+    job = apps.add.delay(1, 2)
+    assert job.kill() == "killed"
+    assert job.state == "killed"
+    with pytest.raises(JobFailed) as e:
+        job.wait(1)
+    assert e.value.state == "killed"
+    assert app.redis.llen(app.keys.q("default") + "pending") == 0
+
+
+def test_wait_times_out_then_gets_result(app, stack):
+    job = apps.add.delay(20, 22)
+    with pytest.raises(Timeout):
+        job.wait(0.2)
+    stack.worker()
+    assert job.wait(30) == 42
+    d = job.refresh().to_dict()
+    assert d["state"] == "completed" and d["attempts"] == 1 and d["result"] == 42
+    assert d["worker"] and d["host"] and d["pid"] and d["finished_at"] >= d["started_at"] >= d["enqueued_at"]
+
+
+def test_failures_are_recorded(app, stack):
+    stack.worker()
+    boom = apps.boom.delay("bad <thing>")
+    unknown = app.enqueue("tests.apps.nope", [1])
+    bad_args = apps.add.delay(1, 2, 3)
+    not_json = apps.not_json.delay()
+    rejected = apps.reject.delay("no way")
+    with pytest.raises(JobFailed) as e:
+        boom.wait(30)
+    assert e.value.error_type == "ValueError" and e.value.message == "bad <thing>"
+    assert "raise ValueError(message)" in e.value.traceback
+    for job, kind in [(unknown, "NotRegistered"), (bad_args, "BadArguments"), (not_json, "NotJSONError"),
+                      (rejected, "Rejected")]:
+        with pytest.raises(JobFailed) as e:
+            job.wait(30)
+        assert e.value.error_type == kind, (kind, e.value)
+    assert rejected.refresh().to_dict()["attempts"] == 1  # Reject: no retries
+    # the worker carried on
+    assert apps.add.delay(1, 1).wait(30) == 2
+
+
+def test_retries_with_backoff(app, stack):
+    stack.worker()
+    stack.dispatcher()
+    ok = apps.flaky.delay("f1", 3)  # fails twice, retries=2: completes on the third try
+    assert ok.wait(30) == "ok on try 3"
+    d = ok.refresh().to_dict()
+    assert d["attempts"] == 3 and d["failures"] == 2 and d["error_type"] == "RuntimeError"
+    bad = apps.flaky.delay("f2", 10)  # never succeeds: failed after 1 + 2 tries
+    with pytest.raises(JobFailed, match="try 3"):
+        bad.wait(30)
+    assert bad.refresh().to_dict()["attempts"] == 3
+
+
+def test_task_requeues_itself_with_delay(app, stack):
+    stack.worker()
+    stack.dispatcher()
+    job = apps.requeue_me.delay("r1", 2)
+    assert job.wait(30) == 3
+    d = job.refresh().to_dict()
+    assert d["requeues"] == 2 and d["attempts"] == 3 and d.get("failures", 0) == 0
+
+
+def test_delayed_job_runs_when_due(app, stack):
+    stack.worker()
+    stack.dispatcher()
+    job = apps.add.apply_async([2, 2], delay=0.5)
+    assert job.state == "delayed"
+    assert job.wait(30) == 4
+    d = job.refresh().to_dict()
+    assert d["started_at"] >= d["enqueued_at"] + 0.5
+
+
+def test_queues_in_strict_priority_order(app, stack):
+    for i in range(5):
+        apps.add.delay(i, 0)
+        apps.high.delay(f"h{i}")
+    stack.worker("-Q", "high,default", concurrency=1)
+    wait_for(lambda: app.redis.zcard(app.keys.q("default") + "completed") == 5, what="all jobs")
+    high_done = app.redis.zrange(app.keys.q("high") + "completed", 0, -1, withscores=True)
+    low_done = app.redis.zrange(app.keys.q("default") + "completed", 0, -1, withscores=True)
+    assert max(t for _, t in high_done) <= min(t for _, t in low_done)

@@ -1,0 +1,90 @@
+"""The CLI contract, run as a user would: real processes, real Redis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def test_enqueue_status_wait(app, stack):
+    r = stack.cli("enqueue", "tests.apps.add", "--args", "[1, 2]", check=True)
+    job_id = r.stdout.strip()
+    assert len(job_id) == 26 and "\n" not in job_id
+    st = json.loads(stack.cli("status", job_id, "--json", check=True).stdout)
+    for k in ("id", "task", "queue", "state", "stuck", "attempts", "result", "error", "worker", "host", "pid",
+              "enqueued_at", "started_at", "finished_at"):
+        assert k in st, k
+    assert st["state"] == "pending" and st["stuck"] is False
+    assert stack.cli("wait", job_id, "--timeout", "0.2").returncode == 2
+    stack.worker()
+    r = stack.cli("wait", job_id, "--timeout", "30")
+    assert (r.returncode, r.stdout.strip()) == (0, "3")
+    text = stack.cli("status", job_id, check=True).stdout
+    assert "completed" in text and "result  3" in text
+
+
+def test_enqueue_options_and_failure_exit_code(app, stack):
+    r = stack.cli("enqueue", "tests.apps.boom", "--kwargs", '{"message": "bad"}', "-q", "q2", "--delay", "0",
+                  "--max-duration", "5", "--retries", "0", "--id", "cli-1", check=True)
+    assert r.stdout.strip() == "cli-1"
+    stack.worker("-Q", "q2")
+    r = stack.cli("wait", "cli-1", "--timeout", "30")
+    assert r.returncode == 1 and "ValueError: bad" in r.stderr
+    again = stack.cli("enqueue", "tests.apps.boom", "--id", "cli-1", "-q", "q2", check=True)
+    assert again.stdout.strip() == "cli-1" and "exists already" in again.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--args", "[1,"], "not valid JSON"),
+    (["--args", '{"a": 1}'], "must be a JSON array"),
+    (["--kwargs", "[1]"], "must be a JSON object"),
+    (["-q", "bad queue"], "invalid queue name"),
+])
+def test_enqueue_bad_input(app, stack, args, message):
+    r = stack.cli("enqueue", "tests.apps.add", *args)
+    assert r.returncode != 0 and message in r.stderr
+    assert app.queue_names() in ([], ["default"])
+
+
+def test_kill_jobs_queues_workers(app, stack):
+    ids = [stack.cli("enqueue", "tests.apps.add", "--args", f"[{i}, 0]", check=True).stdout.strip()
+           for i in range(3)]
+    r = stack.cli("kill", ids[0], check=True)
+    assert "killed" in r.stdout
+    listed = json.loads(stack.cli("jobs", "--state", "pending", "--json", check=True).stdout)
+    assert [j["id"] for j in listed] == ids[1:]  # oldest first
+    killed = json.loads(stack.cli("jobs", "-q", "default", "--state", "killed", "--json", check=True).stdout)
+    assert [j["id"] for j in killed] == ids[:1] and killed[0]["state"] == "killed"
+    q = json.loads(stack.cli("queues", "--json", check=True).stdout)
+    assert q == [{"name": "default", "pending": 2, "delayed": 0, "running": 0, "completed": 0, "failed": 0,
+                  "killed": 1}]
+    assert "default" in stack.cli("queues", check=True).stdout
+    stack.worker(name="cli-w")
+    from tests.conftest import wait_for
+
+    ws = wait_for(lambda: json.loads(stack.cli("workers", "--json", check=True).stdout), what="worker listed")
+    w = ws[0]
+    assert w["name"] == "cli-w" and w["state"] == "alive" and w["concurrency"] == 2 and len(w["children"]) == 2
+    for k in ("host", "ip", "pid", "queues", "busy", "rss", "cpu", "heartbeat_age"):
+        assert k in w
+    assert "cli-w" in stack.cli("workers", check=True).stdout
+    assert "no job" in stack.cli("kill", "nope").stderr
+
+
+def test_unknown_job_and_bad_url(app, stack):
+    r = stack.cli("status", "nope")
+    assert r.returncode == 1 and "no job nope" in r.stderr
+    r = stack.cli("status", "x", "--redis-url", "nonsense")
+    assert r.returncode == 1 and "bad Redis URL" in r.stderr
+    r = stack.cli("queues", "--redis-url", "redis://127.0.0.1:1/0")
+    assert r.returncode == 1 and "cannot reach Redis" in r.stderr
+
+
+def test_help_teaches(stack):
+    out = stack.cli("--help", check=True).stdout
+    for cmd in ("enqueue", "status", "wait", "kill", "jobs", "queues", "workers", "worker", "dispatcher", "up"):
+        assert cmd in out
+    assert "priority order" in stack.cli("worker", "--help", check=True).stdout
+    r = stack.cli("worker")
+    assert r.returncode == 2 and "needs your app" in r.stderr

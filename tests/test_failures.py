@@ -1,0 +1,203 @@
+"""Failure is the main path: real SIGKILLs, SIGSTOPs, restarts. Nothing may be lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from taskrunner import JobFailed, listing
+from tests import apps
+from tests.conftest import wait_for
+
+
+def ledger(app, key: str) -> int:
+    return int(app.redis.get(f"{app.settings.prefix}:ledger:{key}") or 0)
+
+
+def started_pid(app, key: str, n: int = 1) -> int:
+    """PID of the process running the n-th start of hold(key)."""
+    def find():
+        entries = [e for e in app.redis.lrange(f"{app.settings.prefix}:started", 0, -1) if e.startswith(key + ":")]
+        return entries[n - 1] if len(entries) >= n else None
+    return int(wait_for(find, what=f"{key} to start {n} time(s)").rsplit(":", 1)[1])
+
+
+def release(app, key: str) -> None:
+    app.redis.set(f"{app.settings.prefix}:release:{key}", 1)
+
+
+def test_sigkilled_worker_group_job_runs_on_another_worker(app, stack):
+    stack.dispatcher()
+    w1 = stack.worker(name="w1")
+    job = apps.hold.delay("k1")
+    started_pid(app, "k1")
+    assert job.refresh().data["worker"] == "w1"
+    os.killpg(w1.pid, signal.SIGKILL)  # the worker and its children, as a crash would
+    stack.worker(name="w2")
+    started_pid(app, "k1", 2)
+    release(app, "k1")
+    assert job.wait(30) == "released"
+    d = job.refresh().to_dict()
+    assert d["worker"] == "w2" and d["attempts"] == 2 and d["requeues"] == 1 and d["lost"] == 1
+    assert "w1 is dead" in d["last_lost_reason"]
+    workers = {w["name"]: w["state"] for w in listing.workers(app)}
+    assert workers["w1"] == "dead" and workers["w2"] == "alive"
+
+
+def test_sigkilled_child_job_is_requeued_and_child_replaced(app, stack):
+    w = stack.worker(concurrency=1)
+    job = apps.hold.delay("k2")
+    pid = started_pid(app, "k2")
+    assert job.refresh().to_dict()["pid"] == pid  # the holding entry names the child
+    entry = json.loads(app.redis.hget(app.keys.q("default") + "running", job.id))
+    assert entry["pid"] == pid and entry["worker"] and entry["ip"] and entry["max_duration"] == 60
+    os.kill(pid, signal.SIGKILL)
+    pid2 = started_pid(app, "k2", 2)
+    assert pid2 != pid
+    release(app, "k2")
+    assert job.wait(30) == "released"
+    assert job.refresh().to_dict()["lost"] == 1
+    assert w.poll() is None
+
+
+def test_poison_pill_ends_as_worker_lost(app, stack):
+    stack.worker(concurrency=1)
+    job = apps.crash.delay("p1")  # max_lost=2
+    with pytest.raises(JobFailed) as e:
+        job.wait(30)
+    assert e.value.error_type == "WorkerLost"
+    assert ledger(app, "p1") == 2
+    assert apps.add.delay(1, 2).wait(30) == 3  # the worker carries on
+
+
+def test_kill_running_job(app, stack):
+    w = stack.worker(concurrency=1)
+    job = apps.stubborn.delay("s1")  # ignores SIGTERM: needs the SIGKILL after the grace
+    wait_for(lambda: ledger(app, "s1"), what="job start")
+    assert job.kill() == "running"
+    with pytest.raises(JobFailed) as e:
+        job.wait(30)
+    assert e.value.state == "killed"
+    d = job.refresh().to_dict()
+    assert d["attempts"] == 1 and d["killed_by"]
+    assert w.poll() is None and apps.add.delay(2, 2).wait(30) == 4  # alive, takes jobs
+    assert ledger(app, "s1") == 1  # never retried
+
+
+def test_kill_reaches_worker_through_heartbeat_when_message_lost(app, stack):
+    stack.worker(concurrency=1)
+    job = apps.hold.delay("s2")
+    started_pid(app, "s2")
+    # As if the control message were lost: only the flag is set.
+    app.redis.hset(app.keys.job("default", job.id), "kill_requested", "1")
+    with pytest.raises(JobFailed) as e:
+        job.wait(30)
+    assert e.value.state == "killed"
+
+
+def test_job_over_max_duration_is_stuck_then_failed(app, stack):
+    stack.worker(concurrency=1, env={"TASKRUNNER_KILL_GRACE": "3"})
+    job = apps.stubborn.apply_async(["t1"], max_duration=0.5)
+    wait_for(lambda: job.refresh().data.get("stuck") == "1", what="stuck flag")
+    assert job.state == "running"  # stuck is a flag on a running job
+    with pytest.raises(JobFailed) as e:
+        job.wait(30)
+    assert e.value.error_type == "TimeLimitExceeded"
+    d = job.refresh().to_dict()
+    assert d["stuck"] and d["stuck_at"]
+
+
+def test_dispatcher_flags_stuck_and_asks_worker_when_worker_hangs_in_a_child(app, stack):
+    """policy "flag": the worker only flags; the dispatcher sees it in its due bucket too."""
+    stack.worker(concurrency=1)
+    stack.dispatcher()
+    job = app.enqueue("tests.apps.hold", ["f1", 3], max_duration=0.3, timeout_policy="flag")
+    wait_for(lambda: job.refresh().data.get("stuck") == "1", what="stuck flag")
+    assert job.wait(30) == "timeout"  # flagged, never stopped
+
+
+def test_dispatcher_killed_and_restarted_mid_run(app, stack):
+    d1 = stack.dispatcher()
+    stack.worker()
+    jobs = [apps.add.apply_async([i, 1], delay=0.3 + (i % 10) * 0.1) for i in range(100)]
+    wait_for(lambda: app.redis.zcard(app.keys.q("default") + "completed") > 10, what="some jobs")
+    os.killpg(d1.pid, signal.SIGKILL)
+    stack.dispatcher()
+    assert [j.wait(30) for j in jobs] == [i + 1 for i in range(100)]
+
+
+def test_two_dispatchers_act_once(app, stack):
+    stack.dispatcher()
+    stack.dispatcher()
+    w1 = stack.worker(name="w1", concurrency=1)
+    job = apps.hold.delay("d1")
+    started_pid(app, "d1")
+    os.killpg(w1.pid, signal.SIGKILL)
+    stack.worker(name="w2", concurrency=1)
+    started_pid(app, "d1", 2)
+    release(app, "d1")
+    job.wait(30)
+    d = job.refresh().to_dict()
+    assert d["requeues"] == 1 and d["attempts"] == 2 and ledger(app, "d1") == 2
+
+
+def test_paused_worker_is_fenced_off_and_learns_it(app, stack):
+    stack.dispatcher()
+    w1 = stack.worker(name="w1", concurrency=1)
+    job = apps.hold.delay("z1", 4)
+    started_pid(app, "z1")
+    os.killpg(w1.pid, signal.SIGSTOP)  # a zombie: silent past dead_after
+    try:
+        w2 = stack.worker(name="w2", concurrency=1)
+        started_pid(app, "z1", 2)
+        assert job.refresh().data["worker"] == "w2"
+    finally:
+        os.killpg(w1.pid, signal.SIGCONT)
+    # w1 comes back: its heartbeat check finds the job is not its own any more and stops it,
+    # and a late finish from it would be fenced off. w2's run ends the job.
+    release(app, "z1")
+    assert job.wait(30) == "released"
+    d = job.refresh().to_dict()
+    assert d["worker"] == "w2" and d["attempts"] == 2
+    wait_for(lambda: any(w["name"] == "w1" and w["state"] == "alive"
+                         for w in listing.workers(app)), what="w1 back")
+    assert w1.poll() is None and w2.poll() is None
+
+
+def test_sigterm_lets_running_job_finish(app, stack):
+    w = stack.worker(concurrency=1)
+    job = apps.hold.delay("g1", 30)
+    started_pid(app, "g1")
+    w.send_signal(signal.SIGTERM)
+    release(app, "g1")
+    assert w.wait(30) == 0
+    assert job.refresh().data["state"] == "completed"
+    assert not app.redis.zscore(app.keys.workers, w.args[-1])
+
+
+def test_sigterm_requeues_what_outlives_the_grace(app, stack):
+    w = stack.worker(concurrency=1, env={"TASKRUNNER_SHUTDOWN_GRACE": "0.5"})
+    job = apps.hold.delay("g2", 30)
+    started_pid(app, "g2")
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(30) == 0
+    d = job.refresh().to_dict()
+    assert d["state"] == "pending" and d["requeues"] == 1 and d.get("lost", 0) == 0
+    stack.worker(concurrency=1)
+    release(app, "g2")
+    assert job.wait(30) == "released"
+
+
+def test_platform_sigterm_to_every_process_is_graceful(app, stack):
+    """Heroku sends SIGTERM to every process of the dyno, children included."""
+    w = stack.worker(concurrency=1)
+    job = apps.hold.delay("g3", 30)
+    child = started_pid(app, "g3")
+    os.killpg(w.pid, signal.SIGTERM)
+    release(app, "g3")
+    assert w.wait(30) == 0
+    assert job.refresh().data["state"] == "completed"
+    assert job.refresh().to_dict()["pid"] == child
