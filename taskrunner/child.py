@@ -30,7 +30,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def child_main(conn: Any, app: Any, kill_flag: Any, parent: int) -> None:
+def child_main(conn: Any, app: Any, kill_flag: Any, parent: int, inherited: list) -> None:
+    for other in inherited:
+        other.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker to handle
 
     def on_term(signum: int, frame: Any) -> None:

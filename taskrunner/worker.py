@@ -47,8 +47,11 @@ class Child:
     def __init__(self, worker: Worker) -> None:
         self.conn, theirs = _ctx.Pipe()
         self.kill_flag = _ctx.Value("b", 0, lock=False)
-        self.proc = _ctx.Process(target=child_main, args=(theirs, worker.app, self.kill_flag, os.getpid()),
-                                 name="taskrunner-child")
+        # The child closes the pipe ends of ours it inherits (its siblings' and its own), so
+        # that it sees EOF when we close ours.
+        inherited = [c.conn for c in worker.children] + [self.conn]
+        self.proc = _ctx.Process(target=child_main, name="taskrunner-child",
+                                 args=(theirs, worker.app, self.kill_flag, os.getpid(), inherited))
         self.proc.start()
         theirs.close()
         self.pid: int = self.proc.pid  # type: ignore[assignment]
@@ -164,6 +167,12 @@ class Worker:
 
     def run(self) -> int:
         self._check_name_free()
+        # Signals interrupt our select through this socket (select itself is restarted).
+        self._wakeup, wakeup_w = socket.socketpair()
+        for s in (self._wakeup, wakeup_w):
+            s.setblocking(False)
+        self._wakeup_w = wakeup_w
+        signal.set_wakeup_fd(wakeup_w.fileno(), warn_on_full_buffer=False)
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.children = [Child(self) for _ in range(self.concurrency)]
@@ -197,9 +206,6 @@ class Worker:
             log.info("worker %s: stopping; running jobs have %.0fs to finish", self.name, self.s.shutdown_grace)
             self.stopping = True
             self.stop_at = now + self.s.shutdown_grace
-            if self.wake.armed:
-                self.wake.reset()
-                self._give_back_wake()
 
     def _give_back_wake(self) -> None:
         """We may have taken a wake token we will not use: leave one for others."""
@@ -215,6 +221,7 @@ class Worker:
         return not any(c.job for c in self.children) and not self.outbox
 
     def _shutdown(self) -> None:
+        signal.set_wakeup_fd(-1)
         self.wake.reset()
         self.ctl.reset()
         for c in self.children:
@@ -238,6 +245,9 @@ class Worker:
 
     def _step(self) -> None:
         now = time.monotonic()
+        if self.stopping and self.wake.armed:
+            self.wake.reset()
+            self._give_back_wake()
         if self.stopping and now >= self.stop_at:
             for c in self.children:
                 if c.job:
@@ -257,7 +267,7 @@ class Worker:
                 self.wake.reset()
                 self.ctl.reset()
                 log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, self.backoff)
-        waitables: list[Any] = []
+        waitables: list[Any] = [self._wakeup]
         for c in self.children:
             waitables += [c.conn, c.proc.sentinel]
         for b in (self.ctl, self.wake):
@@ -282,7 +292,15 @@ class Worker:
         return max(0.0, min(t) - now)
 
     def _on_ready(self, ready: Any) -> None:
+        if ready is self._wakeup:
+            try:
+                self._wakeup.recv(512)
+            except BlockingIOError:
+                pass
+            return
         if ready is self.ctl or ready is self.wake:
+            if not ready.armed:
+                return
             try:
                 reply = ready.read()
             except _REDIS_ERRORS:

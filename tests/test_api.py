@@ -164,3 +164,24 @@ def test_queues_in_strict_priority_order(app, stack):
     high_done = app.redis.zrange(app.keys.q("high") + "completed", 0, -1, withscores=True)
     low_done = app.redis.zrange(app.keys.q("default") + "completed", 0, -1, withscores=True)
     assert max(t for _, t in high_done) <= min(t for _, t in low_done)
+
+
+def test_corrupt_records_fail_with_a_reason(app, stack):
+    """Records written straight into Redis by a broken producer harm nothing else."""
+    good = apps.add.delay(1, 1)
+    p = app.keys.q("default")
+    for job_id, fields in [("c1", {"task": "tests.apps.add", "args": "[1,", "kwargs": "{}"}),
+                           ("c2", {"task": "tests.apps.add", "args": '{"a": 1}', "kwargs": "[]"}),
+                           ("c3", {"args": "[]"}),
+                           ("c4", {"task": "tests.apps.add", "args": "[1, 2]", "kwargs": "{}",
+                                   "max_duration": "soon"})]:
+        app.redis.hset(p + "job:" + job_id, mapping={"state": "pending", **fields})
+        app.redis.sadd(p + "items", job_id)
+        app.redis.lpush(p + "pending", job_id)
+    stack.worker()
+    for job_id, kind in [("c1", "BadArguments"), ("c2", "BadArguments"), ("c3", "CorruptJob")]:
+        with pytest.raises(JobFailed) as e:
+            app.job(job_id).wait(30)
+        assert e.value.error_type == kind
+    assert app.job("c4").wait(30) == 3  # a bad max_duration falls back to the default
+    assert good.wait(30) == 2 and apps.add.delay(2, 2).wait(30) == 4

@@ -1,0 +1,26 @@
+# One-command entry points (README.md). `make demo` and `make test` set everything up on a
+# fresh machine: a virtualenv in .venv, the package, and a redis-server.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint bench clean
+
+$(BIN)/taskrunner: setup.cfg pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[test]"
+	@touch $@
+
+setup: $(BIN)/taskrunner
+	@sh scripts/ensure-redis.sh $(BIN)
+
+demo: setup
+	$(BIN)/taskrunner up --demo
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) var .pytest_cache

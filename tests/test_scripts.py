@@ -1,0 +1,144 @@
+"""The Lua scripts on their own: the claim protocol's corner cases, fencing, sweeping."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from taskrunner import scripts
+from tests import apps
+
+
+def claim(app, queues=("default",), pids=(111,), worker="w1"):
+    head = json.dumps({"worker": worker, "host": "h", "ip": "1.2.3.4"})[:-1]
+    out = scripts.CLAIM(app.redis, [app.keys.q(q) for q in queues], [head, worker, "h", "1.2.3.4", 1, 300, *pids])
+    return [out[i:i + 8] for i in range(0, len(out), 8)]
+
+
+def finish(app, job_id, attempt, outcome, *values, queue="default"):
+    vals = (list(values) + ["", "", "", ""])[:4]
+    return scripts.FINISH(app.redis, [app.keys.q(queue)], [3600, 600, job_id, attempt, outcome, *vals])[0]
+
+
+def test_claim_records_holding_entry_and_deadline_bucket(app):
+    job = apps.add.apply_async([1, 2], max_duration=30)
+    [(qi, job_id, attempt, task, args, kwargs, md, policy)] = claim(app, pids=(4242,))
+    assert (qi, job_id, attempt, task, args, kwargs, md, policy) == (
+        1, job.id, 1, "tests.apps.add", "[1,2]", "{}", "30", "kill")
+    p = app.keys.q("default")
+    entry = json.loads(app.redis.hget(p + "running", job.id))
+    assert entry["worker"] == "w1" and entry["ip"] == "1.2.3.4" and entry["pid"] == 4242
+    assert entry["max_duration"] == 30 and entry["attempt"] == 1 and entry["started_at"] > 0
+    assert app.redis.sismember(p + "processing", job.id) and not app.redis.sismember(p + "items", job.id)
+    [bucket] = app.redis.zrange(p + "buckets", 0, -1)
+    assert app.redis.smembers(p + "dl:" + bucket) == {job.id}
+    assert abs(int(bucket) - (entry["started_at"] + 30)) <= 1
+    assert claim(app) == []
+
+
+def test_claim_is_fifo_and_takes_count(app):
+    ids = [apps.add.delay(i, 0).id for i in range(5)]
+    got = claim(app, pids=(1, 2, 3))
+    assert [g[1] for g in got] == ids[:3]
+    assert [json.loads(app.redis.hget(app.keys.q("default") + "running", i))["pid"] for i in ids[:3]] == [1, 2, 3]
+
+
+def test_claim_drops_killed_and_duplicate_ids(app):
+    a, b = apps.add.delay(1, 0), apps.add.delay(2, 0)
+    p = app.keys.q("default")
+    app.redis.srem(p + "items", a.id)  # as if it was killed between LPUSH and claim
+    app.redis.lpush(p + "pending", b.id)  # a stale duplicate
+    got = claim(app, pids=(1, 2, 3))
+    assert [g[1] for g in got] == [b.id]
+    assert app.redis.llen(p + "pending") == 0
+    assert app.redis.smembers(p + "processing") == {b.id}
+
+
+def test_claim_fails_corrupt_records(app):
+    p = app.keys.q("default")
+    app.redis.sadd(p + "items", "ghost")
+    app.redis.lpush(p + "pending", "ghost")
+    assert claim(app) == []
+    d = app.job("ghost", queue="default").to_dict()
+    assert d["state"] == "failed" and d["error_type"] == "CorruptJob"
+
+
+def test_claim_priority_and_baton_wake(app):
+    low = [apps.add.delay(i, 0).id for i in range(3)]
+    high = apps.high.delay("x").id
+    app.redis.delete(app.keys.q("default") + "wake", app.keys.q("high") + "wake")
+    got = claim(app, queues=("high", "default"), pids=(1, 2))
+    assert [(g[0], g[1]) for g in got] == [(1, high), (2, low[0])]
+    # jobs remain: the claimer leaves a wake token for the next idle worker
+    assert app.redis.llen(app.keys.q("default") + "wake") == 1
+
+
+def test_finish_is_fenced(app):
+    job = apps.add.delay(1, 2)
+    claim(app)
+    assert finish(app, job.id, "1", "completed", "3") == 1
+    assert app.job(job.id).to_dict()["result"] == 3
+    assert finish(app, job.id, "1", "completed", "99") == 2  # a retried call: nothing to do
+    assert app.job(job.id).to_dict()["result"] == 3
+
+
+def test_finish_from_a_lost_delivery_cannot_overwrite_the_new_owner(app):
+    job = apps.add.delay(1, 2)
+    claim(app, worker="old")
+    lost = scripts.LOSE(app.redis, [app.keys.q("default")], [3600, job.id, "1", "worker old is dead", ""])
+    assert lost == ["pending"]
+    claim(app, worker="new")
+    assert finish(app, job.id, "1", "completed", '"stale"') == 0
+    assert app.job(job.id).data["state"] == "running"
+    assert finish(app, job.id, "2", "completed", '"fresh"') == 1
+    d = app.job(job.id).to_dict()
+    assert (d["result"], d["worker"], d["attempts"], d["requeues"]) == ("fresh", "new", 2, 1)
+
+
+def test_lose_respects_owner_and_kill_and_poison(app):
+    job = apps.crash.delay("x")  # max_lost=2
+    p = app.keys.q("default")
+    claim(app, worker="a")
+    assert scripts.LOSE(app.redis, [p], [3600, job.id, "1", "r", "b"]) == [""]  # not b's
+    assert scripts.LOSE(app.redis, [p], [3600, job.id, "1", "r", "a"]) == ["pending"]
+    claim(app, worker="a")
+    assert scripts.LOSE(app.redis, [p], [3600, job.id, "2", "r", ""]) == ["failed"]
+    assert app.job(job.id).data["error_type"] == "WorkerLost"
+    other = apps.add.delay(1, 1)
+    claim(app)
+    assert other.kill() == "running"
+    assert scripts.LOSE(app.redis, [p], [3600, other.id, "1", "r", ""]) == ["killed"]
+
+
+def test_sweep_promotes_due_and_reports_due_deadlines(app):
+    p = app.keys.q("default")
+    later = apps.add.apply_async([1, 1], delay=100)
+    now = apps.add.apply_async([2, 2], delay=0.001)
+    import time
+
+    time.sleep(0.01)  # let the 1 ms delay pass (Redis clock)
+    out = scripts.SWEEP(app.redis, [p], [100, 10, 3600])
+    assert out[0] == 1 and app.job(now.id).data["state"] == "pending"
+    assert app.job(later.id).data["state"] == "delayed"
+    job = apps.add.apply_async([3, 3], max_duration=0.001)
+    claim(app)  # claims `now` first (FIFO)
+    claim(app)
+    time.sleep(1.1)  # bucket width is 1 s: its bucket is due once it has fully passed
+    out = scripts.SWEEP(app.redis, [p], [100, 10, 3600])
+    due = dict(zip(out[1::2], out[2::2]))
+    assert job.id in due and now.id not in due
+    res = scripts.STUCK(app.redis, [p], [job.id, "1", time.time() + 60, 1])
+    assert res == ["w1", "kill", 1]
+    assert app.job(job.id).data["stuck"] == "1"
+    assert scripts.SWEEP(app.redis, [p], [100, 10, 3600])[1:] == []  # moved to a later bucket
+
+
+@pytest.mark.parametrize("name", ["enqueue", "claim", "finish", "sweep", "lose", "stuck", "kill", "watch",
+                                  "heartbeat"])
+def test_scripts_reload_after_script_flush(app, name):
+    script = getattr(scripts, name.upper())
+    app.redis.script_flush()
+    assert app.redis.script_exists(script.sha) == [False]
+    apps.add.delay(1, 1)  # enqueue through EVALSHA: reloaded on NOSCRIPT
+    assert app.redis.script_exists(scripts.ENQUEUE.sha) == [True]
