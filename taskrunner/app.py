@@ -144,7 +144,7 @@ class TaskRunner:
             raise ValueError("missed must be 'once' or 'skip'")
 
         def register(f: Callable) -> Task:
-            t = self.task(f, **task_options)
+            t = f if isinstance(f, Task) else self.task(f, **task_options)
             sname = codec.check_name("schedule", name or t.name)
             self.schedules[sname] = Schedule(sname, cron, t.name, list(args), dict(kwargs or {}),
                                              t.spec.queue, missed)

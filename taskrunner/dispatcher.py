@@ -130,7 +130,8 @@ class Dispatcher:
         if info.get("host") != self.host or info.get("pidns", "") != self.pidns or not self.pidns:
             return True  # cannot tell from here; the heartbeat decides
         try:
-            return abs(psutil.Process(int(info["pid"])).create_time() - float(info["create_time"])) < 1
+            p = psutil.Process(int(info["pid"]))
+            return abs(p.create_time() - float(info["create_time"])) < 1 and p.status() != psutil.STATUS_ZOMBIE
         except (psutil.Error, KeyError, ValueError, TypeError):
             return False
 

@@ -201,3 +201,17 @@ def test_platform_sigterm_to_every_process_is_graceful(app, stack):
     assert w.wait(30) == 0
     assert job.refresh().data["state"] == "completed"
     assert job.refresh().to_dict()["pid"] == child
+
+
+def test_dispatcher_on_same_host_sees_dead_pid_before_heartbeat_expires(app, stack):
+    """dead_after is an hour here: only the PID check can find the worker dead."""
+    slow = {"TASKRUNNER_DEAD_AFTER": "3600"}
+    stack.dispatcher(env=slow)
+    w1 = stack.worker(name="p1", concurrency=1, env=slow)
+    job = apps.hold.delay("pid1")
+    started_pid(app, "pid1")
+    os.killpg(w1.pid, signal.SIGKILL)
+    stack.worker(name="p2", concurrency=1, env=slow)
+    started_pid(app, "pid1", 2)
+    release(app, "pid1")
+    assert job.wait(30) == "released" and "p1 is dead" in job.refresh().data["last_lost_reason"]
