@@ -286,8 +286,9 @@ class Worker:
                 t.append(c.kill_at)
         if self.stopping:
             t.append(self.stop_at)
-        if self.outbox or self.stuck_marks or (self.may_claim and not self.stopping
-                                               and any(c.idle for c in self.children)):
+        work = self.outbox or self.stuck_marks or (self.may_claim and not self.stopping
+                                                   and any(c.idle for c in self.children))
+        if work and now >= self.redis_ok_at:
             return 0
         return max(0.0, min(t) - now)
 

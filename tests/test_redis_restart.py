@@ -34,3 +34,15 @@ def test_redis_restart_mid_run(app, own_redis, crash):
         assert w.poll() is None
     finally:
         stack.stop()
+
+
+def test_dropped_connections_lose_nothing(app, stack):
+    stack.dispatcher()
+    w = stack.worker()
+    jobs = [apps.add.delay(i, 1) for i in range(200)]
+    wait_for(lambda: app.redis.zcard(app.keys.q("default") + "completed") >= 10, what="some jobs done")
+    for _ in range(3):
+        app.redis.client_kill_filter(_type="normal", skipme=True)  # every other client's connection
+    jobs.append(apps.nap.delay(0.5))
+    assert [j.wait(60) for j in jobs] == [i + 1 for i in range(200)] + [0.5]
+    assert w.poll() is None
