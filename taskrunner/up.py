@@ -37,6 +37,7 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
     }
     click.echo(f"dashboard: http://127.0.0.1:{port}/   (Ctrl-C stops everything)")
     code = 0
+    interrupted = False
     try:
         if demo:
             code = _demo(app_spec, redis_url)
@@ -48,17 +49,22 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
         click.echo(f"{', '.join(dead)} exited; stopping the rest", err=True)
         code = 1
     except KeyboardInterrupt:
+        interrupted = True  # the terminal sent SIGINT to every process of ours already
         click.echo("stopping...")
     finally:
         for p in procs.values():
-            if p.poll() is None:
+            if p.poll() is None and not interrupted:
                 p.send_signal(signal.SIGTERM)
         for p in procs.values():
             try:
                 p.wait(30)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
         if server:
             server.stop()
             click.echo("redis-server stopped")
