@@ -33,6 +33,7 @@ def _die_with_parent() -> None:
 def child_main(conn: Any, app: Any, kill_flag: Any, parent: int, inherited: list) -> None:
     for other in inherited:
         other.close()
+    signal.set_wakeup_fd(-1)  # the worker's, inherited: our signals are not its business
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker to handle
 
     def on_term(signum: int, frame: Any) -> None:
