@@ -81,33 +81,35 @@ def _signal(pid: int, sig: int) -> None:
 
 
 class Blocker:
-    """One BRPOP outstanding on its own connection; select() tells when it answered."""
+    """One BRPOP outstanding on a connection of its own (kept across calls, outside the
+    client's pool); select() tells when it answered."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.pool = client.connection_pool
         self.conn: Any = None
+        self.armed = False
 
     def arm(self, keys: list[str], timeout: float) -> None:
-        if self.conn is None:
-            conn = self.pool.make_connection()
-            conn.connect()
-            conn.send_command("BRPOP", *keys, timeout)
-            self.conn = conn
-
-    @property
-    def armed(self) -> bool:
-        return self.conn is not None
+        if not self.armed:
+            if self.conn is None:
+                self.conn = self.pool.connection_class(**self.pool.connection_kwargs)
+            self.conn.send_command("BRPOP", *keys, timeout)
+            self.armed = True
 
     def fileno(self) -> int:
         return self.conn._sock.fileno()
 
     def read(self) -> Any:
+        self.armed = False
         try:
             return self.conn.read_response()
-        finally:
+        except BaseException:
             self.reset()
+            raise
 
     def reset(self) -> None:
+        """Cancel: closing the connection ends the BRPOP on the server."""
+        self.armed = False
         if self.conn is not None:
             self.conn.disconnect()
             self.conn = None

@@ -185,3 +185,12 @@ def test_corrupt_records_fail_with_a_reason(app, stack):
         assert e.value.error_type == kind
     assert app.job("c4").wait(30) == 3  # a bad max_duration falls back to the default
     assert good.wait(30) == 2 and apps.add.delay(2, 2).wait(30) == 4
+
+
+def test_idle_worker_wakes_for_every_job(app, stack):
+    """Each job finds the worker idle and blocked in Redis: hundreds of wake-ups in a row."""
+    stack.worker(concurrency=1)
+    for i in range(300):
+        assert apps.add.delay(i, 1).wait(30) == i + 1
+    clients = app.redis.client_list()
+    assert len(clients) < 20, len(clients)  # no connection left behind per wake-up
