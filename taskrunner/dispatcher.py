@@ -26,7 +26,7 @@ from .app import TaskRunner
 from .worker import pid_namespace
 
 log = logging.getLogger("taskrunner.dispatcher")
-_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+_REDIS_ERRORS = (redis.RedisError,)  # back off and retry: every action is fenced
 #: Dead workers stay listed (as dead) this long.
 DEAD_KEPT = 3600
 #: With missed="skip", a tick this late still fires.

@@ -28,7 +28,9 @@ from .child import child_main
 
 log = logging.getLogger("taskrunner.worker")
 _ctx = multiprocessing.get_context("fork")
-_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+# Any Redis failure (down, OOM, READONLY after a failover, BUSY) means: back off, retry.
+# Retrying is safe: finishes are idempotent and a claim without an answer is reconciled.
+_REDIS_ERRORS = (redis.RedisError,)
 
 
 @dataclass
@@ -173,7 +175,7 @@ class Worker:
         self._wakeup, wakeup_w = socket.socketpair()
         for s in (self._wakeup, wakeup_w):
             s.setblocking(False)
-        self._wakeup_w = wakeup_w
+        self._wakeup_w = wakeup_w  # kept open for the process's life
         signal.set_wakeup_fd(wakeup_w.fileno(), warn_on_full_buffer=False)
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
@@ -315,9 +317,9 @@ class Worker:
             return
         for c in self.children:
             if ready is c.conn:
-                self._read(c)
-            elif ready == c.proc.sentinel:
-                self._on_exit(c)
+                return self._read(c)
+            if ready == c.proc.sentinel:
+                return self._on_exit(c)
 
     def _arm(self) -> None:
         self.ctl.arm([self.keys.control(self.name)], self.s.idle_block)
