@@ -93,10 +93,42 @@ class Job:
             self.app.send_control(rest[0], {"kill": self.id, "attempt": int(rest[1]), "reason": "killed"})
         return state
 
+    def timeline(self) -> list[dict[str, Any]]:
+        """What happened to the job, oldest first: enqueued, each delivery (where it ran)
+        and how it ended, stuck, kill requests, operators' actions."""
+        d = self.data
+        events: list[dict[str, Any]] = []
+
+        def add(at: Any, event: str, **more: Any) -> None:
+            events.append({"at": _num(at, float) if at is not None else None, "event": event, **more})
+
+        add(d.get("enqueued_at"), "enqueued")
+        for k, v in d.items():
+            if k.startswith("run:"):
+                try:
+                    run = codec.loads(v)
+                except ValueError:
+                    continue
+                add(run.get("started_at"), f"delivery {k[4:]} started", worker=run.get("worker"),
+                    host=run.get("host"), ip=run.get("ip"), pid=run.get("pid"))
+            elif k.startswith("end:"):
+                at, _, what = v.partition(" ")
+                add(at, f"delivery {k[4:]} {what}")
+            elif k.startswith("action:"):
+                add(k[7:], v)
+        if d.get("stuck_at"):
+            add(d["stuck_at"], "passed its max duration (stuck)")
+        if d.get("kill_requested"):
+            add(d["kill_requested"], f"kill requested by {d.get('killed_by', '?')}")
+        return sorted(events, key=lambda e: (e["at"] is None, e["at"] or 0))
+
     def to_dict(self) -> dict[str, Any]:
-        """Every recorded field, typed: numbers as numbers, JSON fields decoded."""
+        """Every recorded field, typed: numbers as numbers, JSON fields decoded, the
+        timeline as a list."""
         out: dict[str, Any] = {"id": self.id, "queue": self.queue}
         for k, v in self.data.items():
+            if k.startswith(("run:", "end:", "action:")):
+                continue
             if k in _FLOATS:
                 out[k] = _num(v, float)
             elif k in _INTS:
@@ -114,6 +146,7 @@ class Job:
             out.setdefault(k, None)
         out.pop("bucket", None)
         out.pop("waiters", None)
+        out["timeline"] = self.timeline()
         return out
 
 

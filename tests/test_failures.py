@@ -215,3 +215,20 @@ def test_dispatcher_on_same_host_sees_dead_pid_before_heartbeat_expires(app, sta
     started_pid(app, "pid1", 2)
     release(app, "pid1")
     assert job.wait(30) == "released" and "p1 is dead" in job.refresh().data["last_lost_reason"]
+
+
+def test_timeline_tells_the_story(app, stack):
+    stack.dispatcher()
+    w1 = stack.worker(name="tl1", concurrency=1)
+    job = apps.hold.delay("tl")
+    started_pid(app, "tl")
+    os.killpg(w1.pid, signal.SIGKILL)
+    stack.worker(name="tl2", concurrency=1)
+    started_pid(app, "tl", 2)
+    release(app, "tl")
+    job.wait(30)
+    events = [e["event"] for e in job.refresh().to_dict()["timeline"]]
+    assert events == ["enqueued", "delivery 1 started", "delivery 1 requeued: worker tl1 is dead",
+                      "delivery 2 started", "delivery 2 completed"]
+    run2 = job.timeline()[3]
+    assert run2["worker"] == "tl2" and run2["pid"] and run2["host"]

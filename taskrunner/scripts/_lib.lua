@@ -11,7 +11,8 @@
 --   <p>delayed      ZSET  id -> time the job becomes due
 --   <p>wake         LIST  0 or 1 token; idle workers BRPOP it
 --   <p>completed|failed|killed  ZSET  id -> finish time
---   <p>job:<id>     HASH  the job record
+--   <p>job:<id>     HASH  the job record; its timeline: run:<n> (the holding entry of
+--                          delivery n) and end:<n> ("<time> <how it ended>")
 --   <p>notify:<id>  LIST  one token per waiter when the job ends
 
 local function now()
@@ -44,9 +45,9 @@ local function release(p, id, job)
   end
 end
 
--- Make a job claimable again; `front` puts it next in line.
-local function to_pending(p, id, job, front)
-  redis.call('HSET', job, 'state', 'pending')
+-- Make a job claimable again; `front` puts it next in line. `extra`: more fields to set.
+local function to_pending(p, id, job, front, extra)
+  redis.call('HSET', job, 'state', 'pending', unpack(extra or {}))
   redis.call('HDEL', job, 'due_at')
   redis.call('SADD', p .. 'items', id)
   if front then
@@ -57,8 +58,8 @@ local function to_pending(p, id, job, front)
   wake(p)
 end
 
-local function to_delayed(p, id, job, due)
-  redis.call('HSET', job, 'state', 'delayed', 'due_at', fmt(due))
+local function to_delayed(p, id, job, due, extra)
+  redis.call('HSET', job, 'state', 'delayed', 'due_at', fmt(due), unpack(extra or {}))
   redis.call('ZADD', p .. 'delayed', due, id)
 end
 
@@ -79,24 +80,31 @@ local function finalize(p, id, job, state, t, ttl, fields)
   end
 end
 
--- The process running a job is gone. A kill request wins; otherwise requeue at the
--- front, until the job has been lost max_lost times (a poison pill): then WorkerLost.
-local function lose(p, id, job, t, ttl, reason)
+-- The timeline field recording how delivery `attempt` ended.
+local function ended(attempt, t, what)
+  return 'end:' .. attempt, fmt(t) .. ' ' .. what
+end
+
+-- The process running delivery `attempt` is gone. A kill request wins; otherwise requeue
+-- at the front, until the job has been lost max_lost times (a poison pill): WorkerLost.
+local function lose(p, id, job, attempt, t, ttl, reason)
   release(p, id, job)
   if redis.call('HEXISTS', job, 'kill_requested') == 1 then
-    finalize(p, id, job, 'killed', t, ttl, {'error_type', 'Killed', 'error', 'killed on request'})
+    local ek, ev = ended(attempt, t, 'killed (its process was gone: ' .. reason .. ')')
+    finalize(p, id, job, 'killed', t, ttl, {'error_type', 'Killed', 'error', 'killed on request', ek, ev})
     return 'killed'
   end
   local lost = redis.call('HINCRBY', job, 'lost', 1)
   local max_lost = tonumber(redis.call('HGET', job, 'max_lost') or '5') or 5
   if lost >= max_lost then
+    local ek, ev = ended(attempt, t, 'failed WorkerLost: ' .. reason)
     finalize(p, id, job, 'failed', t, ttl, {'error_type', 'WorkerLost',
-      'error', 'the process running the job died ' .. lost .. ' times; last: ' .. reason})
+      'error', 'the process running the job died ' .. lost .. ' times; last: ' .. reason, ek, ev})
     return 'failed'
   end
   redis.call('HINCRBY', job, 'requeues', 1)
-  redis.call('HSET', job, 'last_requeued_at', fmt(t), 'last_lost_reason', reason)
-  to_pending(p, id, job, true)
+  local ek, ev = ended(attempt, t, 'requeued: ' .. reason)
+  to_pending(p, id, job, true, {'last_requeued_at', fmt(t), 'last_lost_reason', reason, ek, ev})
   return 'pending'
 end
 

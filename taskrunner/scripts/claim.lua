@@ -38,12 +38,13 @@ for qi = 1, #KEYS do
         local attempt = redis.call('HINCRBY', job, 'attempts', 1)
         local md = tonumber(f[4]) or default_md
         local b = math.floor((t + md) / width)
+        local entry = ARGV[1] .. ',"pid":' .. pid .. ',"started_at":' .. fmt(t)
+          .. ',"max_duration":' .. md .. ',"attempt":' .. attempt .. '}'
         redis.call('HSET', job, 'state', 'running', 'started_at', fmt(t), 'worker', ARGV[2],
-          'host', ARGV[3], 'ip', ARGV[4], 'pid', pid, 'bucket', b, 'stuck', '0')
+          'host', ARGV[3], 'ip', ARGV[4], 'pid', pid, 'bucket', b, 'stuck', '0', 'run:' .. attempt, entry)
         redis.call('SADD', p .. 'dl:' .. b, id)
         redis.call('ZADD', p .. 'buckets', (b + 1) * width, b)
-        redis.call('HSET', p .. 'running', id, ARGV[1] .. ',"pid":' .. pid .. ',"started_at":' .. fmt(t)
-          .. ',"max_duration":' .. md .. ',"attempt":' .. attempt .. '}')
+        redis.call('HSET', p .. 'running', id, entry)
         local o = #out
         out[o + 1], out[o + 2], out[o + 3], out[o + 4] = qi, id, attempt, f[1]
         out[o + 5], out[o + 6], out[o + 7], out[o + 8] = f[2] or '[]', f[3] or '{}', tostring(md), f[5] or 'kill'

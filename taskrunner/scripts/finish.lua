@@ -22,33 +22,38 @@ for i = 3, #ARGV, 7 do
   out[#out + 1] = held
   if held == 1 then
     if outcome == 'lost' then
-      lose(p, id, job, t, ttl, v1)
+      lose(p, id, job, attempt, t, ttl, v1)
     else
       release(p, id, job)
       if outcome == 'completed' then
-        finalize(p, id, job, 'completed', t, ttl, {'result', v1})
+        local ek, ev = ended(attempt, t, 'completed')
+        finalize(p, id, job, 'completed', t, ttl, {'result', v1, ek, ev})
       elseif outcome == 'killed' then
-        finalize(p, id, job, 'killed', t, ttl, {'error_type', 'Killed', 'error', v2})
+        local ek, ev = ended(attempt, t, 'killed')
+        finalize(p, id, job, 'killed', t, ttl, {'error_type', 'Killed', 'error', v2, ek, ev})
       elseif outcome == 'requeue' then
         redis.call('HINCRBY', job, 'requeues', 1)
-        redis.call('HSET', job, 'last_requeued_at', fmt(t))
         local delay = tonumber(v1) or 0
+        local ek, ev = ended(attempt, t, v2 == 'front' and 'requeued: worker shutting down'
+          or string.format('requeued itself (Retry, %gs)', delay))
+        local extra = {'last_requeued_at', fmt(t), ek, ev}
         if delay > 0 then
-          to_delayed(p, id, job, t + delay)
+          to_delayed(p, id, job, t + delay, extra)
         else
-          to_pending(p, id, job, v2 == 'front')
+          to_pending(p, id, job, v2 == 'front', extra)
         end
       else
-        local err = {'error_type', v1, 'error', v2, 'traceback', v3}
         local failures = redis.call('HINCRBY', job, 'failures', 1)
         local retries = tonumber(redis.call('HGET', job, 'retries') or '0') or 0
         if outcome == 'error' and failures <= retries then
           local base = tonumber(redis.call('HGET', job, 'retry_backoff') or '1') or 1
           local delay = math.min(base * 2 ^ (failures - 1), cap) * (tonumber(v4) or 1)
-          redis.call('HSET', job, unpack(err))
-          to_delayed(p, id, job, t + delay)
+          local ek, ev = ended(attempt, t, string.format('failed %s, retry %d of %d in %.2fs', v1, failures,
+            retries, delay))
+          to_delayed(p, id, job, t + delay, {'error_type', v1, 'error', v2, 'traceback', v3, ek, ev})
         else
-          finalize(p, id, job, 'failed', t, ttl, err)
+          local ek, ev = ended(attempt, t, 'failed ' .. v1)
+          finalize(p, id, job, 'failed', t, ttl, {'error_type', v1, 'error', v2, 'traceback', v3, ek, ev})
         end
       end
     end

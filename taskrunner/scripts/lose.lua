@@ -15,7 +15,7 @@ for i = 2, #ARGV, 4 do
   local result = ''
   if holder_check(p, id, job, attempt) == 1
     and (owner == '' or redis.call('HGET', job, 'worker') == owner) then
-    result = lose(p, id, job, t, ttl, reason)
+    result = lose(p, id, job, attempt, t, ttl, reason)
   end
   out[#out + 1] = result
 end
