@@ -222,6 +222,17 @@ class TaskRunner:
                 return Job(self, job_id, q, data)
         raise JobNotFound(f"no job {job_id} (never enqueued, or expired after its result TTL)")
 
+    def purge(self, queue: str, progress: Callable[[int], Any] | None = None) -> int:
+        """Delete every pending job of a queue, a thousand per call; returns how many."""
+        total = 0
+        while True:
+            deleted, left = scripts.PURGE(self.redis, [self.keys.q(codec.check_name("queue", queue))], [1000])
+            total += deleted
+            if progress:
+                progress(deleted)
+            if not left or not deleted:
+                return total
+
     def send_control(self, worker: str, message: dict) -> None:
         """Put a message on a worker's control list (it BRPOPs it at once)."""
         key = self.keys.control(worker)

@@ -85,7 +85,7 @@ class Job:
         """Kill the job: pending or delayed ones at once; a running one is stopped by the
         worker that holds it (SIGTERM, then SIGKILL). Returns the state after the call
         ("running" while the worker acts on the request)."""
-        who = who or f"{socket.gethostname()}:{os.getpid()}"
+        who = who or _me()
         state, *rest = scripts.KILL(self.app.redis, [self._prefix], [self.id, who, self.app.settings.result_ttl])
         if not state:
             raise JobNotFound(f"no job {self.id} in queue {self.queue}")
@@ -122,6 +122,24 @@ class Job:
             add(d["kill_requested"], f"kill requested by {d.get('killed_by', '?')}")
         return sorted(events, key=lambda e: (e["at"] is None, e["at"] or 0))
 
+    def _act(self, script: scripts.Script, who: str | None) -> str:
+        before = script(self.app.redis, [self._prefix], [self.id, who or _me()])
+        if not before:
+            raise JobNotFound(f"no job {self.id} in queue {self.queue}")
+        return before
+
+    def retry(self, who: str | None = None) -> bool:
+        """Run a failed or killed job again; False when it is in another state."""
+        return self._act(scripts.RETRY, who) in ("failed", "killed")
+
+    def requeue(self, who: str | None = None) -> bool:
+        """Put a delayed or running job back in line now; False in another state."""
+        return self._act(scripts.REQUEUE, who) in ("delayed", "running")
+
+    def delete(self) -> bool:
+        """Delete the job unless it runs (kill it first); False when it runs."""
+        return scripts.DELETE(self.app.redis, [self._prefix], [self.id]) not in ("", "running")
+
     def to_dict(self) -> dict[str, Any]:
         """Every recorded field, typed: numbers as numbers, JSON fields decoded, the
         timeline as a list."""
@@ -148,6 +166,10 @@ class Job:
         out.pop("waiters", None)
         out["timeline"] = self.timeline()
         return out
+
+
+def _me() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _num(v: str, kind: type) -> Any:

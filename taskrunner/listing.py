@@ -78,3 +78,142 @@ def workers(app: TaskRunner) -> list[dict[str, Any]]:
                     "heartbeat_age": round(now - t, 3) if (n, t) in live else None,
                     "died_at": t if (n, t) in dead else None})
     return out
+
+
+def server_time(app: TaskRunner) -> float:
+    sec, usec = app.redis.time()
+    return sec + usec / 1e6
+
+
+def live_workers(app: TaskRunner, now: float) -> set[str]:
+    since = now - app.settings.dead_after
+    return set(app.redis.zrangebyscore(app.keys.workers, since, "+inf"))
+
+
+def running(app: TaskRunner, queue: str | None = None, offset: int = 0, limit: int = 100,
+            only_stuck: bool = False) -> tuple[int, list[dict[str, Any]]]:
+    """The holding lists, oldest first: (total, one page of rows). A row is stuck when the
+    job passed its max duration or its worker is dead (with `why`)."""
+    now = server_time(app)
+    queues = [queue] if queue else app.queue_names()
+    pipe = app.redis.pipeline(transaction=False)
+    for q in queues:
+        pipe.hgetall(app.keys.q(q) + "running")
+    rows: list[dict[str, Any]] = []
+    for q, entries in zip(queues, pipe.execute()):
+        for job_id, raw in entries.items():
+            try:
+                e = codec.loads(raw)
+            except ValueError:
+                e = {}
+            rows.append({"id": job_id, "queue": q, "worker": e.get("worker"), "host": e.get("host"),
+                         "ip": e.get("ip"), "pid": e.get("pid"), "started_at": e.get("started_at") or 0,
+                         "max_duration": e.get("max_duration") or 0, "attempt": e.get("attempt")})
+    rows.sort(key=lambda r: r["started_at"])
+    alive = live_workers(app, now)
+    if only_stuck:
+        flags = _hmget(app, rows, "stuck")
+        rows = [r for r, (s,) in zip(rows, flags) if s == "1" or r["worker"] not in alive
+                or now > r["started_at"] + r["max_duration"]]
+    total = len(rows)
+    page = rows[offset:offset + limit]
+    for r, (task, args, kwargs, stuck, kill) in zip(page, _hmget(app, page, "task", "args", "kwargs", "stuck",
+                                                                 "kill_requested")):
+        elapsed = max(0.0, now - r["started_at"])
+        over = elapsed > r["max_duration"]
+        why = []
+        if stuck == "1" or over:
+            why.append(f"ran past its max duration ({r['max_duration']:g} s)")
+        if r["worker"] not in alive:
+            why.append(f"its worker {r['worker']} is not alive (no heartbeat for {app.settings.dead_after:g} s)")
+        r.update(task=task, args=_short(args, kwargs), elapsed=elapsed, stuck=bool(why), why=why,
+                 kill_requested=bool(kill), state="running")
+    return total, page
+
+
+def _hmget(app: TaskRunner, rows: list[dict[str, Any]], *fields: str) -> list[list[Any]]:
+    pipe = app.redis.pipeline(transaction=False)
+    for r in rows:
+        pipe.hmget(app.keys.job(r["queue"], r["id"]), *fields)
+    return pipe.execute() if rows else []
+
+
+def _short(args: str | None, kwargs: str | None, width: int = 80) -> str:
+    """Arguments as shown in a table: the JSON text, cut."""
+    text = (args or "[]")[1:-1]
+    if kwargs and kwargs != "{}":
+        text += (", " if text else "") + kwargs[1:-1]
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def page_of(app: TaskRunner, queue: str, state: str, offset: int = 0, limit: int = 50
+            ) -> tuple[int, list[dict[str, Any]]]:
+    """(total, one page) of a queue's pending, delayed or finished jobs."""
+    p = app.keys.q(queue)
+    total = (app.redis.llen(p + "pending") if state == "pending" else app.redis.zcard(p + state))
+    ids = job_ids(app, queue, state, limit, offset)
+    rows = [{"id": i, "queue": queue} for i in ids]
+    fields = ("task", "args", "kwargs", "state", "enqueued_at", "due_at", "finished_at", "attempts",
+              "error_type", "error", "worker")
+    for r, values in zip(rows, _hmget(app, rows, *fields)):
+        d = dict(zip(fields, values))
+        r.update(d, args=_short(d["args"], d["kwargs"]))
+        r.pop("kwargs")
+    return total, rows
+
+
+def finished(app: TaskRunner, state: str, offset: int = 0, limit: int = 50) -> tuple[int, list[dict[str, Any]]]:
+    """Newest first, across queues: completed, failed or killed jobs."""
+    queues = app.queue_names()
+    pipe = app.redis.pipeline(transaction=False)
+    for q in queues:
+        pipe.zcard(app.keys.q(q) + state)
+        pipe.zrevrange(app.keys.q(q) + state, 0, offset + limit - 1, withscores=True)
+    res = pipe.execute()
+    total = sum(res[0::2])
+    merged = sorted(((t, q, i) for q, entries in zip(queues, res[1::2]) for i, t in entries), reverse=True)
+    rows = [{"id": i, "queue": q} for _, q, i in merged[offset:offset + limit]]
+    fields = ("task", "args", "kwargs", "state", "finished_at", "attempts", "error_type", "error", "worker",
+              "host", "pid", "killed_by")
+    for r, values in zip(rows, _hmget(app, rows, *fields)):
+        d = dict(zip(fields, values))
+        r.update(d, args=_short(d["args"], d["kwargs"]))
+        r.pop("kwargs")
+    return total, rows
+
+
+def overview(app: TaskRunner) -> dict[str, Any]:
+    """Per queue counts (and finished in the last 5 minutes), workers, dispatchers."""
+    now = server_time(app)
+    queues = queue_stats(app)
+    pipe = app.redis.pipeline(transaction=False)
+    for q in queues:
+        p = app.keys.q(q["name"])
+        pipe.zcount(p + "completed", now - 300, "+inf").zcount(p + "failed", now - 300, "+inf")
+    counts = pipe.execute()
+    _, stuck_rows = running(app, limit=10**9, only_stuck=True)
+    for i, q in enumerate(queues):
+        q["completed_5m"], q["failed_5m"] = counts[2 * i], counts[2 * i + 1]
+        q["stuck"] = sum(1 for r in stuck_rows if r["queue"] == q["name"])
+    dispatchers = []
+    for raw in app.redis.hvals(app.keys.dispatchers):
+        try:
+            d = codec.loads(raw)
+        except ValueError:
+            continue
+        d["age"] = now - d.get("last_pass", 0)
+        d["healthy"] = d["age"] < max(5 * app.settings.dispatch_interval, 5)
+        dispatchers.append(d)
+    return {"now": now, "queues": queues, "workers": workers(app),
+            "dispatchers": sorted(dispatchers, key=lambda d: d["age"])}
+
+
+def schedules(app: TaskRunner) -> list[dict[str, Any]]:
+    out = []
+    for name, raw in sorted(app.redis.hgetall(app.keys.schedules).items()):
+        try:
+            s = codec.loads(raw)
+        except ValueError:
+            s = {}
+        out.append({"name": name, **s})
+    return out

@@ -142,3 +142,28 @@ def test_scripts_reload_after_script_flush(app, name):
     assert app.redis.script_exists(script.sha) == [False]
     apps.add.delay(1, 1)  # enqueue through EVALSHA: reloaded on NOSCRIPT
     assert app.redis.script_exists(scripts.ENQUEUE.sha) == [True]
+
+
+def test_operator_actions(app):
+    failed = apps.boom.delay("x")
+    claim(app)
+    finish(app, failed.id, "1", "failed", "ValueError", "x", "tb")
+    assert failed.retry("op") and failed.state == "pending"
+    assert not failed.retry("op")  # pending: nothing to retry
+    d = failed.refresh().to_dict()
+    assert d["failures"] == 0 and any(e["event"] == "retried by op" for e in d["timeline"])
+    assert app.redis.zcard(app.keys.q("default") + "failed") == 0
+    delayed = apps.add.apply_async([1, 1], delay=100)
+    assert delayed.requeue("op") and delayed.state == "pending"
+    [row] = [r for r in claim(app, pids=(1, 2)) if r[1] == delayed.id] or [None]
+    assert row is not None
+    assert not delayed.delete()  # running: refused
+    assert delayed.requeue("op") and delayed.state == "pending"  # running -> back in line
+    assert finish(app, delayed.id, "1", "completed", "2") == 2  # the old delivery is fenced off
+    assert delayed.delete()
+    with pytest.raises(Exception, match="no job"):
+        delayed.refresh()
+    for i in range(2500):
+        apps.add.delay(i, i)
+    assert app.purge("default") == 2500  # the retried job was claimed above
+    assert app.redis.llen(app.keys.q("default") + "pending") == 0

@@ -1,0 +1,24 @@
+-- Put a job back in line now (an operator's requeue). Delayed: due now. Running: released
+-- and pending next in line (its worker finds out at its next heartbeat and stops it; a
+-- late finish from it is fenced off); no loss is counted.
+-- KEYS[1]  queue key prefix
+-- ARGV[1]  id   ARGV[2] who asked
+-- Returns the state before ("" when there is no such job); only delayed and running change.
+local p = KEYS[1]
+local id = ARGV[1]
+local job = p .. 'job:' .. id
+local state = redis.call('HGET', job, 'state')
+local t = now()
+local action = {'action:' .. fmt(t), 'requeued by ' .. ARGV[2]}
+if state == 'delayed' then
+  redis.call('ZREM', p .. 'delayed', id)
+  to_pending(p, id, job, true, action)
+elseif state == 'running' then
+  release(p, id, job)
+  redis.call('HINCRBY', job, 'requeues', 1)
+  local attempt = redis.call('HGET', job, 'attempts')
+  local ek, ev = ended(attempt, t, 'requeued by ' .. ARGV[2])
+  action[3], action[4], action[5], action[6] = ek, ev, 'last_requeued_at', fmt(t)
+  to_pending(p, id, job, true, action)
+end
+return state or ''
