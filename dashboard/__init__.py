@@ -1,39 +1,93 @@
-"""The web dashboard. This first version is read-only: an overview page and JSON API;
-the full dashboard (running/stuck pages, kill and retry actions) comes next."""
+"""The web dashboard: queues, workers, running and stuck jobs (with Kill), failures,
+schedules; every page also as JSON under /api. It reads only what a page shows and never
+imports Spark. `create_app()` reads TASKRUNNER_APP, REDIS_URL, TASKRUNNER_DASHBOARD_PASSWORD
+and TASKRUNNER_DASHBOARD_TOKEN from the environment (gunicorn: "dashboard:create_app()")."""
 
 from __future__ import annotations
 
 import os
+from datetime import datetime, timezone
+from typing import Any
 
-from flask import Flask, jsonify, render_template
+from flask import Flask, jsonify, render_template, request
+from werkzeug.exceptions import HTTPException
+from werkzeug.middleware.proxy_fix import ProxyFix
 
-from taskrunner import TaskRunner, listing
+from taskrunner import TaskRunner
 from taskrunner.loader import load_app
 
+from . import security
+from .views import api, pages
 
-def create_app(runner: TaskRunner | None = None) -> Flask:
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def create_app(runner: TaskRunner | None = None, password: str | None = None, token: str | None = None) -> Flask:
     runner = runner or load_app(os.environ.get("TASKRUNNER_APP"))
-    here = os.path.dirname(os.path.abspath(__file__))
-    web = Flask(__name__, template_folder=os.path.join(here, "..", "templates"))
+    web = Flask(__name__, template_folder=os.path.join(ROOT, "templates"), static_folder="static")
+    web.wsgi_app = ProxyFix(web.wsgi_app, x_proto=1, x_host=1)  # type: ignore[method-assign]
+    web.config.update(
+        TR_RUNNER=runner,
+        TR_PASSWORD=password if password is not None else os.environ.get("TASKRUNNER_DASHBOARD_PASSWORD", ""),
+        TR_TOKEN=token if token is not None else os.environ.get("TASKRUNNER_DASHBOARD_TOKEN", ""),
+        SESSION_COOKIE_HTTPONLY=True,
+        SESSION_COOKIE_SAMESITE="Strict",
+        SESSION_COOKIE_NAME="taskrunner_session",
+        SECRET_KEY=os.environ.get("TASKRUNNER_DASHBOARD_SECRET") or security.secret_key(runner),
+    )
+    web.session_interface = security.Sessions()
+    web.register_blueprint(pages)
+    web.register_blueprint(api)
+    web.jinja_env.globals.update(csrf_token=security.csrf_token, app_name=runner.name)
+    web.jinja_env.filters.update(ago=ago, exact=exact, duration=duration)
 
-    @web.get("/")
-    def overview() -> str:
-        return render_template("overview.html", app=runner, queues=listing.queue_stats(runner),
-                               workers=listing.workers(runner))
+    @web.context_processor
+    def flags() -> dict[str, Any]:
+        from flask import session
 
-    @web.get("/api/queues")
-    def api_queues():  # type: ignore[no-untyped-def]
-        return jsonify(listing.queue_stats(runner))
+        return {"can_act": bool(web.config["TR_PASSWORD"]) and bool(session.get("user")),
+                "login_enabled": bool(web.config["TR_PASSWORD"]), "user": session.get("user")}
 
-    @web.get("/api/workers")
-    def api_workers():  # type: ignore[no-untyped-def]
-        return jsonify(listing.workers(runner))
+    @web.after_request
+    def headers(response: Any) -> Any:
+        response.headers["Content-Security-Policy"] = (
+            "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; form-action 'self'; base-uri 'none'")
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["Referrer-Policy"] = "same-origin"
+        response.headers["X-Frame-Options"] = "DENY"
+        return response
 
-    @web.get("/api/jobs")
-    def api_jobs():  # type: ignore[no-untyped-def]
-        from flask import request
-
-        jobs = listing.list_jobs(runner, request.args.get("queue"), request.args.get("state"))
-        return jsonify([j.to_dict() for j in jobs])
+    @web.errorhandler(HTTPException)
+    def error(e: HTTPException) -> Any:
+        if request.path.startswith("/api/"):
+            return jsonify(error=e.description, status=e.code), e.code
+        return render_template("error.html", error=e), e.code
 
     return web
+
+
+def ago(t: Any, now: float | None = None) -> str:
+    """'12 s ago', '3 min ago', 'in 5 s'."""
+    if not t:
+        return "-"
+    now = now if now is not None else datetime.now(timezone.utc).timestamp()
+    delta = now - float(t)
+    text = duration(abs(delta))
+    return f"{text} ago" if delta >= 0 else f"in {text}"
+
+
+def duration(seconds: Any) -> str:
+    s = float(seconds or 0)
+    if s < 60:
+        return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
+    if s < 3600:
+        return f"{s / 60:.0f} min"
+    if s < 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} d"
+
+
+def exact(t: Any) -> str:
+    if not t:
+        return ""
+    return datetime.fromtimestamp(float(t), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")

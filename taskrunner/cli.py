@@ -252,13 +252,21 @@ def dispatcher(name: str | None, log_level: str, app_spec: str | None, redis_url
 
 
 @main.command()
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to serve on; beyond loopback only with a password.")
 @click.option("--port", type=int, default=5000, show_default=True, envvar="PORT")
 @common
 def dashboard(host: str, port: int, app_spec: str | None, redis_url: str | None) -> None:
-    """Serve the web dashboard (development server; use gunicorn in production)."""
-    from dashboard import create_app
+    """Serve the web dashboard (development server; the Procfile runs it under gunicorn).
 
+    \b
+    TASKRUNNER_DASHBOARD_PASSWORD  enables login, then Kill/Retry/... in the pages
+    TASKRUNNER_DASHBOARD_TOKEN     enables POST /api/... with "Authorization: Bearer <token>"
+    Neither set: read-only."""
+    from dashboard import create_app
+    from dashboard.security import check_bind
+
+    check_bind([host], os.environ.get("TASKRUNNER_DASHBOARD_PASSWORD"))
     app = _app(app_spec, redis_url)
     create_app(app).run(host=host, port=port)
 

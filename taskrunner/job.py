@@ -147,17 +147,13 @@ class Job:
         for k, v in self.data.items():
             if k.startswith(("run:", "end:", "action:")):
                 continue
-            if k in _FLOATS:
-                out[k] = _num(v, float)
-            elif k in _INTS:
-                out[k] = _num(v, int)
-            elif k in ("args", "kwargs", "result"):
+            if k in ("args", "kwargs", "result"):
                 try:
                     out[k] = codec.loads(v)
                 except ValueError:
                     out[k] = v
             else:
-                out[k] = v
+                out[k] = typed(k, v)
         out["stuck"] = self.data.get("stuck") == "1"
         out.setdefault("attempts", 0)
         for k in ("result", "error", "error_type", "worker", "host", "pid", "started_at", "finished_at"):
@@ -166,6 +162,17 @@ class Job:
         out.pop("waiters", None)
         out["timeline"] = self.timeline()
         return out
+
+
+def typed(field: str, value: str | None) -> Any:
+    """A record's text value as what it means: numbers for number fields."""
+    if value is None:
+        return None
+    if field in _FLOATS:
+        return _num(value, float)
+    if field in _INTS:
+        return _num(value, int)
+    return value
 
 
 def _me() -> str:

@@ -8,7 +8,7 @@ from typing import Any
 
 from . import codec
 from .app import TaskRunner
-from .job import Job
+from .job import Job, typed
 
 LIST_STATES = ("pending", "delayed", "running", "stuck", "completed", "failed", "killed")
 
@@ -155,11 +155,15 @@ def page_of(app: TaskRunner, queue: str, state: str, offset: int = 0, limit: int
     rows = [{"id": i, "queue": queue} for i in ids]
     fields = ("task", "args", "kwargs", "state", "enqueued_at", "due_at", "finished_at", "attempts",
               "error_type", "error", "worker")
+    return total, _fill(app, rows, fields)
+
+
+def _fill(app: TaskRunner, rows: list[dict[str, Any]], fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Add the fields of each row's job record (typed), with args shortened for tables."""
     for r, values in zip(rows, _hmget(app, rows, *fields)):
-        d = dict(zip(fields, values))
-        r.update(d, args=_short(d["args"], d["kwargs"]))
-        r.pop("kwargs")
-    return total, rows
+        d = {f: typed(f, v) for f, v in zip(fields, values)}
+        r.update(d, args=_short(d["args"], d.pop("kwargs")))
+    return rows
 
 
 def finished(app: TaskRunner, state: str, offset: int = 0, limit: int = 50) -> tuple[int, list[dict[str, Any]]]:
@@ -175,11 +179,7 @@ def finished(app: TaskRunner, state: str, offset: int = 0, limit: int = 50) -> t
     rows = [{"id": i, "queue": q} for _, q, i in merged[offset:offset + limit]]
     fields = ("task", "args", "kwargs", "state", "finished_at", "attempts", "error_type", "error", "worker",
               "host", "pid", "killed_by")
-    for r, values in zip(rows, _hmget(app, rows, *fields)):
-        d = dict(zip(fields, values))
-        r.update(d, args=_short(d["args"], d["kwargs"]))
-        r.pop("kwargs")
-    return total, rows
+    return total, _fill(app, rows, fields)
 
 
 def overview(app: TaskRunner) -> dict[str, Any]:

@@ -32,7 +32,7 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
     procs = {
         "dispatcher": _spawn(["taskrunner", "dispatcher"], env),
         "worker": _spawn(["taskrunner", "worker", "-c", str(concurrency)], env),
-        "dashboard": _spawn(["gunicorn", "--no-control-socket", "-w", "2", "-b", f"127.0.0.1:{port}",
+        "dashboard": _spawn(["gunicorn", "-c", "python:dashboard.gunicorn_conf", "-w", "2", "-b", f"127.0.0.1:{port}",
                              "--log-level", "warning", "dashboard:create_app()"], env),
     }
     click.echo(f"dashboard: http://127.0.0.1:{port}/   (Ctrl-C stops everything)")

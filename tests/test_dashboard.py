@@ -1,17 +1,196 @@
-"""The first dashboard: read-only pages and JSON (the full dashboard is a later issue)."""
+"""The dashboard through Flask's test client, on a real Redis (and real workers where a
+page shows them): every page and endpoint, refusals, escaping, pagination."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from dashboard import create_app
+from dashboard.security import check_bind
 from tests import apps
+from tests.conftest import wait_for
+
+HOSTILE = "<script>alert('x')</script>"
 
 
-def test_overview_and_api(app, stack):
+@pytest.fixture
+def web(app):
+    return create_app(app, password="pw", token="tok").test_client()
+
+
+def csrf(client, path="/login") -> str:
+    return re.search(r'name="csrf_token" value="([^"]+)"', client.get(path).get_data(as_text=True)).group(1)
+
+
+def login(client) -> str:
+    token = csrf(client)
+    r = client.post("/login", data={"password": "pw", "csrf_token": token, "next": "/running"})
+    assert r.status_code == 302 and r.headers["Location"] == "/running"
+    return csrf(client, "/running")
+
+
+def test_every_page_renders(app, stack, web):
     apps.add.delay(1, 2)
-    web = create_app(app).test_client()
-    page = web.get("/")
-    assert page.status_code == 200 and b"default" in page.data
-    assert web.get("/api/queues").get_json()[0]["pending"] == 1
-    assert web.get("/api/workers").get_json() == []
-    jobs = web.get("/api/jobs?state=pending").get_json()
-    assert jobs[0]["task"] == "tests.apps.add" and jobs[0]["args"] == [1, 2]
+    apps.add.apply_async([1, 2], delay=100)
+    failed = app.enqueue("tests.apps.boom", ["x"])
+    stack.worker("-Q", "nothing", concurrency=1)  # a live worker on another queue
+    wait_for(lambda: web.get("/api/workers").get_json(), what="worker heartbeat")
+    for path in ["/", "/running", "/stuck", "/failed", "/failed?state=killed", "/queues/default",
+                 "/queues/default?state=delayed", "/queues/default?state=completed", "/schedules",
+                 f"/jobs/{failed.id}", "/login", "/?fragment=1", "/running?fragment=1", "/stuck?fragment=1"]:
+        r = web.get(path)
+        assert r.status_code == 200, path
+        assert r.headers["Content-Security-Policy"].startswith("default-src 'self'")
+    page = web.get("/").get_data(as_text=True)
+    assert "default" in page and "alive" in page and "no dispatcher has run" in page
+
+
+def test_json_api(app, stack, web):
+    stack.dispatcher()
+    stack.worker(concurrency=1)
+    job = apps.hold.delay("api", 30)
+    running = wait_for(lambda: web.get("/api/jobs?state=running").get_json(), what="running job")
+    [row] = running
+    for k in ("id", "task", "queue", "state", "stuck", "host", "ip", "pid", "started_at", "max_duration"):
+        assert k in row, k
+    assert row["id"] == job.id and row["state"] == "running" and row["stuck"] is False and row["pid"] > 0
+    d = web.get(f"/api/jobs/{job.id}").get_json()
+    assert d["state"] == "running" and d["timeline"][0]["event"] == "enqueued"
+    q = web.get("/api/queues").get_json()
+    assert q[0]["name"] == "default" and q[0]["running"] == 1
+    w = web.get("/api/workers").get_json()
+    assert w[0]["state"] == "alive" and w[0]["busy"] in (0, 1)
+    wait_for(lambda: web.get("/api/overview").get_json()["dispatchers"], what="a dispatcher pass")
+    assert web.get("/api/schedules").get_json() == []
+    assert web.get("/api/jobs?state=pending&queue=default").get_json() == []
+    assert web.get("/api/jobs?state=pending").status_code == 400
+    assert web.get("/api/jobs/nope").status_code == 404
+    assert web.get("/api/jobs?queue=no-such").status_code == 404
+    app.redis.set(f"{app.settings.prefix}:release:api", 1)
+    job.wait(30)
+
+
+def test_stuck_page_says_why(app, stack, web):
+    stack.worker(concurrency=1)
+    job = app.enqueue("tests.apps.hold", ["st", 30], max_duration=0.2, timeout_policy="flag")
+    wait_for(lambda: job.refresh().data.get("stuck") == "1", what="stuck")
+    page = web.get("/stuck").get_data(as_text=True)
+    assert job.id in page and "ran past its max duration" in page
+    [row] = web.get("/api/jobs?state=stuck").get_json()
+    assert row["stuck"] and row["why"]
+    app.redis.set(f"{app.settings.prefix}:release:st", 1)
+    job.wait(30)
+
+
+def test_hostile_strings_are_escaped(app, web):
+    job = apps.add.apply_async([HOSTILE], {"k": HOSTILE}, queue="q1")
+    app.enqueue("tests.apps.add", [HOSTILE], queue="q1", job_id="x-1")
+    for path in ["/queues/q1", f"/jobs/{job.id}", "/jobs/x-1"]:
+        body = web.get(path).get_data(as_text=True)
+        assert "<script>alert" not in body, path
+    r = web.get("/api/jobs?state=pending&queue=q1")  # JSON, never sniffed as HTML
+    assert r.content_type == "application/json" and r.headers["X-Content-Type-Options"] == "nosniff"
+    assert r.get_json()[0]["args"] == '"<script>alert(\'x\')</script>", "k":"<script>alert(\'x\')</script>"'
+    assert "&lt;script&gt;" in web.get("/queues/q1").get_data(as_text=True)
+    assert web.get("/queues/%3Cscript%3E").status_code == 404
+    assert "<script>" not in web.get("/queues/%3Cscript%3E").get_data(as_text=True)
+
+
+def test_pagination(app, web):
+    jobs = [apps.add.delay(i, 0).id for i in range(120)]
+    page1 = web.get("/queues/default").get_data(as_text=True)
+    page3 = web.get("/queues/default?page=3").get_data(as_text=True)
+    assert jobs[0] in page1 and jobs[49] in page1 and jobs[50] not in page1
+    assert jobs[100] in page3 and jobs[119] in page3 and jobs[99] not in page3
+    assert "page 1 of 3 (120 jobs)" in page1
+    r = web.get("/api/jobs?state=pending&queue=default&page=2")
+    assert [j["id"] for j in r.get_json()] == jobs[50:100] and r.headers["X-Total-Count"] == "120"
+    assert web.get("/queues/default?page=zero").status_code == 400
+    assert web.get("/queues/default?page=0").status_code == 400
+
+
+def test_actions_need_login_and_csrf(app, web):
+    job = apps.add.delay(1, 2)
+    assert web.post(f"/jobs/{job.id}/kill").status_code == 401  # not logged in
+    token = login(web)
+    assert web.post(f"/jobs/{job.id}/kill").status_code == 403  # no CSRF token
+    assert web.post(f"/jobs/{job.id}/kill", data={"csrf_token": "forged"}).status_code == 403
+    r = web.post(f"/jobs/{job.id}/kill", data={"csrf_token": token}, headers={"Sec-Fetch-Site": "cross-site"})
+    assert r.status_code == 403
+    r = web.post(f"/jobs/{job.id}/kill", data={"csrf_token": token}, headers={"Origin": "https://evil.example"})
+    assert r.status_code == 403
+    assert job.state == "pending"
+    r = web.post(f"/jobs/{job.id}/kill", data={"csrf_token": token, "next": "//evil.example/x"},
+                 headers={"Sec-Fetch-Site": "same-origin"})
+    assert r.status_code == 302 and r.headers["Location"] == f"/jobs/{job.id}"
+    assert job.state == "killed"
+    assert job.refresh().data["killed_by"].startswith("admin@")
+    r = web.post(f"/jobs/{job.id}/retry", data={"csrf_token": token})
+    assert r.status_code == 302 and job.state == "pending"
+    assert any("retried by admin@" in e["event"] for e in job.refresh().to_dict()["timeline"])
+    assert web.post(f"/jobs/{job.id}/explode", data={"csrf_token": token}).status_code == 404
+    r = web.post("/queues/default/purge", data={"csrf_token": token})
+    assert r.status_code == 302 and app.redis.llen(app.keys.q("default") + "pending") == 0
+    audit = app.redis.lrange(app.keys.g + "audit", 0, -1)
+    assert any('"what":"purge default' in a for a in audit) and any('"what":"kill' in a for a in audit)
+    assert web.post("/logout", data={"csrf_token": token}).status_code == 302
+    assert web.post(f"/jobs/{job.id}/kill", data={"csrf_token": token}).status_code == 401
+
+
+def test_login_refusals_and_rate_limit(app, web):
+    token = csrf(web)
+    assert web.post("/login", data={"password": "pw"}).status_code == 403  # no CSRF token
+    for _ in range(5):
+        r = web.post("/login", data={"password": "wrong", "csrf_token": token})
+        assert r.status_code == 200 and "wrong password" in r.get_data(as_text=True)
+    assert web.post("/login", data={"password": "pw", "csrf_token": token}).status_code == 429
+    cookie = web.get_cookie("taskrunner_session")
+    assert cookie.http_only and cookie.same_site == "Strict"
+
+
+def test_session_cookie_is_secure_behind_https(app):
+    client = create_app(app, password="pw").test_client()
+    token = csrf(client)
+    r = client.post("/login", data={"password": "pw", "csrf_token": token},
+                    headers={"X-Forwarded-Proto": "https"})
+    assert "Secure" in r.headers["Set-Cookie"] and "HttpOnly" in r.headers["Set-Cookie"]
+
+
+def test_api_actions_need_the_bearer_token(app, web):
+    job = apps.add.delay(1, 2)
+    assert web.post(f"/api/jobs/{job.id}/kill").status_code == 401
+    assert web.post(f"/api/jobs/{job.id}/kill", headers={"Authorization": "Bearer nope"}).status_code == 401
+    r = web.post(f"/api/jobs/{job.id}/kill", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 200 and r.get_json()["done"] and job.state == "killed"
+    r = web.post(f"/api/jobs/{job.id}/requeue", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 409 and not r.get_json()["done"]
+    r = web.post(f"/api/jobs/{job.id}/retry", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 200 and job.state == "pending"
+    r = web.post("/api/queues/default/purge", headers={"Authorization": "Bearer tok"})
+    assert r.get_json() == {"queue": "default", "deleted": 1}
+
+
+def test_read_only_without_password_or_token(app):
+    client = create_app(app, password="", token="").test_client()
+    job = apps.add.delay(1, 2)
+    assert "read-only" in client.get("/").get_data(as_text=True)
+    assert 'data-action="kill"' not in client.get("/queues/default").get_data(as_text=True)
+    assert client.get("/login").status_code == 404
+    assert client.post(f"/jobs/{job.id}/kill").status_code == 403
+    assert client.post(f"/api/jobs/{job.id}/kill", headers={"Authorization": "Bearer x"}).status_code == 403
+    assert job.state == "pending"
+
+
+def test_no_public_bind_without_password():
+    check_bind(["127.0.0.1:5000", "localhost", "[::1]:80", "unix:/tmp/x.sock"], None)
+    check_bind(["0.0.0.0:80"], "pw")
+    for address in ["0.0.0.0:5000", "10.1.2.3", "example.com:80"]:
+        with pytest.raises(SystemExit, match="without a password"):
+            check_bind([address], None)
+
+
+def test_cli_refuses_public_bind(stack):
+    r = stack.cli("dashboard", "--host", "0.0.0.0")
+    assert r.returncode != 0 and "without a password" in r.stderr

@@ -1,0 +1,132 @@
+"""Who may change things, and how we know the request is theirs.
+
+- HTML forms: a login (password from TASKRUNNER_DASHBOARD_PASSWORD) in a signed session
+  cookie (HttpOnly, SameSite=Strict, Secure over HTTPS), a CSRF token per session, and a
+  same-origin check (Sec-Fetch-Site, else Origin).
+- JSON API: `Authorization: Bearer <TASKRUNNER_DASHBOARD_TOKEN>`.
+- Neither configured: read-only.
+All state lives in Redis (the session key, login attempts), so gunicorn workers agree."""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from flask import abort, current_app, request, session
+from flask.sessions import SecureCookieSessionInterface
+
+#: Failed logins allowed per client address per minute; then 429.
+LOGIN_ATTEMPTS = 5
+
+
+class Sessions(SecureCookieSessionInterface):
+    """Secure cookies whenever the request came over HTTPS (behind a proxy too)."""
+
+    def get_cookie_secure(self, app: Any) -> bool:
+        return request.is_secure
+
+
+def secret_key(runner: Any) -> str:
+    """One signing key for every dashboard process, made once and kept in Redis."""
+    key = runner.keys.g + "dashboard:secret"
+    runner.redis.set(key, secrets.token_hex(32), nx=True)
+    return runner.redis.get(key)
+
+
+def csrf_token() -> str:
+    if "csrf" not in session:
+        session["csrf"] = secrets.token_urlsafe(32)
+    return session["csrf"]
+
+
+def same_origin() -> bool:
+    """Browsers say where a request comes from; refuse anything not from this site."""
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None:
+        return site in ("same-origin", "none")
+    origin = request.headers.get("Origin")
+    if origin is not None:
+        return origin == request.host_url.rstrip("/")
+    return True  # no browser signal at all (curl, old browsers): the CSRF token decides
+
+
+def password_ok(password: str) -> bool:
+    expected = current_app.config["TR_PASSWORD"]
+    return bool(expected) and hmac.compare_digest(password.encode(), expected.encode())
+
+
+def login_allowed(runner: Any) -> bool:
+    """Count failed logins per address in Redis; slow brute force to a crawl."""
+    key = f"{runner.keys.g}dashboard:logins:{request.remote_addr}"
+    n = runner.redis.get(key)
+    return n is None or int(n) < LOGIN_ATTEMPTS
+
+
+def login_failed(runner: Any) -> None:
+    key = f"{runner.keys.g}dashboard:logins:{request.remote_addr}"
+    pipe = runner.redis.pipeline(transaction=False)
+    pipe.incr(key).expire(key, 60).execute()
+
+
+def who() -> str:
+    user = "api" if request.headers.get("Authorization") else session.get("user", "?")
+    return f"{user}@{request.remote_addr}"
+
+
+def form_action(view: Callable) -> Callable:
+    """POST from a dashboard form: logged in, same origin, valid CSRF token."""
+
+    @wraps(view)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not current_app.config["TR_PASSWORD"]:
+            abort(403, "the dashboard is read-only: set TASKRUNNER_DASHBOARD_PASSWORD to act")
+        if not session.get("user"):
+            abort(401, "log in first")
+        if not same_origin():
+            abort(403, "cross-site request refused")
+        token = request.form.get("csrf_token", "")
+        if not token or not hmac.compare_digest(token, session.get("csrf", "")):
+            abort(403, "missing or wrong CSRF token: reload the page and try again")
+        return view(*args, **kwargs)
+
+    return wrapper
+
+
+def api_action(view: Callable) -> Callable:
+    """POST to the JSON API: the bearer token."""
+
+    @wraps(view)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        expected = current_app.config["TR_TOKEN"]
+        if not expected:
+            abort(403, "the API is read-only: set TASKRUNNER_DASHBOARD_TOKEN to act")
+        given = request.headers.get("Authorization", "")
+        if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), expected.encode()):
+            abort(401, "missing or wrong bearer token")
+        return view(*args, **kwargs)
+
+    return wrapper
+
+
+def check_bind(addresses: list[str], password: str | None) -> None:
+    """Refuse to serve beyond this machine without a password: job arguments are data."""
+    import ipaddress
+
+    if password:
+        return
+    for address in addresses:
+        if address.startswith("unix:"):
+            continue
+        host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+        if host == "localhost":
+            continue
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise SystemExit(f"refusing to serve the dashboard on {address} without a password: set "
+                             "TASKRUNNER_DASHBOARD_PASSWORD (or bind to 127.0.0.1)")

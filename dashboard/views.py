@@ -1,0 +1,280 @@
+"""Pages and the JSON API. Each page has a JSON twin built from the same read model
+(taskrunner.listing); actions go through the same Job methods as the CLI."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from flask import (
+    Blueprint,
+    abort,
+    current_app,
+    flash,
+    jsonify,
+    redirect,
+    render_template,
+    request,
+    session,
+    url_for,
+)
+
+from taskrunner import codec, listing
+from taskrunner.errors import InvalidName, JobNotFound
+from taskrunner.job import Job
+
+from . import security
+
+log = logging.getLogger("taskrunner.dashboard")
+pages = Blueprint("pages", __name__)
+api = Blueprint("api", __name__, url_prefix="/api")
+PAGE = 50
+ACTIONS = ("kill", "retry", "requeue", "delete")
+FINISHED = ("completed", "failed", "killed")
+
+
+def runner() -> Any:
+    return current_app.config["TR_RUNNER"]
+
+
+def page_arg() -> int:
+    try:
+        page = int(request.args.get("page", "1"))
+    except ValueError:
+        abort(400, "page must be a whole number")
+    if page < 1:
+        abort(400, "page must be 1 or more")
+    return page
+
+
+def queue_arg(name: str | None) -> str | None:
+    if name is None:
+        return None
+    try:
+        codec.check_name("queue", name)
+    except InvalidName as e:
+        abort(404, str(e))
+    if name not in runner().queue_names():
+        abort(404, f"no queue {name!r}")
+    return name
+
+
+def find_job(job_id: str) -> Job:
+    try:
+        return runner().job(job_id)
+    except (JobNotFound, InvalidName) as e:
+        abort(404, str(e))
+
+
+def pager(total: int, page: int) -> dict[str, Any]:
+    pages_ = max(1, -(-total // PAGE))
+    return {"page": page, "pages": pages_, "total": total, "prev": page - 1 if page > 1 else None,
+            "next": page + 1 if page < pages_ else None}
+
+
+def act(job: Job, action: str, who: str) -> tuple[bool, str]:
+    """Carry out an action; (done, message). Logged and kept in an audit list in Redis."""
+    if action == "kill":
+        state = job.kill(who)
+        done, message = state in ("killed", "running"), {
+            "killed": "killed", "running": "kill requested: its worker is stopping it"}.get(state, f"already {state}")
+    elif action == "retry":
+        done = job.retry(who)
+        message = "queued again" if done else "only failed or killed jobs can be retried"
+    elif action == "requeue":
+        done = job.requeue(who)
+        message = "back in line" if done else "only delayed or running jobs can be requeued"
+    else:
+        done = job.delete()
+        message = "deleted" if done else "a running job cannot be deleted: kill it first"
+    audit(f"{action} {job.id} ({job.queue})", who, done)
+    return done, message
+
+
+def audit(what: str, who: str, done: bool) -> None:
+    r = runner()
+    log.warning("dashboard: %s by %s: %s", what, who, "done" if done else "refused")
+    entry = codec.dumps({"at": time.time(), "who": who, "what": what, "done": done})
+    r.redis.pipeline(transaction=False).lpush(r.keys.g + "audit", entry).ltrim(r.keys.g + "audit", 0, 999).execute()
+
+
+# -- pages -----------------------------------------------------------------------------
+
+
+@pages.get("/")
+def overview() -> str:
+    data = listing.overview(runner())
+    return render_template("overview.html" if not request.args.get("fragment") else "_overview.html", **data)
+
+
+@pages.get("/running")
+def running() -> str:
+    page = page_arg()
+    total, rows = listing.running(runner(), None, (page - 1) * PAGE, PAGE)
+    return render_template("running.html" if not request.args.get("fragment") else "_running.html",
+                           rows=rows, pager=pager(total, page), now=listing.server_time(runner()),
+                           title="Running", live=url_for("pages.running", page=page, fragment=1))
+
+
+@pages.get("/stuck")
+def stuck() -> str:
+    page = page_arg()
+    total, rows = listing.running(runner(), None, (page - 1) * PAGE, PAGE, only_stuck=True)
+    return render_template("running.html" if not request.args.get("fragment") else "_running.html",
+                           rows=rows, pager=pager(total, page), now=listing.server_time(runner()),
+                           title="Stuck", live=url_for("pages.stuck", page=page, fragment=1))
+
+
+@pages.get("/failed")
+def failed() -> str:
+    state = request.args.get("state", "failed")
+    if state not in ("failed", "killed"):
+        abort(400, "state must be failed or killed")
+    page = page_arg()
+    total, rows = listing.finished(runner(), state, (page - 1) * PAGE, PAGE)
+    return render_template("jobs.html", rows=rows, pager=pager(total, page), title=state.capitalize(),
+                           state=state, queue=None, now=listing.server_time(runner()))
+
+
+@pages.get("/queues/<name>")
+def queue(name: str) -> str:
+    queue_arg(name)
+    state = request.args.get("state", "pending")
+    if state not in ("pending", "delayed", *FINISHED):
+        abort(400, "state must be pending, delayed, completed, failed or killed")
+    page = page_arg()
+    total, rows = listing.page_of(runner(), name, state, (page - 1) * PAGE, PAGE)
+    return render_template("jobs.html", rows=rows, pager=pager(total, page), title=f"Queue {name}",
+                           state=state, queue=name, now=listing.server_time(runner()))
+
+
+@pages.get("/jobs/<job_id>")
+def job(job_id: str) -> str:
+    j = find_job(job_id)
+    return render_template("job.html", job=j.to_dict(), now=listing.server_time(runner()))
+
+
+@pages.get("/schedules")
+def schedules() -> str:
+    return render_template("schedules.html", schedules=listing.schedules(runner()),
+                           now=listing.server_time(runner()))
+
+
+@pages.route("/login", methods=["GET", "POST"])
+def login() -> Any:
+    if not current_app.config["TR_PASSWORD"]:
+        abort(404, "logins are off: set TASKRUNNER_DASHBOARD_PASSWORD to enable actions")
+    if request.method == "POST":
+        if not security.same_origin():
+            abort(403, "cross-site request refused")
+        if not security.login_allowed(runner()):
+            abort(429, "too many failed logins from your address: wait a minute")
+        token = request.form.get("csrf_token", "")
+        if not token or token != session.get("csrf"):
+            abort(403, "missing or wrong CSRF token: reload the page and try again")
+        if security.password_ok(request.form.get("password", "")):
+            session.clear()
+            session["user"] = "admin"
+            security.csrf_token()
+            log.warning("dashboard: login from %s", request.remote_addr)
+            target = request.form.get("next", "")
+            return redirect(target if target.startswith("/") and not target.startswith("//") else "/")
+        security.login_failed(runner())
+        flash("wrong password")
+    return render_template("login.html", next=request.args.get("next", "/"))
+
+
+@pages.post("/logout")
+@security.form_action
+def logout() -> Any:
+    session.clear()
+    return redirect("/")
+
+
+@pages.post("/jobs/<job_id>/<action>")
+@security.form_action
+def job_action(job_id: str, action: str) -> Any:
+    if action not in ACTIONS:
+        abort(404, f"no action {action!r}")
+    done, message = act(find_job(job_id), action, security.who())
+    flash(f"{job_id}: {message}")
+    back = request.form.get("next", "")
+    return redirect(back if back.startswith("/") and not back.startswith("//") else url_for("pages.job", job_id=job_id))
+
+
+@pages.post("/queues/<name>/purge")
+@security.form_action
+def purge(name: str) -> Any:
+    queue_arg(name)
+    n = runner().purge(name)
+    audit(f"purge {name} ({n} jobs)", security.who(), True)
+    flash(f"queue {name}: {n} pending jobs deleted")
+    return redirect(url_for("pages.queue", name=name))
+
+
+# -- JSON API --------------------------------------------------------------------------
+
+
+@api.get("/overview")
+def api_overview() -> Any:
+    return jsonify(listing.overview(runner()))
+
+
+@api.get("/queues")
+def api_queues() -> Any:
+    return jsonify(listing.overview(runner())["queues"])
+
+
+@api.get("/workers")
+def api_workers() -> Any:
+    return jsonify(listing.workers(runner()))
+
+
+@api.get("/schedules")
+def api_schedules() -> Any:
+    return jsonify(listing.schedules(runner()))
+
+
+@api.get("/jobs")
+def api_jobs() -> Any:
+    state = request.args.get("state", "running")
+    queue_name = queue_arg(request.args.get("queue"))
+    page = page_arg()
+    offset = (page - 1) * PAGE
+    if state in ("running", "stuck"):
+        total, rows = listing.running(runner(), queue_name, offset, PAGE, only_stuck=state == "stuck")
+    elif state in FINISHED and queue_name is None:
+        total, rows = listing.finished(runner(), state, offset, PAGE)
+    elif state in ("pending", "delayed", *FINISHED):
+        if queue_name is None:
+            abort(400, f"state={state} needs queue=NAME")
+        total, rows = listing.page_of(runner(), queue_name, state, offset, PAGE)
+    else:
+        abort(400, "state must be running, stuck, pending, delayed, completed, failed or killed")
+    response = jsonify(rows)
+    response.headers["X-Total-Count"] = str(total)
+    return response
+
+
+@api.get("/jobs/<job_id>")
+def api_job(job_id: str) -> Any:
+    return jsonify(find_job(job_id).to_dict())
+
+
+@api.post("/jobs/<job_id>/<action>")
+@security.api_action
+def api_job_action(job_id: str, action: str) -> Any:
+    if action not in ACTIONS:
+        abort(404, f"no action {action!r}")
+    done, message = act(find_job(job_id), action, security.who())
+    return jsonify({"id": job_id, "action": action, "done": done, "message": message}), 200 if done else 409
+
+
+@api.post("/queues/<name>/purge")
+@security.api_action
+def api_purge(name: str) -> Any:
+    queue_arg(name)
+    n = runner().purge(name)
+    audit(f"purge {name} ({n} jobs)", security.who(), True)
+    return jsonify({"queue": name, "deleted": n})
