@@ -24,3 +24,9 @@ test: setup
 
 clean:
 	rm -rf $(VENV) var .pytest_cache
+
+# taskrunner vs Celery, RQ and Dramatiq on one redis-server (bench/bench.py; ~10 min).
+# Peers go into bench/.venv-peers; results in bench/results/latest.txt.
+# Options through ARGS, e.g.: make bench ARGS=--quick   make bench ARGS="--only taskrunner,rq --json out.json"
+bench: setup
+	$(BIN)/python bench/bench.py $(ARGS)

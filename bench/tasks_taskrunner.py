@@ -2,11 +2,10 @@
 
 import os
 
+from bench import record
 from taskrunner import TaskRunner
 
-from bench import record
-
-app = TaskRunner("bench", redis_url=f"unix://{record.socket_path()}",
+app = TaskRunner("bench", redis_url=os.environ.get("REDIS_URL") or f"unix://{record.socket_path()}",
                  prefix=os.environ.get("TASKRUNNER_PREFIX", "trbench"))
 
 

@@ -1,0 +1,75 @@
+"""Dashboard render times at scale: `python -m bench.dashboard [--pending N] [--running N]`.
+
+Fills a redis-server of its own with N pending jobs and M running ones (held by a live
+worker), then renders each page through the Flask app in-process (no network) and prints
+median and p95 times. A page reads only what it shows, so times should barely move with
+N pending."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import click
+
+from dashboard import create_app
+from taskrunner import TaskRunner, codec, scripts
+from taskrunner.redis_server import RedisServer
+
+PAGES = ["/", "/running", "/api/jobs?state=running", "/stuck", "/queues/default", "/queues/default?page=10000",
+         "/api/queues", "/api/workers"]
+
+
+def fill(app: TaskRunner, pending: int, running: int) -> None:
+    fields = app._fields("bench.noop", [1, "two", {"three": 3}], {"k": "v"}, app._spec_for("bench.noop"))
+    batch = 1000
+    with click.progressbar(length=pending + running, label="enqueueing", file=sys.stderr) as bar:
+        for start in range(0, pending + running, batch):
+            n = min(batch, pending + running - start)
+            app._enqueue_batch("default", [(codec.new_id(), 0, fields) for _ in range(n)])
+            bar.update(n)
+    worker = "bench-worker"
+    scripts.HEARTBEAT(app.redis, [app.keys.g], [worker, codec.dumps({"name": worker, "host": "bench", "pid": 1,
+                                                                    "queues": ["default"], "concurrency": running}),
+                                                  3600])
+    head = codec.dumps({"worker": worker, "host": "bench", "ip": "127.0.0.1"}).decode()[:-1]
+    # The oldest jobs get claimed: claim from the right end, 500 at a time.
+    for start in range(0, running, 500):
+        n = min(500, running - start)
+        scripts.CLAIM(app.redis, [app.keys.q("default")],
+                      [head, worker, "bench", "127.0.0.1", 1, 3600, *range(10000 + start, 10000 + start + n)])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pending", type=int, default=1_000_000)
+    parser.add_argument("--running", type=int, default=2_000)
+    parser.add_argument("--repeat", type=int, default=20)
+    a = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(tmp, appendonly=False) as server:
+        app = TaskRunner("bench", redis_url=server.url, prefix="trdash")
+        t0 = time.monotonic()
+        fill(app, a.pending, a.running)
+        print(f"filled {a.pending:,} pending + {a.running:,} running in {time.monotonic() - t0:.0f} s; "
+              f"Redis used_memory {app.redis.info('memory')['used_memory_human']}")
+        client = create_app(app, password="", token="").test_client()
+        print(f"\n{'page':32} {'median ms':>10} {'p95 ms':>8} {'bytes':>9}")
+        for path in PAGES:
+            times, size = [], 0
+            for _ in range(a.repeat):
+                t = time.perf_counter()
+                r = client.get(path)
+                times.append((time.perf_counter() - t) * 1000)
+                size = len(r.data)
+                assert r.status_code == 200, (path, r.status_code)
+            times.sort()
+            p95 = times[min(len(times) - 1, int(len(times) * 0.95))]
+            print(f"{path:32} {statistics.median(times):>10.1f} {p95:>8.1f} {size:>9,}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
