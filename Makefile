@@ -19,6 +19,7 @@ demo: setup
 	$(BIN)/taskrunner up --demo
 
 test: setup
+	-@sh scripts/ensure-chromium.sh
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 

@@ -5,6 +5,7 @@ and TASKRUNNER_DASHBOARD_TOKEN from the environment (gunicorn: "dashboard:create
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import datetime, timezone
 from typing import Any
@@ -39,7 +40,7 @@ def create_app(runner: TaskRunner | None = None, password: str | None = None, to
     web.register_blueprint(pages)
     web.register_blueprint(api)
     web.jinja_env.globals.update(csrf_token=security.csrf_token, app_name=runner.name)
-    web.jinja_env.filters.update(ago=ago, exact=exact, duration=duration)
+    web.jinja_env.filters.update(ago=ago, exact=exact, duration=duration, json=pretty_json)
 
     @web.context_processor
     def flags() -> dict[str, Any]:
@@ -85,6 +86,11 @@ def duration(seconds: Any) -> str:
     if s < 86400:
         return f"{s / 3600:.1f} h"
     return f"{s / 86400:.1f} d"
+
+
+def pretty_json(value: Any) -> str:
+    """JSON as text for a page (Jinja escapes it); unlike |tojson, < stays readable."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 def exact(t: Any) -> str:
