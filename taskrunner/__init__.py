@@ -7,6 +7,9 @@ from .errors import (
     JobNotFound,
     NotJSONError,
     PayloadTooLarge,
+    QueueClosed,
+    QueueFull,
+    QueueNotFound,
     Reject,
     Retry,
     TaskRunnerError,
@@ -15,4 +18,5 @@ from .errors import (
 from .job import Job
 
 __all__ = ["TaskRunner", "Task", "Job", "JobSpec", "Schedule", "Retry", "Reject", "TaskRunnerError", "JobFailed",
-           "JobNotFound", "NotJSONError", "PayloadTooLarge", "InvalidName", "Timeout"]
+           "JobNotFound", "NotJSONError", "PayloadTooLarge", "InvalidName", "Timeout", "QueueFull", "QueueClosed",
+           "QueueNotFound"]

@@ -6,6 +6,7 @@ import functools
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -16,7 +17,7 @@ from croniter import croniter
 from . import codec, scripts
 from .config import Settings
 from .connection import connect
-from .errors import JobNotFound, PayloadTooLarge, TaskRunnerError
+from .errors import JobNotFound, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from .job import Job
 from .keys import Keys
 
@@ -78,9 +79,10 @@ class Task:
 
     def apply_async(self, args: Iterable = (), kwargs: dict | None = None, *, queue: str | None = None,
                     delay: float | None = None, max_duration: float | None = None, job_id: str | None = None,
-                    retries: int | None = None) -> Job:
+                    retries: int | None = None, block_timeout: float | None = None) -> Job:
         spec = self.spec.merged(queue=queue, max_duration=max_duration, retries=retries)
-        return self.app.enqueue(self.name, args, kwargs, spec=spec, delay=delay, job_id=job_id)
+        return self.app.enqueue(self.name, args, kwargs, spec=spec, delay=delay, job_id=job_id,
+                                block_timeout=block_timeout)
 
 
 class TaskRunner:
@@ -176,26 +178,100 @@ class TaskRunner:
         return t.spec if t else JobSpec()
 
     def enqueue(self, task: str, args: Iterable = (), kwargs: dict | None = None, *, spec: JobSpec | None = None,
-                delay: float | None = None, job_id: str | None = None, **options: Any) -> Job:
+                delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
+                **options: Any) -> Job:
         """Enqueue by task name (the task need not be importable here). Options are those
         of JobSpec (queue, max_duration, retries, ...). With a job_id that exists already
-        nothing is enqueued and the existing job is returned, with .created False."""
+        nothing is enqueued and the existing job is returned, with .created False.
+        Into a full bounded queue it waits up to `block_timeout` seconds (default: the
+        block_timeout setting; 0: not at all) for room, then raises QueueFull."""
         spec = (spec or self._spec_for(task)).merged(**options)
         job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
         fields = self._fields(task, args, kwargs, spec)
         if delay is not None and delay < 0:
             raise ValueError("delay must be >= 0")
-        created = self._enqueue_batch(spec.queue, [(job_id, delay or 0, fields)])[0]
+        wait = self.settings.block_timeout if block_timeout is None else block_timeout
+        deadline = time.monotonic() + wait
+        while True:
+            created = self._enqueue_batch(spec.queue, [(job_id, delay or 0, fields)])[0]
+            if created == -2:
+                raise QueueClosed(f"queue {spec.queue} is closed: it takes no new jobs")
+            if created != -1:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise QueueFull(f"queue {spec.queue} is full (its bound is reached)"
+                                + (f" and had no room within {wait:g}s" if wait else ""))
+            self.redis.brpop([self.keys.q(spec.queue) + "notfull"], timeout=max(0.01, min(left, 1.0)))
         job = Job(self, job_id, spec.queue)
         job.created = bool(created)
         return job
 
-    def _enqueue_batch(self, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> list[int]:
+    def enqueue_many(self, jobs: Iterable[dict[str, Any]], chunk: int = 1000,
+                     progress: Callable[[int], Any] | None = None) -> list[Job]:
+        """Enqueue many jobs, one round trip per `chunk`. Each job is a dict with `task`
+        and optionally args, kwargs, queue, delay, max_duration, retries, id. Never blocks:
+        jobs refused by a full or closed queue raise QueueFull/QueueClosed after the chunk
+        (the jobs before them are enqueued)."""
+        out: list[Job] = []
+        pending: list[tuple[str, str, float, list[Any]]] = []
+
+        def flush() -> None:
+            by_queue: dict[str, list[tuple[str, float, list[Any]]]] = {}
+            for queue, job_id, delay, fields in pending:
+                by_queue.setdefault(queue, []).append((job_id, delay, fields))
+            batch = scripts.Batch(self.redis)
+            for queue, items in by_queue.items():
+                self._queue_enqueue(batch, queue, items)
+            batch.pipe.sadd(self.keys.queues, *by_queue)
+            results = iter(batch.execute())
+            answers = {q: next(results) for q in by_queue}
+            refused = []
+            for queue, items in by_queue.items():
+                for (job_id, _, _), created in zip(items, answers[queue]):
+                    job = Job(self, job_id, queue)
+                    job.created = created == 1
+                    out.append(job)
+                    if created < 0:
+                        refused.append((queue, created))
+                self._known_queues.add(queue)
+            if progress:
+                progress(len(pending))
+            pending.clear()
+            if refused:
+                kind = QueueClosed if any(c == -2 for _, c in refused) else QueueFull
+                raise kind(f"{len(refused)} jobs refused: queue {refused[0][0]} is "
+                           f"{'closed' if kind is QueueClosed else 'full'}")
+
+        for n, spec_ in enumerate(jobs, 1):
+            if not isinstance(spec_, dict) or "task" not in spec_:
+                raise ValueError(f"job {n}: expected an object with a 'task' field")
+            unknown = set(spec_) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "id"}
+            if unknown:
+                raise ValueError(f"job {n}: unknown fields {sorted(unknown)}")
+            spec = self._spec_for(spec_["task"]).merged(queue=spec_.get("queue"), retries=spec_.get("retries"),
+                                                         max_duration=spec_.get("max_duration"))
+            job_id = codec.check_id(spec_["id"]) if spec_.get("id") is not None else codec.new_id()
+            delay = float(spec_.get("delay") or 0)
+            if delay < 0:
+                raise ValueError(f"job {n}: delay must be >= 0")
+            pending.append((spec.queue, job_id, delay,
+                            self._fields(spec_["task"], spec_.get("args") or [], spec_.get("kwargs"), spec)))
+            if len(pending) >= chunk:
+                flush()
+        if pending:
+            flush()
+        return out
+
+    def _queue_enqueue(self, batch: scripts.Batch, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> None:
         args: list[Any] = [len(jobs)]
         for job_id, delay, fields in jobs:
             args += [job_id, delay, len(fields) // 2, *fields]
-        batch = scripts.Batch(self.redis)
         batch.call(scripts.ENQUEUE, [self.keys.q(queue)], args)
+
+    def _enqueue_batch(self, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> list[int]:
+        batch = scripts.Batch(self.redis)
+        self._queue_enqueue(batch, queue, jobs)
         new_queue = queue not in self._known_queues
         if new_queue:
             batch.pipe.sadd(self.keys.queues, queue)

@@ -39,6 +39,8 @@ class Settings:
     max_lost: int = 5  # TASKRUNNER_MAX_LOST
     #: Cap of the exponential retry backoff, seconds.
     retry_backoff_max: float = 600.0  # TASKRUNNER_RETRY_BACKOFF_MAX
+    #: Seconds an enqueue waits for room in a full bounded queue before QueueFull.
+    block_timeout: float = 10.0  # TASKRUNNER_BLOCK_TIMEOUT
     #: Seconds an idle worker blocks in Redis before it looks again anyway.
     idle_block: float = 5.0  # TASKRUNNER_IDLE_BLOCK
 

@@ -135,6 +135,28 @@ class Dispatcher:
         except (psutil.Error, KeyError, ValueError, TypeError):
             return False
 
+    def harvest(self, queues: list[str]) -> dict[str, int]:
+        """Return the running jobs of every worker that is not alive to their queues now
+        (rfq's harvester), without waiting for their deadlines."""
+        now = sum(x / d for x, d in zip(self.redis.time(), (1, 1e6)))
+        alive, _ = self.liveness(now)
+        stats = {"requeued": 0, "failed": 0, "killed": 0}
+        pipe = self.redis.pipeline(transaction=False)
+        for q in queues:
+            pipe.hgetall(self.keys.q(q) + "running")
+        for q, running in zip(queues, pipe.execute()):
+            lost: list[Any] = []
+            for job_id, raw in running.items():
+                try:
+                    entry = codec.loads(raw)
+                    worker, attempt = entry["worker"], str(entry["attempt"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if worker not in alive:
+                    lost += [job_id, attempt, f"harvested: worker {worker} is not alive", worker]
+            self._lose(q, lost, stats)
+        return stats
+
     def _stuck(self, queue: str, job_id: str, attempt: str, stats: dict[str, int]) -> None:
         res = scripts.STUCK(self.redis, [self.keys.q(queue)],
                             [job_id, attempt, time.time() + self.s.stuck_recheck, self.s.bucket_width])

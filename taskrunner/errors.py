@@ -46,3 +46,15 @@ class Retry(Exception):
 
 class Reject(Exception):
     """Raise inside a task to fail the job now, without retries."""
+
+
+class QueueFull(TaskRunnerError):
+    """The queue's bound is reached and no room came within the block timeout."""
+
+
+class QueueClosed(TaskRunnerError):
+    """The queue was closed: it takes no new jobs (queued ones still run)."""
+
+
+class QueueNotFound(TaskRunnerError, LookupError):
+    """No queue of that name."""

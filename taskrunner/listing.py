@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import codec
+from . import codec, queue
 from .app import TaskRunner
 from .job import Job, typed
 
@@ -22,7 +22,8 @@ def queue_stats(app: TaskRunner) -> list[dict[str, Any]]:
         pipe.zcard(p + "completed").zcard(p + "failed").zcard(p + "killed")
     r = pipe.execute()
     fields = ("pending", "delayed", "running", "completed", "failed", "killed")
-    return [{"name": q, **dict(zip(fields, r[i * 6:(i + 1) * 6]))} for i, q in enumerate(names)]
+    return [{"name": q, **dict(zip(fields, r[i * 6:(i + 1) * 6])), **meta}
+            for i, (q, meta) in enumerate(zip(names, queue.settings(app, names)))]
 
 
 def job_ids(app: TaskRunner, queue: str, state: str, limit: int = 50, offset: int = 0) -> list[str]:

@@ -25,6 +25,7 @@ import redis
 from . import codec, scripts
 from .app import TaskRunner
 from .child import child_main
+from .consumer import claim_args
 
 log = logging.getLogger("taskrunner.worker")
 _ctx = multiprocessing.get_context("fork")
@@ -416,9 +417,8 @@ class Worker:
                        [job_id, attempt, time.time() + self.s.stuck_recheck, self.s.bucket_width])
         idle = [c for c in self.children if c.idle] if self.may_claim and not self.stopping else []
         if idle:
-            head = codec.dumps({"worker": self.name, "host": self.host, "ip": self.ip}).decode()[:-1]
-            batch.call(scripts.CLAIM, self.prefixes, [head, self.name, self.host, self.ip, self.s.bucket_width,
-                                                      self.s.max_duration, *(c.pid for c in idle)])
+            batch.call(scripts.CLAIM, self.prefixes,
+                       claim_args(self.app, self.name, self.host, self.ip, [c.pid for c in idle]))
         results = batch.execute()
         self.outbox, self.stuck_marks = {}, []
         for values, acks in zip(outbox.values(), results):

@@ -10,6 +10,8 @@
 --   <p>buckets      ZSET  b -> end time of bucket b, one member per non-empty bucket
 --   <p>delayed      ZSET  id -> time the job becomes due
 --   <p>wake         LIST  0 or 1 token; idle workers BRPOP it
+--   <p>meta         HASH  bound, closed, exclusive; produced_/consumed_ messages and bytes
+--   <p>notfull      LIST  0 or 1 token; producers blocked on a full bounded queue BRPOP it
 --   <p>completed|failed|killed  ZSET  id -> finish time
 --   <p>job:<id>     HASH  the job record; its timeline: run:<n> (the holding entry of
 --                          delivery n) and end:<n> ("<time> <how it ended>")
@@ -56,6 +58,13 @@ local function to_pending(p, id, job, front, extra)
     redis.call('LPUSH', p .. 'pending', id)
   end
   wake(p)
+end
+
+-- A bounded queue with room: leave one token for a producer waiting on it.
+local function signal_room(p, bound)
+  if bound > 0 and redis.call('LLEN', p .. 'pending') < bound and redis.call('LLEN', p .. 'notfull') == 0 then
+    redis.call('LPUSH', p .. 'notfull', '1')
+  end
 end
 
 local function to_delayed(p, id, job, due, extra)

@@ -8,6 +8,8 @@
 -- Per job, the antirez claim: LINDEX the oldest id, SADD it to processing (0: another
 -- claimer owns it), SREM it from items (0: killed or deleted meanwhile), then RPOP it;
 -- record it in the holding hash and its deadline bucket; attempts+1 is the fencing token.
+-- An exclusive queue (meta exclusive = 1) gives a job only while none of it runs.
+-- Counts meta consumed_messages/consumed_bytes; a bounded queue signals room (notfull).
 -- Returns {queue index, id, attempt, task, args, kwargs, max_duration, timeout_policy}*.
 local t = now()
 local width, default_md = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -17,7 +19,13 @@ local n = 0
 for qi = 1, #KEYS do
   local p = KEYS[qi]
   local pending = p .. 'pending'
-  while n < want do
+  local meta = redis.call('HMGET', p .. 'meta', 'bound', 'exclusive')
+  local limit = want
+  if meta[2] == '1' then
+    limit = redis.call('SCARD', p .. 'processing') == 0 and math.min(want, n + 1) or n
+  end
+  local taken, bytes = 0, 0
+  while n < limit do
     local id = redis.call('LINDEX', pending, -1)
     if not id then break end
     local own = redis.call('SADD', p .. 'processing', id)
@@ -34,6 +42,8 @@ for qi = 1, #KEYS do
           'error', 'job record missing or without a task field'})
       else
         n = n + 1
+        taken = taken + 1
+        bytes = bytes + #(f[2] or '') + #(f[3] or '')
         local pid = ARGV[6 + n]
         local attempt = redis.call('HINCRBY', job, 'attempts', 1)
         local md = tonumber(f[4]) or default_md
@@ -50,6 +60,11 @@ for qi = 1, #KEYS do
         out[o + 5], out[o + 6], out[o + 7], out[o + 8] = f[2] or '[]', f[3] or '{}', tostring(md), f[5] or 'kill'
       end
     end
+  end
+  if taken > 0 then
+    redis.call('HINCRBY', p .. 'meta', 'consumed_messages', taken)
+    redis.call('HINCRBY', p .. 'meta', 'consumed_bytes', bytes)
+    signal_room(p, tonumber(meta[1]) or 0)
   end
   if n >= want then
     if redis.call('LLEN', pending) > 0 then wake(p) end

@@ -10,6 +10,7 @@
 --   lost       v1 = why its process died (requeue, or WorkerLost after max_lost)
 -- Returns one integer per job: 1 applied; 0 fenced off (another delivery holds the job);
 -- 2 nothing to do (this delivery was already released, e.g. a retried call).
+-- An exclusive queue with jobs waiting gets a wake token (its next job may run now).
 local p = KEYS[1]
 local ttl, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
 local t = now()
@@ -58,5 +59,8 @@ for i = 3, #ARGV, 7 do
       end
     end
   end
+end
+if redis.call('HGET', p .. 'meta', 'exclusive') == '1' and redis.call('LLEN', p .. 'pending') > 0 then
+  wake(p)
 end
 return out

@@ -1,0 +1,30 @@
+-- Put back jobs delivered longer ago than N seconds, oldest first (RedisRQ's RQ.RECOVER):
+-- released and pending next in line; their next claim counts a new delivery.
+-- KEYS[1]  queue key prefix
+-- ARGV[1]  older than (s)   ARGV[2] at most this many   ARGV[3] who asked
+-- Returns the ids put back.
+local p = KEYS[1]
+local t = now()
+local cutoff = t - tonumber(ARGV[1])
+local due = {}
+local entries = redis.call('HGETALL', p .. 'running')
+for i = 1, #entries, 2 do
+  local ok, e = pcall(cjson.decode, entries[i + 1])
+  local started = ok and tonumber(e.started_at) or 0
+  if started < cutoff then
+    due[#due + 1] = {started, entries[i]}
+  end
+end
+table.sort(due, function(a, b) return a[1] < b[1] end)
+local out = {}
+for i = 1, math.min(#due, tonumber(ARGV[2])) do
+  local id = due[i][2]
+  local job = p .. 'job:' .. id
+  release(p, id, job)
+  redis.call('HINCRBY', job, 'requeues', 1)
+  local ek, ev = ended(redis.call('HGET', job, 'attempts') or '0', t,
+    string.format('recovered by %s (delivered %.0fs before)', ARGV[3], t - due[i][1]))
+  to_pending(p, id, job, true, {'last_requeued_at', fmt(t), ek, ev})
+  out[#out + 1] = id
+end
+return out
