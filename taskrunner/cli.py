@@ -81,7 +81,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("task")
+@click.argument("task", required=False)
 @click.option("--args", "args_json", metavar="JSON_ARRAY", help='Positional arguments, e.g. \'[1, "a"]\'.')
 @click.option("--kwargs", "kwargs_json", metavar="JSON_OBJECT", help='Keyword arguments, e.g. \'{"n": 2}\'.')
 @click.option("-q", "--queue", help="Queue (default: the task's, else 'default').")
@@ -89,19 +89,43 @@ def main() -> None:
 @click.option("--max-duration", type=float, help="Seconds it may run before it is stopped.")
 @click.option("--retries", type=int, help="Retries after failures (exponential backoff).")
 @click.option("--id", "job_id", help="Job id (default: a new time-sortable id). An existing id is not enqueued twice.")
+@click.option("--block-timeout", type=float, help="Into a full bounded queue: wait this long for room "
+              "(0: fail at once; default 10), then fail with QueueFull.")
+@click.option("--from-file", "from_file", type=click.File("r"), metavar="JOBS.jsonl",
+              help='Enqueue many: one JSON object a line, {"task": ..., "args": [...], "kwargs": {...}, '
+              '"queue": ..., "delay": s, "max_duration": s, "id": ...}; "-" reads stdin. One round trip '
+              "per 1,000 jobs; prints one id a line.")
 @common
-def enqueue(task: str, args_json: str | None, kwargs_json: str | None, queue: str | None, delay: float | None,
-            max_duration: float | None, retries: int | None, job_id: str | None, app_spec: str | None,
-            redis_url: str | None) -> None:
+def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, queue: str | None,
+            delay: float | None, max_duration: float | None, retries: int | None, job_id: str | None,
+            block_timeout: float | None, from_file: Any, app_spec: str | None, redis_url: str | None) -> None:
     """Enqueue TASK by name; prints the job id alone."""
     app = _app(app_spec, redis_url)
+    if from_file is not None:
+        return _enqueue_file(app, from_file)
+    if not task:
+        raise click.UsageError("give a TASK, or --from-file")
     args = _json_arg(args_json, list, "--args")
     kwargs = _json_arg(kwargs_json, dict, "--kwargs")
     job = app.enqueue(task, args, kwargs, queue=queue, delay=delay, max_duration=max_duration,
-                      retries=retries, job_id=job_id)
+                      retries=retries, job_id=job_id, block_timeout=block_timeout)
     if not job.created:
         click.echo(f"job {job.id} exists already; not enqueued again", err=True)
     click.echo(job.id)
+
+
+def _enqueue_file(app: TaskRunner, f: Any) -> None:
+    specs = []
+    for n, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            specs.append(json.loads(line))
+        except ValueError as e:
+            raise click.ClickException(f"line {n}: not valid JSON ({e})") from None
+    with click.progressbar(length=len(specs), label="enqueueing", file=sys.stderr) as bar:
+        jobs = app.enqueue_many(specs, progress=bar.update)
+    click.echo("\n".join(j.id for j in jobs))
 
 
 @main.command()
@@ -183,14 +207,18 @@ def jobs(queue: str | None, state: str | None, limit: int, offset: int, as_json:
 @click.option("--json", "as_json", is_flag=True)
 @common
 def queues(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
-    """Every queue with its counts (finished counts cover the result TTL)."""
+    """Every queue (topic) with its counts, counters and settings. Finished counts cover
+    the result TTL; produced/consumed count messages since the queue was created."""
     stats = listing.queue_stats(_app(app_spec, redis_url))
     if as_json:
         return _emit(stats)
-    cols = ("pending", "delayed", "running", "completed", "failed", "killed")
-    click.echo(f"{'QUEUE':20}" + "".join(f"{c.upper():>11}" for c in cols))
+    cols = ("pending", "delayed", "running", "completed", "failed", "killed", "produced_messages",
+            "consumed_messages")
+    click.echo(f"{'QUEUE':20}" + "".join(f"{c.split('_')[0].upper():>11}" for c in cols) + "  SETTINGS")
     for s in stats:
-        click.echo(f"{s['name']:20}" + "".join(f"{s[c]:>11}" for c in cols))
+        flags = " ".join(f for f, on in (("bound=" + str(s["bound"]), s["bound"]), ("closed", s["closed"]),
+                                         ("exclusive", s["exclusive"])) if on)
+        click.echo(f"{s['name']:20}" + "".join(f"{s[c]:>11}" for c in cols) + f"  {flags}")
 
 
 @main.command()
@@ -287,3 +315,200 @@ def up(demo: bool, concurrency: int, port: int, exit_after: bool, app_spec: str 
         raise click.UsageError("give your app with -A module, or try --demo")
     sys.exit(run_stack(app_spec or "taskrunner.demo:app", redis_url, concurrency, port, demo, exit_after))
 
+
+
+@main.group()
+def queue() -> None:
+    """Create, close or delete a queue (bounded, exclusive); see also `queues`."""
+
+
+@queue.command("create")
+@click.argument("name")
+@click.option("--bound", type=int, default=0, show_default=True,
+              help="Most pending jobs; producers then wait for room (0: no bound).")
+@click.option("--exclusive", is_flag=True, help="At most one job of the queue runs at a time, in order.")
+@common
+def queue_create(name: str, bound: int, exclusive: bool, app_spec: str | None, redis_url: str | None) -> None:
+    """Create queue NAME, or change its bound and exclusivity."""
+    from . import queue as queues
+
+    queues.create(_app(app_spec, redis_url), name, bound, exclusive)
+    click.echo(f"queue {name}: bound {bound or 'none'}{', exclusive' if exclusive else ''}")
+
+
+@queue.command("close")
+@click.argument("name")
+@common
+def queue_close(name: str, app_spec: str | None, redis_url: str | None) -> None:
+    """Take no new jobs (enqueue fails with QueueClosed); queued jobs still run."""
+    from . import queue as queues
+
+    queues.close(_app(app_spec, redis_url), name)
+    click.echo(f"queue {name}: closed")
+
+
+@queue.command("delete")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Even while jobs of it run (their results are then dropped).")
+@common
+def queue_delete(name: str, force: bool, app_spec: str | None, redis_url: str | None) -> None:
+    """Remove every key of queue NAME: its jobs, records and counters."""
+    from . import queue as queues
+
+    n = queues.delete(_app(app_spec, redis_url), name, force)
+    click.echo(f"queue {name}: deleted ({n} keys)")
+
+
+@queue.command("info")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True)
+@common
+def queue_info(name: str, as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
+    """Whether queue NAME exists, its length, settings and counters (exit 1 if it does not exist)."""
+    app = _app(app_spec, redis_url)
+    found = [s for s in listing.queue_stats(app) if s["name"] == name]
+    if not found:
+        click.echo(f"no queue {name}", err=True)
+        sys.exit(1)
+    if as_json:
+        return _emit(found[0])
+    for k, v in found[0].items():
+        click.echo(f"{k:>18}  {v}")
+
+
+@main.command()
+@click.option("-q", "--queue", "queue_name", required=True)
+@click.option("--yes", is_flag=True, help="Do not ask.")
+@common
+def purge(queue_name: str, yes: bool, app_spec: str | None, redis_url: str | None) -> None:
+    """Delete every pending job of a queue (running, delayed and finished ones stay)."""
+    app = _app(app_spec, redis_url)
+    total = app.redis.llen(app.keys.q(queue_name) + "pending")
+    if not yes and sys.stdin.isatty():
+        click.confirm(f"delete {total} pending jobs of {queue_name}?", abort=True)
+    with click.progressbar(length=total, label="purging", file=sys.stderr) as bar:
+        n = app.purge(queue_name, progress=bar.update)
+    click.echo(f"{n} pending jobs deleted from {queue_name}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("-q", "--queue", "queue_list", required=True, help="Queues in priority order, comma-separated.")
+@click.option("--timeout", type=float, default=0, show_default=True, help="Wait this long for a job (exit 2 if none).")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@common
+def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec: str | None,
+            redis_url: str | None) -> None:
+    """Take one job from the shell. With `-- CMD ...`, CMD gets the job as JSON on stdin;
+    exit 0 acks it (CMD's stdout, JSON if it parses, is the result), anything else fails
+    it. Without CMD the job's JSON is printed and acked. Exit: CMD's code, 2 if no job."""
+    import subprocess
+    import threading
+
+    from .consumer import Consumer
+
+    app = _app(app_spec, redis_url)
+    c = Consumer(app, [q.strip() for q in queue_list.split(",") if q.strip()])
+    [delivery] = c.claim(1, block=timeout) or [None]
+    if delivery is None:
+        click.echo("no job", err=True)
+        sys.exit(2)
+    payload = json.dumps(delivery.to_dict())
+    if not command:
+        click.echo(payload)
+        c.ack([delivery])
+        return c.close()
+    done = threading.Event()
+
+    def beat() -> None:  # keep the job ours while CMD runs
+        while not done.wait(app.settings.heartbeat):
+            c.heartbeat(busy=1)
+
+    threading.Thread(target=beat, daemon=True).start()
+    try:
+        proc = subprocess.run(list(command), input=payload, capture_output=True, text=True)
+    except OSError as e:
+        proc = subprocess.CompletedProcess(command, 127, "", str(e))
+    finally:
+        done.set()
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    if proc.returncode == 0:
+        try:
+            result = json.loads(proc.stdout) if proc.stdout.strip() else None
+        except ValueError:
+            result = proc.stdout
+        acked = c.ack([delivery], [result])[0]
+    else:
+        acked = c.fail(delivery, "CommandFailed", f"{' '.join(command)} exited {proc.returncode}",
+                       proc.stderr[-4000:])
+    if not acked:
+        click.echo(f"job {delivery.id} was requeued or killed meanwhile: this outcome was not recorded", err=True)
+    c.close()
+    sys.exit(proc.returncode)
+
+
+@main.command()
+@click.option("-q", "--queue", "queue_list", help="Queues, comma-separated (default: all).")
+@common
+def harvest(queue_list: str | None, app_spec: str | None, redis_url: str | None) -> None:
+    """Return the running jobs of dead workers to their queues now."""
+    from .dispatcher import Dispatcher
+
+    app = _app(app_spec, redis_url)
+    qs = [q for q in queue_list.split(",") if q] if queue_list else app.queue_names()
+    stats = Dispatcher(app).harvest(qs)
+    click.echo(" ".join(f"{k}={v}" for k, v in stats.items()))
+
+
+def _seconds(value: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        return float(value[:-1]) * units[value[-1]] if value and value[-1] in units else float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected seconds, or e.g. 90s, 5m, 2h") from None
+
+
+@main.command()
+@click.option("-q", "--queue", "queue_name", required=True)
+@click.option("--older-than", required=True, help="Put back jobs delivered longer ago than this (e.g. 60s, 5m).")
+@click.option("--count", type=int, default=1000, show_default=True, help="At most this many.")
+@common
+def recover(queue_name: str, older_than: str, count: int, app_spec: str | None, redis_url: str | None) -> None:
+    """Put running jobs delivered too long ago back in line (whatever their workers do);
+    their next delivery is counted. Prints the ids."""
+    import socket
+
+    from . import codec, scripts
+
+    app = _app(app_spec, redis_url)
+    codec.check_name("queue", queue_name)
+    ids = scripts.RECOVER(app.redis, [app.keys.q(queue_name)],
+                          [_seconds(older_than), count, f"{socket.gethostname()}:{os.getpid()}"])
+    click.echo("\n".join(ids) if ids else "nothing to recover")
+
+
+@main.command()
+@click.option("-q", "--queue", "queue_name", required=True)
+@click.option("--running", is_flag=True, help="In-flight jobs instead of waiting ones.")
+@click.option("--limit", type=int, default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@common
+def inspect(queue_name: str, running: bool, limit: int, as_json: bool, app_spec: str | None,
+            redis_url: str | None) -> None:
+    """Jobs with their delivery count, last delivery time and age."""
+    app = _app(app_spec, redis_url)
+    now = listing.server_time(app)
+    if running:
+        _, rows = listing.running(app, queue_name, 0, limit)
+        out = [{"id": r["id"], "task": r["task"], "deliveries": r["attempt"], "last_delivery": r["started_at"],
+                "age": round(now - r["started_at"], 3), "worker": r["worker"], "pid": r["pid"]} for r in rows]
+    else:
+        _, rows = listing.page_of(app, queue_name, "pending", 0, limit)
+        out = [{"id": r["id"], "task": r["task"], "deliveries": r["attempts"] or 0,
+                "last_delivery": r["started_at"], "age": round(now - (r["enqueued_at"] or now), 3)} for r in rows]
+    if as_json:
+        return _emit(out)
+    click.echo(f"{'ID':26}  {'TASK':30} {'DELIVERIES':>10}  {'LAST DELIVERY':19}  {'AGE':>9}")
+    for r in out:
+        click.echo(f"{r['id']:26}  {(r['task'] or '?')[:30]:30} {r['deliveries']:>10}  {_ts(r['last_delivery']):19}  "
+                   f"{r['age']:>8.1f}s")

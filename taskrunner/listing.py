@@ -110,7 +110,7 @@ def running(app: TaskRunner, queue: str | None = None, offset: int = 0, limit: i
             rows.append({"id": job_id, "queue": q, "worker": e.get("worker"), "host": e.get("host"),
                          "ip": e.get("ip"), "pid": e.get("pid"), "started_at": e.get("started_at") or 0,
                          "max_duration": e.get("max_duration") or 0, "attempt": e.get("attempt")})
-    rows.sort(key=lambda r: r["started_at"])
+    rows.sort(key=lambda r: (r["started_at"], r["id"]))  # ids sort by creation too
     alive = live_workers(app, now)
     if only_stuck:
         flags = _hmget(app, rows, "stuck")
@@ -154,7 +154,7 @@ def page_of(app: TaskRunner, queue: str, state: str, offset: int = 0, limit: int
     total = (app.redis.llen(p + "pending") if state == "pending" else app.redis.zcard(p + state))
     ids = job_ids(app, queue, state, limit, offset)
     rows = [{"id": i, "queue": queue} for i in ids]
-    fields = ("task", "args", "kwargs", "state", "enqueued_at", "due_at", "finished_at", "attempts",
+    fields = ("task", "args", "kwargs", "state", "enqueued_at", "due_at", "started_at", "finished_at", "attempts",
               "error_type", "error", "worker")
     return total, _fill(app, rows, fields)
 

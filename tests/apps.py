@@ -96,6 +96,18 @@ def high(key: str) -> int:
 
 
 
+@app.task(queue="solo")
+def exclusive_probe(i: int) -> int:
+    """Counts how many of these run at once (the queue is exclusive: never more than 1)."""
+    p = app.settings.prefix
+    now_running = app.redis.incr(f"{p}:probe:running")
+    app.redis.rpush(f"{p}:probe:order", i)
+    app.redis.rpush(f"{p}:probe:max", now_running)
+    time.sleep(0.05)
+    app.redis.decr(f"{p}:probe:running")
+    return i
+
+
 @app.task
 def nap(seconds: float) -> float:
     time.sleep(seconds)

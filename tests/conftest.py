@@ -102,8 +102,10 @@ def app(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> TaskRunne
     prefix = f"t{os.getpid()}x{next(_prefixes)}"
     for k, v in FAST.items():
         monkeypatch.setenv(k, v)
+    from taskrunner.config import Settings
     from tests import apps
 
+    apps.app.settings = Settings.from_env()  # the same fast settings as the processes started
     apps.app.configure(redis_url=redis_server.url, prefix=prefix)
     return apps.app
 

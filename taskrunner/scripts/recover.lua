@@ -15,7 +15,7 @@ for i = 1, #entries, 2 do
     due[#due + 1] = {started, entries[i]}
   end
 end
-table.sort(due, function(a, b) return a[1] < b[1] end)
+table.sort(due, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
 local out = {}
 for i = 1, math.min(#due, tonumber(ARGV[2])) do
   local id = due[i][2]

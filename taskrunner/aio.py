@@ -1,0 +1,112 @@
+"""An asyncio client: enqueue, wait for and look up jobs from asyncio applications.
+Jobs run in ordinary workers; this only talks to Redis (redis.asyncio), through the same
+scripts and record format as the synchronous API.
+
+    from taskrunner.aio import AsyncClient
+    client = AsyncClient(app)                  # app: your TaskRunner (its settings, tasks)
+    job_id = await client.enqueue("shop.send", ["a@b.c", "hi"], queue="emails")
+    result = await client.wait(job_id, timeout=10)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+
+from . import codec, scripts
+from .app import TaskRunner
+from .errors import JobFailed, JobNotFound, QueueClosed, QueueFull, Timeout
+from .job import FINAL, Job
+
+
+class AsyncClient:
+    def __init__(self, app: TaskRunner, redis: aioredis.Redis | None = None):
+        self.app, self.keys = app, app.keys
+        self.redis = redis or aioredis.Redis.from_url(app.settings.redis_url or "redis://127.0.0.1:6379/0",
+                                                      decode_responses=True)
+
+    async def _script(self, script: scripts.Script, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await self.redis.script_load(script.source)
+            return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+
+    async def enqueue(self, task: str, args: list | tuple = (), kwargs: dict | None = None, *,
+                      delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
+                      **options: Any) -> str:
+        """Enqueue by task name; returns the job id. Same options and errors as
+        TaskRunner.enqueue (QueueFull after block_timeout, QueueClosed, NotJSONError...)."""
+        spec = self.app._spec_for(task).merged(**options)
+        job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
+        fields = self.app._fields(task, args, kwargs, spec)
+        prefix = self.keys.q(spec.queue)
+        wait = self.app.settings.block_timeout if block_timeout is None else block_timeout
+        deadline = time.monotonic() + wait
+        while True:
+            [created] = await self._script(scripts.ENQUEUE, [prefix],
+                                           [1, job_id, delay or 0, len(fields) // 2, *fields])
+            if created == -2:
+                raise QueueClosed(f"queue {spec.queue} is closed")
+            if created != -1:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise QueueFull(f"queue {spec.queue} is full")
+            await self.redis.brpop([prefix + "notfull"], timeout=max(0.01, min(left, 1.0)))
+        await self.redis.sadd(self.keys.queues, spec.queue)
+        return job_id
+
+    async def _queue_of(self, job_id: str) -> str:
+        queues = sorted(await self.redis.smembers(self.keys.queues))
+        for q in queues:
+            if await self.redis.exists(self.keys.job(q, job_id)):
+                return q
+        raise JobNotFound(f"no job {job_id}")
+
+    async def job(self, job_id: str) -> dict[str, Any]:
+        """The job's record, as `taskrunner status --json` shows it."""
+        q = await self._queue_of(job_id)
+        data = await self.redis.hgetall(self.keys.job(q, job_id))
+        if not data:
+            raise JobNotFound(f"no job {job_id}")
+        return Job(self.app, job_id, q, data).to_dict()
+
+    async def wait(self, job_id: str, timeout: float | None = None) -> Any:
+        """The job's result once it ends (JobFailed if it failed or was killed, Timeout);
+        blocks in Redis (BLPOP), as Job.wait does."""
+        q = await self._queue_of(job_id)
+        prefix = self.keys.q(q)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            state = await self._script(scripts.WATCH, [prefix], [job_id])
+            if not state:
+                raise JobNotFound(f"no job {job_id}")
+            if state in FINAL:
+                d = await self.job(job_id)
+                if state == "completed":
+                    return d.get("result")
+                raise JobFailed(job_id, state, d.get("error_type") or "Error", d.get("error") or "",
+                                d.get("traceback") or "")
+            left = 5.0 if deadline is None else min(5.0, deadline - time.monotonic())
+            if left <= 0:
+                raise Timeout(f"job {job_id} still {state} after {timeout}s")
+            await self.redis.blpop([f"{prefix}notify:{job_id}"], timeout=max(left, 0.01))
+
+    async def kill(self, job_id: str, who: str = "aio") -> str:
+        q = await self._queue_of(job_id)
+        state, *rest = await self._script(scripts.KILL, [self.keys.q(q)], [job_id, who, self.app.settings.result_ttl])
+        if state == "running" and rest[0]:
+            key = self.keys.control(rest[0])
+            await self.redis.lpush(key, codec.dumps({"kill": job_id, "attempt": int(rest[1]), "reason": "killed"}))
+            await self.redis.expire(key, 3600)
+        return state
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+__all__ = ["AsyncClient"]

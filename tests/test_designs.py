@@ -1,0 +1,254 @@
+"""Every capability taken from the reference designs (shared/seeds), one test each; the
+feature table in README.md points here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+
+import pytest
+
+from taskrunner import JobFailed, QueueClosed, QueueFull, TaskRunnerError, queue
+from taskrunner.aio import AsyncClient
+from taskrunner.consumer import Consumer
+from tests import apps
+from tests.conftest import wait_for
+
+# -- pressure: bounded, closed, exclusive queues, counters, identities -----------------
+
+
+def blocked_on(app, key: str) -> bool:
+    return any(c.get("cmd") == "brpop" for c in app.redis.client_list())
+
+
+def test_bounded_queue_blocks_producers_then_fails(app, stack):
+    queue.create(app, "b", bound=2)
+    apps.add.apply_async([1, 1], queue="b")
+    apps.add.apply_async([2, 2], queue="b")
+    with pytest.raises(QueueFull):
+        apps.add.apply_async([3, 3], queue="b", block_timeout=0)
+    with pytest.raises(QueueFull, match="within 0.2s"):
+        apps.add.apply_async([3, 3], queue="b", block_timeout=0.2)
+    r = stack.cli("enqueue", "tests.apps.add", "-q", "b", "--block-timeout", "0")
+    assert r.returncode == 1 and "is full" in r.stderr
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(apps.add.apply_async([4, 4], queue="b", block_timeout=60)))
+    t.start()
+    wait_for(lambda: blocked_on(app, "notfull"), what="the producer to block in Redis")
+    assert not done
+    [d] = Consumer(app, ["b"]).claim(1)  # a consumer takes one: room for the blocked producer
+    t.join(30)
+    assert done and done[0].created and app.redis.llen(app.keys.q("b") + "pending") == 2
+    assert d.args == [1, 1]
+
+
+def test_closed_queue_refuses_new_jobs_and_runs_queued_ones(app, stack):
+    queued = apps.add.apply_async([1, 2], queue="c")
+    queue.close(app, "c")
+    with pytest.raises(QueueClosed):
+        apps.add.apply_async([1, 2], queue="c")
+    r = stack.cli("enqueue", "tests.apps.add", "-q", "c")
+    assert r.returncode == 1 and "closed" in r.stderr
+    stack.worker("-Q", "c")
+    assert queued.wait(30) == 3
+    assert stack.cli("queue", "close", "nope").returncode == 1
+
+
+def test_delete_queue_removes_every_key(app, stack):
+    c = Consumer(app, ["d"])
+    for i in range(5):
+        apps.add.apply_async([i, i], queue="d")
+    apps.add.apply_async([9, 9], queue="d", delay=100)
+    c.claim(1)
+    with pytest.raises(TaskRunnerError, match="running"):
+        queue.delete(app, "d")
+    r = stack.cli("queue", "delete", "d")
+    assert r.returncode == 1 and "running" in r.stderr
+    assert stack.cli("queue", "delete", "d", "--force", check=True).stdout.startswith("queue d: deleted")
+    assert list(app.redis.scan_iter(match=app.keys.q("d") + "*")) == []
+    assert "d" not in app.queue_names()
+    assert stack.cli("queue", "info", "d").returncode == 1
+
+
+def test_exclusive_queue_runs_one_job_at_a_time_in_order(app, stack):
+    assert "exclusive" in stack.cli("queue", "create", "solo", "--exclusive", check=True).stdout
+    jobs = [apps.exclusive_probe.delay(i) for i in range(8)]
+    stack.worker("-Q", "solo", concurrency=2)
+    stack.worker("-Q", "solo", concurrency=2)
+    assert [j.wait(60) for j in jobs] == list(range(8))
+    p = app.settings.prefix
+    assert set(app.redis.lrange(f"{p}:probe:max", 0, -1)) == {"1"}  # never two at once
+    assert app.redis.lrange(f"{p}:probe:order", 0, -1) == [str(i) for i in range(8)]  # FIFO
+
+
+def test_counters_settings_and_identities(app, stack):
+    stack.cli("queue", "create", "cnt", "--bound", "100", check=True)
+    jobs = [apps.add.apply_async([i, "xy"], queue="cnt") for i in range(3)]
+    c = Consumer(app, ["cnt"], name="counter-consumer")
+    got = c.claim(2)
+    [q] = [q for q in json.loads(stack.cli("queues", "--json", check=True).stdout) if q["name"] == "cnt"]
+    size = len('[0,"xy"]') + len("{}")
+    assert (q["produced_messages"], q["produced_bytes"]) == (3, 3 * size)
+    assert (q["consumed_messages"], q["consumed_bytes"]) == (2, 2 * size)
+    assert (q["bound"], q["closed"], q["exclusive"]) == (100, False, False)
+    assert "bound=100" in stack.cli("queues", check=True).stdout
+    d = jobs[0].refresh().to_dict()
+    host, pid, thread = d["producer"].split(":")
+    assert (pid, thread) == (str(os.getpid()), str(threading.get_ident()))
+    assert (d["worker"], d["host"], d["pid"]) == ("counter-consumer", host, os.getpid())
+    assert c.ack(got) == [True, True]
+
+
+# -- rfq: topics, backlog and in-flight, purge, publish, consume, harvest ---------------
+
+
+def test_topics_backlog_inflight_and_purge(app, stack):
+    ids = [stack.cli("enqueue", "tests.apps.add", "-q", "t", "--args", f"[{i}, 1]", check=True).stdout.strip()
+           for i in range(4)]
+    Consumer(app, ["t"]).claim(1)
+    assert "t" in stack.cli("queues", check=True).stdout
+    backlog = json.loads(stack.cli("jobs", "-q", "t", "--state", "pending", "--json", check=True).stdout)
+    inflight = json.loads(stack.cli("jobs", "-q", "t", "--state", "running", "--json", check=True).stdout)
+    assert [j["id"] for j in backlog] == ids[1:] and [j["id"] for j in inflight] == ids[:1]
+    r = stack.cli("purge", "-q", "t", "--yes", check=True)
+    assert "3 pending jobs deleted" in r.stdout
+    assert json.loads(stack.cli("jobs", "-q", "t", "--state", "pending", "--json", check=True).stdout) == []
+
+
+def test_consume_from_the_shell(app, stack):
+    double = [sys.executable, "-c", "import sys, json; print(json.dumps(json.load(sys.stdin)['args'][0] * 2))"]
+    job = apps.add.delay(21, 0)
+    r = stack.cli("consume", "-q", "default", "--", *double)
+    assert r.returncode == 0 and r.stdout.strip() == "42"
+    assert job.refresh().to_dict()["result"] == 42 and job.state == "completed"
+    bad = apps.add.delay(1, 0)
+    r = stack.cli("consume", "-q", "default", "--", sys.executable, "-c", "import sys; sys.exit(3)")
+    assert r.returncode == 3
+    assert bad.refresh().data["error_type"] == "CommandFailed" and bad.state == "failed"
+    plain = apps.add.delay(5, 6)
+    r = stack.cli("consume", "-q", "default")
+    assert json.loads(r.stdout)["args"] == [5, 6] and plain.state == "completed"
+    assert stack.cli("consume", "-q", "default", "--timeout", "0.2").returncode == 2
+
+
+def test_harvest_returns_dead_consumers_jobs(app, stack):
+    job = apps.add.delay(1, 1)
+    p = stack.spawn("consume", "-q", "default", "--", "sleep", "60")
+    wait_for(lambda: job.refresh().data.get("state") == "running", what="the consumer to take it")
+    os.killpg(p.pid, signal.SIGKILL)
+    wait_for(lambda: "requeued=1" in stack.cli("harvest", "-q", "default", check=True).stdout,
+             what="harvest once the consumer's heartbeat expired")
+    d = job.refresh().to_dict()
+    assert d["state"] == "pending" and "harvested" in d["last_lost_reason"]
+
+
+# -- RedisRQ: push many, pop COUNT from several queues with BLOCK, ack many, recover, inspect
+
+
+def test_enqueue_many_and_from_file(app, stack, tmp_path):
+    jobs = app.enqueue_many([{"task": "tests.apps.add", "args": [i, 1], "queue": "m1" if i % 2 else "m2"}
+                             for i in range(2500)])
+    assert len(jobs) == 2500 and all(j.created for j in jobs)
+    assert app.redis.llen(app.keys.q("m1") + "pending") == 1250
+    lines = [json.dumps({"task": "tests.apps.add", "args": [i, 2], "kwargs": {}, "queue": "f", "delay": 0,
+                         "max_duration": 5, "id": f"file-{i}"}) for i in range(30)]
+    path = tmp_path / "jobs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    r = stack.cli("enqueue", "--from-file", str(path), check=True)
+    assert r.stdout.split() == [f"file-{i}" for i in range(30)]
+    assert app.job("file-7").to_dict()["max_duration"] == 5
+    path.write_text(lines[0] + "\n{oops\n")
+    r = stack.cli("enqueue", "--from-file", str(path))
+    assert r.returncode == 1 and "line 2" in r.stderr
+    with pytest.raises(ValueError, match="job 1: unknown fields"):
+        app.enqueue_many([{"task": "tests.apps.add", "priority": 1}])
+
+
+def test_claim_count_from_several_queues_with_block(app):
+    c = Consumer(app, ["hi", "lo"])
+    lo = [apps.add.apply_async([i, 0], queue="lo").id for i in range(3)]
+    hi = [apps.add.apply_async([i, 0], queue="hi").id for i in range(2)]
+    got = c.claim(4)
+    assert [(d.queue, d.id) for d in got] == [("hi", hi[0]), ("hi", hi[1]), ("lo", lo[0]), ("lo", lo[1])]
+    assert len(c.claim(5)) == 1 and c.claim(5, block=0.2) == []
+    later: list = []
+    t = threading.Thread(target=lambda: later.extend(c.claim(1, block=30)))
+    t.start()
+    wait_for(lambda: blocked_on(app, "wake"), what="the claim to block in Redis")
+    job = apps.add.apply_async([7, 7], queue="lo")
+    t.join(30)
+    assert [d.id for d in later] == [job.id]
+
+
+def test_ack_many_says_which_were_acked(app, stack):
+    c = Consumer(app, ["default"])
+    for i in range(3):
+        apps.add.delay(i, 0)
+    got = c.claim(3)
+    assert app.job(got[0].id).requeue("test")  # put back meanwhile (as recover or an operator would)
+    assert c.ack(got, [0, 1, 2]) == [False, True, True]
+    assert app.job(got[0].id).data["state"] == "pending"
+
+
+def test_recover_and_inspect(app, stack):
+    c = Consumer(app, ["default"])
+    jobs = [apps.add.delay(i, 0) for i in range(3)]
+    c.claim(2)
+    insp = json.loads(stack.cli("inspect", "-q", "default", "--running", "--json", check=True).stdout)
+    assert [(r["id"], r["deliveries"]) for r in insp] == [(jobs[0].id, 1), (jobs[1].id, 1)]
+    assert all(r["age"] >= 0 and r["last_delivery"] for r in insp)
+    assert stack.cli("recover", "-q", "default", "--older-than", "1h", check=True).stdout.strip() == \
+        "nothing to recover"
+    r = stack.cli("recover", "-q", "default", "--older-than", "0s", "--count", "1", check=True)
+    assert r.stdout.split() == [jobs[0].id]
+    again = c.claim(1)
+    assert again[0].id == jobs[0].id and again[0].attempt == "2"  # the delivery count went up
+    pend = json.loads(stack.cli("inspect", "-q", "default", "--json", check=True).stdout)
+    assert [(r["id"], r["deliveries"]) for r in pend] == [(jobs[2].id, 0)]
+    assert "ID" in stack.cli("inspect", "-q", "default", check=True).stdout
+    assert stack.cli("recover", "-q", "default", "--older-than", "soon").returncode == 2
+
+
+# -- torrelque: results for a TTL, per-job counters, asyncio client ---------------------
+
+
+def test_results_expire_after_their_ttl(app, stack):
+    stack.worker(env={"TASKRUNNER_RESULT_TTL": "1"})
+    job = apps.add.delay(1, 1)
+    assert job.wait(30) == 2
+    wait_for(lambda: not app.redis.exists(app.keys.job("default", job.id)), what="the result to expire")
+
+
+def test_per_job_counters_in_status(app, stack):
+    stack.worker()
+    stack.dispatcher()
+    job = apps.requeue_me.delay("cnt", 1)
+    job.wait(30)
+    d = json.loads(stack.cli("status", job.id, "--json", check=True).stdout)
+    # torrelque: enqueue time, dequeue count, requeue count, last dequeue/requeue time, release time
+    assert d["enqueued_at"] <= d["last_requeued_at"] <= d["started_at"] <= d["finished_at"]
+    assert (d["attempts"], d["requeues"]) == (2, 1)
+
+
+def test_asyncio_client(app, stack):
+    stack.worker()
+
+    async def main():
+        client = AsyncClient(app)
+        try:
+            job_id = await client.enqueue("tests.apps.add", [2, 3])
+            assert await client.wait(job_id, timeout=30) == 5
+            assert (await client.job(job_id))["state"] == "completed"
+            failing = await client.enqueue("tests.apps.boom", ["async"])
+            with pytest.raises(JobFailed, match="async"):
+                await client.wait(failing, timeout=30)
+            later = await client.enqueue("tests.apps.add", [1, 1], delay=100)
+            assert await client.kill(later) == "killed"
+        finally:
+            await client.close()
+
+    asyncio.run(main())
