@@ -21,6 +21,7 @@ from flask import (
 )
 
 from taskrunner import codec, listing
+from taskrunner import queue as taskqueue
 from taskrunner.errors import InvalidName, JobNotFound
 from taskrunner.job import Job
 
@@ -146,7 +147,8 @@ def queue(name: str) -> str:
     page = page_arg()
     total, rows = listing.page_of(runner(), name, state, (page - 1) * PAGE, PAGE)
     return render_template("jobs.html", rows=rows, pager=pager(total, page), title=f"Queue {name}",
-                           state=state, queue=name, now=listing.server_time(runner()))
+                           state=state, queue=name, now=listing.server_time(runner()),
+                           info=taskqueue.info(runner(), name))
 
 
 @pages.get("/jobs/<job_id>")

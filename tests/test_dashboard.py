@@ -194,3 +194,16 @@ def test_no_public_bind_without_password():
 def test_cli_refuses_public_bind(stack):
     r = stack.cli("dashboard", "--host", "0.0.0.0")
     assert r.returncode != 0 and "without a password" in r.stderr
+
+
+def test_queue_settings_and_counters_show(app, web):
+    from taskrunner import queue
+
+    queue.create(app, "shown", bound=7, exclusive=True)
+    apps.add.apply_async([1, 2], queue="shown")
+    queue.close(app, "shown")
+    page = web.get("/queues/shown").get_data(as_text=True)
+    assert "bound 7" in page and "closed" in page and "exclusive" in page and "produced 1 jobs" in page
+    assert "bound 7" in web.get("/").get_data(as_text=True)
+    [q] = [q for q in web.get("/api/queues").get_json() if q["name"] == "shown"]
+    assert q["bound"] == 7 and q["closed"] and q["exclusive"] and q["produced_messages"] == 1
