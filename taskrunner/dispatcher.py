@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -73,8 +74,7 @@ class Dispatcher:
 
     def run_once(self) -> dict[str, int]:
         """One pass; returns what it did (for logs and tests)."""
-        sec, usec = self.redis.time()
-        now = sec + usec / 1e6
+        now = self._now()
         alive, dead = self.liveness(now)
         queues = sorted(self.redis.smembers(self.keys.queues))
         stats = {"promoted": 0, "requeued": 0, "failed": 0, "killed": 0, "stuck": 0, "fired": 0}
@@ -107,6 +107,10 @@ class Dispatcher:
             log.info("dispatcher %s: %s", self.name, " ".join(f"{k}={v}" for k, v in stats.items() if v))
         return stats
 
+    def _now(self) -> float:
+        sec, usec = self.redis.time()
+        return sec + usec / 1e6
+
     def liveness(self, now: float) -> tuple[set[str], set[str]]:
         """Workers whose heartbeat is fresh, and the others. On this host (same PID
         namespace) a worker whose process is gone is dead at once."""
@@ -138,9 +142,13 @@ class Dispatcher:
     def harvest(self, queues: list[str]) -> dict[str, int]:
         """Return the running jobs of every worker that is not alive to their queues now
         (rfq's harvester), without waiting for their deadlines."""
-        now = sum(x / d for x, d in zip(self.redis.time(), (1, 1e6)))
-        alive, _ = self.liveness(now)
+        alive, _ = self.liveness(self._now())
         stats = {"requeued": 0, "failed": 0, "killed": 0}
+        self._lose_held(queues, lambda w: w not in alive, "harvested: worker {} is not alive", stats)
+        return stats
+
+    def _lose_held(self, queues: list[str], gone: Callable[[str], bool], why: str, stats: dict[str, int]) -> None:
+        """Lose (owner-fenced) every running job whose worker is gone."""
         pipe = self.redis.pipeline(transaction=False)
         for q in queues:
             pipe.hgetall(self.keys.q(q) + "running")
@@ -152,10 +160,9 @@ class Dispatcher:
                     worker, attempt = entry["worker"], str(entry["attempt"])
                 except (ValueError, KeyError, TypeError):
                     continue
-                if worker not in alive:
-                    lost += [job_id, attempt, f"harvested: worker {worker} is not alive", worker]
+                if gone(worker):
+                    lost += [job_id, attempt, why.format(worker), worker]
             self._lose(q, lost, stats)
-        return stats
 
     def _stuck(self, queue: str, job_id: str, attempt: str, stats: dict[str, int]) -> None:
         res = scripts.STUCK(self.redis, [self.keys.q(queue)],
@@ -180,19 +187,7 @@ class Dispatcher:
 
     def _reap(self, queues: list[str], dead: set[str], now: float, stats: dict[str, int]) -> None:
         """Requeue every job the dead workers held, then list them as dead."""
-        pipe = self.redis.pipeline(transaction=False)
-        for q in queues:
-            pipe.hgetall(self.keys.q(q) + "running")
-        for q, running in zip(queues, pipe.execute()):
-            lost: list[Any] = []
-            for job_id, raw in running.items():
-                try:
-                    entry = codec.loads(raw)
-                except ValueError:
-                    continue
-                if entry.get("worker") in dead:
-                    lost += [job_id, str(entry.get("attempt")), f"worker {entry['worker']} is dead", entry["worker"]]
-            self._lose(q, lost, stats)
+        self._lose_held(queues, dead.__contains__, "worker {} is dead", stats)
         pipe = self.redis.pipeline(transaction=False)
         for n in dead:
             log.warning("dispatcher: worker %s is dead", n)
