@@ -512,3 +512,38 @@ def inspect(queue_name: str, running: bool, limit: int, as_json: bool, app_spec:
     for r in out:
         click.echo(f"{r['id']:26}  {(r['task'] or '?')[:30]:30} {r['deliveries']:>10}  {_ts(r['last_delivery']):19}  "
                    f"{r['age']:>8.1f}s")
+
+
+@main.group()
+def history() -> None:
+    """Job history: archive it to Parquet (the dispatcher does so every few seconds)."""
+
+
+@history.command("archive")
+@click.option("--history-dir", envvar="TASKRUNNER_HISTORY_DIR", help="Where (default ./var/history; any "
+              "pyarrow filesystem URI, e.g. s3://bucket/path). Env: TASKRUNNER_HISTORY_DIR.")
+@click.option("--batch", type=int, default=10_000, show_default=True, help="Records per file.")
+@common
+def history_archive(history_dir: str | None, batch: int, app_spec: str | None, redis_url: str | None) -> None:
+    """Move every history record now; safe to interrupt and run again (exactly once)."""
+    from .history import Archiver
+
+    archiver = Archiver(_app(app_spec, redis_url), history_dir, batch)
+    waiting = sum(archiver.backlog().values())
+    with click.progressbar(length=waiting, label="archiving", file=sys.stderr) as bar:
+        n = archiver.archive(progress=bar.update)
+    click.echo(f"{n} records archived to {archiver.directory}")
+
+
+@history.command("status")
+@click.option("--json", "as_json", is_flag=True)
+@common
+def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
+    """Records waiting to be archived, per queue."""
+    from .history import Archiver
+
+    backlog = Archiver(_app(app_spec, redis_url)).backlog()
+    if as_json:
+        return _emit(backlog)
+    for q, n in backlog.items():
+        click.echo(f"{q:20} {n:>10} waiting")

@@ -41,6 +41,9 @@ class Settings:
     retry_backoff_max: float = 600.0  # TASKRUNNER_RETRY_BACKOFF_MAX
     #: Seconds an enqueue waits for room in a full bounded queue before QueueFull.
     block_timeout: float = 10.0  # TASKRUNNER_BLOCK_TIMEOUT
+    #: Seconds between the dispatcher's archiving of job history to Parquet (0: it does not
+    #: archive; `taskrunner history archive` does it by hand). Where: TASKRUNNER_HISTORY_DIR.
+    history_interval: float = 5.0  # TASKRUNNER_HISTORY_INTERVAL
     #: Seconds an idle worker blocks in Redis before it looks again anyway.
     idle_block: float = 5.0  # TASKRUNNER_IDLE_BLOCK
 

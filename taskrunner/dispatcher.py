@@ -24,6 +24,7 @@ from croniter import croniter
 
 from . import codec, scripts
 from .app import TaskRunner
+from .history import WARN_BACKLOG
 from .worker import pid_namespace
 
 log = logging.getLogger("taskrunner.dispatcher")
@@ -44,6 +45,8 @@ class Dispatcher:
         self.stop_event = threading.Event()
         self._hosts: dict[str, dict[str, Any]] = {}  # worker name -> info (host, pid, ...)
         self.passes = 0
+        self.next_archive = 0.0
+        self.history_backlog: dict[str, int] = {}
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
@@ -99,10 +102,13 @@ class Dispatcher:
         if dead:
             self._reap(queues, dead, now, stats)
         stats["fired"] = self.fire_schedules(now)
+        if self.s.history_interval and time.monotonic() >= self.next_archive:
+            stats["archived"] = self.archive_history(queues)
         self.passes += 1
         self.redis.hset(self.keys.dispatchers, self.name, codec.dumps({
             "name": self.name, "host": self.host, "pid": os.getpid(), "last_pass": now,
-            "lag": round(time.time() - now, 3), "passes": self.passes}))
+            "lag": round(time.time() - now, 3), "passes": self.passes,
+            "history_backlog": {q: n for q, n in self.history_backlog.items() if n >= WARN_BACKLOG}}))
         if any(stats.values()):
             log.info("dispatcher %s: %s", self.name, " ".join(f"{k}={v}" for k, v in stats.items() if v))
         return stats
@@ -110,6 +116,30 @@ class Dispatcher:
     def _now(self) -> float:
         sec, usec = self.redis.time()
         return sec + usec / 1e6
+
+    def archive_history(self, queues: list[str]) -> int:
+        """Move job history to Parquet (a few batches a pass); warn loudly when a stream
+        fills up faster than it is archived, before its cap could drop anything."""
+        self.next_archive = time.monotonic() + self.s.history_interval
+        try:
+            from .history import Archiver
+        except ImportError:
+            log.error("dispatcher: pyarrow is not installed: job history is not archived")
+            self.next_archive = float("inf")
+            return 0
+        archiver = Archiver(self.app)
+        try:
+            n = archiver.archive(queues, max_batches=5)
+        except OSError as e:
+            log.error("dispatcher: archiving job history to %s failed: %s", archiver.directory, e)
+            n = 0
+        self.history_backlog = archiver.backlog(queues)
+        for q, waiting in self.history_backlog.items():
+            if waiting >= WARN_BACKLOG:
+                log.error("dispatcher: %d history records of queue %s wait to be archived; the stream keeps at "
+                          "most %d: archive faster (taskrunner history archive) or records will be lost",
+                          waiting, q, 2 * WARN_BACKLOG)
+        return n
 
     def liveness(self, now: float) -> tuple[set[str], set[str]]:
         """Workers whose heartbeat is fresh, and the others. On this host (same PID

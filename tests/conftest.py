@@ -28,6 +28,7 @@ FAST = {
     "TASKRUNNER_SHUTDOWN_GRACE": "5",
     "TASKRUNNER_IDLE_BLOCK": "1",
     "TASKRUNNER_STUCK_RECHECK": "1",
+    "TASKRUNNER_HISTORY_INTERVAL": "0",  # tests that archive say where
 }
 _prefixes = itertools.count()
 

@@ -16,6 +16,7 @@
 --   <p>job:<id>     HASH  the job record; its timeline: run:<n> (the holding entry of
 --                          delivery n) and end:<n> ("<time> <how it ended>")
 --   <p>notify:<id>  LIST  one token per waiter when the job ends
+--   <p>history      STREAM one entry per finished or requeued delivery, for the archiver
 
 local function now()
   local t = redis.call('TIME')
@@ -72,10 +73,26 @@ local function to_delayed(p, id, job, due, extra)
   redis.call('ZADD', p .. 'delayed', due, id)
 end
 
+-- The history stream is capped (approximately) at this many entries; the archiver empties
+-- it long before, and the dispatcher warns when it holds half as many.
+local HISTORY_MAX = 500000
+
+-- Append what just happened to a delivery to the queue's history stream.
+local function history(p, id, job, state, t, error_type)
+  local f = redis.call('HMGET', job, 'task', 'enqueued_at', 'started_at', 'attempts', 'worker', 'host', 'pid', 'queue')
+  local enq, started = tonumber(f[2]), tonumber(f[3])
+  redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*',
+    'id', id, 'task', f[1] or '', 'queue', f[8] or '', 'state', state,
+    'attempt', f[4] or '0', 'enqueued_at', f[2] or '', 'started_at', f[3] or '', 'finished_at', fmt(t),
+    'runtime', started and fmt(t - started) or '', 'wait', (started and enq) and fmt(started - enq) or '',
+    'worker', f[5] or '', 'host', f[6] or '', 'pid', f[7] or '', 'error_type', error_type or '')
+end
+
 -- A job reached completed, failed or killed: index it, expire it, wake its waiters.
 -- `fields` is a flat list of extra field/value pairs for the record.
 local function finalize(p, id, job, state, t, ttl, fields)
   redis.call('HSET', job, 'state', state, 'finished_at', fmt(t), unpack(fields))
+  history(p, id, job, state, t, state ~= 'completed' and redis.call('HGET', job, 'error_type') or nil)
   redis.call('ZADD', p .. state, t, id)
   redis.call('EXPIRE', job, ttl)
   local waiters = tonumber(redis.call('HGET', job, 'waiters') or '0')
@@ -112,6 +129,7 @@ local function lose(p, id, job, attempt, t, ttl, reason)
     return 'failed'
   end
   redis.call('HINCRBY', job, 'requeues', 1)
+  history(p, id, job, 'requeued', t, 'WorkerLost')
   local ek, ev = ended(attempt, t, 'requeued: ' .. reason)
   to_pending(p, id, job, true, {'last_requeued_at', fmt(t), 'last_lost_reason', reason, ek, ev})
   return 'pending'

@@ -34,6 +34,7 @@ for i = 3, #ARGV, 7 do
         finalize(p, id, job, 'killed', t, ttl, {'error_type', 'Killed', 'error', v2, ek, ev})
       elseif outcome == 'requeue' then
         redis.call('HINCRBY', job, 'requeues', 1)
+        history(p, id, job, 'requeued', t, nil)
         local delay = tonumber(v1) or 0
         local ek, ev = ended(attempt, t, v2 == 'front' and 'requeued: worker shutting down'
           or string.format('requeued itself (Retry, %gs)', delay))
@@ -47,6 +48,7 @@ for i = 3, #ARGV, 7 do
         local failures = redis.call('HINCRBY', job, 'failures', 1)
         local retries = tonumber(redis.call('HGET', job, 'retries') or '0') or 0
         if outcome == 'error' and failures <= retries then
+          history(p, id, job, 'requeued', t, v1)
           local base = tonumber(redis.call('HGET', job, 'retry_backoff') or '1') or 1
           local delay = math.min(base * 2 ^ (failures - 1), cap) * (tonumber(v4) or 1)
           local ek, ev = ended(attempt, t, string.format('failed %s, retry %d of %d in %.2fs', v1, failures,

@@ -22,6 +22,7 @@ for i = 1, math.min(#due, tonumber(ARGV[2])) do
   local job = p .. 'job:' .. id
   release(p, id, job)
   redis.call('HINCRBY', job, 'requeues', 1)
+  history(p, id, job, 'requeued', t, nil)
   local ek, ev = ended(redis.call('HGET', job, 'attempts') or '0', t,
     string.format('recovered by %s (delivered %.0fs before)', ARGV[3], t - due[i][1]))
   to_pending(p, id, job, true, {'last_requeued_at', fmt(t), ek, ev})

@@ -16,6 +16,7 @@ if state == 'delayed' then
 elseif state == 'running' then
   release(p, id, job)
   redis.call('HINCRBY', job, 'requeues', 1)
+  history(p, id, job, 'requeued', t, nil)
   local attempt = redis.call('HGET', job, 'attempts')
   local ek, ev = ended(attempt, t, 'requeued by ' .. ARGV[2])
   action[3], action[4], action[5], action[6] = ek, ev, 'last_requeued_at', fmt(t)

@@ -1,0 +1,134 @@
+"""Job history: captured atomically with each state change, archived to Parquet exactly
+once whatever dies when."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pyarrow.parquet as pq
+import pytest
+
+from taskrunner import JobFailed, history
+from taskrunner.consumer import Consumer
+from taskrunner.dispatcher import Dispatcher
+from taskrunner.history import Archiver
+from tests import apps
+from tests.conftest import wait_for
+
+
+def stream(app, queue="default"):
+    return app.redis.xrange(app.keys.q(queue) + "history")
+
+
+def archived(directory) -> list[dict]:
+    files = sorted(p for p in directory.rglob("*.parquet"))
+    return [row for f in files for row in pq.read_table(f).to_pylist()]
+
+
+def test_every_end_and_requeue_is_recorded(app, stack):
+    stack.worker(concurrency=1)
+    ok = apps.add.delay(1, 2)
+    bad = apps.boom.delay("no")
+    retried = apps.flaky.delay("h1", 2)  # fails once, then completes
+    ok.wait(30)
+    with pytest.raises(JobFailed):
+        bad.wait(30)
+    stack.dispatcher()
+    retried.wait(30)
+    killed = apps.add.apply_async([1, 1], delay=100)
+    killed.kill()
+    rows = [f for _, f in stream(app)]
+    by_job = {}
+    for f in rows:
+        by_job.setdefault(f["id"], []).append(f["state"])
+    assert by_job[ok.id] == ["completed"] and by_job[bad.id] == ["failed"] and by_job[killed.id] == ["killed"]
+    assert by_job[retried.id] == ["requeued", "completed"]
+    [done] = [f for f in rows if f["id"] == ok.id]
+    assert done["task"] == "tests.apps.add" and done["queue"] == "default" and done["attempt"] == "1"
+    assert float(done["runtime"]) >= 0 and float(done["wait"]) >= 0 and done["worker"] and done["pid"]
+    assert [f["error_type"] for f in rows if f["id"] == bad.id] == ["ValueError"]
+
+
+def fill(app, n: int, queue: str = "default") -> set[str]:
+    """n completed deliveries through the real scripts, quickly (a consumer acks them)."""
+    app.enqueue_many([{"task": "tests.apps.add", "args": [i, 1], "queue": queue} for i in range(n)])
+    c = Consumer(app, [queue])
+    ids = set()
+    while True:
+        got = c.claim(500)
+        if not got:
+            return ids
+        assert all(c.ack(got))
+        ids.update(d.id for d in got)
+
+
+def test_archive_writes_each_record_once_partitioned_by_date(app, tmp_path):
+    ids = fill(app, 2500)
+    n = Archiver(app, str(tmp_path), batch=1000).archive()
+    assert n == 2500 and stream(app) == []
+    rows = archived(tmp_path)
+    assert sorted(r["id"] for r in rows) == sorted(ids)
+    assert {r["state"] for r in rows} == {"completed"} and all(r["runtime"] >= 0 for r in rows)
+    parts = {p.parent.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.parquet")}
+    assert all(p.startswith("date=") and p.endswith("/queue=default") for p in parts)
+    assert len(list(tmp_path.rglob("*.parquet"))) == 3
+
+
+class DiesBeforeTrim(Archiver):
+    """Writes its files, then 'dies' before it can trim the stream."""
+
+    def _write(self, *args):
+        super()._write(*args)
+        raise KeyboardInterrupt("killed after writing")
+
+
+def test_death_after_writing_duplicates_nothing(app, tmp_path):
+    ids = fill(app, 1200)
+    with pytest.raises(KeyboardInterrupt):
+        DiesBeforeTrim(app, str(tmp_path), batch=500).archive()
+    fill(app, 300)  # more history arrives meanwhile
+    Archiver(app, str(tmp_path), batch=700).archive()  # another batch size: the recorded range still wins
+    rows = archived(tmp_path)
+    assert len(rows) == 1500 and len({r["stream_id"] for r in rows}) == 1500
+    assert ids <= {r["id"] for r in rows}
+
+
+def test_sigkilled_archiver_loses_and_duplicates_nothing(app, stack, tmp_path):
+    key = app.keys.q("default") + "history"
+    pipe = app.redis.pipeline(transaction=False)
+    for i in range(60_000):
+        pipe.xadd(key, {"id": f"j{i}", "task": "t", "queue": "default", "state": "completed", "attempt": "1",
+                        "finished_at": "1800000000.5", "runtime": "0.1"})
+    pipe.execute()
+    app.redis.sadd(app.keys.queues, "default")
+    p = stack.spawn("history", "archive", "--batch", "2000", "--history-dir", str(tmp_path))
+    wait_for(lambda: len(list(tmp_path.rglob("*.parquet"))) >= 3, what="a few batches written")
+    os.killpg(p.pid, signal.SIGKILL)  # mid-run: maybe mid-batch, maybe between batches
+    p.wait()
+    app.redis.delete(app.keys.q("default") + "history:lock")  # its lock would expire after 300 s
+    r = stack.cli("history", "archive", "--batch", "3000", "--history-dir", str(tmp_path), check=True)
+    assert "records archived" in r.stdout
+    rows = archived(tmp_path)
+    assert len(rows) == 60_000 and len({r["id"] for r in rows}) == 60_000
+    assert app.redis.xlen(key) == 0
+
+
+def test_dispatcher_archives_and_warns_when_behind(app, tmp_path, monkeypatch, caplog):
+    fill(app, 50)
+    monkeypatch.setenv("TASKRUNNER_HISTORY_DIR", str(tmp_path))
+    monkeypatch.setattr(history, "WARN_BACKLOG", 10)
+    monkeypatch.setattr("taskrunner.dispatcher.WARN_BACKLOG", 10)
+    d = Dispatcher(app)
+    assert d.archive_history(["default"]) == 50
+    fill(app, 20)
+    app.redis.set(app.keys.q("default") + "history:lock", "someone else", ex=60)  # an archiver is stuck
+    with caplog.at_level(logging.ERROR, logger="taskrunner.dispatcher"):
+        assert d.archive_history(["default"]) == 0
+    assert "20 history records of queue default wait" in caplog.text
+    d.run_once()
+    from dashboard import create_app
+
+    page = create_app(app).test_client().get("/").get_data(as_text=True)
+    assert "Job history of queue default is not archived fast enough" in page
