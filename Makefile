@@ -20,6 +20,7 @@ demo: setup
 
 test: setup
 	-@sh scripts/ensure-chromium.sh
+	-@sh scripts/ensure-java.sh
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 

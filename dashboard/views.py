@@ -163,6 +163,27 @@ def schedules() -> str:
                            now=listing.server_time(runner()))
 
 
+@pages.get("/history")
+def history() -> str:
+    from taskrunner import analyze
+
+    from . import charts
+
+    summary = analyze.latest(runner())
+    extra = {}
+    if summary:
+        tasks = summary["tasks"][:20]
+        hours = [(h["hour"][5:13].replace("T", " ") + "h", h["count"]) for h in summary["hours"]]
+        runtimes = [(t["task"], [t["runtime_p50"], t["runtime_p95"], t["runtime_p99"]]) for t in tasks]
+        extra = {
+            "throughput": charts.columns(hours, "Throughput per hour (jobs)"),
+            "runtimes": charts.bars(runtimes, ["p50", "p95", "p99"], "Runtime percentiles per task", " s"),
+            "failures": charts.bars([(t["task"], [100 * t["failed_rate"], 100 * t["killed_rate"]]) for t in tasks],
+                                    ["failed", "killed"], "Failure rate per task", "%"),
+        }
+    return render_template("history.html", summary=summary, now=listing.server_time(runner()), **extra)
+
+
 @pages.route("/login", methods=["GET", "POST"])
 def login() -> Any:
     if not current_app.config["TR_PASSWORD"]:
@@ -236,6 +257,13 @@ def api_workers() -> Any:
 @api.get("/schedules")
 def api_schedules() -> Any:
     return jsonify(listing.schedules(runner()))
+
+
+@api.get("/history")
+def api_history() -> Any:
+    from taskrunner import analyze
+
+    return jsonify(analyze.latest(runner()) or {})
 
 
 @api.get("/jobs")

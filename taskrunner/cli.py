@@ -547,3 +547,37 @@ def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -
         return _emit(backlog)
     for q, n in backlog.items():
         click.echo(f"{q:20} {n:>10} waiting")
+
+
+@main.command()
+@click.option("--since", default="7d", show_default=True, help="Records finished within this (e.g. 7d, 12h).")
+@click.option("--master", envvar="TASKRUNNER_SPARK_MASTER", help="Spark master (default local[2]; e.g. "
+              "spark://host:7077). Env: TASKRUNNER_SPARK_MASTER.")
+@click.option("--history-dir", envvar="TASKRUNNER_HISTORY_DIR", help="The archive (default ./var/history).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@common
+def analyze(since: str, master: str | None, history_dir: str | None, as_json: bool, app_spec: str | None,
+            redis_url: str | None) -> None:
+    """Statistics of the archived job history, with PySpark: per task, queue, worker host
+    and hour (counts, outcome rates, runtime and wait percentiles, top errors). Writes them
+    next to the archive and into Redis for the dashboard's History page."""
+    try:
+        import pyspark  # noqa: F401
+
+        from . import analyze as analysis
+    except ImportError:
+        raise click.ClickException("analyze needs PySpark: pip install 'taskrunner[spark]'") from None
+    app = _app(app_spec, redis_url)
+    seconds = analysis.parse_since(since)
+    summary = analysis.analyze(history_dir, seconds, master,
+                               progress=lambda stage: click.echo(f"analyze: {stage}...", err=True))
+    analysis.publish(app, summary)
+    if as_json:
+        return _emit(summary)
+    click.echo(f"{summary['records']} records in the last {since}, analysed in {summary['seconds']} s")
+    click.echo(f"{'TASK':40} {'COUNT':>8} {'OK %':>6} {'FAIL %':>7} {'P50 s':>8} {'P95 s':>8} {'P99 s':>8}")
+    for t in summary["tasks"]:
+        p = [f"{v:8.3f}" if v is not None else "       -" for v in (t["runtime_p50"], t["runtime_p95"],
+                                                                    t["runtime_p99"])]
+        click.echo(f"{str(t['task'])[:40]:40} {t['count']:>8} {100 * t['completed_rate']:>6.1f} "
+                   f"{100 * t['failed_rate']:>7.1f} {' '.join(p)}")

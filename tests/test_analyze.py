@@ -1,0 +1,126 @@
+"""The PySpark analysis on a real local SparkSession, checked figure by figure against a
+plain-Python computation over the same records."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import Counter, defaultdict
+from datetime import datetime, timezone
+
+import pytest
+
+if not os.environ.get("CI"):  # CI installs PySpark and Java: there a missing one fails
+    pytest.importorskip("pyspark", reason="PySpark is not installed (pip install 'taskrunner[spark]')")
+
+from taskrunner import analyze  # noqa: E402
+from taskrunner.history import Archiver  # noqa: E402
+
+NOW = 1_800_000_000.0
+STATES = ["completed"] * 7 + ["failed", "killed", "requeued"]
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = analyze.spark_session("local[2]")
+    yield session
+    session.stop()
+
+
+def generate(app, n: int, seed: int = 7) -> list[dict]:
+    """n history records across tasks, queues, hosts and hours, written through the stream
+    and the real archiver."""
+    rnd = random.Random(seed)
+    records = []
+    pipe = app.redis.pipeline(transaction=False)
+    for i in range(n):
+        queue = rnd.choice(["q1", "q2"])
+        state = rnd.choice(STATES)
+        finished = NOW - rnd.uniform(0, 3 * 86400)
+        runtime = rnd.lognormvariate(-2, 1)
+        wait = rnd.expovariate(5)
+        rec = {"id": f"j{i}", "task": rnd.choice(["a.send", "b.resize", "c.report"]), "queue": queue,
+               "state": state, "attempt": str(rnd.randint(1, 3)), "enqueued_at": f"{finished - runtime - wait:.6f}",
+               "started_at": f"{finished - runtime:.6f}", "finished_at": f"{finished:.6f}",
+               "runtime": f"{runtime:.6f}", "wait": f"{wait:.6f}", "worker": rnd.choice(["w1", "w2", "w3"]),
+               "host": rnd.choice(["h1", "h2"]), "pid": "100",
+               "error_type": rnd.choice(["ValueError", "Timeout", "KeyError"]) if state in ("failed", "killed") else ""}
+        pipe.xadd(app.keys.q(queue) + "history", rec)
+        records.append(rec)
+    pipe.execute()
+    app.redis.sadd(app.keys.queues, "q1", "q2")
+    return records
+
+
+def rank_ok(values: list[float], got: float, p: float) -> bool:
+    """Is `got` a p-percentile of `values` within percentile_approx's rank error?"""
+    values = sorted(values)
+    n = len(values)
+    below = sum(v < got for v in values)
+    at_or_below = sum(v <= got for v in values)
+    slack = n / analyze.ACCURACY + 1
+    return got in values and below - slack <= p * n <= at_or_below + slack
+
+
+def expected(records: list[dict], key: str, since: float) -> dict[str, dict]:
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        finished = float(r["finished_at"])
+        if finished < NOW - since:
+            continue
+        k = r[key] if key != "hour" else datetime.fromtimestamp(finished, timezone.utc).strftime("%Y-%m-%dT%H:00Z")
+        groups[k].append(r)
+    return groups
+
+
+@pytest.mark.parametrize("since", [7 * 86400, 86400])
+def test_every_figure_matches_plain_python(app, tmp_path, spark, since):
+    records = generate(app, 3000)
+    assert Archiver(app, str(tmp_path), batch=1000).archive() == 3000
+    summary = analyze.analyze(str(tmp_path), since, now=NOW, spark=spark)
+    in_window = [r for r in records if float(r["finished_at"]) >= NOW - since]
+    assert summary["records"] == len(in_window)
+    for name, key in analyze.GROUPS.items():
+        want = expected(records, key, since)
+        got = {row[key]: row for row in summary[name]}
+        assert set(got) == set(want), name
+        for k, rows in want.items():
+            row = got[k]
+            states = Counter(r["state"] for r in rows)
+            assert row["count"] == len(rows)
+            for s in ("completed", "failed", "killed", "requeued"):
+                assert row[s] == states[s] and row[f"{s}_rate"] == pytest.approx(states[s] / len(rows), abs=1e-6)
+            runtimes = [float(r["runtime"]) for r in rows]
+            waits = [float(r["wait"]) for r in rows]
+            for p, field in ((0.5, "runtime_p50"), (0.95, "runtime_p95"), (0.99, "runtime_p99")):
+                assert rank_ok(runtimes, row[field], p), (name, k, field)
+            for p, field in ((0.5, "wait_p50"), (0.95, "wait_p95")):
+                assert rank_ok(waits, row[field], p), (name, k, field)
+            errors = Counter(r["error_type"] for r in rows if r["error_type"])
+            assert {e["error_type"]: e["count"] for e in row["top_errors"]} == dict(errors.most_common(5))
+    all_errors = Counter(r["error_type"] for r in in_window if r["error_type"])
+    assert {e["error_type"]: e["count"] for e in summary["errors"]} == dict(all_errors)
+    assert (tmp_path / "_analysis" / "tasks").is_dir()
+
+
+def test_cli_analyze_json_and_dashboard_history(app, stack, tmp_path, spark):
+    generate(app, 500)
+    Archiver(app, str(tmp_path)).archive()
+    summary = analyze.analyze(str(tmp_path), 10 * 86400, now=NOW, spark=spark)
+    analyze.publish(app, summary)
+    for t in summary["tasks"]:
+        for k in ("task", "count", "completed", "failed", "killed", "requeued", "runtime_p50", "runtime_p95",
+                  "runtime_p99", "wait_p95"):
+            assert k in t
+    from dashboard import create_app
+
+    page = create_app(app).test_client().get("/history").get_data(as_text=True)
+    assert "<svg" in page and "a.send" in page and "Throughput per hour" in page
+    api = create_app(app).test_client().get("/api/history").get_json()
+    assert api["records"] == 500
+    r = stack.cli("analyze", "--since", "3650d", "--history-dir", str(tmp_path), "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["records"] == 500 and {t["task"] for t in out["tasks"]} == {"a.send", "b.resize", "c.report"}
+    assert "analyze: starting Spark" in r.stderr
