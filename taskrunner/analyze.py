@@ -148,6 +148,13 @@ def _group(df: Any, key: str, F: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def run_as_job(app: TaskRunner, since: str = "7d") -> dict[str, Any]:
+    """The periodic job (TASKRUNNER_ANALYZE_CRON): analyse, publish, return the counts."""
+    summary = analyze(since=parse_since(since))
+    publish(app, summary)
+    return {"records": summary["records"], "seconds": summary["seconds"]}
+
+
 def publish(app: TaskRunner, summary: dict[str, Any]) -> None:
     """Keep the summary in Redis, where the dashboard reads it."""
     app.redis.set(app.keys.g + "history:summary", codec.dumps(summary))

@@ -97,6 +97,8 @@ class TaskRunner:
         self._redis_pid = 0
         self._known_queues: set[str] = set()
         self._producer = f"{socket.gethostname()}:{os.getpid()}"
+        if self.settings.analyze_cron:
+            self._schedule_analysis(self.settings.analyze_cron)
 
     def __repr__(self) -> str:
         return f"<TaskRunner {self.name} prefix={self.settings.prefix}>"
@@ -115,6 +117,13 @@ class TaskRunner:
         self.settings = replace(self.settings, **{k: v for k, v in overrides.items() if v is not None})
         self.keys = Keys(self.settings.prefix)
         self._redis = None
+
+    def _schedule_analysis(self, cron: str) -> None:
+        """The product runs its own pipeline: `taskrunner analyze` as a periodic job."""
+        from .analyze import run_as_job
+
+        self.periodic(cron, name="taskrunner.analyze", max_duration=3600)(
+            self.task(functools.partial(run_as_job, self), name="taskrunner.analyze"))
 
     # -- declaring -------------------------------------------------------------------
 

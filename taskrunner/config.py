@@ -44,6 +44,9 @@ class Settings:
     #: Seconds between the dispatcher's archiving of job history to Parquet (0: it does not
     #: archive; `taskrunner history archive` does it by hand). Where: TASKRUNNER_HISTORY_DIR.
     history_interval: float = 5.0  # TASKRUNNER_HISTORY_INTERVAL
+    #: Cron schedule (UTC) of `taskrunner analyze` as a taskrunner job of every app, e.g.
+    #: "0 * * * *"; empty: not scheduled. Its workers need PySpark and Java.
+    analyze_cron: str = ""  # TASKRUNNER_ANALYZE_CRON
     #: Seconds an idle worker blocks in Redis before it looks again anyway.
     idle_block: float = 5.0  # TASKRUNNER_IDLE_BLOCK
 
