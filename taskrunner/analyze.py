@@ -34,6 +34,10 @@ appender.console.layout.type = PatternLayout
 appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
 logger.native.name = org.apache.hadoop.util.NativeCodeLoader
 logger.native.level = error
+logger.sink3.name = org.apache.spark.sql.execution.streaming.FileStreamSink
+logger.sink3.level = error
+logger.sink4.name = org.apache.spark.sql.execution.streaming.sinks.FileStreamSink
+logger.sink4.level = error
 """
 
 
