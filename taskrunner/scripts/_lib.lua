@@ -34,17 +34,27 @@ local function wake(p)
   end
 end
 
--- Forget that a job runs: holding entry, processing set, deadline bucket.
-local function release(p, id, job)
-  redis.call('HDEL', p .. 'running', id)
+-- The fields of a job record that the functions below need, read in one HMGET.
+local RECORD = {'attempts', 'bucket', 'waiters', 'task', 'enqueued_at', 'started_at', 'worker', 'host', 'pid',
+                'queue', 'kill_requested', 'max_lost', 'retries', 'retry_backoff'}
+local function load(job)
+  local values = redis.call('HMGET', job, unpack(RECORD))
+  local r = {}
+  for i, k in ipairs(RECORD) do
+    r[k] = values[i]
+  end
+  return r
+end
+
+-- Forget that a job runs: holding entry (unless the caller removed it already), processing
+-- set, deadline bucket. An emptied bucket stays in the index until the sweep drops it.
+local function release(p, id, r, running_gone)
+  if not running_gone then
+    redis.call('HDEL', p .. 'running', id)
+  end
   redis.call('SREM', p .. 'processing', id)
-  local b = redis.call('HGET', job, 'bucket')
-  if b then
-    local bk = p .. 'dl:' .. b
-    redis.call('SREM', bk, id)
-    if redis.call('SCARD', bk) == 0 then
-      redis.call('ZREM', p .. 'buckets', b)
-    end
+  if r.bucket then
+    redis.call('SREM', p .. 'dl:' .. r.bucket, id)
   end
 end
 
@@ -78,24 +88,25 @@ end
 local HISTORY_MAX = 500000
 
 -- Append what just happened to a delivery to the queue's history stream.
-local function history(p, id, job, state, t, error_type)
-  local f = redis.call('HMGET', job, 'task', 'enqueued_at', 'started_at', 'attempts', 'worker', 'host', 'pid', 'queue')
-  local enq, started = tonumber(f[2]), tonumber(f[3])
+local function history(p, id, r, state, t, error_type)
+  local enq, started = tonumber(r.enqueued_at), tonumber(r.started_at)
   redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*',
-    'id', id, 'task', f[1] or '', 'queue', f[8] or '', 'state', state,
-    'attempt', f[4] or '0', 'enqueued_at', f[2] or '', 'started_at', f[3] or '', 'finished_at', fmt(t),
-    'runtime', started and fmt(t - started) or '', 'wait', (started and enq) and fmt(started - enq) or '',
-    'worker', f[5] or '', 'host', f[6] or '', 'pid', f[7] or '', 'error_type', error_type or '')
+    'id', id, 'task', r.task or '', 'queue', r.queue or '', 'state', state,
+    'attempt', r.attempts or '0', 'enqueued_at', r.enqueued_at or '', 'started_at', r.started_at or '',
+    'finished_at', fmt(t), 'runtime', started and fmt(t - started) or '',
+    'wait', (started and enq) and fmt(started - enq) or '',
+    'worker', r.worker or '', 'host', r.host or '', 'pid', r.pid or '', 'error_type', error_type or '')
 end
 
 -- A job reached completed, failed or killed: index it, expire it, wake its waiters.
 -- `fields` is a flat list of extra field/value pairs for the record.
-local function finalize(p, id, job, state, t, ttl, fields)
+-- `r` is the record as load() read it before this change; `error_type` the new one.
+local function finalize(p, id, job, r, state, t, ttl, fields, error_type)
   redis.call('HSET', job, 'state', state, 'finished_at', fmt(t), unpack(fields))
-  history(p, id, job, state, t, state ~= 'completed' and redis.call('HGET', job, 'error_type') or nil)
+  history(p, id, r, state, t, error_type)
   redis.call('ZADD', p .. state, t, id)
   redis.call('EXPIRE', job, ttl)
-  local waiters = tonumber(redis.call('HGET', job, 'waiters') or '0')
+  local waiters = tonumber(r.waiters) or 0
   if waiters > 0 then
     local nk = p .. 'notify:' .. id
     for _ = 1, waiters do
@@ -113,35 +124,37 @@ end
 
 -- The process running delivery `attempt` is gone. A kill request wins; otherwise requeue
 -- at the front, until the job has been lost max_lost times (a poison pill): WorkerLost.
-local function lose(p, id, job, attempt, t, ttl, reason)
-  release(p, id, job)
-  if redis.call('HEXISTS', job, 'kill_requested') == 1 then
+local function lose(p, id, job, r, attempt, t, ttl, reason, running_gone)
+  release(p, id, r, running_gone)
+  if r.kill_requested then
     local ek, ev = ended(attempt, t, 'killed (its process was gone: ' .. reason .. ')')
-    finalize(p, id, job, 'killed', t, ttl, {'error_type', 'Killed', 'error', 'killed on request', ek, ev})
+    finalize(p, id, job, r, 'killed', t, ttl, {'error_type', 'Killed', 'error', 'killed on request', ek, ev}, 'Killed')
     return 'killed'
   end
   local lost = redis.call('HINCRBY', job, 'lost', 1)
-  local max_lost = tonumber(redis.call('HGET', job, 'max_lost') or '5') or 5
+  local max_lost = tonumber(r.max_lost) or 5
   if lost >= max_lost then
     local ek, ev = ended(attempt, t, 'failed WorkerLost: ' .. reason)
-    finalize(p, id, job, 'failed', t, ttl, {'error_type', 'WorkerLost',
-      'error', 'the process running the job died ' .. lost .. ' times; last: ' .. reason, ek, ev})
+    finalize(p, id, job, r, 'failed', t, ttl, {'error_type', 'WorkerLost',
+      'error', 'the process running the job died ' .. lost .. ' times; last: ' .. reason, ek, ev}, 'WorkerLost')
     return 'failed'
   end
   redis.call('HINCRBY', job, 'requeues', 1)
-  history(p, id, job, 'requeued', t, 'WorkerLost')
+  history(p, id, r, 'requeued', t, 'WorkerLost')
   local ek, ev = ended(attempt, t, 'requeued: ' .. reason)
   to_pending(p, id, job, true, {'last_requeued_at', fmt(t), 'last_lost_reason', reason, ek, ev})
   return 'pending'
 end
 
 -- Is the caller still the job's holder? 1 yes, 0 another delivery holds it now,
--- 2 this delivery is no longer running (already released or requeued).
-local function holder_check(p, id, job, attempt)
-  if redis.call('HGET', job, 'attempts') ~= attempt then
+-- 2 this delivery is no longer running (already released or requeued). With `take`, a
+-- holder's entry in the holding hash is removed by the same command that checks it.
+local function holder_check(p, id, r, attempt, take)
+  if r.attempts ~= attempt then
     return 0
   end
-  if redis.call('HEXISTS', p .. 'running', id) == 0 then
+  local cmd = take and 'HDEL' or 'HEXISTS'
+  if redis.call(cmd, p .. 'running', id) == 0 then
     return 2
   end
   return 1

@@ -38,8 +38,8 @@ for qi = 1, #KEYS do
       local f = redis.call('HMGET', job, 'task', 'args', 'kwargs', 'max_duration', 'timeout_policy')
       if not f[1] then
         redis.call('SREM', p .. 'processing', id)
-        finalize(p, id, job, 'failed', t, 86400, {'error_type', 'CorruptJob',
-          'error', 'job record missing or without a task field'})
+        finalize(p, id, job, load(job), 'failed', t, 86400, {'error_type', 'CorruptJob',
+          'error', 'job record missing or without a task field'}, 'CorruptJob')
       else
         n = n + 1
         taken = taken + 1

@@ -19,22 +19,23 @@ for i = 3, #ARGV, 7 do
   local id, attempt, outcome = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local v1, v2, v3, v4 = ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
   local job = p .. 'job:' .. id
-  local held = holder_check(p, id, job, attempt)
+  local r = load(job)
+  local held = holder_check(p, id, r, attempt, true)
   out[#out + 1] = held
   if held == 1 then
     if outcome == 'lost' then
-      lose(p, id, job, attempt, t, ttl, v1)
+      lose(p, id, job, r, attempt, t, ttl, v1, true)
     else
-      release(p, id, job)
+      release(p, id, r, true)
       if outcome == 'completed' then
         local ek, ev = ended(attempt, t, 'completed')
-        finalize(p, id, job, 'completed', t, ttl, {'result', v1, ek, ev})
+        finalize(p, id, job, r, 'completed', t, ttl, {'result', v1, ek, ev}, nil)
       elseif outcome == 'killed' then
         local ek, ev = ended(attempt, t, 'killed')
-        finalize(p, id, job, 'killed', t, ttl, {'error_type', 'Killed', 'error', v2, ek, ev})
+        finalize(p, id, job, r, 'killed', t, ttl, {'error_type', 'Killed', 'error', v2, ek, ev}, 'Killed')
       elseif outcome == 'requeue' then
         redis.call('HINCRBY', job, 'requeues', 1)
-        history(p, id, job, 'requeued', t, nil)
+        history(p, id, r, 'requeued', t, nil)
         local delay = tonumber(v1) or 0
         local ek, ev = ended(attempt, t, v2 == 'front' and 'requeued: worker shutting down'
           or string.format('requeued itself (Retry, %gs)', delay))
@@ -46,17 +47,17 @@ for i = 3, #ARGV, 7 do
         end
       else
         local failures = redis.call('HINCRBY', job, 'failures', 1)
-        local retries = tonumber(redis.call('HGET', job, 'retries') or '0') or 0
+        local retries = tonumber(r.retries) or 0
         if outcome == 'error' and failures <= retries then
-          history(p, id, job, 'requeued', t, v1)
-          local base = tonumber(redis.call('HGET', job, 'retry_backoff') or '1') or 1
+          history(p, id, r, 'requeued', t, v1)
+          local base = tonumber(r.retry_backoff) or 1
           local delay = math.min(base * 2 ^ (failures - 1), cap) * (tonumber(v4) or 1)
           local ek, ev = ended(attempt, t, string.format('failed %s, retry %d of %d in %.2fs', v1, failures,
             retries, delay))
           to_delayed(p, id, job, t + delay, {'error_type', v1, 'error', v2, 'traceback', v3, ek, ev})
         else
           local ek, ev = ended(attempt, t, 'failed ' .. v1)
-          finalize(p, id, job, 'failed', t, ttl, {'error_type', v1, 'error', v2, 'traceback', v3, ek, ev})
+          finalize(p, id, job, r, 'failed', t, ttl, {'error_type', v1, 'error', v2, 'traceback', v3, ek, ev}, v1)
         end
       end
     end

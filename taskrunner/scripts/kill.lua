@@ -17,7 +17,8 @@ if state == 'pending' or state == 'delayed' then
   redis.call('SREM', p .. 'items', id)
   redis.call('LREM', p .. 'pending', 0, id)
   redis.call('ZREM', p .. 'delayed', id)
-  finalize(p, id, job, 'killed', t, tonumber(ARGV[3]), {'error_type', 'Killed', 'error', why, 'killed_by', ARGV[2]})
+  finalize(p, id, job, load(job), 'killed', t, tonumber(ARGV[3]),
+    {'error_type', 'Killed', 'error', why, 'killed_by', ARGV[2]}, 'Killed')
   return {'killed'}
 end
 if state == 'running' then

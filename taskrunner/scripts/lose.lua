@@ -12,10 +12,10 @@ local out = {}
 for i = 2, #ARGV, 4 do
   local id, attempt, reason, owner = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local job = p .. 'job:' .. id
+  local r = load(job)
   local result = ''
-  if holder_check(p, id, job, attempt) == 1
-    and (owner == '' or redis.call('HGET', job, 'worker') == owner) then
-    result = lose(p, id, job, attempt, t, ttl, reason)
+  if holder_check(p, id, r, attempt) == 1 and (owner == '' or r.worker == owner) then
+    result = lose(p, id, job, r, attempt, t, ttl, reason)
   end
   out[#out + 1] = result
 end

@@ -20,9 +20,10 @@ local out = {}
 for i = 1, math.min(#due, tonumber(ARGV[2])) do
   local id = due[i][2]
   local job = p .. 'job:' .. id
-  release(p, id, job)
+  local r = load(job)
+  release(p, id, r)
   redis.call('HINCRBY', job, 'requeues', 1)
-  history(p, id, job, 'requeued', t, nil)
+  history(p, id, r, 'requeued', t, nil)
   local ek, ev = ended(redis.call('HGET', job, 'attempts') or '0', t,
     string.format('recovered by %s (delivered %.0fs before)', ARGV[3], t - due[i][1]))
   to_pending(p, id, job, true, {'last_requeued_at', fmt(t), ek, ev})

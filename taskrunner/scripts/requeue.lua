@@ -14,10 +14,11 @@ if state == 'delayed' then
   redis.call('ZREM', p .. 'delayed', id)
   to_pending(p, id, job, true, action)
 elseif state == 'running' then
-  release(p, id, job)
+  local r = load(job)
+  release(p, id, r)
   redis.call('HINCRBY', job, 'requeues', 1)
-  history(p, id, job, 'requeued', t, nil)
-  local attempt = redis.call('HGET', job, 'attempts')
+  history(p, id, r, 'requeued', t, nil)
+  local attempt = r.attempts
   local ek, ev = ended(attempt, t, 'requeued by ' .. ARGV[2])
   action[3], action[4], action[5], action[6] = ek, ev, 'last_requeued_at', fmt(t)
   to_pending(p, id, job, true, action)

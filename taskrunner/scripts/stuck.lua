@@ -6,7 +6,7 @@
 local p = KEYS[1]
 local id, attempt = ARGV[1], ARGV[2]
 local job = p .. 'job:' .. id
-if holder_check(p, id, job, attempt) ~= 1 then
+if holder_check(p, id, load(job), attempt) ~= 1 then
   return {}
 end
 local width = tonumber(ARGV[4])
