@@ -14,7 +14,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -25,7 +24,8 @@ from croniter import croniter
 from . import codec, scripts
 from .app import TaskRunner
 from .history import WARN_BACKLOG
-from .worker import pid_namespace
+from .holders import lose, lose_held, pid_namespace
+from .listing import server_time
 
 log = logging.getLogger("taskrunner.dispatcher")
 _REDIS_ERRORS = (redis.RedisError,)  # back off and retry: every action is fenced
@@ -77,7 +77,7 @@ class Dispatcher:
 
     def run_once(self) -> dict[str, int]:
         """One pass; returns what it did (for logs and tests)."""
-        now = self._now()
+        now = server_time(self.app)
         alive, dead = self.liveness(now)
         queues = sorted(self.redis.smembers(self.keys.queues))
         stats = {"promoted": 0, "requeued": 0, "failed": 0, "killed": 0, "stuck": 0, "fired": 0}
@@ -98,7 +98,7 @@ class Dispatcher:
                     lost += [job_id, attempt, f"worker {worker} is dead", ""]
                 else:
                     self._stuck(q, job_id, attempt, stats)
-            self._lose(q, lost, stats)
+            self._tally([(q, job_id, state) for job_id, state in lose(self.app, q, lost)], stats)
         if dead:
             self._reap(queues, dead, now, stats)
         stats["fired"] = self.fire_schedules(now)
@@ -112,10 +112,6 @@ class Dispatcher:
         if any(stats.values()):
             log.info("dispatcher %s: %s", self.name, " ".join(f"{k}={v}" for k, v in stats.items() if v))
         return stats
-
-    def _now(self) -> float:
-        sec, usec = self.redis.time()
-        return sec + usec / 1e6
 
     def archive_history(self, queues: list[str]) -> int:
         """Move job history to Parquet (a few batches a pass); warn loudly when a stream
@@ -172,27 +168,11 @@ class Dispatcher:
     def harvest(self, queues: list[str]) -> dict[str, int]:
         """Return the running jobs of every worker that is not alive to their queues now
         (rfq's harvester), without waiting for their deadlines."""
-        alive, _ = self.liveness(self._now())
+        alive, _ = self.liveness(server_time(self.app))
         stats = {"requeued": 0, "failed": 0, "killed": 0}
-        self._lose_held(queues, lambda w: w not in alive, "harvested: worker {} is not alive", stats)
+        self._tally(lose_held(self.app, queues, lambda w, _: w not in alive, "harvested: worker {} is not alive"),
+                    stats)
         return stats
-
-    def _lose_held(self, queues: list[str], gone: Callable[[str], bool], why: str, stats: dict[str, int]) -> None:
-        """Lose (owner-fenced) every running job whose worker is gone."""
-        pipe = self.redis.pipeline(transaction=False)
-        for q in queues:
-            pipe.hgetall(self.keys.q(q) + "running")
-        for q, running in zip(queues, pipe.execute()):
-            lost: list[Any] = []
-            for job_id, raw in running.items():
-                try:
-                    entry = codec.loads(raw)
-                    worker, attempt = entry["worker"], str(entry["attempt"])
-                except (ValueError, KeyError, TypeError):
-                    continue
-                if gone(worker):
-                    lost += [job_id, attempt, why.format(worker), worker]
-            self._lose(q, lost, stats)
 
     def _stuck(self, queue: str, job_id: str, attempt: str, stats: dict[str, int]) -> None:
         res = scripts.STUCK(self.redis, [self.keys.q(queue)],
@@ -206,18 +186,15 @@ class Dispatcher:
         if policy == "kill":
             self.app.send_control(worker, {"kill": job_id, "attempt": int(attempt), "reason": "timeout"})
 
-    def _lose(self, queue: str, values: list[Any], stats: dict[str, int]) -> None:
-        if not values:
-            return
-        for job_id, state in zip(values[::4], scripts.LOSE(self.redis, [self.keys.q(queue)],
-                                                           [self.s.result_ttl, *values])):
-            if state:
-                stats["requeued" if state == "pending" else state] += 1
-                log.warning("dispatcher: job %s in %s lost its process -> %s", job_id, queue, state)
+    @staticmethod
+    def _tally(acted: list[tuple[str, str, str]], stats: dict[str, int]) -> None:
+        for queue, job_id, state in acted:
+            stats["requeued" if state == "pending" else state] += 1
+            log.warning("dispatcher: job %s in %s lost its process -> %s", job_id, queue, state)
 
     def _reap(self, queues: list[str], dead: set[str], now: float, stats: dict[str, int]) -> None:
         """Requeue every job the dead workers held, then list them as dead."""
-        self._lose_held(queues, dead.__contains__, "worker {} is dead", stats)
+        self._tally(lose_held(self.app, queues, lambda w, _: w in dead, "worker {} is dead"), stats)
         pipe = self.redis.pipeline(transaction=False)
         for n in dead:
             log.warning("dispatcher: worker %s is dead", n)

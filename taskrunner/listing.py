@@ -62,22 +62,20 @@ def list_jobs(app: TaskRunner, queue: str | None = None, state: str | None = Non
 def workers(app: TaskRunner) -> list[dict[str, Any]]:
     """Live workers with their last heartbeat, then the dead ones (kept an hour)."""
     r = app.redis
-    sec, usec = r.time()
-    now = sec + usec / 1e6
+    now = server_time(app)
     live = r.zrange(app.keys.workers, 0, -1, withscores=True)
     dead = r.zrange(app.keys.workers_dead, 0, -1, withscores=True)
-    names = [n for n, _ in live] + [n for n, _ in dead]
-    infos = r.mget([app.keys.worker(n) for n in names]) if names else []
+    rows = [(n, t, False) for n, t in live] + [(n, t, True) for n, t in dead]
+    infos = r.mget([app.keys.worker(n) for n, _, _ in rows]) if rows else []
     out = []
-    for (n, t), raw in zip(live + dead, infos):
+    for (n, t, buried), raw in zip(rows, infos):
         try:
             info = codec.loads(raw) if raw else {}
         except ValueError:
             info = {}
-        is_dead = (n, t) in dead or now - t >= app.settings.dead_after
+        is_dead = buried or now - t >= app.settings.dead_after
         out.append({**info, "name": n, "state": "dead" if is_dead else "alive",
-                    "heartbeat_age": round(now - t, 3) if (n, t) in live else None,
-                    "died_at": t if (n, t) in dead else None})
+                    "heartbeat_age": None if buried else round(now - t, 3), "died_at": t if buried else None})
     return out
 
 

@@ -26,6 +26,8 @@ from . import codec, scripts
 from .app import TaskRunner
 from .child import child_main
 from .consumer import claim_args
+from .holders import lose_held, pid_namespace
+from .listing import server_time
 
 log = logging.getLogger("taskrunner.worker")
 _ctx = multiprocessing.get_context("fork")
@@ -118,14 +120,6 @@ class Blocker:
             self.conn = None
 
 
-def pid_namespace() -> str:
-    """Identifies the PID namespace, so PIDs are only compared where they mean the same."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
 def local_ip(client: redis.Redis) -> str:
     """The address this host uses to reach Redis (what others would see)."""
     kw = client.connection_pool.connection_kwargs
@@ -196,7 +190,7 @@ class Worker:
 
     def _check_name_free(self) -> None:
         last = self.redis.zscore(self.keys.workers, self.name)
-        now = float(self.redis.time()[0])
+        now = server_time(self.app)
         if last is not None and now - last < self.s.dead_after:
             raise SystemExit(f"worker name {self.name!r} is in use by a live worker (heartbeat "
                              f"{now - last:.1f}s ago); pick another with -n")
@@ -391,17 +385,15 @@ class Worker:
                 log.info("worker %s: killing job %s in child %d (%s)", self.name, job_id, c.pid, reason)
                 c.kill(reason, self.s.kill_grace)
                 return
-        if self._queue_of(job_id):
+        if self._reported(job_id):
             return  # it just ended; its result is on its way
         # Not ours to run, yet Redis may say we hold it (a claim whose answer was lost):
         # release it, fenced by our name and its delivery.
         self.reconcile = True
 
-    def _queue_of(self, job_id: str) -> str:
-        for q, values in self.outbox.items():
-            if job_id in values[::7]:
-                return q
-        return ""
+    def _reported(self, job_id: str) -> bool:
+        """Is the job's outcome waiting in the outbox?"""
+        return any(job_id in values[::7] for values in self.outbox.values())
 
     # -- Redis -------------------------------------------------------------------------
 
@@ -451,21 +443,10 @@ class Worker:
         mine = {c.job.id for c in self.children if c.job}
         for values in self.outbox.values():
             mine.update(values[::7])
-        pipe = self.redis.pipeline(transaction=False)
-        for p in self.prefixes:
-            pipe.hgetall(p + "running")
-        for p, running in zip(self.prefixes, pipe.execute()):
-            args: list[Any] = [self.s.result_ttl]
-            for job_id, entry in running.items():
-                try:
-                    e = codec.loads(entry)
-                except ValueError:
-                    continue
-                if e.get("worker") == self.name and job_id not in mine:
-                    args += [job_id, str(e.get("attempt")), f"worker {self.name} no longer ran it", self.name]
-            if len(args) > 1:
-                states = scripts.LOSE(self.redis, [p], args)
-                log.warning("worker %s: released %d orphaned deliveries: %s", self.name, len(states), states)
+        acted = lose_held(self.app, self.queues, lambda w, job_id: w == self.name and job_id not in mine,
+                          "worker {} no longer ran it")
+        if acted:
+            log.warning("worker %s: released %d orphaned deliveries: %s", self.name, len(acted), acted)
         self.reconcile = False
 
     def _heartbeat(self) -> None:

@@ -232,3 +232,20 @@ def test_timeline_tells_the_story(app, stack):
                       "delivery 2 started", "delivery 2 completed"]
     run2 = job.timeline()[3]
     assert run2["worker"] == "tl2" and run2["pid"] and run2["host"]
+
+
+def test_worker_restarted_under_its_name_releases_what_its_previous_life_held(app, stack):
+    """No dispatcher runs: only the restarted worker can give the job back."""
+    w1 = stack.worker(name="again", concurrency=1)
+    job = apps.hold.delay("o1")
+    started_pid(app, "o1")
+    os.killpg(w1.pid, signal.SIGKILL)
+    beat = app.redis.zscore(app.keys.workers, "again")
+    # the name is free again once its heartbeat is older than dead_after
+    wait_for(lambda: listing.server_time(app) - beat > app.settings.dead_after, what="the old heartbeat to age")
+    stack.worker(name="again", concurrency=1)
+    started_pid(app, "o1", 2)
+    release(app, "o1")
+    assert job.wait(30) == "released"
+    d = job.refresh().to_dict()
+    assert d["attempts"] == 2 and d["lost"] == 1 and "again no longer ran it" in d["last_lost_reason"]
