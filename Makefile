@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean chaos
 
 $(BIN)/taskrunner: setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,3 +32,9 @@ clean:
 # Options through ARGS, e.g.: make bench ARGS=--quick   make bench ARGS="--only taskrunner,rq --json out.json"
 bench: setup
 	$(BIN)/python bench/bench.py $(ARGS)
+
+# Chaos harness (bench/chaos.py): 20,000 jobs per fsync setting while processes and Redis are
+# killed; exits 1 on a lost or stuck job. docs/RELIABILITY.md. e.g. make chaos ARGS="--seed 3 --fsync always"
+chaos: setup
+	$(BIN)/python -m bench.chaos $(ARGS)
+
