@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from flask import Flask, jsonify, render_template, request
+from jinja2 import Undefined
 from werkzeug.exceptions import HTTPException
 from werkzeug.middleware.proxy_fix import ProxyFix
 
@@ -67,18 +68,32 @@ def create_app(runner: TaskRunner | None = None, password: str | None = None, to
     return web
 
 
+def _seconds(t: Any) -> float | None:
+    """A time or duration from a record, or None when it is not a number (a corrupt record
+    is shown as it is, never a 500)."""
+    try:
+        return float(t)
+    except (TypeError, ValueError):
+        return None
+
+
 def ago(t: Any, now: float | None = None) -> str:
     """'12 s ago', '3 min ago', 'in 5 s'."""
     if not t:
         return "-"
+    s = _seconds(t)
+    if s is None:
+        return str(t)
     now = now if now is not None else datetime.now(timezone.utc).timestamp()
-    delta = now - float(t)
+    delta = now - s
     text = duration(abs(delta))
     return f"{text} ago" if delta >= 0 else f"in {text}"
 
 
 def duration(seconds: Any) -> str:
-    s = float(seconds or 0)
+    s = _seconds(seconds or 0)
+    if s is None:
+        return str(seconds)
     if s < 60:
         return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
     if s < 3600:
@@ -89,11 +104,18 @@ def duration(seconds: Any) -> str:
 
 
 def pretty_json(value: Any) -> str:
-    """JSON as text for a page (Jinja escapes it); unlike |tojson, < stays readable."""
+    """JSON as text for a page (Jinja escapes it); unlike |tojson, < stays readable. A
+    field the record lacks (written by a broken producer) shows as "-"."""
+    if isinstance(value, Undefined):
+        return "-"
     return json.dumps(value, ensure_ascii=False)
 
 
 def exact(t: Any) -> str:
     if not t:
         return ""
-    return datetime.fromtimestamp(float(t), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    s = _seconds(t)
+    try:
+        return datetime.fromtimestamp(s, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError, OSError):
+        return str(t)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import socket
 import threading
@@ -36,16 +37,40 @@ class JobSpec:
     max_lost: int | None = None
 
     def merged(self, **changes: Any) -> JobSpec:
+        """This spec with the changes that are not None, each checked: a value of the wrong
+        type or range is refused here, by name, rather than stored for a worker to trip on."""
         values = {k: v for k, v in changes.items() if v is not None}
         spec = JobSpec(**{**self.__dict__, **values})
         codec.check_name("queue", spec.queue)
         if spec.timeout_policy not in TIMEOUT_POLICIES:
             raise ValueError(f"timeout_policy must be one of {TIMEOUT_POLICIES}, not {spec.timeout_policy!r}")
-        if spec.max_duration is not None and spec.max_duration <= 0:
-            raise ValueError("max_duration must be positive")
-        if spec.retries < 0:
-            raise ValueError("retries must be >= 0")
+        if spec.max_duration is not None:
+            seconds("max_duration", spec.max_duration, positive=True)
+        seconds("retry_backoff", spec.retry_backoff)
+        count("retries", spec.retries)
+        if spec.max_lost is not None:
+            count("max_lost", spec.max_lost, minimum=1)
         return spec
+
+
+def seconds(name: str, value: Any, positive: bool = False) -> float:
+    """A duration given by a caller: a finite number, >= 0 (> 0 if positive). NaN or text
+    would reach the Lua scripts as strings they cannot compare."""
+    try:
+        ok = not isinstance(value, (bool, str)) and math.isfinite(value) and (value > 0 if positive else value >= 0)
+    except (TypeError, OverflowError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a finite number of seconds {'> 0' if positive else '>= 0'}, not {value!r}")
+    return float(value)
+
+
+def count(name: str, value: Any, minimum: int = 0) -> int:
+    """A whole number given by a caller, from `minimum` to 2**31 - 1 (the scripts count in
+    doubles: a larger one would be stored as text no reader turns back into that number)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 2**31:
+        raise ValueError(f"{name} must be a whole number from {minimum} to {2**31 - 1}, not {value!r}")
+    return value
 
 
 @dataclass
@@ -59,6 +84,25 @@ class Schedule:
     kwargs: dict = field(default_factory=dict)
     queue: str = "default"
     missed: str = "once"  # after downtime: "once" fires the latest missed tick, "skip" none
+
+
+def check_cron(cron: Any) -> str:
+    """A cron expression with ticks both ways: croniter accepts e.g. "0 0 31 2 *" (February
+    31st) but then finds no tick, which the dispatcher, looking for the last and next
+    tick at each pass, must never meet."""
+    if not isinstance(cron, str) or not croniter.is_valid(cron):
+        raise ValueError(f"invalid cron expression {cron!r} (expected e.g. '*/5 * * * *')")
+    try:
+        croniter(cron).get_prev(float)
+        croniter(cron).get_next(float)
+    except ValueError as e:
+        raise ValueError(f"cron expression {cron!r} has no tick: {e}") from None
+    return cron
+
+
+def cron_job_id(schedule: str, tick: float) -> str:
+    """The job id of a schedule's tick: the same for every dispatcher that fires it."""
+    return f"cron.{schedule}.{int(tick)}"
 
 
 class Task:
@@ -105,9 +149,12 @@ class TaskRunner:
 
     @property
     def redis(self) -> redis.Redis:
-        """The client, made on first use (and again in a forked child)."""
+        """The client, made on first use (and again in a forked child). Bytes that are not
+        UTF-8 (never written by taskrunner, whose wire format is JSON text) are read as U+FFFD:
+        a record corrupted by another client then fails as bad JSON instead of raising
+        UnicodeDecodeError in whichever process reads it."""
         if self._redis is None or self._redis_pid != os.getpid():
-            self._redis = connect(self.settings.redis_url)
+            self._redis = connect(self.settings.redis_url, encoding_errors="replace")
             self._redis_pid = os.getpid()
             self._known_queues = set()
         return self._redis
@@ -149,14 +196,16 @@ class TaskRunner:
                  missed: str = "once", **task_options: Any) -> Callable[[Callable], Task]:
         """Declare a task and run it on a cron schedule (UTC), e.g. "*/5 * * * *".
         Each tick is enqueued exactly once, however many dispatchers run."""
-        if not isinstance(cron, str) or not croniter.is_valid(cron):
-            raise ValueError(f"invalid cron expression {cron!r} (expected e.g. '*/5 * * * *')")
+        check_cron(cron)
         if missed not in ("once", "skip"):
             raise ValueError("missed must be 'once' or 'skip'")
 
         def register(f: Callable) -> Task:
             t = f if isinstance(f, Task) else self.task(f, **task_options)
             sname = codec.check_name("schedule", name or t.name)
+            # What the dispatcher will enqueue at each tick, checked now rather than there.
+            codec.check_id(cron_job_id(sname, 2**40))
+            self._fields(t.name, args, kwargs, t.spec)
             self.schedules[sname] = Schedule(sname, cron, t.name, list(args), dict(kwargs or {}),
                                              t.spec.queue, missed)
             return t
@@ -167,12 +216,12 @@ class TaskRunner:
 
     def _fields(self, task: str, args: Iterable, kwargs: dict | None, spec: JobSpec) -> list[Any]:
         codec.check_name("task", task)
-        if isinstance(args, (str, bytes, dict)):
-            raise TypeError("args must be a list or tuple of arguments")
+        if isinstance(args, (str, bytes, dict)) or not isinstance(args, Iterable):
+            raise TypeError(f"args must be a list or tuple of arguments, not {type(args).__name__}")
+        if not isinstance(kwargs or {}, dict):
+            raise TypeError(f"kwargs must be a dict, not {type(kwargs).__name__}")
         a = codec.dumps(list(args), "args")
         k = codec.dumps(kwargs or {}, "kwargs")
-        if not isinstance(kwargs or {}, dict):
-            raise TypeError("kwargs must be a dict")
         if len(a) + len(k) > self.settings.max_payload:
             raise PayloadTooLarge(f"arguments of {task} take {len(a) + len(k)} bytes; the limit "
                                   f"is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
@@ -197,9 +246,8 @@ class TaskRunner:
         spec = (spec or self._spec_for(task)).merged(**options)
         job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
         fields = self._fields(task, args, kwargs, spec)
-        if delay is not None and delay < 0:
-            raise ValueError("delay must be >= 0")
-        wait = self.settings.block_timeout if block_timeout is None else block_timeout
+        delay = seconds("delay", delay) if delay is not None else None
+        wait = seconds("block_timeout", self.settings.block_timeout if block_timeout is None else block_timeout)
         deadline = time.monotonic() + wait
         while True:
             created = self._enqueue_batch(spec.queue, [(job_id, delay or 0, fields)])[0]
@@ -253,24 +301,29 @@ class TaskRunner:
                            f"{'closed' if kind is QueueClosed else 'full'}")
 
         for n, spec_ in enumerate(jobs, 1):
-            if not isinstance(spec_, dict) or "task" not in spec_:
-                raise ValueError(f"job {n}: expected an object with a 'task' field")
-            unknown = set(spec_) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "id"}
-            if unknown:
-                raise ValueError(f"job {n}: unknown fields {sorted(unknown)}")
-            spec = self._spec_for(spec_["task"]).merged(queue=spec_.get("queue"), retries=spec_.get("retries"),
-                                                         max_duration=spec_.get("max_duration"))
-            job_id = codec.check_id(spec_["id"]) if spec_.get("id") is not None else codec.new_id()
-            delay = float(spec_.get("delay") or 0)
-            if delay < 0:
-                raise ValueError(f"job {n}: delay must be >= 0")
-            pending.append((spec.queue, job_id, delay,
-                            self._fields(spec_["task"], spec_.get("args") or [], spec_.get("kwargs"), spec)))
+            try:
+                pending.append(self._job_of(spec_))
+            except (TaskRunnerError, ValueError, TypeError) as e:
+                raise type(e)(f"job {n}: {e}") from None
             if len(pending) >= chunk:
                 flush()
         if pending:
             flush()
         return out
+
+    def _job_of(self, spec: Any) -> tuple[str, str, float, list[Any]]:
+        """(queue, id, delay, fields) of one job of enqueue_many, checked like enqueue's."""
+        if not isinstance(spec, dict) or "task" not in spec:
+            raise ValueError("expected an object with a 'task' field")
+        unknown = set(spec) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "id"}
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)}")
+        task = codec.check_name("task", spec["task"])
+        job = self._spec_for(task).merged(queue=spec.get("queue"), retries=spec.get("retries"),
+                                          max_duration=spec.get("max_duration"))
+        job_id = codec.check_id(spec["id"]) if spec.get("id") is not None else codec.new_id()
+        delay = seconds("delay", spec.get("delay") or 0)
+        return job.queue, job_id, delay, self._fields(task, spec.get("args") or [], spec.get("kwargs"), job)
 
     def _queue_enqueue(self, batch: scripts.Batch, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> None:
         args: list[Any] = [len(jobs)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -21,9 +22,24 @@ _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 def dumps(value: Any, what: str = "value") -> bytes:
     try:
-        return orjson.dumps(value, option=_STRICT)
+        data = orjson.dumps(value, option=_STRICT)
     except TypeError as e:
         raise NotJSONError(f"{what} is not JSON: {e} (taskrunner sends JSON only)") from None
+    # orjson writes NaN and infinities as null; look for them only when a null is there.
+    if b"null" in data and _non_finite(value):
+        raise NotJSONError(f"{what} is not JSON: NaN and infinity have no JSON form (taskrunner sends JSON only)")
+    return data
+
+
+def _non_finite(value: Any) -> bool:
+    """Is there a NaN or infinite float anywhere in value (JSON-shaped, depth <= 255)?"""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_non_finite(v) for v in value)
+    return False
 
 
 def loads(data: str | bytes) -> Any:

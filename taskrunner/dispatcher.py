@@ -22,7 +22,8 @@ import redis
 from croniter import croniter
 
 from . import codec, scripts
-from .app import TaskRunner
+from .app import Schedule, TaskRunner, cron_job_id
+from .errors import TaskRunnerError
 from .history import WARN_BACKLOG
 from .holders import lose, lose_held, pid_namespace
 from .listing import server_time
@@ -63,6 +64,9 @@ class Dispatcher:
             except _REDIS_ERRORS as e:
                 backoff = min(max(backoff * 2, 0.2), 5.0)
                 log.warning("dispatcher %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, backoff)
+            except Exception:  # a record no check foresaw must not stop requeueing for every queue
+                backoff = min(max(backoff * 2, 0.2), 5.0)
+                log.exception("dispatcher %s: pass failed; retrying in %.1fs", self.name, backoff)
             self.stop_event.wait(max(backoff, self.s.dispatch_interval - (time.monotonic() - started)))
         log.info("dispatcher %s: stopped after %d passes", self.name, self.passes)
         return 0
@@ -88,12 +92,14 @@ class Dispatcher:
             stats["promoted"] += int(res[0])
             lost: list[Any] = []
             for job_id, raw in zip(res[1::2], res[2::2]):
-                try:
-                    entry = codec.loads(raw)
-                    worker, attempt = entry["worker"], str(entry["attempt"])
-                except (ValueError, KeyError, TypeError):
+                holder = holding(raw)
+                if holder is None:
+                    # Nobody can be told to stop it: requeue it (fenced by the record's attempt).
                     log.error("dispatcher: corrupt holding entry for job %s in %s: %r", job_id, q, raw[:200])
+                    attempt = self.redis.hget(self.keys.job(q, job_id), "attempts") or ""
+                    lost += [job_id, attempt, f"its holding entry was corrupt: {raw[:200]!r}", ""]
                     continue
+                worker, attempt = holder
                 if worker not in alive:
                     lost += [job_id, attempt, f"worker {worker} is dead", ""]
                 else:
@@ -145,9 +151,10 @@ class Dispatcher:
         if unknown:
             for n, raw in zip(unknown, self.redis.mget([self.keys.worker(n) for n in unknown])):
                 try:
-                    self._hosts[n] = codec.loads(raw) if raw else {}
+                    info = codec.loads(raw) if raw else {}
                 except ValueError:
-                    self._hosts[n] = {}
+                    info = {}
+                self._hosts[n] = info if isinstance(info, dict) else {}
         alive, dead = set(), set()
         for n, last in beats.items():
             if now - last >= self.s.dead_after or not self._process_alive(self._hosts.get(n, {})):
@@ -212,26 +219,49 @@ class Dispatcher:
         at = datetime.fromtimestamp(now, timezone.utc)
         for s, raw in zip(schedules, states):
             try:
-                state = codec.loads(raw) if raw else {}
-            except ValueError:
-                state = {}
-            latest = croniter(s.cron, at).get_prev(float)
-            last = state.get("last")
-            if last is None or latest <= last:
-                tick = None  # first sight: start from now, fire nothing past
-            elif s.missed == "skip" and now - latest > SKIP_GRACE:
-                tick = None
-            else:
-                tick = latest
-            if tick is not None:
-                job = self.app.enqueue(s.task, s.args, s.kwargs, queue=s.queue, job_id=f"cron.{s.name}.{int(tick)}")
-                fired += job.created
-                if job.created:
-                    log.info("dispatcher: fired %s for %s (job %s)", s.name,
-                             datetime.fromtimestamp(tick, timezone.utc).isoformat(), job.id)
-            nxt = croniter(s.cron, at).get_next(float)
-            new = {"name": s.name, "cron": s.cron, "task": s.task, "queue": s.queue,
-                   "last": max(latest, last or 0),
-                   "next": nxt, "last_fired_at": now if tick is not None else state.get("last_fired_at")}
-            self.redis.hset(self.keys.schedules, s.name, codec.dumps(new))
+                fired += self._fire(s, raw, now, at)
+            except (TaskRunnerError, ValueError) as e:  # e.g. its queue closed, no tick left
+                log.error("dispatcher: schedule %s (%s) did not fire: %s", s.name, s.cron, e)
         return fired
+
+    def _fire(self, s: Schedule, raw: str | None, now: float, at: datetime) -> int:
+        """Fire one schedule's due tick (if any) and record its state; 1 if it fired."""
+        try:
+            state = codec.loads(raw) if raw else {}
+        except ValueError:
+            state = {}
+        last = state.get("last") if isinstance(state, dict) else None
+        if not isinstance(last, (int, float)):
+            state, last = {}, None  # corrupt: as if seen for the first time
+        latest = croniter(s.cron, at).get_prev(float)
+        if last is None or latest <= last:
+            tick = None  # first sight: start from now, fire nothing past
+        elif s.missed == "skip" and now - latest > SKIP_GRACE:
+            tick = None
+        else:
+            tick = latest
+        fired = 0
+        if tick is not None:
+            job = self.app.enqueue(s.task, s.args, s.kwargs, queue=s.queue, job_id=cron_job_id(s.name, tick),
+                                   block_timeout=0)
+            fired = int(job.created)
+            if job.created:
+                log.info("dispatcher: fired %s for %s (job %s)", s.name,
+                         datetime.fromtimestamp(tick, timezone.utc).isoformat(), job.id)
+        nxt = croniter(s.cron, at).get_next(float)
+        new = {"name": s.name, "cron": s.cron, "task": s.task, "queue": s.queue, "last": max(latest, last or 0),
+               "next": nxt, "last_fired_at": now if tick is not None else state.get("last_fired_at")}
+        self.redis.hset(self.keys.schedules, s.name, codec.dumps(new))
+        return fired
+
+
+def holding(raw: str) -> tuple[str, str] | None:
+    """(worker, attempt) of a holding entry; None when it is not one."""
+    try:
+        entry = codec.loads(raw)
+        worker, attempt = entry["worker"], entry["attempt"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(worker, str) or isinstance(attempt, bool) or not isinstance(attempt, int):
+        return None
+    return worker, str(attempt)

@@ -100,7 +100,8 @@ class Job:
         events: list[dict[str, Any]] = []
 
         def add(at: Any, event: str, **more: Any) -> None:
-            events.append({"at": _num(at, float) if at is not None else None, "event": event, **more})
+            t = _num(at, float) if at is not None else None
+            events.append({"at": t if isinstance(t, float) else None, "event": event, **more})
 
         add(d.get("enqueued_at"), "enqueued")
         for k, v in d.items():
@@ -108,6 +109,8 @@ class Job:
                 try:
                     run = codec.loads(v)
                 except ValueError:
+                    continue
+                if not isinstance(run, dict):
                     continue
                 add(run.get("started_at"), f"delivery {k[4:]} started", worker=run.get("worker"),
                     host=run.get("host"), ip=run.get("ip"), pid=run.get("pid"))
@@ -180,7 +183,8 @@ def _me() -> str:
 
 
 def _num(v: str, kind: type) -> Any:
+    """v as a number of that kind; v itself when it is not one (a corrupt record)."""
     try:
         return kind(float(v)) if kind is int else kind(v)
-    except ValueError:
+    except (ValueError, TypeError, OverflowError):
         return v

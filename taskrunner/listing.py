@@ -69,14 +69,55 @@ def workers(app: TaskRunner) -> list[dict[str, Any]]:
     infos = r.mget([app.keys.worker(n) for n, _, _ in rows]) if rows else []
     out = []
     for (n, t, buried), raw in zip(rows, infos):
-        try:
-            info = codec.loads(raw) if raw else {}
-        except ValueError:
-            info = {}
+        info = _worker_info(raw)
         is_dead = buried or now - t >= app.settings.dead_after
         out.append({**info, "name": n, "state": "dead" if is_dead else "alive",
                     "heartbeat_age": None if buried else round(now - t, 3), "died_at": t if buried else None})
     return out
+
+
+#: Fields of a worker's info that pages and the CLI format as numbers, and as text.
+_WORKER_NUMBERS = ("pid", "busy", "concurrency", "processed", "rss", "cpu", "started_at")
+_WORKER_TEXT = ("host", "ip", "kind")
+
+
+def _worker_info(raw: str | None) -> dict[str, Any]:
+    """A worker's heartbeat info as readers expect it, whoever wrote it: a value of the
+    wrong type is left out, as if missing, so that no page or command trips on it."""
+    try:
+        info = codec.loads(raw) if raw else {}
+    except ValueError:
+        info = {}
+    if not isinstance(info, dict):
+        return {}
+    wrong = [k for k, v in info.items() if (k in _WORKER_NUMBERS and _number(v) is None)
+             or (k in _WORKER_TEXT and not isinstance(v, str))
+             or (k == "queues" and not (isinstance(v, list) and all(isinstance(q, str) for q in v)))]
+    return {k: v for k, v in info.items() if k not in wrong}
+
+
+def _number(value: Any) -> float | int | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _entry(raw: str) -> dict[str, Any] | None:
+    """A JSON object kept in Redis (holding entry, dispatcher, schedule), or None when it is not one."""
+    try:
+        e = codec.loads(raw)
+    except ValueError:
+        return None
+    return e if isinstance(e, dict) else None
+
+
+def _holder(e: dict[str, Any]) -> dict[str, Any]:
+    """Who holds a running job, from its holding entry, each value of the type readers expect."""
+    return {"worker": _text(e.get("worker")), "host": _text(e.get("host")), "ip": _text(e.get("ip")),
+            "pid": _number(e.get("pid")), "started_at": _number(e.get("started_at")) or 0,
+            "max_duration": _number(e.get("max_duration")) or 0, "attempt": _number(e.get("attempt"))}
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def server_time(app: TaskRunner) -> float:
@@ -101,13 +142,8 @@ def running(app: TaskRunner, queue: str | None = None, offset: int = 0, limit: i
     rows: list[dict[str, Any]] = []
     for q, entries in zip(queues, pipe.execute()):
         for job_id, raw in entries.items():
-            try:
-                e = codec.loads(raw)
-            except ValueError:
-                e = {}
-            rows.append({"id": job_id, "queue": q, "worker": e.get("worker"), "host": e.get("host"),
-                         "ip": e.get("ip"), "pid": e.get("pid"), "started_at": e.get("started_at") or 0,
-                         "max_duration": e.get("max_duration") or 0, "attempt": e.get("attempt")})
+            e = _entry(raw)
+            rows.append({"id": job_id, "queue": q, **_holder(e or {}), "corrupt": None if e else raw[:200]})
     rows.sort(key=lambda r: (r["started_at"], r["id"]))  # ids sort by creation too
     alive = live_workers(app, now)
     if only_stuck:
@@ -120,7 +156,8 @@ def running(app: TaskRunner, queue: str | None = None, offset: int = 0, limit: i
                                                                  "kill_requested")):
         elapsed = max(0.0, now - r["started_at"])
         over = elapsed > r["max_duration"]
-        why = []
+        corrupt = r.pop("corrupt")
+        why = [f"its holding entry is not one: {corrupt!r}"] if corrupt is not None else []
         if stuck == "1" or over:
             why.append(f"ran past its max duration ({r['max_duration']:g} s)")
         if r["worker"] not in alive:
@@ -196,11 +233,12 @@ def overview(app: TaskRunner) -> dict[str, Any]:
         q["stuck"] = sum(1 for r in stuck_rows if r["queue"] == q["name"])
     dispatchers = []
     for raw in app.redis.hvals(app.keys.dispatchers):
-        try:
-            d = codec.loads(raw)
-        except ValueError:
+        d = _entry(raw)
+        if d is None:
             continue
-        d["age"] = now - d.get("last_pass", 0)
+        d["age"] = now - (_number(d.get("last_pass")) or 0)
+        if not isinstance(d.get("history_backlog"), dict):
+            d["history_backlog"] = {}
         d["healthy"] = d["age"] < max(5 * app.settings.dispatch_interval, 5)
         dispatchers.append(d)
     return {"now": now, "queues": queues, "workers": workers(app),
@@ -210,9 +248,5 @@ def overview(app: TaskRunner) -> dict[str, Any]:
 def schedules(app: TaskRunner) -> list[dict[str, Any]]:
     out = []
     for name, raw in sorted(app.redis.hgetall(app.keys.schedules).items()):
-        try:
-            s = codec.loads(raw)
-        except ValueError:
-            s = {}
-        out.append({"name": name, **s})
+        out.append({**(_entry(raw) or {}), "name": name})
     return out
