@@ -38,7 +38,7 @@ def _json_arg(value: str | None, kind: type, what: str) -> Any:
         return kind()
     try:
         parsed = json.loads(value)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise click.BadParameter(f"not valid JSON ({e}): {value[:80]!r}", param_hint=what) from None
     if not isinstance(parsed, kind):
         raise click.BadParameter(f"must be a JSON {'array' if kind is list else 'object'}", param_hint=what)
@@ -48,7 +48,10 @@ def _json_arg(value: str | None, kind: type, what: str) -> Any:
 def _ts(t: Any) -> str:
     if not t:
         return "-"
-    return datetime.fromtimestamp(float(t), timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.fromtimestamp(float(t), timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    except (TypeError, ValueError, OverflowError, OSError):
+        return str(t)  # a corrupt record, shown as it is
 
 
 def _emit(obj: Any) -> None:
@@ -121,7 +124,7 @@ def _enqueue_file(app: TaskRunner, f: Any) -> None:
             continue
         try:
             specs.append(json.loads(line))
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise click.ClickException(f"line {n}: not valid JSON ({e})") from None
     with click.progressbar(length=len(specs), label="enqueueing", file=sys.stderr) as bar:
         jobs = app.enqueue_many(specs, progress=bar.update)
