@@ -14,11 +14,13 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from redis.exceptions import ResponseError
 
 from dashboard import create_app
 from taskrunner import TaskRunner, codec
 from taskrunner import queue as queues
 from taskrunner.cli import main
+from taskrunner.consumer import Consumer
 from taskrunner.dispatcher import Dispatcher
 from taskrunner.errors import InvalidName, JobFailed, NotJSONError, PayloadTooLarge, TaskRunnerError
 from taskrunner.listing import server_time
@@ -294,3 +296,21 @@ def test_corrupt_records_fail_or_are_requeued_while_worker_and_dispatcher_run_on
     for args in [("workers",), ("jobs",), ("jobs", "--json"), ("status", "types"), ("status", "utf8-task", "--json")]:
         result = cli(app, *args)
         assert result.exit_code == 0, (args, result.output)
+
+
+@pytest.mark.xfail(strict=True, raises=ResponseError, reason="finish.lua: tonumber('nan') is NaN, not nil, so "
+                   "the retry delay is NaN and to_delayed's ZADD fails half-way through the script")
+def test_nan_backoff_in_a_record_written_by_another_client_still_retries(app):
+    """finish.lua computes a retry's due time from the record's retry_backoff; "nan" there
+    must not leave the job delayed forever (or fail the script half-way)."""
+    r, p = app.redis, app.keys.q("default")
+    r.hset(p + "job:nan", mapping={"state": "pending", "task": "t", "args": "[]", "kwargs": "{}", "retries": "1",
+                                   "retry_backoff": "nan"})
+    r.sadd(p + "items", "nan")
+    r.lpush(p + "pending", "nan")
+    consumer = Consumer(app, ["default"], name="nan-consumer")
+    [delivery] = consumer.claim(1)
+    consumer.fail(delivery, "Boom", "retry me")
+    state, due = r.hmget(p + "job:nan", "state", "due_at")
+    assert state == "pending" or (state == "delayed" and r.zscore(p + "delayed", "nan") is not None
+                                  and math.isfinite(float(due))), (state, due)
