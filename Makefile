@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench clean chaos
+.PHONY: setup demo test lint bench clean chaos soak
 
 $(BIN)/taskrunner: setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,3 +38,8 @@ bench: setup
 chaos: setup
 	$(BIN)/python -m bench.chaos $(ARGS)
 
+
+# Soak (bench/soak.py): a steady rate for 30 minutes, sampling every process's memory and
+# Redis's key count; prints the growth. e.g. make soak ARGS="--minutes 5 --rate 100"
+soak: setup
+	$(BIN)/python -m bench.soak $(ARGS)

@@ -6,6 +6,7 @@ can be checked against what the faulted Redis says:
     RPUSH starts:<key> "<time> <pid>"
     HINCRBY done <key> 1            when the body's work is done
     INCR cron:runs                  each run of the cron tick
+    INCR soak:done                  each run of the soak's job (bench/soak.py)
 
 <key> is the job id, passed as the first argument (a task cannot see its own id)."""
 
@@ -85,3 +86,11 @@ def overtime(key: str) -> None:
 @app.periodic("* * * * * */2", name="chaos.tick", queue="cron", max_duration=MAX_DURATION)
 def tick() -> None:
     ledger().incr("cron:runs")
+
+
+@app.task(name="chaos.soak", max_duration=MAX_DURATION)
+def soak(payload: dict, seconds: float) -> int:
+    """The soak's job: a little JSON in and out, a short sleep, one count."""
+    time.sleep(seconds)
+    ledger().incr("soak:done")
+    return len(payload)
