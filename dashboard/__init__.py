@@ -1,7 +1,8 @@
 """The web dashboard: queues, workers, running and stuck jobs (with Kill), failures,
 schedules; every page also as JSON under /api. It reads only what a page shows and never
-imports Spark. `create_app()` reads TASKRUNNER_APP, REDIS_URL, TASKRUNNER_DASHBOARD_PASSWORD
-and TASKRUNNER_DASHBOARD_TOKEN from the environment (gunicorn: "dashboard:create_app()")."""
+imports Spark. `create_app()` reads TASKRUNNER_APP, REDIS_URL, TASKRUNNER_DASHBOARD_PASSWORD,
+TASKRUNNER_DASHBOARD_TOKEN and TASKRUNNER_DASHBOARD_PROXIES (how many reverse proxies are in
+front, e.g. 1 on Heroku; default 0) from the environment (gunicorn: "dashboard:create_app()")."""
 
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def create_app(runner: TaskRunner | None = None, password: str | None = None, token: str | None = None) -> Flask:
     runner = runner or load_app(os.environ.get("TASKRUNNER_APP"))
     web = Flask(__name__, template_folder=os.path.join(ROOT, "templates"), static_folder="static")
-    web.wsgi_app = ProxyFix(web.wsgi_app, x_proto=1, x_host=1)  # type: ignore[method-assign]
+    # X-Forwarded-Proto/-Host may come from anyone: at worst a client gets a Secure cookie.
+    # X-Forwarded-For is the address logins are counted by, so it is trusted only from the
+    # TASKRUNNER_DASHBOARD_PROXIES proxies said to be in front (a client could set it).
+    proxies = int(os.environ.get("TASKRUNNER_DASHBOARD_PROXIES") or 0)
+    web.wsgi_app = ProxyFix(web.wsgi_app, x_for=proxies, x_proto=max(proxies, 1),  # type: ignore[method-assign]
+                            x_host=max(proxies, 1))
     web.config.update(
         TR_RUNNER=runner,
         TR_PASSWORD=password if password is not None else os.environ.get("TASKRUNNER_DASHBOARD_PASSWORD", ""),

@@ -58,17 +58,25 @@ def password_ok(password: str) -> bool:
     return bool(expected) and hmac.compare_digest(password.encode(), expected.encode())
 
 
-def login_allowed(runner: Any) -> bool:
-    """Count failed logins per address in Redis; slow brute force to a crawl."""
+def login_attempt(runner: Any) -> bool:
+    """Count a login attempt of this client address in Redis, before the password is
+    looked at: INCR is atomic, so parallel guesses cannot all pass a read-then-count
+    check. False once the address used its LOGIN_ATTEMPTS of the last minute."""
     key = f"{runner.keys.g}dashboard:logins:{request.remote_addr}"
-    n = runner.redis.get(key)
-    return n is None or int(n) < LOGIN_ATTEMPTS
+    n, _ = runner.redis.pipeline(transaction=False).incr(key).expire(key, 60).execute()
+    return n <= LOGIN_ATTEMPTS
 
 
-def login_failed(runner: Any) -> None:
-    key = f"{runner.keys.g}dashboard:logins:{request.remote_addr}"
-    pipe = runner.redis.pipeline(transaction=False)
-    pipe.incr(key).expire(key, 60).execute()
+def login_succeeded(runner: Any) -> None:
+    """Only failures count: a good password gives its attempt back."""
+    runner.redis.decr(f"{runner.keys.g}dashboard:logins:{request.remote_addr}")
+
+
+def csrf_ok() -> bool:
+    """The form's CSRF token is this session's (compared in constant time, as bytes: a
+    str with non-ASCII characters would make compare_digest raise)."""
+    token = request.form.get("csrf_token", "")
+    return bool(token) and hmac.compare_digest(token.encode(), session.get("csrf", "").encode())
 
 
 def who() -> str:
@@ -87,8 +95,7 @@ def form_action(view: Callable) -> Callable:
             abort(401, "log in first")
         if not same_origin():
             abort(403, "cross-site request refused")
-        token = request.form.get("csrf_token", "")
-        if not token or not hmac.compare_digest(token, session.get("csrf", "")):
+        if not csrf_ok():
             abort(403, "missing or wrong CSRF token: reload the page and try again")
         return view(*args, **kwargs)
 
@@ -120,7 +127,11 @@ def check_bind(addresses: list[str], password: str | None) -> None:
     for address in addresses:
         if address.startswith("unix:"):
             continue
-        host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+        host = address
+        if address.startswith("["):  # [v6]:port or [v6]
+            host = address[1:address.find("]")]
+        elif address.count(":") == 1:  # host:port (a bare v6 address has more colons)
+            host = address.split(":")[0]
         if host == "localhost":
             continue
         try:

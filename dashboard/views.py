@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -66,6 +67,14 @@ def find_job(job_id: str) -> Job:
         return runner().job(job_id)
     except (JobNotFound, InvalidName) as e:
         abort(404, str(e))
+
+
+def local_path(target: str, default: str) -> str:
+    """Where a form goes back to: a path on this site, else `default`. Browsers drop tabs
+    and newlines from URLs and read \\ as /, so "/\\t/evil.example" would leave the site."""
+    if target.startswith("/") and not target.startswith("//") and not re.search(r"[\x00-\x20\\]", target):
+        return target
+    return default
 
 
 def pager(total: int, page: int) -> dict[str, Any]:
@@ -191,19 +200,17 @@ def login() -> Any:
     if request.method == "POST":
         if not security.same_origin():
             abort(403, "cross-site request refused")
-        if not security.login_allowed(runner()):
-            abort(429, "too many failed logins from your address: wait a minute")
-        token = request.form.get("csrf_token", "")
-        if not token or token != session.get("csrf"):
+        if not security.csrf_ok():
             abort(403, "missing or wrong CSRF token: reload the page and try again")
+        if not security.login_attempt(runner()):
+            abort(429, "too many failed logins from your address: wait a minute")
         if security.password_ok(request.form.get("password", "")):
+            security.login_succeeded(runner())
             session.clear()
             session["user"] = "admin"
             security.csrf_token()
             log.warning("dashboard: login from %s", request.remote_addr)
-            target = request.form.get("next", "")
-            return redirect(target if target.startswith("/") and not target.startswith("//") else "/")
-        security.login_failed(runner())
+            return redirect(local_path(request.form.get("next", ""), "/"))
         flash("wrong password")
     return render_template("login.html", next=request.args.get("next", "/"))
 
@@ -222,8 +229,7 @@ def job_action(job_id: str, action: str) -> Any:
         abort(404, f"no action {action!r}")
     done, message = act(find_job(job_id), action, security.who())
     flash(f"{job_id}: {message}")
-    back = request.form.get("next", "")
-    return redirect(back if back.startswith("/") and not back.startswith("//") else url_for("pages.job", job_id=job_id))
+    return redirect(local_path(request.form.get("next", ""), url_for("pages.job", job_id=job_id)))
 
 
 @pages.post("/queues/<name>/purge")
