@@ -6,7 +6,8 @@
 
 Metrics (each repeated --repeat times; the table shows median and min-max):
   1. enqueue one at a time from one process, jobs/s; plus redis-py EVALSHA of `return 1`
-     on one connection as the reference of what one round trip costs;
+     on one connection as the reference of what one round trip costs; and in batches
+     (enqueue_many, 1000 jobs per round trip: taskrunner and RQ, the systems that have one);
   2. drain: --jobs no-op jobs enqueued first, then 2 worker processes started; seconds
      from starting them to the last completion (each job INCRs a counter in db 1);
   3. pickup latency: idle workers, 200 jobs enqueued 20 ms apart, start - enqueue in ms;
@@ -47,6 +48,7 @@ LOGS = RESULTS / "logs"
 
 SYSTEMS = ("taskrunner", "celery", "rq", "dramatiq")
 PEERS = SYSTEMS[1:]
+BATCH_SYSTEMS = ("taskrunner", "rq")  # those with a batch enqueue call
 PEER_PACKAGES = ["celery[redis]", "rq", "dramatiq[redis]", "redis[hiredis]"]
 PEER_MODULES = {"celery": "celery", "rq": "rq", "dramatiq": "dramatiq"}
 
@@ -299,6 +301,8 @@ class Metric:
 
 METRICS = [
     Metric("enqueue_rate", "1. enqueue, one at a time", "jobs/s", True, group="enqueue", short="enqueue rate"),
+    Metric("batch_rate", "   enqueue in batches (enqueue_many)", "jobs/s", True, group="batch",
+           short="batch enqueue rate"),
     Metric("drain_seconds", "2. drain {jobs} no-op jobs (incl. worker start)", "s", False, "{:,.2f}",
            short="drain time"),
     Metric("drain_rate", "   drain throughput", "jobs/s", True, short="drain throughput"),
@@ -325,7 +329,7 @@ class Bench:
         self.results: dict[str, dict[str, Series]] = {}
         self.failures: dict[tuple[str, str], int] = {}  # (metric group, system) -> failed repeats
         self.unshare = "recovery" in args.metric_set and "taskrunner" in args.systems and can_unshare()
-        self.details: dict[str, Any] = {"drain": [], "latency": [], "recovery": [], "enqueue": []}
+        self.details: dict[str, Any] = {"drain": [], "latency": [], "recovery": [], "enqueue": [], "batch": []}
 
     def add(self, metric: str, system: str, value: float) -> None:
         self.results.setdefault(metric, {}).setdefault(system, Series()).values.append(value)
@@ -342,6 +346,13 @@ class Bench:
         self.add("evalsha_rate" if system == "evalsha" else "enqueue_rate", system, out["rate"])
         self.details["enqueue"].append({"system": system, "rep": rep, **out})
         log(f"  enqueue {system:10} {out['rate']:>10,.0f} /s")
+
+    def batch(self, system: str, rep: int) -> None:
+        self.flush()
+        out = self.env.drive(system, "batch", self.a.batch_n)
+        self.add("batch_rate", system, out["rate"])
+        self.details["batch"].append({"system": system, "rep": rep, **out})
+        log(f"  batch   {system:10} {out['rate']:>10,.0f} /s")
 
     # 2 + 5. drain -----------------------------------------------------------------------
 
@@ -646,8 +657,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle", type=float, default=3.0, help="seconds workers idle before the latency jobs")
     p.add_argument("--heartbeat", type=float, default=1.0, help="TASKRUNNER_HEARTBEAT for the recovery test")
     p.add_argument("--dead-after", type=float, default=5.0, help="TASKRUNNER_DEAD_AFTER for the recovery test")
-    p.add_argument("--metrics", default="enqueue,drain,latency,recovery",
-                   help="which to run, among enqueue,drain,latency,recovery")
+    p.add_argument("--batch-n", type=int, help="jobs for the batch enqueue rate (default 20000; --quick: 5000)")
+    p.add_argument("--metrics", default="enqueue,batch,drain,latency,recovery",
+                   help="which to run, among enqueue,batch,drain,latency,recovery")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of each wait, seconds")
     p.add_argument("--max-time", type=float, default=3600.0, help="the whole run stops after this many seconds")
     p.add_argument("--fail-fast", action="store_true",
@@ -655,13 +667,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.repeat = a.repeat or (1 if a.quick else 3)
     a.enqueue_n = a.enqueue_n or (2000 if a.quick else 5000)
+    a.batch_n = a.batch_n or (5000 if a.quick else 20000)
     a.jobs = a.jobs or (2000 if a.quick else 20000)
     a.systems = [s.strip() for s in (a.only or ",".join(SYSTEMS)).split(",") if s.strip()]
     bad = set(a.systems) - set(SYSTEMS)
     if bad:
         p.error(f"unknown system(s) {', '.join(sorted(bad))}; choose among {', '.join(SYSTEMS)}")
     a.metric_set = {m.strip() for m in a.metrics.split(",") if m.strip()}
-    bad = a.metric_set - {"enqueue", "drain", "latency", "recovery"}
+    bad = a.metric_set - {"enqueue", "batch", "drain", "latency", "recovery"}
     if bad:
         p.error(f"unknown metric(s) {', '.join(sorted(bad))}")
     return a
@@ -721,6 +734,10 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"repeat {rep + 1}/{a.repeat}: enqueue")
                     for s in ["evalsha", *a.systems]:
                         attempt("enqueue", s, rep, lambda s=s, rep=rep: b.enqueue(s, rep))
+                if "batch" in a.metric_set:
+                    log(f"repeat {rep + 1}/{a.repeat}: batch enqueue")
+                    for s in [s for s in a.systems if s in BATCH_SYSTEMS]:
+                        attempt("batch", s, rep, lambda s=s, rep=rep: b.batch(s, rep))
                 if "drain" in a.metric_set:
                     log(f"repeat {rep + 1}/{a.repeat}: drain")
                     for s in a.systems:

@@ -6,6 +6,7 @@ interpreter of the system under test (taskrunner: the project's; peers: bench/.v
 SYSTEM: taskrunner, celery, rq, dramatiq, or evalsha (the raw redis-py reference).
 ACTION:
     enqueue N            enqueue N no-op jobs one at a time, timed (after a short warm-up)
+    batch N              enqueue N no-op jobs with the system's batch call, timed (taskrunner, rq)
     fill N               enqueue N no-op jobs, untimed (for the drain)
     latency N INTERVAL   enqueue N latency jobs INTERVAL seconds apart, each with time.time()
     sleep SECONDS        enqueue one job that records its start and sleeps SECONDS
@@ -28,7 +29,8 @@ def producers(system: str) -> dict[str, Callable[..., Any]]:
         from bench import tasks_taskrunner as t
 
         return {"noop": lambda: t.noop.delay(), "latency": lambda ts: t.latency.delay(ts),
-                "sleep": lambda s: t.sleep.delay(s)}
+                "sleep": lambda s: t.sleep.delay(s),
+                "batch": lambda n: t.app.enqueue_many({"task": "bench.noop"} for _ in range(n))}
     if system == "celery":
         from bench import tasks_celery as t
 
@@ -38,8 +40,14 @@ def producers(system: str) -> dict[str, Callable[..., Any]]:
         from bench import tasks_rq as t
 
         q = t.queue()
+        def batch(n: int) -> None:
+            from rq import Queue
+
+            for i in range(0, n, 1000):  # as taskrunner's enqueue_many: 1000 jobs per round trip
+                q.enqueue_many([Queue.prepare_data(t.noop) for _ in range(min(1000, n - i))])
+
         return {"noop": lambda: q.enqueue(t.noop), "latency": lambda ts: q.enqueue(t.latency, ts),
-                "sleep": lambda s: q.enqueue(t.sleep, s, job_timeout=120)}
+                "sleep": lambda s: q.enqueue(t.sleep, s, job_timeout=120), "batch": batch}
     if system == "dramatiq":
         from bench import tasks_dramatiq as t
 
@@ -67,6 +75,13 @@ def main(argv: list[str]) -> dict[str, Any]:
         t0 = time.perf_counter()
         for _ in range(n):
             noop()
+        elapsed = time.perf_counter() - t0
+        return {"n": n, "seconds": elapsed, "rate": n / elapsed, "warmup": WARMUP}
+    if action == "batch":
+        n = int(args[0])
+        p["batch"](WARMUP)
+        t0 = time.perf_counter()
+        p["batch"](n)
         elapsed = time.perf_counter() - t0
         return {"n": n, "seconds": elapsed, "rate": n / elapsed, "warmup": WARMUP}
     if action == "fill":

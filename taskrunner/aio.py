@@ -18,6 +18,7 @@ from redis.exceptions import NoScriptError
 
 from . import codec, scripts
 from .app import TaskRunner
+from .connection import connect_async
 from .errors import JobFailed, JobNotFound, QueueClosed, QueueFull, Timeout
 from .job import FINAL, Job
 
@@ -25,8 +26,7 @@ from .job import FINAL, Job
 class AsyncClient:
     def __init__(self, app: TaskRunner, redis: aioredis.Redis | None = None):
         self.app, self.keys = app, app.keys
-        self.redis = redis or aioredis.Redis.from_url(app.settings.redis_url or "redis://127.0.0.1:6379/0",
-                                                      decode_responses=True)
+        self.redis = redis or connect_async(app.settings.redis_url)
 
     async def _script(self, script: scripts.Script, keys: list[str], args: list[Any]) -> Any:
         try:

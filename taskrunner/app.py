@@ -36,21 +36,23 @@ class JobSpec:
     timeout_policy: str = "kill"
     max_lost: int | None = None
 
+    def __post_init__(self) -> None:
+        """Each value checked: one of the wrong type or range is refused here, by name,
+        rather than stored for a worker to trip on."""
+        codec.check_name("queue", self.queue)
+        if self.timeout_policy not in TIMEOUT_POLICIES:
+            raise ValueError(f"timeout_policy must be one of {TIMEOUT_POLICIES}, not {self.timeout_policy!r}")
+        if self.max_duration is not None:
+            seconds("max_duration", self.max_duration, positive=True)
+        seconds("retry_backoff", self.retry_backoff)
+        count("retries", self.retries)
+        if self.max_lost is not None:
+            count("max_lost", self.max_lost, minimum=1)
+
     def merged(self, **changes: Any) -> JobSpec:
-        """This spec with the changes that are not None, each checked: a value of the wrong
-        type or range is refused here, by name, rather than stored for a worker to trip on."""
+        """This spec with the changes that are not None."""
         values = {k: v for k, v in changes.items() if v is not None}
-        spec = JobSpec(**{**self.__dict__, **values})
-        codec.check_name("queue", spec.queue)
-        if spec.timeout_policy not in TIMEOUT_POLICIES:
-            raise ValueError(f"timeout_policy must be one of {TIMEOUT_POLICIES}, not {spec.timeout_policy!r}")
-        if spec.max_duration is not None:
-            seconds("max_duration", spec.max_duration, positive=True)
-        seconds("retry_backoff", spec.retry_backoff)
-        count("retries", spec.retries)
-        if spec.max_lost is not None:
-            count("max_lost", spec.max_lost, minimum=1)
-        return spec
+        return replace(self, **values) if values else self
 
 
 def seconds(name: str, value: Any, positive: bool = False) -> float:
@@ -71,6 +73,14 @@ def count(name: str, value: Any, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 2**31:
         raise ValueError(f"{name} must be a whole number from {minimum} to {2**31 - 1}, not {value!r}")
     return value
+
+
+def _enqueue_args(jobs: list[tuple[str, float, list[Any]]]) -> list[Any]:
+    """ARGV of enqueue.lua: N, then per job id, delay, K and K field/value pairs."""
+    args: list[Any] = [len(jobs)]
+    for job_id, delay, fields in jobs:
+        args += [job_id, delay, len(fields) // 2, *fields]
+    return args
 
 
 @dataclass
@@ -326,21 +336,14 @@ class TaskRunner:
         return job.queue, job_id, delay, self._fields(task, spec.get("args") or [], spec.get("kwargs"), job)
 
     def _queue_enqueue(self, batch: scripts.Batch, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> None:
-        args: list[Any] = [len(jobs)]
-        for job_id, delay, fields in jobs:
-            args += [job_id, delay, len(fields) // 2, *fields]
-        batch.call(scripts.ENQUEUE, [self.keys.q(queue)], args)
+        batch.call(scripts.ENQUEUE, [self.keys.q(queue)], _enqueue_args(jobs))
 
     def _enqueue_batch(self, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> list[int]:
-        batch = scripts.Batch(self.redis)
-        self._queue_enqueue(batch, queue, jobs)
-        new_queue = queue not in self._known_queues
-        if new_queue:
-            batch.pipe.sadd(self.keys.queues, queue)
-        result = batch.execute()[0]
-        if new_queue:
+        client = self.redis  # first: a new client (new process or settings) knows no queue yet
+        if queue not in self._known_queues:  # once per process and queue
+            client.sadd(self.keys.queues, queue)
             self._known_queues.add(queue)
-        return result
+        return scripts.ENQUEUE(client, [self.keys.q(queue)], _enqueue_args(jobs))
 
     # -- looking up ------------------------------------------------------------------
 

@@ -1,8 +1,14 @@
-"""The long-lived child process that runs a worker's jobs, one at a time.
+"""The long-lived child process that runs a worker's jobs, one at a time, in the order
+they were sent.
 
-Protocol with the worker (one pipe): the worker sends b"id\\0attempt\\0task\\0args\\0kwargs"
-(args and kwargs as the JSON text stored in Redis); the child answers with a JSON list
-[outcome, v1, v2, v3, v4] as finish.lua takes it."""
+Protocol with the worker (one pipe; the worker may send several jobs ahead, its prefetch):
+it sends b"seq\\0id\\0attempt\\0task\\0args\\0kwargs" (args, kwargs: the JSON text stored in
+Redis; seq counts the jobs sent to this child); the child answers each job it ran with a
+JSON list [id, runtime, outcome, v1, v2, v3, v4] (outcome, v1..v4 as finish.lua takes them).
+
+Jobs sent ahead can be taken back while the child is busy, without its help: under a lock
+shared with the worker, the child records the seq of each job as it begins it (state[0]),
+and skips a job whose seq the worker put in the taken-back range (state[1]..state[2])."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import inspect
 import os
 import random
 import signal
+import time
 import traceback
 from typing import Any
 
@@ -30,35 +37,48 @@ def _die_with_parent() -> None:
         pass
 
 
-def child_main(conn: Any, app: Any, kill_flag: Any, parent: int, inherited: list) -> None:
+def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, parent: int, inherited: list) -> None:
     for other in inherited:
         other.close()
     signal.set_wakeup_fd(-1)  # the worker's, inherited: our signals are not its business
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker to handle
+    sending = killed = False
 
     def on_term(signum: int, frame: Any) -> None:
         # SIGTERM from anyone but our worker (e.g. a platform stopping every process)
-        # is ignored: the worker decides when a job stops.
+        # is ignored: the worker decides when a job stops. Never half a reply: while one
+        # is being written, the kill waits for it.
+        nonlocal killed
         if kill_flag.value:
-            raise _Killed()
+            if sending:
+                killed = True
+            else:
+                raise _Killed()
 
     signal.signal(signal.SIGTERM, on_term)
     _die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
-    signatures: dict[str, inspect.Signature | None] = {}
     try:
         while True:
             try:
-                message = conn.recv_bytes()
+                seq, message = conn.recv_bytes().split(b"\0", 1)
             except (EOFError, OSError):
                 os._exit(0)
-            reply = codec.dumps(run(app, message, signatures))
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # never half a reply
+            with lock:
+                if state[1] <= int(seq) <= state[2]:
+                    continue  # taken back before it began
+                state[0] = int(seq)
+            began = time.perf_counter()
+            outcome = run(app, message)
+            reply = codec.dumps([message.split(b"\0", 1)[0].decode(), time.perf_counter() - began, *outcome])
+            sending = True
             try:
                 conn.send_bytes(reply)
             finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+                sending = False
+            if killed:
+                raise _Killed()
     except _Killed:
         os._exit(143)  # the job's finally blocks have run
 
@@ -67,7 +87,28 @@ def _failed(kind: str, message: str, tb: str = "") -> list:
     return ["failed", kind, message, tb, ""]
 
 
-def run(app: Any, message: bytes, signatures: dict) -> list:
+def _error(e: BaseException) -> list:
+    kind = type(e).__qualname__
+    if type(e).__module__ != "builtins":
+        kind = f"{type(e).__module__}.{kind}"
+    return ["error", kind, str(e), traceback.format_exc(), str(random.uniform(0.5, 1.0))]
+
+
+def _mismatch(fn: Any, args: list, kwargs: dict) -> str | None:
+    """Why the arguments do not fit the task's signature, or None (then a TypeError came
+    from inside the task). Checked only after a TypeError: binding costs on every job."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        return f"{sig}: {e}"
+    return None
+
+
+def run(app: Any, message: bytes) -> list:
     """Run one job; every outcome, including bad input, becomes a reply."""
     parts = message.split(b"\0")
     if len(parts) != 5:
@@ -82,28 +123,19 @@ def run(app: Any, message: bytes, signatures: dict) -> list:
         return _failed("BadArguments", f"args/kwargs are not valid JSON: {e}")
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         return _failed("BadArguments", "args must be a JSON array and kwargs a JSON object")
-    if name not in signatures:
-        try:
-            signatures[name] = inspect.signature(task.fn)
-        except (TypeError, ValueError):
-            signatures[name] = None
-    sig = signatures[name]
-    if sig is not None:
-        try:
-            sig.bind(*args, **kwargs)
-        except TypeError as e:
-            return _failed("BadArguments", f"{name}{sig}: {e}")
     try:
         result = task.fn(*args, **kwargs)
+    except TypeError as e:
+        mismatch = _mismatch(task.fn, args, kwargs)
+        if mismatch:
+            return _failed("BadArguments", f"{name}{mismatch}")
+        return _error(e)
     except Retry as r:
         return ["requeue", str(r.delay), "", "", ""]
     except Reject as r:
         return _failed("Rejected", str(r))
     except (Exception, SystemExit) as e:
-        kind = type(e).__qualname__
-        if type(e).__module__ != "builtins":
-            kind = f"{type(e).__module__}.{kind}"
-        return ["error", kind, str(e), traceback.format_exc(), str(random.uniform(0.5, 1.0))]
+        return _error(e)
     try:
         return ["completed", codec.dumps(result, "result").decode(), "", "", ""]
     except NotJSONError as e:

@@ -25,7 +25,8 @@ def common(f: Callable) -> Callable:
     f = click.option("-A", "--app", "app_spec", envvar="TASKRUNNER_APP", metavar="APP",
                      help="Module with your TaskRunner (module or module:attr). Env: TASKRUNNER_APP.")(f)
     f = click.option("--redis-url", envvar="REDIS_URL", metavar="URL",
-                     help="redis://host:port/db, rediss://..., unix:///path. Env: REDIS_URL.")(f)
+                     help="redis://host:port/db, rediss://..., unix:///path, "
+                     "redis+sentinel://host[:port][,host...]/service[/db]. Env: REDIS_URL.")(f)
     return f
 
 
@@ -253,10 +254,12 @@ def _setup_logging(level: str) -> None:
 @click.option("-c", "--concurrency", type=int, default=os.cpu_count() or 2, show_default=True,
               help="Child processes running jobs.")
 @click.option("-n", "--name", help="Worker name (default host.pid); must be unique among live workers.")
+@click.option("--prefetch", type=click.IntRange(min=1), help="Most jobs sent ahead to one child, so that short "
+              "jobs run back to back (default 32, TASKRUNNER_PREFETCH; adapts to ~10 ms of work; 1: off).")
 @click.option("--log-level", default="info", show_default=True)
 @common
-def worker(queue_list: str | None, concurrency: int, name: str | None, log_level: str, app_spec: str | None,
-           redis_url: str | None) -> None:
+def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch: int | None, log_level: str,
+           app_spec: str | None, redis_url: str | None) -> None:
     """Run jobs: claim from the queues, run each in a child process, report back."""
     from .worker import Worker
 
@@ -266,7 +269,7 @@ def worker(queue_list: str | None, concurrency: int, name: str | None, log_level
     app = _app(app_spec, redis_url)
     qs = [q.strip() for q in queue_list.split(",") if q.strip()] if queue_list else \
         list(dict.fromkeys(["default", *(t.spec.queue for t in app.tasks.values())]))
-    sys.exit(Worker(app, qs, concurrency, name).run())
+    sys.exit(Worker(app, qs, concurrency, name, prefetch).run())
 
 
 @main.command()

@@ -10,7 +10,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Settings:
-    #: Redis to use (redis://, rediss://, unix://). None: `taskrunner up` starts its own.
+    #: Redis to use (redis://, rediss://, unix://, redis+sentinel://). None: `taskrunner up` starts its own.
     redis_url: str | None = None  # REDIS_URL
     #: First part of every key; lets several apps share one Redis.
     prefix: str = "tr"  # TASKRUNNER_PREFIX
@@ -47,6 +47,10 @@ class Settings:
     #: Cron schedule (UTC) of `taskrunner analyze` as a taskrunner job of every app, e.g.
     #: "0 * * * *"; empty: not scheduled. Its workers need PySpark and Java.
     analyze_cron: str = ""  # TASKRUNNER_ANALYZE_CRON
+    #: Most jobs a worker sends ahead to one child process, so that short jobs run back to
+    #: back; fewer when jobs are long (10 ms of work ahead), 1 turns it off. Jobs held back
+    #: by a job running over 1 s go back to the queue.
+    prefetch: int = 32  # TASKRUNNER_PREFETCH
     #: Seconds an idle worker blocks in Redis before it looks again anyway.
     idle_block: float = 5.0  # TASKRUNNER_IDLE_BLOCK
 

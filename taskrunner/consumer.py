@@ -31,10 +31,10 @@ class Delivery:
                 "args": self.args, "kwargs": self.kwargs, "max_duration": self.max_duration}
 
 
-def claim_args(app: TaskRunner, name: str, host: str, ip: str, pids: list[int]) -> list[Any]:
-    """ARGV of claim.lua for a claimer; one PID per job wanted."""
+def claim_args(app: TaskRunner, name: str, host: str, ip: str, slots: list[Any]) -> list[Any]:
+    """ARGV of claim.lua for a claimer; `slots`: a (PID, seconds ahead) pair per job wanted."""
     head = codec.dumps({"worker": name, "host": host, "ip": ip}).decode()[:-1]
-    return [head, name, host, ip, app.settings.bucket_width, app.settings.max_duration, *pids]
+    return [head, name, host, ip, app.settings.bucket_width, app.settings.max_duration, *slots]
 
 
 class Consumer:
@@ -58,7 +58,7 @@ class Consumer:
         deadline = time.monotonic() + block
         while True:
             raw = scripts.CLAIM(self.app.redis, [self.keys.q(q) for q in self.queues],
-                                claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid()] * count))
+                                claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid(), ""] * count))
             out = []
             for i in range(0, len(raw), 8):
                 qi, job_id, attempt, task, args, kwargs, md, _ = raw[i:i + 8]
@@ -90,8 +90,8 @@ class Consumer:
         order: list[tuple[str, int]] = []
         for d, outcome in items:
             values = by_queue.setdefault(d.queue, [])
-            order.append((d.queue, len(values) // 7))
-            values += [d.id, d.attempt, *outcome]
+            order.append((d.queue, len(values) // 8))
+            values += [d.id, d.attempt, outcome[0], "", *outcome[1:]]
         batch = scripts.Batch(self.app.redis)
         s = self.app.settings
         for q, values in by_queue.items():

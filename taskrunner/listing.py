@@ -113,7 +113,8 @@ def _holder(e: dict[str, Any]) -> dict[str, Any]:
     """Who holds a running job, from its holding entry, each value of the type readers expect."""
     return {"worker": _text(e.get("worker")), "host": _text(e.get("host")), "ip": _text(e.get("ip")),
             "pid": _number(e.get("pid")), "started_at": _number(e.get("started_at")) or 0,
-            "max_duration": _number(e.get("max_duration")) or 0, "attempt": _number(e.get("attempt"))}
+            "max_duration": _number(e.get("max_duration")) or 0, "attempt": _number(e.get("attempt")),
+            "ahead": _number(e.get("ahead")) or 0}  # seconds of work before it in a worker's prefetch
 
 
 def _text(value: Any) -> str | None:
@@ -149,13 +150,13 @@ def running(app: TaskRunner, queue: str | None = None, offset: int = 0, limit: i
     if only_stuck:
         flags = _hmget(app, rows, "stuck")
         rows = [r for r, (s,) in zip(rows, flags) if s == "1" or r["worker"] not in alive
-                or now > r["started_at"] + r["max_duration"]]
+                or now > r["started_at"] + r["ahead"] + r["max_duration"]]
     total = len(rows)
     page = rows[offset:offset + limit]
     for r, (task, args, kwargs, stuck, kill) in zip(page, _hmget(app, page, "task", "args", "kwargs", "stuck",
                                                                  "kill_requested")):
         elapsed = max(0.0, now - r["started_at"])
-        over = elapsed > r["max_duration"]
+        over = elapsed > r["ahead"] + r["max_duration"]
         corrupt = r.pop("corrupt")
         why = [f"its holding entry is not one: {corrupt!r}"] if corrupt is not None else []
         if stuck == "1" or over:

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
@@ -34,45 +35,87 @@ _ctx = multiprocessing.get_context("fork")
 # Any Redis failure (down, OOM, READONLY after a failover, BUSY) means: back off, retry.
 # Retrying is safe: finishes are idempotent and a claim without an answer is reconciled.
 _REDIS_ERRORS = (redis.RedisError,)
+#: Seconds of work, by the runtimes seen so far, that a child is sent ahead (its prefetch).
+PREFETCH_WINDOW = 0.01
+#: A job that runs longer than this (or than its max duration) hands the jobs sent ahead
+#: of it back to the queue, for other workers.
+HOLD = 1.0
+#: Seconds results may wait to go to Redis together while children have jobs queued.
+FLUSH_AFTER = 0.002
 
 
 @dataclass
 class Delivery:
-    """A job a child is running: what the claim handed us."""
+    """A job sent to a child: what the claim handed us, and what became of it."""
 
     id: str
     attempt: str
     queue: str
-    deadline: float  # monotonic
+    max_duration: float
     policy: str
+    began: float | None = None  # monotonic; when the child began it (None: still queued there)
     stuck: bool = False
+    seq: int = 0  # its number among the jobs sent to the child
+
+    @property
+    def deadline(self) -> float:
+        return self.began + self.max_duration if self.began is not None else float("inf")
 
 
 class Child:
     def __init__(self, worker: Worker) -> None:
         self.conn, theirs = _ctx.Pipe()
         self.kill_flag = _ctx.Value("b", 0, lock=False)
+        self.state = _ctx.RawArray("q", [0, 1, 0])  # seq it began last; taken-back range (child.py)
+        self.lock = _ctx.Lock()
         # The child closes the pipe ends of ours it inherits (its siblings' and its own), so
         # that it sees EOF when we close ours.
         inherited = [c.conn for c in worker.children] + [self.conn]
-        self.proc = _ctx.Process(target=child_main, name="taskrunner-child",
-                                 args=(theirs, worker.app, self.kill_flag, os.getpid(), inherited))
+        self.proc = _ctx.Process(target=child_main, name="taskrunner-child", args=(
+            theirs, worker.app, self.kill_flag, self.state, self.lock, os.getpid(), inherited))
         self.proc.start()
         theirs.close()
         self.pid: int = self.proc.pid  # type: ignore[assignment]
-        self.job: Delivery | None = None
+        self.jobs: deque[Delivery] = deque()  # sent to it, in order; jobs[0] runs
+        self.seq = 0
+        self.kill_target: Delivery | None = None
         self.kill_reason: str | None = None
         self.kill_at: float | None = None
 
-    @property
-    def idle(self) -> bool:
-        return self.job is None and self.kill_reason is None
+    def send(self, d: Delivery, message: bytes, now: float) -> None:
+        self.seq += 1
+        d.seq = self.seq
+        if not self.jobs:
+            d.began = now
+        self.jobs.append(d)
+        try:
+            self.conn.send_bytes(b"%d\0%s" % (d.seq, message))
+        except OSError:
+            pass  # it died; its sentinel tells us
 
-    def kill(self, reason: str, grace: float) -> None:
+    def take_back(self) -> list[Delivery]:
+        """The jobs sent ahead that the child has not begun: it will skip them, and they
+        are ours to hand back. Works while the child is busy in a job."""
+        if not self.lock.acquire(timeout=0.05):
+            return []  # it was SIGKILLed holding the lock; its exit is handled next
+        try:
+            state = self.state
+            rest = [d for d in self.jobs if d.seq > state[0]]
+            if rest:
+                # A range it has not skipped through yet stays in (it is contiguous with ours).
+                state[1] = state[1] if state[2] > state[0] else rest[0].seq
+                state[2] = rest[-1].seq
+        finally:
+            self.lock.release()
+        for d in rest:
+            self.jobs.remove(d)
+        return rest
+
+    def kill(self, target: Delivery, reason: str, grace: float) -> None:
         """SIGTERM now (the child honours it because the flag is set), SIGKILL at kill_at.
         The child is our unreaped child, so its PID cannot have been recycled."""
         if self.kill_reason is None:
-            self.kill_reason = reason
+            self.kill_target, self.kill_reason = target, reason
             self.kill_flag.value = 1
             self.kill_at = time.monotonic() + grace
             _signal(self.pid, signal.SIGTERM)
@@ -87,17 +130,29 @@ def _signal(pid: int, sig: int) -> None:
 
 class Blocker:
     """One BRPOP outstanding on a connection of its own (kept across calls, outside the
-    client's pool); select() tells when it answered."""
+    client's pool); select() tells when it answered. When the primary moved (a Sentinel
+    failover the worker saw no error in) arm() raises ConnectionError once, so that the
+    worker reconciles what it holds with the new primary, which may lack writes the old
+    one took (jobs we finished)."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.pool = client.connection_pool
         self.conn: Any = None
         self.armed = False
+        self.address: tuple[Any, Any] | None = None  # where our connection went, since the last reset()
 
     def arm(self, keys: list[str], timeout: float) -> None:
         if not self.armed:
+            if self.conn is not None and not self.pool.owns_connection(self.conn):
+                self._close()  # the pool found that the primary moved
             if self.conn is None:
                 self.conn = self.pool.connection_class(**self.pool.connection_kwargs)
+            # connect() first: send_command() alone would skip a Sentinel-managed
+            # connection's lookup of the primary and dial the default localhost:6379.
+            self.conn.connect()
+            before, self.address = self.address, (getattr(self.conn, "host", None), getattr(self.conn, "port", None))
+            if before not in (None, self.address):
+                raise redis.ConnectionError(f"the Redis primary moved to {self.address[0]}:{self.address[1]}")
             self.conn.send_command("BRPOP", *keys, timeout)
             self.armed = True
 
@@ -109,11 +164,16 @@ class Blocker:
         try:
             return self.conn.read_response()
         except BaseException:
-            self.reset()
+            self._close()
             raise
 
     def reset(self) -> None:
-        """Cancel: closing the connection ends the BRPOP on the server."""
+        """Cancel: closing the connection ends the BRPOP on the server. The worker also
+        calls this after a Redis error, and reconciles then: no move left to tell."""
+        self._close()
+        self.address = None
+
+    def _close(self) -> None:
         self.armed = False
         if self.conn is not None:
             self.conn.disconnect()
@@ -121,34 +181,42 @@ class Blocker:
 
 
 def local_ip(client: redis.Redis) -> str:
-    """The address this host uses to reach Redis (what others would see)."""
-    kw = client.connection_pool.connection_kwargs
-    host = kw.get("host")
-    if not host:
-        return "127.0.0.1"
+    """The address this host uses to reach Redis (what others would see); through
+    Sentinel, the current primary's."""
+    pool = client.connection_pool
     try:
+        if isinstance(pool, redis.sentinel.SentinelConnectionPool):
+            host, port = pool.get_master_address()
+        else:
+            host, port = pool.connection_kwargs.get("host"), pool.connection_kwargs.get("port", 6379)
+        if not host:
+            return "127.0.0.1"
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, int(kw.get("port", 6379))))
+            s.connect((host, int(port)))
             return s.getsockname()[0]
-    except OSError:
+    except (OSError, redis.ConnectionError):
         return "127.0.0.1"
 
 
 class Worker:
-    def __init__(self, app: TaskRunner, queues: list[str], concurrency: int = 2, name: str | None = None):
+    def __init__(self, app: TaskRunner, queues: list[str], concurrency: int = 2, name: str | None = None,
+                 prefetch: int | None = None):
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         self.app, self.s, self.keys = app, app.settings, app.keys
         self.queues = [codec.check_name("queue", q) for q in queues]
         self.prefixes = [self.keys.q(q) for q in self.queues]
         self.concurrency = concurrency
+        self.prefetch = max(1, prefetch if prefetch is not None else self.s.prefetch)
         self.host = socket.gethostname()
         self.name = codec.check_name("worker", name or f"{self.host}.{os.getpid()}")
         self.redis = app.redis
         self.ip = local_ip(self.redis)
         self.children: list[Child] = []
-        self.outbox: dict[str, list[Any]] = {}  # queue -> finish.lua values
+        self.outbox: dict[str, list[list[Any]]] = {}  # queue -> [id, attempt, outcome, began, v1..v4]
+        self.outbox_since = 0.0
         self.stuck_marks: list[tuple[str, str, str]] = []  # (queue, id, attempt)
+        self.runtime: float | None = None  # moving average of job runtimes, s
         self.may_claim = True
         self.stopping = False
         self.stop_at = 0.0
@@ -175,8 +243,8 @@ class Worker:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.children = [Child(self) for _ in range(self.concurrency)]
-        log.info("worker %s: queues %s, %d children, pid %d", self.name, ",".join(self.queues),
-                 self.concurrency, os.getpid())
+        log.info("worker %s: queues %s, %d children, prefetch %d, pid %d", self.name, ",".join(self.queues),
+                 self.concurrency, self.prefetch, os.getpid())
         try:
             while not (self.stopping and self._drained()):
                 if self.stopping and time.monotonic() > self.stop_at + self.s.kill_grace + 10:
@@ -217,7 +285,7 @@ class Worker:
             pass
 
     def _drained(self) -> bool:
-        return not any(c.job for c in self.children) and not self.outbox
+        return not any(c.jobs for c in self.children) and not self.outbox
 
     def _shutdown(self) -> None:
         signal.set_wakeup_fd(-1)
@@ -247,16 +315,13 @@ class Worker:
         if self.stopping and self.wake.armed:
             self.wake.reset()
             self._give_back_wake()
-        if self.stopping and now >= self.stop_at:
-            for c in self.children:
-                if c.job:
-                    c.kill("shutdown", self.s.kill_grace)
         self._enforce(now)
         if now >= self.redis_ok_at:
             try:
                 if now >= self.next_beat:
                     self._heartbeat()
-                self._sync()
+                if now >= self._sync_due(now):
+                    self._sync()
                 self._arm()
                 self.backoff = 0.0
             except _REDIS_ERRORS as e:
@@ -279,17 +344,34 @@ class Worker:
         now = time.monotonic()
         t = [self.next_beat, self.redis_ok_at if self.backoff else now + 5]
         for c in self.children:
-            if c.job:
-                t.append(c.job.deadline)
+            if c.jobs:
+                head = c.jobs[0]
+                t.append(head.deadline)
+                if len(c.jobs) > 1 and head.began is not None:
+                    t.append(head.began + min(HOLD, head.max_duration))
             if c.kill_at:
                 t.append(c.kill_at)
         if self.stopping:
             t.append(self.stop_at)
-        work = self.outbox or self.stuck_marks or (self.may_claim and not self.stopping
-                                                   and any(c.idle for c in self.children))
-        if work and now >= self.redis_ok_at:
-            return 0
+        if now >= self.redis_ok_at:
+            t.append(self._sync_due(now))
         return max(0.0, min(t) - now)
+
+    def _sync_due(self, now: float) -> float:
+        """When to talk to Redis next. At once when a child has run out of jobs or is down to
+        half of what it should have; results wait up to FLUSH_AFTER while children have jobs
+        queued (more per round trip: less work for Redis and for us), else they go at once."""
+        if self.stuck_marks or self.reconcile:
+            return now
+        due = float("inf")
+        if self.outbox:
+            queued = any(len(c.jobs) > 1 for c in self.children)
+            due = self.outbox_since + FLUSH_AFTER if queued and not self.stopping else now
+        if self.may_claim and not self.stopping:
+            depth = self._depth()
+            if any(len(c.jobs) <= depth // 2 and c.kill_reason is None for c in self.children) and self._slots(now):
+                return now
+        return due
 
     def _on_ready(self, ready: Any) -> None:
         if ready is self._wakeup:
@@ -318,42 +400,103 @@ class Worker:
 
     def _arm(self) -> None:
         self.ctl.arm([self.keys.control(self.name)], self.s.idle_block)
-        if not self.stopping and not self.may_claim and any(c.idle for c in self.children):
+        if not self.stopping and not self.may_claim and any(not c.jobs for c in self.children):
             self.wake.arm([p + "wake" for p in self.prefixes], self.s.idle_block)
 
     # -- children ----------------------------------------------------------------------
 
-    def _read(self, c: Child) -> None:
-        try:
-            outcome = codec.loads(c.conn.recv_bytes())
-        except (EOFError, OSError, ValueError):
-            return  # it died mid-reply; its sentinel tells us next
-        job, c.job = c.job, None
-        if job is not None:
-            self._report(job, outcome)
-            self.processed += 1
+    def _depth(self) -> int:
+        """How many jobs to keep sent to each child: as many as it should run in
+        PREFETCH_WINDOW by the jobs seen so far (1 until one has run), so that a child
+        never waits for our round trip to Redis while jobs are short, and a long job
+        holds few others back."""
+        if self.runtime is None or self.prefetch == 1:
+            return 1
+        return max(1, min(self.prefetch, int(PREFETCH_WINDOW / max(self.runtime, 1e-6))))
 
-    def _report(self, job: Delivery, outcome: list[Any]) -> None:
-        self.outbox.setdefault(job.queue, []).extend([job.id, job.attempt, *outcome])
+    def _slots(self, now: float) -> list[tuple[Child, float]]:
+        """Room in the children for more jobs, interleaved so that a short claim is shared
+        out: (child, seconds of max duration ahead of its next job)."""
+        depth = self._depth()
+        wants = []
+        for c in self.children:
+            if c.kill_reason is not None:
+                continue
+            head = c.jobs[0] if c.jobs else None
+            if head is not None and head.began is not None and now - head.began > PREFETCH_WINDOW:
+                continue  # a long job: nothing more waits behind it
+            ahead = sum(d.max_duration for d in c.jobs)
+            if head is not None and head.began is not None:
+                ahead -= min(now - head.began, head.max_duration)
+            wants.append((c, depth - len(c.jobs), ahead))
+        return [(c, ahead) for i in range(depth) for c, n, ahead in wants if n > i]
+
+    def _read(self, c: Child) -> None:
+        """Every answer the child has written (it may have run several jobs meanwhile)."""
+        while True:
+            try:
+                reply = codec.loads(c.conn.recv_bytes())
+            except (EOFError, OSError, ValueError):
+                return  # it died mid-reply; its sentinel tells us next
+            now = time.monotonic()
+            d = next((d for d in c.jobs if d.id == reply[0]), None)
+            if d is None:
+                log.warning("worker %s: child %d answered for a job it was not given: %r", self.name, c.pid,
+                            reply[:3])
+            else:
+                c.jobs.remove(d)
+                runtime = float(reply[1])
+                self.runtime = runtime if self.runtime is None else 0.8 * self.runtime + 0.2 * runtime
+                self._report(d, reply[2:], now - runtime)
+                self.processed += 1
+                if c.jobs and c.jobs[0].began is None:
+                    c.jobs[0].began = now
+            try:
+                if not c.conn.poll():
+                    return
+            except OSError:
+                return
+
+    def _report(self, d: Delivery, outcome: list[Any], began: float | None = None) -> None:
+        if not self.outbox:
+            self.outbox_since = time.monotonic()
+        self.outbox.setdefault(d.queue, []).append([d.id, d.attempt, outcome[0], began, *outcome[1:5]])
+
+    def _hand_back(self, c: Child, why: str, killed: Delivery | None = None, lost: Delivery | None = None) -> None:
+        """Take back what the child has not begun: to the queue, next in line (a job to
+        kill ends killed; one no longer ours is not ours to report)."""
+        for d in c.take_back():
+            if d is killed:
+                self._report(d, ["killed", "", "killed on request (before it began)", "", ""])
+            elif d is not lost:
+                self._report(d, ["return", why, "", "", ""])
 
     def _on_exit(self, c: Child) -> None:
         if c.conn.poll():
             self._read(c)
         c.proc.join()
-        job = c.job
-        if job is not None:
-            code = c.proc.exitcode
-            why = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
-            if c.kill_reason == "killed":
-                self._report(job, ["killed", "", "killed on request", "", ""])
-            elif c.kill_reason == "timeout":
-                self._report(job, ["error", "TimeLimitExceeded", f"ran past its max duration; stopped by {why}",
-                                   "", "1"])
-            elif c.kill_reason == "shutdown":
-                self._report(job, ["requeue", "0", "front", "", ""])
-            elif c.kill_reason != "lost":
-                log.warning("worker %s: child %d died (%s) running job %s", self.name, c.pid, why, job.id)
-                self._report(job, ["lost", f"child process died ({why}) on {self.host}", "", "", ""])
+        code = c.proc.exitcode
+        why = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
+        began = c.state[0]  # it is gone: no lock needed
+        for d in c.jobs:
+            if d.seq > began:
+                self._report(d, ["return", f"its process died ({why}) on {self.host}", "", "", ""])
+            elif d is c.kill_target:
+                if c.kill_reason == "killed":
+                    self._report(d, ["killed", "", "killed on request", "", ""], d.began)
+                elif c.kill_reason == "timeout":
+                    self._report(d, ["error", "TimeLimitExceeded", f"ran past its max duration; stopped by {why}",
+                                     "", "1"], d.began)
+                elif c.kill_reason == "shutdown":
+                    self._report(d, ["requeue", "0", "front", "", ""], d.began)
+            elif c.kill_reason is not None:
+                # It began after the job we stopped had ended: requeued, nothing counted.
+                self._report(d, ["requeue", "0", "front", f"its process was stopped ({c.kill_reason}) on "
+                                 f"{self.host}", ""], d.began)
+            else:
+                log.warning("worker %s: child %d died (%s) running job %s", self.name, c.pid, why, d.id)
+                self._report(d, ["lost", f"child process died ({why}) on {self.host}", "", "", ""], d.began)
+        c.jobs.clear()
         self.children.remove(c)
         c.conn.close()
         if not self.stopping:
@@ -364,13 +507,21 @@ class Worker:
             if c.kill_at is not None and now >= c.kill_at:
                 _signal(c.pid, signal.SIGKILL)
                 c.kill_at = None
-            job = c.job
-            if job is not None and now >= job.deadline and not job.stuck:
-                job.stuck = True
-                self.stuck_marks.append((job.queue, job.id, job.attempt))
-                if job.policy == "kill":
-                    log.warning("worker %s: job %s passed its max duration; stopping it", self.name, job.id)
-                    c.kill("timeout", self.s.kill_grace)
+            if not c.jobs:
+                continue
+            head = c.jobs[0]
+            if self.stopping and now >= self.stop_at:
+                c.kill(head, "shutdown", self.s.kill_grace)
+            if head.began is None:
+                continue
+            if now >= head.deadline and not head.stuck:
+                head.stuck = True
+                self.stuck_marks.append((head.queue, head.id, head.attempt))
+                if head.policy == "kill":
+                    log.warning("worker %s: job %s passed its max duration; stopping it", self.name, head.id)
+                    c.kill(head, "timeout", self.s.kill_grace)
+            if len(c.jobs) > 1 and (self.stopping or now - head.began >= min(HOLD, head.max_duration)):
+                self._hand_back(c, "worker shutting down" if self.stopping else f"job {head.id} ahead of it ran long")
 
     def _on_control(self, raw: str) -> None:
         try:
@@ -381,10 +532,13 @@ class Worker:
             log.warning("worker %s: ignoring malformed control message %r", self.name, raw[:200])
             return
         for c in self.children:
-            if c.job and c.job.id == job_id and c.job.attempt == attempt:
-                log.info("worker %s: killing job %s in child %d (%s)", self.name, job_id, c.pid, reason)
-                c.kill(reason, self.s.kill_grace)
-                return
+            for d in list(c.jobs):
+                if d.id == job_id and d.attempt == attempt:
+                    log.info("worker %s: killing job %s in child %d (%s)", self.name, job_id, c.pid, reason)
+                    self._hand_back(c, f"job {d.id} sent with it was killed", killed=d)
+                    if d in c.jobs:  # it had begun
+                        c.kill(d, reason, self.s.kill_grace)
+                    return
         if self._reported(job_id):
             return  # it just ended; its result is on its way
         # Not ours to run, yet Redis may say we hold it (a claim whose answer was lost):
@@ -393,56 +547,57 @@ class Worker:
 
     def _reported(self, job_id: str) -> bool:
         """Is the job's outcome waiting in the outbox?"""
-        return any(job_id in values[::7] for values in self.outbox.values())
+        return any(v[0] == job_id for values in self.outbox.values() for v in values)
 
     # -- Redis -------------------------------------------------------------------------
 
     def _sync(self) -> None:
-        """Report finished jobs, mark stuck ones and claim for idle children: one round trip."""
+        """Report finished jobs, mark stuck ones and claim for children with room: one round trip."""
         batch = scripts.Batch(self.redis)
         outbox = self.outbox
-        for q, values in outbox.items():
-            batch.call(scripts.FINISH, [self.keys.q(q)], [self.s.result_ttl, self.s.retry_backoff_max, *values])
+        now = time.monotonic()
+        for q, entries in outbox.items():
+            values: list[Any] = [self.s.result_ttl, self.s.retry_backoff_max]
+            for e in entries:
+                values += e
+                values[-5] = "" if e[3] is None else f"{now - e[3]:.6f}"  # began: seconds ago
+            batch.call(scripts.FINISH, [self.keys.q(q)], values)
         marks = self.stuck_marks
         for q, job_id, attempt in marks:
             batch.call(scripts.STUCK, [self.keys.q(q)],
                        [job_id, attempt, time.time() + self.s.stuck_recheck, self.s.bucket_width])
-        idle = [c for c in self.children if c.idle] if self.may_claim and not self.stopping else []
-        if idle:
-            batch.call(scripts.CLAIM, self.prefixes,
-                       claim_args(self.app, self.name, self.host, self.ip, [c.pid for c in idle]))
+        slots = self._slots(now) if self.may_claim and not self.stopping else []
+        if slots:
+            pairs = [v for c, ahead in slots for v in (c.pid, f"{ahead:.3f}")]
+            batch.call(scripts.CLAIM, self.prefixes, claim_args(self.app, self.name, self.host, self.ip, pairs))
         results = batch.execute()
         self.outbox, self.stuck_marks = {}, []
-        for values, acks in zip(outbox.values(), results):
-            for job_id, ack in zip(values[::7], acks):
+        for entries, acks in zip(outbox.values(), results):
+            for e, ack in zip(entries, acks):
                 if ack == 0:
                     log.warning("worker %s: job %s was requeued and taken by another worker while it ran "
-                                "here; this result was discarded", self.name, job_id)
-        if idle:
+                                "here; this result was discarded", self.name, e[0])
+        if slots:
             claimed = results[-1]
-            self._start(idle, claimed)
-            if len(claimed) < 8 * len(idle):
+            self._start(slots, claimed)
+            if len(claimed) < 8 * len(slots):
                 self.may_claim = False
         if self.reconcile:
             self._release_orphans()
 
-    def _start(self, idle: list[Child], claimed: list[Any]) -> None:
+    def _start(self, slots: list[tuple[Child, float]], claimed: list[Any]) -> None:
         now = time.monotonic()
         for i in range(0, len(claimed), 8):
             qi, job_id, attempt, task, args, kwargs, md, policy = claimed[i:i + 8]
-            c = idle[i // 8]
-            c.job = Delivery(job_id, str(attempt), self.queues[int(qi) - 1], now + float(md), policy)
-            try:
-                c.conn.send_bytes(b"\0".join(s.encode() for s in (job_id, str(attempt), task, args, kwargs)))
-            except OSError:
-                pass  # the child died; its sentinel reports the job lost
+            c = slots[i // 8][0]
+            d = Delivery(job_id, str(attempt), self.queues[int(qi) - 1], float(md), policy)
+            c.send(d, b"\0".join(s.encode() for s in (job_id, str(attempt), task, args, kwargs)), now)
 
     def _release_orphans(self) -> None:
-        """Deliveries the holding lists give to us that no child of ours runs (a claim whose
+        """Deliveries the holding lists give to us that no child of ours has (a claim whose
         answer never came, or a previous life under the same name): requeue them."""
-        mine = {c.job.id for c in self.children if c.job}
-        for values in self.outbox.values():
-            mine.update(values[::7])
+        mine = {d.id for c in self.children for d in c.jobs}
+        mine.update(v[0] for values in self.outbox.values() for v in values)
         acted = lose_held(self.app, self.queues, lambda w, job_id: w == self.name and job_id not in mine,
                           "worker {} no longer ran it")
         if acted:
@@ -450,28 +605,29 @@ class Worker:
         self.reconcile = False
 
     def _heartbeat(self) -> None:
-        busy = [c for c in self.children if c.job]
+        held = [(c, d) for c in self.children for d in c.jobs]
         batch = scripts.Batch(self.redis)
-        batch.call(scripts.HEARTBEAT, [self.keys.g], [self.name, codec.dumps(self.info(len(busy))),
+        batch.call(scripts.HEARTBEAT, [self.keys.g], [self.name, codec.dumps(self.info()),
                                                       int(self.s.dead_after * 3 + 60)])
-        for c in busy:
-            job = c.job
-            batch.pipe.hmget(self.keys.job(job.queue, job.id), "attempts", "kill_requested")
-            batch.pipe.hexists(self.keys.q(job.queue) + "running", job.id)
+        for _, d in held:
+            batch.pipe.hmget(self.keys.job(d.queue, d.id), "attempts", "kill_requested")
+            batch.pipe.hexists(self.keys.q(d.queue) + "running", d.id)
         results = batch.execute()
         self.next_beat = time.monotonic() + self.s.heartbeat
-        for i, c in enumerate(busy):
-            (attempts, kill_requested), held = results[1 + 2 * i], results[2 + 2 * i]
-            if c.job is None or c.kill_reason:
+        for i, (c, d) in enumerate(held):
+            (attempts, kill_requested), mine = results[1 + 2 * i], results[2 + 2 * i]
+            lost = attempts != d.attempt or not mine
+            if d not in c.jobs or c.kill_reason or not (lost or kill_requested):
                 continue
-            if attempts != c.job.attempt or not held:
+            if lost:
                 log.warning("worker %s: job %s is no longer ours (requeued while we were unreachable); "
-                            "stopping it", self.name, c.job.id)
-                c.kill("lost", self.s.kill_grace)
-            elif kill_requested:
-                c.kill("killed", self.s.kill_grace)
+                            "stopping it", self.name, d.id)
+            self._hand_back(c, f"job {d.id} sent with it was " + ("lost" if lost else "killed"),
+                            killed=None if lost else d, lost=d if lost else None)
+            if d in c.jobs:  # it had begun
+                c.kill(d, "lost" if lost else "killed", self.s.kill_grace)
 
-    def info(self, busy: int) -> dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         rss, cpu = 0, 0.0
         for pid in set(_procs) - {c.pid for c in self.children}:
             del _procs[pid]
@@ -485,7 +641,8 @@ class Worker:
         return {"name": self.name, "host": self.host, "ip": self.ip, "pid": os.getpid(),
                 "create_time": self.proc.create_time(), "pidns": pid_namespace(),
                 "children": [c.pid for c in self.children],
-                "queues": self.queues, "concurrency": self.concurrency, "busy": busy,
+                "queues": self.queues, "concurrency": self.concurrency, "prefetch": self.prefetch,
+                "busy": sum(1 for c in self.children if c.jobs),
                 "processed": self.processed, "rss": rss, "cpu": round(cpu, 1), "started_at": self.started_at}
 
 

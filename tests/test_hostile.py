@@ -14,7 +14,6 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from redis.exceptions import ResponseError
 
 from dashboard import create_app
 from taskrunner import TaskRunner, codec
@@ -298,8 +297,6 @@ def test_corrupt_records_fail_or_are_requeued_while_worker_and_dispatcher_run_on
         assert result.exit_code == 0, (args, result.output)
 
 
-@pytest.mark.xfail(strict=True, raises=ResponseError, reason="finish.lua: tonumber('nan') is NaN, not nil, so "
-                   "the retry delay is NaN and to_delayed's ZADD fails half-way through the script")
 def test_nan_backoff_in_a_record_written_by_another_client_still_retries(app):
     """finish.lua computes a retry's due time from the record's retry_backoff; "nan" there
     must not leave the job delayed forever (or fail the script half-way)."""

@@ -36,11 +36,11 @@ class ForeignClient:
     def claim(self, queue: str, me: str) -> list:
         head = json.dumps({"worker": me, "host": "foreign-host", "ip": "192.0.2.1"})[:-1]
         return self.r.evalsha(self.sha["claim"], 1, self.q(queue), head, me, "foreign-host", "192.0.2.1", 1, 60,
-                              4242)
+                              4242, "")
 
     def finish(self, queue: str, job_id: bytes, attempt: int, result) -> int:
         [answer] = self.r.evalsha(self.sha["finish"], 1, self.q(queue), 3600, 600, job_id, attempt, "completed",
-                                  json.dumps(result), "", "", "")
+                                  "", json.dumps(result), "", "", "")
         return answer
 
     def record(self, queue: str, job_id: str) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -10,15 +11,16 @@ from taskrunner import scripts
 from tests import apps
 
 
-def claim(app, queues=("default",), pids=(111,), worker="w1"):
+def claim(app, queues=("default",), pids=(111,), worker="w1", ahead=""):
     head = json.dumps({"worker": worker, "host": "h", "ip": "1.2.3.4"})[:-1]
-    out = scripts.CLAIM(app.redis, [app.keys.q(q) for q in queues], [head, worker, "h", "1.2.3.4", 1, 300, *pids])
+    slots = [v for pid in pids for v in (pid, ahead)]
+    out = scripts.CLAIM(app.redis, [app.keys.q(q) for q in queues], [head, worker, "h", "1.2.3.4", 1, 300, *slots])
     return [out[i:i + 8] for i in range(0, len(out), 8)]
 
 
-def finish(app, job_id, attempt, outcome, *values, queue="default"):
+def finish(app, job_id, attempt, outcome, *values, queue="default", began=""):
     vals = (list(values) + ["", "", "", ""])[:4]
-    return scripts.FINISH(app.redis, [app.keys.q(queue)], [3600, 600, job_id, attempt, outcome, *vals])[0]
+    return scripts.FINISH(app.redis, [app.keys.q(queue)], [3600, 600, job_id, attempt, outcome, began, *vals])[0]
 
 
 def test_claim_records_holding_entry_and_deadline_bucket(app):
@@ -72,6 +74,57 @@ def test_claim_priority_and_baton_wake(app):
     assert [(g[0], g[1]) for g in got] == [(1, high), (2, low[0])]
     # jobs remain: the claimer leaves a wake token for the next idle worker
     assert app.redis.llen(app.keys.q("default") + "wake") == 1
+
+
+def test_prefetched_jobs_queue_behind_each_other_in_one_process(app):
+    """Jobs claimed for the same PID run one after the other: each deadline allows for the
+    max durations ahead of it (its latest start), and its entry says how much is ahead."""
+    ids = [apps.add.apply_async([i, 0], max_duration=30).id for i in range(3)]
+    other = apps.add.apply_async([9, 9], max_duration=30).id
+    got = claim(app, pids=(7, 7, 7, 8), ahead="5")
+    assert [g[1] for g in got] == [*ids, other]
+    p = app.keys.q("default")
+    entries = [json.loads(app.redis.hget(p + "running", i)) for i in [*ids, other]]
+    assert [e.get("ahead", 0) for e in entries] == [5, 35, 65, 5]
+    buckets = [int(app.job(i).data["bucket"]) for i in [*ids, other]]  # bucket width 1 s
+    assert buckets == [math.floor(e["started_at"] + d) for e, d in zip(entries, [35, 65, 95, 35])]
+    for i in [*ids, other]:
+        assert app.redis.sismember(p + "dl:" + app.job(i).data["bucket"], i)
+
+
+def test_finish_records_when_the_job_began_and_batches_many(app):
+    a, b = apps.add.delay(1, 2), apps.add.delay(3, 4)
+    claim(app, pids=(1, 1), ahead="0")
+    claimed_at = float(app.job(b.id).data["started_at"])
+    values = [a.id, "1", "completed", "0.5", "3", "", "", "", b.id, "1", "completed", "", "7", "", "", "",
+              b.id, "1", "completed", "", "7", "", "", ""]
+    assert scripts.FINISH(app.redis, [app.keys.q("default")], [3600, 600, *values]) == [1, 1, 2]
+    da, db = app.job(a.id).to_dict(), app.job(b.id).to_dict()
+    assert (da["state"], da["result"], db["state"], db["result"]) == ("completed", 3, "completed", 7)
+    assert abs(da["finished_at"] - da["started_at"] - 0.5) < 0.01  # began 0.5 s before the finish
+    assert db["started_at"] == claimed_at  # unknown: the claim's time stays
+    p = app.keys.q("default")
+    assert app.redis.hlen(p + "running") == 0 and app.redis.scard(p + "processing") == 0
+    assert app.redis.zcard(p + "completed") == 2
+    records = {f["id"]: f for _, f in app.redis.xrange(p + "history")}
+    assert records[a.id]["state"] == records[b.id]["state"] == "completed"
+    assert abs(float(records[a.id]["runtime"]) - 0.5) < 0.01
+
+
+def test_return_hands_a_job_back_that_never_began(app):
+    job = apps.add.delay(1, 2)
+    [(_, job_id, attempt, *_)] = claim(app)
+    p = app.keys.q("default")
+    before = app.redis.xlen(p + "history")
+    assert finish(app, job.id, str(attempt), "return", "job X ahead of it ran long") == 1
+    d = app.job(job.id).to_dict()
+    assert d["state"] == "pending" and app.redis.lindex(p + "pending", -1) == job.id  # next in line
+    assert app.redis.xlen(p + "history") == before  # it never ran: no history record
+    assert any("returned before it began: job X ahead of it ran long" in e["event"] for e in d["timeline"])
+    assert "requeues" not in app.job(job.id).data and "lost" not in app.job(job.id).data
+    [(_, _, again, *_)] = claim(app)
+    assert again == attempt + 1  # a new delivery: the old one is fenced off
+    assert finish(app, job.id, str(attempt), "completed", "3") == 0
 
 
 def test_finish_is_fenced(app):

@@ -23,8 +23,24 @@ local function now()
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
+-- Seconds as text with microseconds. The last answer is kept: a script formats its `now`
+-- many times (number formatting is a good part of a script's cost).
+local fmt_x, fmt_s
 local function fmt(x)
-  return string.format('%.6f', x)
+  if x ~= fmt_x then
+    fmt_x, fmt_s = x, string.format('%.6f', x)
+  end
+  return fmt_s
+end
+
+-- A number read from a record or an argument, or `default` when it is not a finite one
+-- >= 0 (tonumber() takes "nan", "inf" and "0x10", which another client may have written).
+local function amount(text, default)
+  local x = tonumber(text)
+  if x == nil or x ~= x or x < 0 or x == math.huge then
+    return default
+  end
+  return x
 end
 
 -- Leave one token for an idle worker, never more (a hint; claims re-check everything).
@@ -101,10 +117,18 @@ end
 -- A job reached completed, failed or killed: index it, expire it, wake its waiters.
 -- `fields` is a flat list of extra field/value pairs for the record.
 -- `r` is the record as load() read it before this change; `error_type` the new one.
-local function finalize(p, id, job, r, state, t, ttl, fields, error_type)
+-- With `index`, a table state -> ids, the caller adds the id to the finished set itself
+-- (one ZADD for many jobs).
+local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
   redis.call('HSET', job, 'state', state, 'finished_at', fmt(t), unpack(fields))
   history(p, id, r, state, t, error_type)
-  redis.call('ZADD', p .. state, t, id)
+  if index then
+    local ids = index[state] or {}
+    index[state] = ids
+    ids[#ids + 1] = id
+  else
+    redis.call('ZADD', p .. state, t, id)
+  end
   redis.call('EXPIRE', job, ttl)
   local waiters = tonumber(r.waiters) or 0
   if waiters > 0 then
@@ -124,11 +148,15 @@ end
 
 -- The process running delivery `attempt` is gone. A kill request wins; otherwise requeue
 -- at the front, until the job has been lost max_lost times (a poison pill): WorkerLost.
-local function lose(p, id, job, r, attempt, t, ttl, reason, running_gone)
-  release(p, id, r, running_gone)
+-- `released`: the caller released the delivery already. `index` as for finalize().
+local function lose(p, id, job, r, attempt, t, ttl, reason, released, index)
+  if not released then
+    release(p, id, r)
+  end
   if r.kill_requested then
     local ek, ev = ended(attempt, t, 'killed (its process was gone: ' .. reason .. ')')
-    finalize(p, id, job, r, 'killed', t, ttl, {'error_type', 'Killed', 'error', 'killed on request', ek, ev}, 'Killed')
+    finalize(p, id, job, r, 'killed', t, ttl, {'error_type', 'Killed', 'error', 'killed on request', ek, ev},
+      'Killed', index)
     return 'killed'
   end
   local lost = redis.call('HINCRBY', job, 'lost', 1)
@@ -136,7 +164,7 @@ local function lose(p, id, job, r, attempt, t, ttl, reason, running_gone)
   if lost >= max_lost then
     local ek, ev = ended(attempt, t, 'failed WorkerLost: ' .. reason)
     finalize(p, id, job, r, 'failed', t, ttl, {'error_type', 'WorkerLost',
-      'error', 'the process running the job died ' .. lost .. ' times; last: ' .. reason, ek, ev}, 'WorkerLost')
+      'error', 'the process running the job died ' .. lost .. ' times; last: ' .. reason, ek, ev}, 'WorkerLost', index)
     return 'failed'
   end
   redis.call('HINCRBY', job, 'requeues', 1)

@@ -4,64 +4,106 @@
 --          e.g. {"worker":"w1","host":"h","ip":"10.0.0.1"
 -- ARGV[2]  worker name   ARGV[3] host   ARGV[4] ip
 -- ARGV[5]  deadline bucket width (s)   ARGV[6] default max duration (s)
--- ARGV[7..] the PID of the process that will run each claimed job (N = #ARGV - 6)
--- Per job, the antirez claim: LINDEX the oldest id, SADD it to processing (0: another
--- claimer owns it), SREM it from items (0: killed or deleted meanwhile), then RPOP it;
--- record it in the holding hash and its deadline bucket; attempts+1 is the fencing token.
+-- ARGV[7..] one pair per job wanted (N = (#ARGV - 6) / 2): the PID of the process that will
+--          run it, and "ahead": "" when it starts at once, else the seconds of work queued
+--          before it in that process. Jobs claimed for the same PID then queue one behind
+--          the other (a worker's prefetch): each one's deadline is its start at the latest,
+--          when everything ahead of it used its whole max duration, plus its own.
+-- The antirez claim, batched: LRANGE the oldest ids, SADD them to processing (an id
+-- already there is another delivery's: a stale duplicate), SREM them from items (an id
+-- not there was killed or deleted meanwhile), LTRIM them off pending; record each in the
+-- holding hash and its deadline bucket; attempts+1 is the delivery's fencing token.
 -- An exclusive queue (meta exclusive = 1) gives a job only while none of it runs.
 -- Counts meta consumed_messages/consumed_bytes; a bounded queue signals room (notfull).
 -- Returns {queue index, id, attempt, task, args, kwargs, max_duration, timeout_policy}*.
 local t = now()
+local ts = fmt(t)
 local width, default_md = tonumber(ARGV[5]), tonumber(ARGV[6])
-local want = #ARGV - 6
+local want = (#ARGV - 6) / 2
+local queued = {}  -- pid -> seconds of work ahead of its next job
+local bucket_names = {}
 local out = {}
 local n = 0
 for qi = 1, #KEYS do
   local p = KEYS[qi]
-  local pending = p .. 'pending'
+  local pending, processing, items = p .. 'pending', p .. 'processing', p .. 'items'
   local meta = redis.call('HMGET', p .. 'meta', 'bound', 'exclusive')
   local limit = want
   if meta[2] == '1' then
-    limit = redis.call('SCARD', p .. 'processing') == 0 and math.min(want, n + 1) or n
+    limit = redis.call('SCARD', processing) == 0 and math.min(want, n + 1) or n
   end
   local taken, bytes = 0, 0
+  local entries, buckets = {}, {}
   while n < limit do
-    local id = redis.call('LINDEX', pending, -1)
-    if not id then break end
-    local own = redis.call('SADD', p .. 'processing', id)
-    local queued = own == 1 and redis.call('SREM', p .. 'items', id)
-    redis.call('RPOP', pending)
-    if own == 1 and queued == 0 then
-      redis.call('SREM', p .. 'processing', id)
-    elseif own == 1 then
+    local ids = redis.call('LRANGE', pending, n - limit, -1)
+    if #ids == 0 then break end
+    redis.call('LTRIM', pending, 0, -#ids - 1)
+    local held = redis.call('SMISMEMBER', processing, unpack(ids))
+    local listed = redis.call('SMISMEMBER', items, unpack(ids))
+    local fresh, seen = {}, {}
+    for i = #ids, 1, -1 do  -- oldest (rightmost) first
+      local id = ids[i]
+      if held[i] == 0 and listed[i] == 1 and not seen[id] then
+        seen[id] = true
+        fresh[#fresh + 1] = id
+      end
+    end
+    if #fresh > 0 then
+      redis.call('SADD', processing, unpack(fresh))
+      redis.call('SREM', items, unpack(fresh))
+    end
+    for _, id in ipairs(fresh) do
       local job = p .. 'job:' .. id
-      local f = redis.call('HMGET', job, 'task', 'args', 'kwargs', 'max_duration', 'timeout_policy')
+      local f = redis.call('HMGET', job, 'task', 'args', 'kwargs', 'max_duration', 'timeout_policy', 'attempts')
       if not f[1] then
-        redis.call('SREM', p .. 'processing', id)
+        redis.call('SREM', processing, id)
         finalize(p, id, job, load(job), 'failed', t, 86400, {'error_type', 'CorruptJob',
           'error', 'job record missing or without a task field'}, 'CorruptJob')
       else
         n = n + 1
         taken = taken + 1
         bytes = bytes + #(f[2] or '') + #(f[3] or '')
-        local pid = ARGV[6 + n]
-        local attempt = redis.call('HINCRBY', job, 'attempts', 1)
-        local md = tonumber(f[4]) or default_md
-        local b = math.floor((t + md) / width)
-        local entry = ARGV[1] .. ',"pid":' .. pid .. ',"started_at":' .. fmt(t)
-          .. ',"max_duration":' .. md .. ',"attempt":' .. attempt .. '}'
-        redis.call('HSET', job, 'state', 'running', 'started_at', fmt(t), 'worker', ARGV[2],
-          'host', ARGV[3], 'ip', ARGV[4], 'pid', pid, 'bucket', b, 'stuck', '0', 'run:' .. attempt, entry)
-        redis.call('SADD', p .. 'dl:' .. b, id)
-        redis.call('ZADD', p .. 'buckets', (b + 1) * width, b)
-        redis.call('HSET', p .. 'running', id, entry)
+        local pid, base = ARGV[5 + 2 * n], ARGV[6 + 2 * n]
+        local attempt = (tonumber(f[6]) or 0) + 1
+        local md, md_s = tonumber(f[4]), f[4]
+        if not md or not string.find(md_s, '^%d+%.?%d*$') then  -- not "nan", "0x10", "-1"
+          md, md_s = default_md, ARGV[6]
+        end
+        local ahead = 0
+        if base ~= '' then
+          ahead = queued[pid] or tonumber(base) or 0
+          queued[pid] = ahead + md
+        end
+        local b = math.floor((t + ahead + md) / width)
+        local b_s = bucket_names[b]  -- formatting numbers is costly: once per bucket
+        if not b_s then
+          b_s = tostring(b)
+          bucket_names[b] = b_s
+        end
+        local entry = ARGV[1] .. ',"pid":' .. pid .. ',"started_at":' .. ts .. ',"max_duration":' .. md_s
+          .. ',"attempt":' .. attempt .. (ahead > 0 and (',"ahead":' .. ahead) or '') .. '}'
+        redis.call('HSET', job, 'attempts', attempt, 'state', 'running', 'started_at', ts, 'worker', ARGV[2],
+          'host', ARGV[3], 'ip', ARGV[4], 'pid', pid, 'bucket', b_s, 'stuck', '0', 'run:' .. attempt, entry)
+        entries[#entries + 1] = id
+        entries[#entries + 1] = entry
+        local ids_b = buckets[b]
+        if not ids_b then
+          ids_b = {}
+          buckets[b] = ids_b
+        end
+        ids_b[#ids_b + 1] = id
         local o = #out
         out[o + 1], out[o + 2], out[o + 3], out[o + 4] = qi, id, attempt, f[1]
-        out[o + 5], out[o + 6], out[o + 7], out[o + 8] = f[2] or '[]', f[3] or '{}', tostring(md), f[5] or 'kill'
+        out[o + 5], out[o + 6], out[o + 7], out[o + 8] = f[2] or '[]', f[3] or '{}', md_s, f[5] or 'kill'
       end
     end
   end
   if taken > 0 then
+    redis.call('HSET', p .. 'running', unpack(entries))
+    for b, ids_b in pairs(buckets) do
+      redis.call('SADD', p .. 'dl:' .. bucket_names[b], unpack(ids_b))
+      redis.call('ZADD', p .. 'buckets', (b + 1) * width, bucket_names[b])
+    end
     redis.call('HINCRBY', p .. 'meta', 'consumed_messages', taken)
     redis.call('HINCRBY', p .. 'meta', 'consumed_bytes', bytes)
     signal_room(p, tonumber(meta[1]) or 0)

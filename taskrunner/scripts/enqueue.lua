@@ -22,14 +22,18 @@ for n = 1, tonumber(ARGV[1]) do
   elseif delay <= 0 and bound > 0 and redis.call('LLEN', p .. 'pending') >= bound then
     out[n] = -1
   else
-    redis.call('HSET', job, 'id', id, 'enqueued_at', fmt(t), 'attempts', '0', unpack(ARGV, i + 3, i + 2 + 2 * k))
+    local state = delay > 0 and 'delayed' or 'pending'
+    redis.call('HSET', job, 'id', id, 'enqueued_at', fmt(t), 'attempts', '0', 'state', state,
+      unpack(ARGV, i + 3, i + 2 + 2 * k))
     for f = i + 3, i + 1 + 2 * k, 2 do
       if ARGV[f] == 'args' or ARGV[f] == 'kwargs' then bytes = bytes + #ARGV[f + 1] end
     end
     if delay > 0 then
       to_delayed(p, id, job, t + delay)
-    else
-      to_pending(p, id, job, false)
+    else  -- to_pending() without its HSET, done above
+      redis.call('SADD', p .. 'items', id)
+      redis.call('LPUSH', p .. 'pending', id)
+      wake(p)
     end
     added = added + 1
     out[n] = 1

@@ -1,67 +1,128 @@
 -- Record how deliveries ended (ack many in one round trip), fenced by delivery.
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  result TTL (s)   ARGV[2] retry backoff cap (s)
--- then 7 values per job: id, attempt, outcome, v1, v2, v3, v4 where outcome is
+-- then 8 values per job: id, attempt, outcome, began, v1, v2, v3, v4 where `began` is how
+-- many seconds ago the job began to run ("" if unknown: started_at stays the claim's), and
 --   completed  v1 = result JSON
 --   failed     v1 = error type, v2 = message, v3 = traceback         (final)
 --   error      as failed, v4 = jitter factor: retried with backoff while retries remain
 --   killed     v2 = reason
---   requeue    v1 = delay (s), v2 = "front" to put it next in line
+--   requeue    v1 = delay (s), v2 = "front" to put it next in line, v3 = why (optional)
 --   lost       v1 = why its process died (requeue, or WorkerLost after max_lost)
+--   return     v1 = why: the job never began (prefetched, then handed back); next in line,
+--              no history record, nothing counted but the delivery
 -- Returns one integer per job: 1 applied; 0 fenced off (another delivery holds the job);
 -- 2 nothing to do (this delivery was already released, e.g. a retried call).
+-- The fence and the release are batched: one HMGET of the holding hash for all jobs, one
+-- HDEL/SREM each for those released; the finished sets get one ZADD per state.
 -- An exclusive queue with jobs waiting gets a wake token (its next job may run now).
 local p = KEYS[1]
 local ttl, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
 local t = now()
-local out = {}
-for i = 3, #ARGV, 7 do
-  local id, attempt, outcome = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local v1, v2, v3, v4 = ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
-  local job = p .. 'job:' .. id
-  local r = load(job)
-  local held = holder_check(p, id, r, attempt, true)
-  out[#out + 1] = held
-  if held == 1 then
-    if outcome == 'lost' then
-      lose(p, id, job, r, attempt, t, ttl, v1, true)
-    else
-      release(p, id, r, true)
-      if outcome == 'completed' then
-        local ek, ev = ended(attempt, t, 'completed')
-        finalize(p, id, job, r, 'completed', t, ttl, {'result', v1, ek, ev}, nil)
-      elseif outcome == 'killed' then
-        local ek, ev = ended(attempt, t, 'killed')
-        finalize(p, id, job, r, 'killed', t, ttl, {'error_type', 'Killed', 'error', v2, ek, ev}, 'Killed')
-      elseif outcome == 'requeue' then
-        redis.call('HINCRBY', job, 'requeues', 1)
-        history(p, id, r, 'requeued', t, nil)
-        local delay = tonumber(v1) or 0
-        local ek, ev = ended(attempt, t, v2 == 'front' and 'requeued: worker shutting down'
-          or string.format('requeued itself (Retry, %gs)', delay))
-        local extra = {'last_requeued_at', fmt(t), ek, ev}
-        if delay > 0 then
-          to_delayed(p, id, job, t + delay, extra)
-        else
-          to_pending(p, id, job, v2 == 'front', extra)
-        end
+local ids = {}
+for i = 3, #ARGV, 8 do
+  ids[#ids + 1] = ARGV[i]
+end
+if #ids == 0 then
+  return {}
+end
+local held = redis.call('HMGET', p .. 'running', unpack(ids))
+local out, records, taken, dl = {}, {}, {}, {}
+for k, id in ipairs(ids) do
+  local r = load(p .. 'job:' .. id)
+  records[k] = r
+  if r.attempts ~= ARGV[3 + (k - 1) * 8 + 1] then
+    out[k] = 0
+  elseif not held[k] then
+    out[k] = 2
+  else
+    out[k] = 1
+    held[k] = false  -- the same delivery twice in one call: the second answers 2
+    for j = k + 1, #ids do
+      if ids[j] == id then held[j] = false end
+    end
+    taken[#taken + 1] = id
+    if r.bucket then
+      dl[r.bucket] = dl[r.bucket] or {}
+      table.insert(dl[r.bucket], id)
+    end
+  end
+end
+if #taken > 0 then
+  redis.call('HDEL', p .. 'running', unpack(taken))
+  redis.call('SREM', p .. 'processing', unpack(taken))
+  for b, list in pairs(dl) do
+    redis.call('SREM', p .. 'dl:' .. b, unpack(list))
+  end
+end
+-- Last first: jobs put back next in line (RPUSH) then keep the order they were given in.
+local index = {}
+for k = #ids, 1, -1 do
+  local id = ids[k]
+  if out[k] == 1 then
+    local i = 3 + (k - 1) * 8
+    local attempt, outcome, began = ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
+    local v1, v2, v3, v4 = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7]
+    local job = p .. 'job:' .. id
+    local r = records[k]
+    local began_at = {}
+    if began then
+      r.started_at = fmt(t - began)
+      began_at = {'started_at', r.started_at}
+    end
+    local function finish(state, fields, error_type)
+      local ek, ev = ended(attempt, t, state == 'failed' and 'failed ' .. error_type or state)
+      fields[#fields + 1], fields[#fields + 2] = ek, ev
+      for _, v in ipairs(began_at) do
+        fields[#fields + 1] = v
+      end
+      finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
+    end
+    if outcome == 'completed' then
+      finish('completed', {'result', v1}, nil)
+    elseif outcome == 'lost' then
+      lose(p, id, job, r, attempt, t, ttl, v1, true, index)
+    elseif outcome == 'return' then
+      local ek, ev = ended(attempt, t, 'returned before it began: ' .. v1)
+      to_pending(p, id, job, true, {ek, ev})
+    elseif outcome == 'killed' then
+      finish('killed', {'error_type', 'Killed', 'error', v2}, 'Killed')
+    elseif outcome == 'requeue' then
+      redis.call('HINCRBY', job, 'requeues', 1)
+      history(p, id, r, 'requeued', t, nil)
+      local delay = amount(v1, 0)
+      local why = v3 ~= '' and v3 or (v2 == 'front' and 'worker shutting down'
+        or string.format('requeued itself (Retry, %gs)', delay))
+      local ek, ev = ended(attempt, t, 'requeued: ' .. why)
+      local extra = {'last_requeued_at', fmt(t), ek, ev, unpack(began_at)}
+      if delay > 0 then
+        to_delayed(p, id, job, t + delay, extra)
       else
-        local failures = redis.call('HINCRBY', job, 'failures', 1)
-        local retries = tonumber(r.retries) or 0
-        if outcome == 'error' and failures <= retries then
-          history(p, id, r, 'requeued', t, v1)
-          local base = tonumber(r.retry_backoff) or 1
-          local delay = math.min(base * 2 ^ (failures - 1), cap) * (tonumber(v4) or 1)
-          local ek, ev = ended(attempt, t, string.format('failed %s, retry %d of %d in %.2fs', v1, failures,
-            retries, delay))
-          to_delayed(p, id, job, t + delay, {'error_type', v1, 'error', v2, 'traceback', v3, ek, ev})
-        else
-          local ek, ev = ended(attempt, t, 'failed ' .. v1)
-          finalize(p, id, job, r, 'failed', t, ttl, {'error_type', v1, 'error', v2, 'traceback', v3, ek, ev}, v1)
-        end
+        to_pending(p, id, job, v2 == 'front', extra)
+      end
+    else
+      local failures = redis.call('HINCRBY', job, 'failures', 1)
+      local retries = tonumber(r.retries) or 0
+      if outcome == 'error' and failures <= retries then
+        history(p, id, r, 'requeued', t, v1)
+        local base = amount(r.retry_backoff, 1)
+        local delay = math.min(base * 2 ^ (failures - 1), cap) * math.min(amount(v4, 1), 1)
+        local ek, ev = ended(attempt, t, string.format('failed %s, retry %d of %d in %.2fs', v1, failures,
+          retries, delay))
+        to_delayed(p, id, job, t + delay, {'error_type', v1, 'error', v2, 'traceback', v3, ek, ev, unpack(began_at)})
+      else
+        finish('failed', {'error_type', v1, 'error', v2, 'traceback', v3}, v1)
       end
     end
   end
+end
+for state, list in pairs(index) do
+  local args, ts = {}, fmt(t)
+  for _, id in ipairs(list) do
+    args[#args + 1] = ts
+    args[#args + 1] = id
+  end
+  redis.call('ZADD', p .. state, unpack(args))
 end
 if redis.call('HGET', p .. 'meta', 'exclusive') == '1' and redis.call('LLEN', p .. 'pending') > 0 then
   wake(p)

@@ -1,0 +1,78 @@
+"""A worker sends short jobs ahead to its children (prefetch): jobs held behind a long one
+go back to the queue, a prefetched job can be killed before it begins, and a child that
+dies hands back what it had not begun. Real workers, real SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from taskrunner import Job
+from tests import apps
+from tests.conftest import wait_for
+
+
+def ledger(app, key: str) -> int:
+    return int(app.redis.get(f"{app.settings.prefix}:ledger:{key}") or 0)
+
+
+def warm(app, stack, **kw):
+    """A worker -c 1 that has seen short jobs, so that it prefetches."""
+    worker = stack.worker(concurrency=1, **kw)
+    jobs = [apps.add.delay(i, i) for i in range(30)]
+    for j in jobs:
+        assert j.wait(timeout=30) == 2 * int(j.refresh().to_dict()["args"][0])
+    return worker
+
+
+def events(job: Job) -> list[str]:
+    return [e["event"] for e in job.refresh().to_dict()["timeline"]]
+
+
+def test_jobs_prefetched_behind_a_long_one_go_back_to_the_queue(app, stack):
+    warm(app, stack, name="first")
+    jobs = app.enqueue_many([{"task": "tests.apps.hold", "args": ["long", 4]}]
+                            + [{"task": "tests.apps.record", "args": [f"r{i}"]} for i in range(10)])
+    long, short = jobs[0], jobs[1:]
+    wait_for(lambda: ledger(app, "long") == 1, what="the long job to begin")
+    ahead = [j for j in short if j.state == "running"]
+    assert ahead, "the worker prefetched nothing behind the long job"
+    stack.worker(concurrency=1, name="second")
+    for j in short:
+        assert j.wait(timeout=30) == 1
+    assert long.state == "running"  # they did not wait for it
+    assert all(ledger(app, f"r{i}") == 1 for i in range(10))
+    returned = [j for j in short if any("returned before it began" in e for e in events(j))]
+    assert returned and {j.refresh().data["worker"] for j in returned} == {"second"}
+    assert all(f"job {long.id} ahead of it ran long" in " ".join(events(j)) for j in returned)
+    assert long.wait(timeout=30) == "timeout"
+
+
+def test_a_prefetched_job_killed_before_it_began_never_runs(app, stack):
+    warm(app, stack)
+    long, victim = app.enqueue_many([{"task": "tests.apps.hold", "args": ["long", 2]},
+                                     {"task": "tests.apps.record", "args": ["victim"]}])
+    wait_for(lambda: ledger(app, "long") == 1, what="the long job to begin")
+    assert victim.kill("test") in ("running", "pending")  # prefetched, or already handed back
+    wait_for(lambda: victim.state == "killed", what="the prefetched job to end killed")
+    assert long.wait(timeout=30) == "timeout"
+    assert ledger(app, "victim") == 0
+
+
+def test_a_child_killed_with_prefetched_jobs_hands_them_back(app, stack):
+    warm(app, stack)
+    jobs = app.enqueue_many([{"task": "tests.apps.hold", "args": ["long", 1]}]
+                            + [{"task": "tests.apps.record", "args": [f"r{i}"]} for i in range(5)])
+    long, short = jobs[0], jobs[1:]
+    wait_for(lambda: ledger(app, "long") == 1, what="the long job to begin")
+    queued = [j for j in short if j.state == "running"]
+    os.kill(int(long.refresh().data["pid"]), signal.SIGKILL)
+    assert long.wait(timeout=30) == "timeout"  # requeued first in line, ran again
+    assert ledger(app, "long") == 2
+    for j in short:
+        assert j.wait(timeout=30) == 1
+    assert all(ledger(app, f"r{i}") == 1 for i in range(5))
+    for j in queued:  # those that were queued in the dead child came back without a run
+        assert any("returned before it began: its process died" in e for e in events(j)) or \
+            any("ahead of it ran long" in e for e in events(j))
+    assert "lost" in long.refresh().data and "lost" not in short[0].refresh().data
