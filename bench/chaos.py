@@ -235,6 +235,13 @@ class Supervisor:
         self.starts += 1
         return proc
 
+    def last_line(self, name: str) -> str:
+        try:
+            lines = (self.run_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        return lines[-1][:200] if lines else "(empty log)"
+
     def alive(self, role: str, slot: int) -> Proc | None:
         proc = self.slots.get((role, slot))
         return proc if proc is not None and not exited(proc.popen) else None
@@ -251,8 +258,8 @@ class Supervisor:
             if exited(proc.popen):
                 code = reap(proc.popen)
                 if not proc.by_us:
-                    self.unexpected.append(f"{proc.name} exited with {code} (see {proc.name}.log)")
-                    log(f"  unexpected exit: {proc.name} with {code}")
+                    self.unexpected.append(f"{proc.name} exited with {code}: {self.last_line(proc.name)}")
+                    log(f"  exited on its own: {self.unexpected[-1]}")
                 self.slots[key] = None
                 self.restart_at[key] = now + RESTART_DELAY
 
@@ -419,6 +426,7 @@ class Run:
     #: (wall time of the cut-back point, wall time of the kill, bytes dropped)
     cuts: list[tuple[float, float, int]] = field(default_factory=list)
     redis_restarts: list[float] = field(default_factory=list)  # seconds each was down
+    zombies: list[tuple[str, list[str]]] = field(default_factory=list)  # paused worker, ids it held
     delayed_fsyncs: int = 0
 
 
@@ -479,6 +487,7 @@ def inject(run: Run, fault: Fault) -> None:
             run.sup.kill(proc)
         else:
             run.sup.pause(proc, DEAD_AFTER + 2)
+            run.zombies.append((proc.name, ids))
         run.kills.append((fault.kind, now, ids))
         detail = proc.name
     elif fault.kind == "child-kill":
@@ -628,7 +637,25 @@ def check(run: Run, planned: list[dict[str, Any]]) -> dict[str, Any]:
     res["never_acknowledged"] = len(planned) - len(acked)
     res["cron"] = check_cron(run)
     res["recovery"] = recovery(run)
+    res["zombies"] = zombies(run, recs)
     return res
+
+
+def zombies(run: Run, recs: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
+    """What each paused worker held, whether another worker ran it to its end, and what
+    the worker said when it came back: results fenced off, jobs stopped as no longer its."""
+    out = []
+    for name, ids in run.zombies:
+        try:
+            text = (run.dir / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            text = ""
+        ids = [i for i in ids if not i.startswith("cron.")]
+        last = [recs.get(i, {}).get("worker") for i in ids]
+        out.append({"worker": name, "held": len(ids), "ended_elsewhere": sum(1 for w in last if w and w != name),
+                    "results_fenced_off": sum(f"job {i} was requeued and taken" in text for i in ids),
+                    "stopped_as_not_its_own": sum(f"job {i} is no longer ours" in text for i in ids)})
+    return out
 
 
 def check_cron(run: Run) -> dict[str, Any]:
@@ -815,6 +842,9 @@ def report(res: dict[str, Any]) -> str:
         f"aof_delayed_fsync {res['aof_delayed_fsync']}",
         f"cron ticks                     {res['cron']['ticks']} fired ({res['cron']['missed']} between the first "
         f"and the last did not), {res['cron']['states']}, {res['cron']['runs']} runs",
+        *(f"zombie {z['worker']:6s}                 held {z['held']}, {z['ended_elsewhere']} ended on another worker; "
+          f"back: {z['results_fenced_off']} late results fenced off, {z['stopped_as_not_its_own']} jobs stopped as "
+          f"no longer its own" for z in res["zombies"]),
         f"processes                      {res['process_starts']} started, "
         f"{len(res['unexpected_exits'])} exited on their own",
     ]
