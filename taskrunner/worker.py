@@ -78,20 +78,56 @@ class Child:
         self.pid: int = self.proc.pid  # type: ignore[assignment]
         self.jobs: deque[Delivery] = deque()  # sent to it, in order; jobs[0] runs
         self.seq = 0
+        self.outgoing = bytearray()  # frames for it, written by flush()
+        self.inbox = bytearray()  # what it wrote that is not a whole frame yet
         self.kill_target: Delivery | None = None
         self.kill_reason: str | None = None
         self.kill_at: float | None = None
 
     def send(self, d: Delivery, message: bytes, now: float) -> None:
+        """Queue a job for the child (flush() writes what was queued, in one go)."""
         self.seq += 1
         d.seq = self.seq
         if not self.jobs:
             d.began = now
         self.jobs.append(d)
+        frame = b"%d\0%s" % (d.seq, message)
+        self.outgoing += _frame_header(len(frame)) + frame
+
+    def flush(self) -> None:
+        data, self.outgoing = self.outgoing, bytearray()
         try:
-            self.conn.send_bytes(b"%d\0%s" % (d.seq, message))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.conn.fileno(), view):]
         except OSError:
             pass  # it died; its sentinel tells us
+
+    def replies(self) -> list[bytes] | None:
+        """The answers that have arrived whole (one read: call when the pipe is readable);
+        None once the child's end is closed. Frames as multiprocessing's Connection writes
+        them (the child uses one): a 4-byte big-endian length, or -1 and an 8-byte one."""
+        try:
+            data = os.read(self.conn.fileno(), 1 << 16)
+        except OSError:
+            return None
+        if not data:
+            return None
+        buf = self.inbox
+        buf += data
+        out, i = [], 0
+        while len(buf) - i >= 4:
+            n, head = int.from_bytes(buf[i:i + 4], "big", signed=True), 4
+            if n == -1:
+                if len(buf) - i < 12:
+                    break
+                n, head = int.from_bytes(buf[i + 4:i + 12], "big"), 12
+            if len(buf) - i - head < n:
+                break
+            out.append(bytes(buf[i + head:i + head + n]))
+            i += head + n
+        del buf[:i]
+        return out
 
     def take_back(self) -> list[Delivery]:
         """The jobs sent ahead that the child has not begun: it will skip them, and they
@@ -119,6 +155,10 @@ class Child:
             self.kill_flag.value = 1
             self.kill_at = time.monotonic() + grace
             _signal(self.pid, signal.SIGTERM)
+
+
+def _frame_header(n: int) -> bytes:
+    return n.to_bytes(4, "big") if n < 0x7FFFFFFF else b"\xff\xff\xff\xff" + n.to_bytes(8, "big")
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -431,31 +471,32 @@ class Worker:
             wants.append((c, depth - len(c.jobs), ahead))
         return [(c, ahead) for i in range(depth) for c, n, ahead in wants if n > i]
 
-    def _read(self, c: Child) -> None:
-        """Every answer the child has written (it may have run several jobs meanwhile)."""
-        while True:
+    def _read(self, c: Child) -> bool:
+        """Every answer the child has written (it may have run several jobs meanwhile);
+        False once its pipe is closed."""
+        replies = c.replies()
+        if replies is None:
+            return False
+        now = time.monotonic()
+        for raw in replies:
             try:
-                reply = codec.loads(c.conn.recv_bytes())
-            except (EOFError, OSError, ValueError):
-                return  # it died mid-reply; its sentinel tells us next
-            now = time.monotonic()
-            d = next((d for d in c.jobs if d.id == reply[0]), None)
+                reply = codec.loads(raw)
+                job_id, runtime, outcome = reply[0], float(reply[1]), reply[2:]
+            except (ValueError, TypeError, IndexError):
+                log.warning("worker %s: child %d wrote a malformed answer: %r", self.name, c.pid, raw[:200])
+                continue
+            d = c.jobs[0] if c.jobs and c.jobs[0].id == job_id else next((d for d in c.jobs if d.id == job_id), None)
             if d is None:
                 log.warning("worker %s: child %d answered for a job it was not given: %r", self.name, c.pid,
                             reply[:3])
-            else:
-                c.jobs.remove(d)
-                runtime = float(reply[1])
-                self.runtime = runtime if self.runtime is None else 0.8 * self.runtime + 0.2 * runtime
-                self._report(d, reply[2:], now - runtime)
-                self.processed += 1
-                if c.jobs and c.jobs[0].began is None:
-                    c.jobs[0].began = now
-            try:
-                if not c.conn.poll():
-                    return
-            except OSError:
-                return
+                continue
+            c.jobs.remove(d)
+            self.runtime = runtime if self.runtime is None else 0.8 * self.runtime + 0.2 * runtime
+            self._report(d, outcome, now - runtime)
+            self.processed += 1
+            if c.jobs and c.jobs[0].began is None:
+                c.jobs[0].began = now
+        return True
 
     def _report(self, d: Delivery, outcome: list[Any], began: float | None = None) -> None:
         if not self.outbox:
@@ -472,8 +513,8 @@ class Worker:
                 self._report(d, ["return", why, "", "", ""])
 
     def _on_exit(self, c: Child) -> None:
-        if c.conn.poll():
-            self._read(c)
+        while c.conn.poll() and self._read(c):  # what it wrote before it died (poll: a process
+            pass  # it forked may hold its end of the pipe open)
         c.proc.join()
         code = c.proc.exitcode
         why = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
@@ -592,6 +633,8 @@ class Worker:
             c = slots[i // 8][0]
             d = Delivery(job_id, str(attempt), self.queues[int(qi) - 1], float(md), policy)
             c.send(d, b"\0".join(s.encode() for s in (job_id, str(attempt), task, args, kwargs)), now)
+        for c in {c for c, _ in slots}:
+            c.flush()
 
     def _release_orphans(self) -> None:
         """Deliveries the holding lists give to us that no child of ours has (a claim whose
