@@ -19,9 +19,10 @@ import random
 import signal
 import time
 import traceback
+from collections import deque
 from typing import Any
 
-from . import codec
+from . import codec, frames
 from .errors import NotJSONError, Reject, Retry
 
 
@@ -59,12 +60,18 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
     _die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
+    reader, jobs = frames.Reader(conn.fileno()), deque()
     try:
         while True:
             try:
-                seq, message = conn.recv_bytes().split(b"\0", 1)
-            except (EOFError, OSError):
+                while not jobs:
+                    got = reader.read()
+                    if got is None:
+                        os._exit(0)  # the worker closed its end
+                    jobs.extend(got)
+            except OSError:
                 os._exit(0)
+            seq, message = jobs.popleft().split(b"\0", 1)
             with lock:
                 if state[1] <= int(seq) <= state[2]:
                     continue  # taken back before it began

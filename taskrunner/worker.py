@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import redis
 
-from . import codec, scripts
+from . import codec, frames, scripts
 from .app import TaskRunner
 from .child import child_main
 from .consumer import claim_args
@@ -79,7 +79,7 @@ class Child:
         self.jobs: deque[Delivery] = deque()  # sent to it, in order; jobs[0] runs
         self.seq = 0
         self.outgoing = bytearray()  # frames for it, written by flush()
-        self.inbox = bytearray()  # what it wrote that is not a whole frame yet
+        self.reader = frames.Reader(self.conn.fileno())
         self.kill_target: Delivery | None = None
         self.kill_reason: str | None = None
         self.kill_at: float | None = None
@@ -91,8 +91,7 @@ class Child:
         if not self.jobs:
             d.began = now
         self.jobs.append(d)
-        frame = b"%d\0%s" % (d.seq, message)
-        self.outgoing += _frame_header(len(frame)) + frame
+        self.outgoing += frames.frame(b"%d\0%s" % (d.seq, message))
 
     def flush(self) -> None:
         data, self.outgoing = self.outgoing, bytearray()
@@ -104,30 +103,12 @@ class Child:
             pass  # it died; its sentinel tells us
 
     def replies(self) -> list[bytes] | None:
-        """The answers that have arrived whole (one read: call when the pipe is readable);
-        None once the child's end is closed. Frames as multiprocessing's Connection writes
-        them (the child uses one): a 4-byte big-endian length, or -1 and an 8-byte one."""
+        """The answers that have arrived whole (call when the pipe is readable); None once
+        the child's end is closed."""
         try:
-            data = os.read(self.conn.fileno(), 1 << 16)
+            return self.reader.read()
         except OSError:
             return None
-        if not data:
-            return None
-        buf = self.inbox
-        buf += data
-        out, i = [], 0
-        while len(buf) - i >= 4:
-            n, head = int.from_bytes(buf[i:i + 4], "big", signed=True), 4
-            if n == -1:
-                if len(buf) - i < 12:
-                    break
-                n, head = int.from_bytes(buf[i + 4:i + 12], "big"), 12
-            if len(buf) - i - head < n:
-                break
-            out.append(bytes(buf[i + head:i + head + n]))
-            i += head + n
-        del buf[:i]
-        return out
 
     def take_back(self) -> list[Delivery]:
         """The jobs sent ahead that the child has not begun: it will skip them, and they
@@ -155,10 +136,6 @@ class Child:
             self.kill_flag.value = 1
             self.kill_at = time.monotonic() + grace
             _signal(self.pid, signal.SIGTERM)
-
-
-def _frame_header(n: int) -> bytes:
-    return n.to_bytes(4, "big") if n < 0x7FFFFFFF else b"\xff\xff\xff\xff" + n.to_bytes(8, "big")
 
 
 def _signal(pid: int, sig: int) -> None:
