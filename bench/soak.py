@@ -15,9 +15,9 @@ Every --every seconds it samples: RSS of each worker (main process and children)
 each dispatcher (psutil), and Redis's key count (DBSIZE), used_memory, pending, delayed and
 history stream lengths. It prints the table as it goes (stderr) and at the end (stdout),
 then the growth of each figure from the end of the warm-up (--result-ttl + 60 s, when the
-expiring jobs balance the new ones) to the end, as a total and a per-hour slope of a
-least-squares line. The last line is a one-line summary. Exit 1 if any enqueued job did not
-run, or any process exited on its own."""
+expiring jobs balance the new ones) to the last sample taken while jobs were still being
+enqueued, as a total and a per-hour slope of a least-squares line. The last line is a
+one-line summary. Exit 1 if any enqueued job did not run, or any process exited on its own."""
 
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         while int(ledger.get("soak:done") or 0) < enqueued and time.monotonic() < drain_deadline:
             sup.tick(time.monotonic())
             time.sleep(0.2)
-        samples.append(sample(sup, r, ledger, time.monotonic() - start, enqueued))
+        drained = sample(sup, r, ledger, time.monotonic() - start, enqueued)
         unexpected = list(sup.unexpected)
     except (KeyboardInterrupt, TimeoutError) as e:
         log(f"soak stopped: {e}; logs in {run_dir}")
@@ -207,12 +207,13 @@ def main(argv: list[str] | None = None) -> int:
             sup.kill_all()
         server.stop()
         ledger_server.stop()
-    done = samples[-1].done
+    done = drained.done
     print(f"soak: {a.minutes:g} min at {a.rate:g} jobs/s, {a.workers} workers (-c 2), 2 dispatchers, "
           f"result TTL {a.result_ttl}s; figures summed over the processes of each kind")
     print(HEADER)
     for s in samples:
         print(row(s))
+    print(f"{row(drained)}   <- drained, after the enqueueing stopped")
     lines = growth(samples, a.result_ttl + 60)
     print("\n".join(lines))
     passed = done >= enqueued and not unexpected
