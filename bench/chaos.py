@@ -197,7 +197,6 @@ def reap(p: subprocess.Popen) -> int:
 
 @dataclass
 class Proc:
-    role: str  # "worker" | "dispatcher"
     slot: int
     name: str
     popen: subprocess.Popen
@@ -231,7 +230,7 @@ class Supervisor:
         with open(self.run_dir / f"{name}.log", "ab") as out:
             p = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
                                  stderr=subprocess.STDOUT, start_new_session=True)
-        proc = self.slots[role, slot] = Proc(role, slot, name, p)
+        proc = self.slots[role, slot] = Proc(slot, name, p)
         self.starts += 1
         return proc
 
@@ -414,7 +413,6 @@ class Run:
     fsync: str
     dir: Path
     redis_server: RedisServer
-    ledger_server: RedisServer
     r: redis.Redis
     ledger: redis.Redis
     sup: Supervisor
@@ -739,7 +737,7 @@ def run_once(args: argparse.Namespace, fsync: str, base: Path) -> dict[str, Any]
         ledger = redis.Redis.from_url(ledger_server.url, decode_responses=True)
         aof = AofTail(server.dir)
         sup = Supervisor(run_dir, env, args.workers)
-        run = Run(args, fsync, run_dir, server, ledger_server, r, ledger, sup, aof)
+        run = Run(args, fsync, run_dir, server, r, ledger, sup, aof)
         faults = fault_schedule(args.seed, args.window, args.workers)
         plan = job_plan(args.seed, args.jobs)
         log(f"run fsync={fsync}: redis on 127.0.0.1:{port}, {args.workers} workers (-c {CONCURRENCY}), "
