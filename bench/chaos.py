@@ -13,8 +13,8 @@ their max duration; a cron schedule ticks every 2 s), and records each id whose 
 Redis acknowledged, with the time, in a ledger: a second redis-server that is never
 faulted. Each run of a task writes there too (bench/tasks_chaos.py).
 
-Faults follow a schedule made from --seed alone (the same seed, the same faults at the
-same offsets against the same targets), at least two of each kind:
+Faults follow a schedule made from --seed, --window and --workers alone (the same values,
+the same faults at the same offsets against the same targets), at least two of each kind:
 
   worker-kill      SIGKILL of a worker's process group (worker and children)
   child-kill       SIGKILL of one child process of a worker
@@ -32,12 +32,13 @@ same offsets against the same targets), at least two of each kind:
 Killed processes are started again 0.5 s later, as a supervisor would. When the window
 ends, it waits (at most --drain s) until every acknowledged job is final, stops the stack
 and checks every job against the ledger and its record in Redis. A job is *lost* if Redis
-has no final record of it and it never ran to the end. A loss is put down to everysec
-only when the job's enqueue was acknowledged after the point the AOF was cut back to
-(its record was in the dropped second). Any other loss, any job still pending, delayed or
-running after the drain, a record that disagrees with the ledger, and under always any
-dropped enqueue or forgotten delivery, makes the exit status 1. Runs beyond those a job is designed
-to have are classified by the timeline of its record (`end:<n>`: how delivery n ended).
+has no record of it and it never ran to the end; the loss is put down to everysec only
+when the job's enqueue was acknowledged after the point the AOF was cut back to (its
+record was in the dropped second). Runs beyond those a job is designed to have are
+classified by the timeline of its record (`end:<n>`: how delivery n ended). Exit status 1
+on: a loss not put down to everysec; a job still pending, delayed or running after the
+drain; a record that disagrees with the ledger; an extra run that no delivery on record
+explains; and under always, any enqueue or delivery Redis forgot.
 
 Progress goes to stderr; the report to stdout, its last line a one-line summary. Logs of
 every process and the Redis dirs stay in the run directory (printed) when a run fails.
@@ -794,6 +795,7 @@ def run_once(args: argparse.Namespace, fsync: str, base: Path) -> dict[str, Any]
 
 def ok(res: dict[str, Any]) -> bool:
     return not (res["lost"] or res["stuck"] or res["cron"]["stuck"] or res["inconsistent"]
+                or res["why"].get("unexplained")
                 or (res["fsync"] == "always" and (res["lost_to_everysec"] or res["why"].get(FORGOT))))
 
 

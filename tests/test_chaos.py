@@ -28,7 +28,7 @@ def test_chaos_run_loses_nothing(tmp_path):
     assert res["enqueued"] == 2000
     assert res["lost"] == {} and res["lost_to_everysec"] == {}
     assert res["stuck"] == {} and res["cron"]["stuck"] == []
-    assert res["inconsistent"] == {}
+    assert res["inconsistent"] == {} and "unexplained" not in res["why"]
     assert res["completed"] + sum(res["failed_as_designed"].values()) + len(res["failed_otherwise"]) == 2000
     assert res["cron"]["ticks"] > 0
     assert {k: res["faults"].get(k, 0) >= 1 for k in KINDS} == {k: True for k in KINDS}
