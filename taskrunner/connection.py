@@ -1,6 +1,14 @@
 """Connecting to Redis from a URL; the default is the embedded server of `taskrunner up`.
 
-Besides redis-py's own forms (redis://, rediss://, unix://) this accepts Redis Sentinel:
+Besides redis-py's own forms (redis://, rediss://, unix://) this accepts Redis Cluster:
+
+    redis+cluster://[[user]:password@]host[:port][,host[:port]...][?option=value&...]
+
+each host:port a node of the cluster to learn its layout from (port 6379 by default; one
+is enough, more in case it is down); options socket_timeout, socket_connect_timeout. The
+client sends each command to the primary that owns its keys' slot: every key of a queue
+shares the queue's hash tag, so every script call touches one slot; cluster mode only
+changes what spans queues (see is_cluster()). And Redis Sentinel:
 
     redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db][?option=value&...]
 
@@ -17,22 +25,30 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
 import redis.asyncio.sentinel
+import redis.cluster
 import redis.sentinel
 
 EMBEDDED_DIR = Path("var")
 SENTINEL_SCHEME = "redis+sentinel"
 SENTINEL_FORM = ("redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db]"
                  "[?sentinel_password=...&socket_timeout=...]")
-FORMS = f"redis://[[user]:password@]host[:port][/db], rediss://..., unix:///path[?db=N] or {SENTINEL_FORM}"
+CLUSTER_SCHEME = "redis+cluster"
+CLUSTER_FORM = "redis+cluster://[[user]:password@]host[:port][,host[:port]...][?socket_timeout=...]"
+FORMS = (f"redis://[[user]:password@]host[:port][/db], rediss://..., unix:///path[?db=N], {CLUSTER_FORM} "
+         f"or {SENTINEL_FORM}")
 _SENTINEL_PORT = 26379
+_REDIS_PORT = 6379
 _HOST = re.compile(r"^(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]/]+))(?::(?P<port>\d{1,5}))?$")
 _FLOAT_OPTIONS = ("socket_timeout", "socket_connect_timeout")
 _STR_OPTIONS = ("sentinel_username", "sentinel_password")
@@ -69,37 +85,16 @@ class SentinelURL:
 
     @classmethod
     def parse(cls, url: str) -> SentinelURL:
-        def bad(why: str) -> ValueError:
-            return ValueError(f"bad Redis URL {redact(url)!r}: {why}; expected {SENTINEL_FORM}")
-
-        parts = urlsplit(url)
-        if parts.scheme != SENTINEL_SCHEME:
-            raise bad(f"scheme is not {SENTINEL_SCHEME}")
-        userinfo, _, hosts = parts.netloc.rpartition("@")
-        user, _, password = userinfo.partition(":")
-        sentinels = []
-        for host in hosts.split(","):
-            m = _HOST.match(host)
-            if not m or not 0 < int(m["port"] or _SENTINEL_PORT) < 65536:
-                raise bad(f"{host!r} is not host[:port]")
-            sentinels.append((m["ipv6"] or m["name"], int(m["port"] or _SENTINEL_PORT)))
-        path = [unquote(p) for p in parts.path.split("/")[1:]]
+        bad = _complaint(url, SENTINEL_FORM)
+        sentinels, user, password, path, options = _parse(url, SENTINEL_SCHEME, _SENTINEL_PORT, bad, _STR_OPTIONS)
         if not path or not path[0] or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
             raise bad("the path must be /service or /service/db")
-        options: dict[str, Any] = {}
         sentinel_options: dict[str, Any] = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
-        for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)):
-            if key in _FLOAT_OPTIONS:
-                try:
-                    options[key] = float(value)
-                except ValueError:
-                    raise bad(f"{key} must be a number of seconds") from None
-            elif key in _STR_OPTIONS:
-                sentinel_options[key.removeprefix("sentinel_")] = value
-            else:
-                raise bad(f"unknown option {key!r} (known: {', '.join(_FLOAT_OPTIONS + _STR_OPTIONS)})")
-        return cls(tuple(sentinels), path[0], int(path[1]) if len(path) == 2 else 0, unquote(user) or None,
-                   unquote(password) or None, sentinel_options, options)
+        for key in _STR_OPTIONS:
+            if key in options:
+                sentinel_options[key.removeprefix("sentinel_")] = options.pop(key)
+        return cls(sentinels, path[0], int(path[1]) if len(path) == 2 else 0, user, password, sentinel_options,
+                   options)
 
     def _master_options(self, options: dict[str, Any]) -> dict[str, Any]:
         return {"db": self.db, "username": self.username, "password": self.password, "socket_keepalive": True,
@@ -115,6 +110,82 @@ class SentinelURL:
         sentinel = redis.asyncio.sentinel.Sentinel(self.sentinels, sentinel_kwargs=self.sentinel_options)
         return sentinel.master_for(self.service, connection_pool_class=AsyncSentinelPool,
                                    **self._master_options(options))
+
+
+def _complaint(url: str, form: str) -> Callable[[str], ValueError]:
+    """Makes the error of a bad URL: what is wrong, and the form expected."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"bad Redis URL {redact(url)!r}: {why}; expected {form}")
+
+    return bad
+
+
+def _parse(url: str, scheme: str, default_port: int, bad: Callable[[str], ValueError], str_options: tuple[str, ...] = ()
+           ) -> tuple[tuple[tuple[str, int], ...], str | None, str | None, list[str], dict[str, Any]]:
+    """(hosts, user, password, path segments, options) of a URL naming several hosts."""
+    parts = urlsplit(url)
+    if parts.scheme != scheme:
+        raise bad(f"scheme is not {scheme}")
+    userinfo, _, netloc = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    hosts = []
+    for host in netloc.split(","):
+        m = _HOST.match(host)
+        if not m or not 0 < int(m["port"] or default_port) < 65536:
+            raise bad(f"{host!r} is not host[:port]")
+        hosts.append((m["ipv6"] or m["name"], int(m["port"] or default_port)))
+    options: dict[str, Any] = {}
+    for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)):
+        if key in _FLOAT_OPTIONS:
+            try:
+                options[key] = float(value)
+            except ValueError:
+                raise bad(f"{key} must be a number of seconds") from None
+        elif key in str_options:
+            options[key] = value
+        else:
+            raise bad(f"unknown option {key!r} (known: {', '.join(_FLOAT_OPTIONS + str_options)})")
+    path = [unquote(p) for p in parts.path.split("/")[1:]]
+    return tuple(hosts), unquote(user) or None, unquote(password) or None, path, options
+
+
+@dataclass(frozen=True)
+class ClusterURL:
+    """A parsed redis+cluster:// URL."""
+
+    nodes: tuple[tuple[str, int], ...]
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, url: str) -> ClusterURL:
+        bad = _complaint(url, CLUSTER_FORM)
+        nodes, user, password, path, options = _parse(url, CLUSTER_SCHEME, _REDIS_PORT, bad)
+        if any(path):
+            raise bad("a cluster has no path (it has one database)")
+        return cls(nodes, user, password, options)
+
+    def _options(self, options: dict[str, Any]) -> dict[str, Any]:
+        return {"username": self.username, "password": self.password, "socket_keepalive": True,
+                "socket_connect_timeout": 5.0, **self.options, **options}
+
+    def client(self, **options: Any) -> redis.cluster.RedisCluster:
+        """A client of the cluster (it asks a node for the slots layout at once)."""
+        nodes = [redis.cluster.ClusterNode(h, p) for h, p in self.nodes]
+        return redis.cluster.RedisCluster(startup_nodes=nodes, **self._options(options))
+
+    def client_async(self, **options: Any) -> redis.asyncio.RedisCluster:
+        """The same for redis.asyncio (it connects on first use)."""
+        nodes = [redis.asyncio.cluster.ClusterNode(h, p) for h, p in self.nodes]
+        return redis.asyncio.RedisCluster(startup_nodes=nodes, **self._options(options))
+
+
+def is_cluster(client: Any) -> bool:
+    """A Redis Cluster client: a command's keys must then share a slot, so what spans
+    queues (a claim, an idle worker's wait) is done one queue at a time."""
+    return isinstance(client, (redis.cluster.RedisCluster, redis.asyncio.RedisCluster))
 
 
 class _Rechecked:
@@ -158,12 +229,14 @@ class AsyncSentinelPool(_Rechecked, redis.asyncio.sentinel.SentinelConnectionPoo
         return await super().get_connection(*args, **kwargs)
 
 
-def connect(url: str | None = None, **options: Any) -> redis.Redis:
+def connect(url: str | None = None, **options: Any) -> redis.Redis | redis.cluster.RedisCluster:
     """A client with replies decoded as UTF-8 (the wire format is JSON text)."""
     url = url or default_url()
     options.setdefault("decode_responses", True)
     if url.startswith(SENTINEL_SCHEME + ":"):
         return SentinelURL.parse(url).master(**options)
+    if url.startswith(CLUSTER_SCHEME + ":"):
+        return ClusterURL.parse(url).client(**options)
     if "://" not in url:
         raise ValueError(f"bad Redis URL {redact(url)!r}: expected {FORMS}")
     if not url.startswith("unix:"):
@@ -174,13 +247,98 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis:
         raise ValueError(f"bad Redis URL {redact(url)!r}: {e}; expected {FORMS}") from None
 
 
-def connect_async(url: str | None = None, **options: Any) -> redis.asyncio.Redis:
+def connect_async(url: str | None = None, **options: Any) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
     """connect() for redis.asyncio."""
     url = url or default_url()
     options.setdefault("decode_responses", True)
     if url.startswith(SENTINEL_SCHEME + ":"):
         return SentinelURL.parse(url).master_async(**options)
+    if url.startswith(CLUSTER_SCHEME + ":"):
+        return ClusterURL.parse(url).client_async(**options)
     try:
         return redis.asyncio.Redis.from_url(url, **options)
     except ValueError as e:
         raise ValueError(f"bad Redis URL {redact(url)!r}: {e}; expected {FORMS}") from None
+
+
+class Blocker:
+    """One BRPOP on `keys` outstanding on a connection of its own (kept across calls,
+    outside the client's pool); select() tells when it answered. On a Redis Cluster the
+    keys must share a slot, and the connection goes to the primary that owns it. When the
+    primary moved (a Sentinel failover the worker saw no error in, a cluster failover or
+    resharding) arm() raises ConnectionError once, so that the worker reconciles what it
+    holds with the new primary, which may lack writes the old one took (jobs we finished)."""
+
+    def __init__(self, client: redis.Redis | redis.cluster.RedisCluster, keys: list[str]) -> None:
+        self.client, self.keys = client, keys
+        self.pool: Any = None
+        self.conn: Any = None
+        self.armed = False
+        self.address: tuple[Any, Any] | None = None  # where our connection went, since the last reset()
+
+    def _pool(self) -> Any:
+        if isinstance(self.client, redis.cluster.RedisCluster):
+            return self.client.get_redis_connection(self.client.get_node_from_key(self.keys[0])).connection_pool
+        return self.client.connection_pool
+
+    def arm(self, timeout: float) -> None:
+        if not self.armed:
+            pool = self._pool()
+            if self.conn is not None and (pool is not self.pool or not pool.owns_connection(self.conn)):
+                self._close()  # the pool found that the primary moved, or the slot did
+            self.pool = pool
+            if self.conn is None:
+                self.conn = pool.connection_class(**pool.connection_kwargs)
+            # connect() first: send_command() alone would skip a Sentinel-managed
+            # connection's lookup of the primary and dial the default localhost:6379.
+            self.conn.connect()
+            before, self.address = self.address, (getattr(self.conn, "host", None), getattr(self.conn, "port", None))
+            if before not in (None, self.address):
+                raise redis.ConnectionError(f"the Redis primary moved to {self.address[0]}:{self.address[1]}")
+            self.conn.send_command("BRPOP", *self.keys, timeout)
+            self.armed = True
+
+    def fileno(self) -> int:
+        return self.conn._sock.fileno()
+
+    def read(self) -> Any:
+        self.armed = False
+        try:
+            return self.conn.read_response()
+        except redis.exceptions.MovedError:
+            self._close()
+            self.client.nodes_manager.initialize()  # type: ignore[union-attr]  # learn the new layout
+            raise
+        except BaseException:
+            self._close()
+            raise
+
+    def reset(self) -> None:
+        """Cancel: closing the connection ends the BRPOP on the server. The worker also
+        calls this after a Redis error, and reconciles then: no move left to tell."""
+        self._close()
+        self.address = None
+
+    def _close(self) -> None:
+        self.armed = False
+        if self.conn is not None:
+            self.conn.disconnect()
+            self.conn = None
+
+
+def brpop_any(client: redis.Redis | redis.cluster.RedisCluster, keys: list[str], timeout: float) -> None:
+    """Wait up to `timeout` for a token on any of the lists `keys`, and take it: one BRPOP;
+    on a cluster, where one command's keys must share a slot, one per key, each to the
+    node of its slot, until one answers."""
+    if not is_cluster(client):
+        client.brpop(keys, timeout=timeout)
+        return
+    blockers = [Blocker(client, [key]) for key in keys]
+    try:
+        for b in blockers:
+            b.arm(timeout)
+        for b in wait(blockers, timeout + 1):
+            b.read()
+    finally:
+        for b in blockers:
+            b.reset()

@@ -12,6 +12,7 @@ from typing import Any
 
 from . import codec, scripts
 from .app import TaskRunner
+from .connection import brpop_any, is_cluster
 
 
 @dataclass
@@ -37,6 +38,37 @@ def claim_args(app: TaskRunner, name: str, host: str, ip: str, slots: list[Any])
     return [head, name, host, ip, app.settings.bucket_width, app.settings.max_duration, *slots]
 
 
+def claim_keys(app: TaskRunner, prefixes: list[str]) -> list[str]:
+    """KEYS of the first claim.lua call: every queue, in priority order; on a Redis Cluster,
+    whose scripts must touch one slot, the first queue alone (claim_rest() goes on)."""
+    return prefixes[:1] if is_cluster(app.redis) else prefixes
+
+
+def claim_rest(app: TaskRunner, prefixes: list[str], args: list[Any], claimed: list[Any]) -> list[Any]:
+    """The claim after the first call's answer `claimed`: on a cluster, the later queues
+    one call each, in priority order, while jobs are still wanted (strict priority, as in
+    one call); answers as one call over every queue gives them (queue numbers, and the
+    seconds ahead of each process's jobs, counting the jobs claimed for it before)."""
+    if not is_cluster(app.redis):
+        return claimed
+    head, pairs = args[:6], args[6:]
+    claimed = list(claimed)
+    for qi, prefix in enumerate(prefixes[1:], 2):
+        n = len(claimed) // 8  # job k went to pair k
+        if 2 * n == len(pairs):
+            break
+        ahead: dict[Any, float] = {}  # pid -> max durations of the jobs claimed for it so far
+        for pid, md in zip(pairs[0:2 * n:2], claimed[6::8]):
+            ahead[pid] = ahead.get(pid, 0.0) + float(md)
+        rest: list[Any] = []
+        for pid, base in zip(pairs[2 * n::2], pairs[2 * n + 1::2]):
+            rest += [pid, base if base == "" else f"{float(base) + ahead.get(pid, 0.0):.3f}"]
+        got = scripts.CLAIM(app.redis, [prefix], head + rest)
+        got[0::8] = [qi] * (len(got) // 8)
+        claimed += got
+    return claimed
+
+
 class Consumer:
     def __init__(self, app: TaskRunner, queues: list[str], name: str | None = None):
         self.app, self.keys = app, app.keys
@@ -56,9 +88,11 @@ class Consumer:
         Redis (BRPOP on the wake lists) when there is none."""
         self.heartbeat()
         deadline = time.monotonic() + block
+        prefixes = [self.keys.q(q) for q in self.queues]
+        args = claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid(), ""] * count)
         while True:
-            raw = scripts.CLAIM(self.app.redis, [self.keys.q(q) for q in self.queues],
-                                claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid(), ""] * count))
+            raw = scripts.CLAIM(self.app.redis, claim_keys(self.app, prefixes), args)
+            raw = claim_rest(self.app, prefixes, args, raw)
             out = []
             for i in range(0, len(raw), 8):
                 qi, job_id, attempt, task, args, kwargs, md, _ = raw[i:i + 8]
@@ -70,7 +104,7 @@ class Consumer:
             left = deadline - time.monotonic()
             if out or left <= 0:
                 return out
-            self.app.redis.brpop([self.keys.q(q) + "wake" for q in self.queues], timeout=max(0.01, min(left, 5)))
+            brpop_any(self.app.redis, [p + "wake" for p in prefixes], max(0.01, min(left, 5)))
 
     def ack(self, deliveries: list[Delivery], results: list[Any] | None = None) -> list[bool]:
         """Mark jobs completed, all in one round trip; says which were really acked (a job

@@ -3,9 +3,10 @@ long-lived child processes.
 
 The main process never runs a job, so its heartbeats go on whatever a job does. It
 waits on everything at once with one select: the children's pipes and exit sentinels,
-and two connections each with a BRPOP outstanding: its control list (kill requests) and,
-when a child is idle and the queues were found empty, the queues' wake lists. No threads
-(the worker forks replacement children) and no polling."""
+and connections each with a BRPOP outstanding: its control list (kill requests) and,
+when a child is idle and the queues were found empty, the queues' wake lists (one BRPOP
+on all; on a Redis Cluster one per queue, as one command's keys must share a slot). No
+threads (the worker forks replacement children) and no polling."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import redis
 from . import codec, frames, scripts
 from .app import TaskRunner
 from .child import child_main
-from .consumer import claim_args
+from .connection import Blocker, is_cluster
+from .consumer import claim_args, claim_keys, claim_rest
 from .holders import lose_held, pid_namespace
 from .listing import server_time
 
@@ -145,67 +147,18 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-class Blocker:
-    """One BRPOP outstanding on a connection of its own (kept across calls, outside the
-    client's pool); select() tells when it answered. When the primary moved (a Sentinel
-    failover the worker saw no error in) arm() raises ConnectionError once, so that the
-    worker reconciles what it holds with the new primary, which may lack writes the old
-    one took (jobs we finished)."""
-
-    def __init__(self, client: redis.Redis) -> None:
-        self.pool = client.connection_pool
-        self.conn: Any = None
-        self.armed = False
-        self.address: tuple[Any, Any] | None = None  # where our connection went, since the last reset()
-
-    def arm(self, keys: list[str], timeout: float) -> None:
-        if not self.armed:
-            if self.conn is not None and not self.pool.owns_connection(self.conn):
-                self._close()  # the pool found that the primary moved
-            if self.conn is None:
-                self.conn = self.pool.connection_class(**self.pool.connection_kwargs)
-            # connect() first: send_command() alone would skip a Sentinel-managed
-            # connection's lookup of the primary and dial the default localhost:6379.
-            self.conn.connect()
-            before, self.address = self.address, (getattr(self.conn, "host", None), getattr(self.conn, "port", None))
-            if before not in (None, self.address):
-                raise redis.ConnectionError(f"the Redis primary moved to {self.address[0]}:{self.address[1]}")
-            self.conn.send_command("BRPOP", *keys, timeout)
-            self.armed = True
-
-    def fileno(self) -> int:
-        return self.conn._sock.fileno()
-
-    def read(self) -> Any:
-        self.armed = False
-        try:
-            return self.conn.read_response()
-        except BaseException:
-            self._close()
-            raise
-
-    def reset(self) -> None:
-        """Cancel: closing the connection ends the BRPOP on the server. The worker also
-        calls this after a Redis error, and reconciles then: no move left to tell."""
-        self._close()
-        self.address = None
-
-    def _close(self) -> None:
-        self.armed = False
-        if self.conn is not None:
-            self.conn.disconnect()
-            self.conn = None
-
-
-def local_ip(client: redis.Redis) -> str:
+def local_ip(client: redis.Redis | redis.cluster.RedisCluster) -> str:
     """The address this host uses to reach Redis (what others would see); through
-    Sentinel, the current primary's."""
-    pool = client.connection_pool
+    Sentinel, the current primary's; in a cluster, a node's."""
     try:
-        if isinstance(pool, redis.sentinel.SentinelConnectionPool):
-            host, port = pool.get_master_address()
+        if isinstance(client, redis.cluster.RedisCluster):
+            node = client.get_default_node()
+            host, port = node.host, node.port
+        elif isinstance(client.connection_pool, redis.sentinel.SentinelConnectionPool):
+            host, port = client.connection_pool.get_master_address()
         else:
-            host, port = pool.connection_kwargs.get("host"), pool.connection_kwargs.get("port", 6379)
+            kwargs = client.connection_pool.connection_kwargs
+            host, port = kwargs.get("host"), kwargs.get("port", 6379)
         if not host:
             return "127.0.0.1"
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -241,8 +194,10 @@ class Worker:
         self.next_beat = 0.0
         self.redis_ok_at = 0.0  # after a Redis error, talk to it again from this time
         self.backoff = 0.0
-        self.wake = Blocker(self.redis)
-        self.ctl = Blocker(self.redis)
+        wakes = [p + "wake" for p in self.prefixes]
+        groups = [[k] for k in wakes] if is_cluster(self.redis) else [wakes]  # one command's keys: one slot
+        self.wakes = [Blocker(self.redis, keys) for keys in groups]
+        self.ctl = Blocker(self.redis, [self.keys.control(self.name)])
         self.proc = psutil.Process()
         self.started_at = time.time()
         self.processed = 0
@@ -306,8 +261,8 @@ class Worker:
 
     def _shutdown(self) -> None:
         signal.set_wakeup_fd(-1)
-        self.wake.reset()
-        self.ctl.reset()
+        for b in (self.ctl, *self.wakes):
+            b.reset()
         for c in self.children:
             c.conn.close()  # the child exits on EOF
         for c in self.children:
@@ -329,8 +284,9 @@ class Worker:
 
     def _step(self) -> None:
         now = time.monotonic()
-        if self.stopping and self.wake.armed:
-            self.wake.reset()
+        if self.stopping and any(b.armed for b in self.wakes):
+            for b in self.wakes:
+                b.reset()
             self._give_back_wake()
         self._enforce(now)
         if now >= self.redis_ok_at:
@@ -345,13 +301,13 @@ class Worker:
                 self.backoff = min(max(self.backoff * 2, 0.1), 5.0)
                 self.redis_ok_at = time.monotonic() + self.backoff
                 self.reconcile = True  # a claim may have gone through unanswered
-                self.wake.reset()
-                self.ctl.reset()
+                for b in (self.ctl, *self.wakes):
+                    b.reset()
                 log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, self.backoff)
         waitables: list[Any] = [self._wakeup]
         for c in self.children:
             waitables += [c.conn, c.proc.sentinel]
-        for b in (self.ctl, self.wake):
+        for b in (self.ctl, *self.wakes):
             if b.armed:
                 waitables.append(b)
         for ready in wait(waitables, self._timeout()):
@@ -397,15 +353,16 @@ class Worker:
             except BlockingIOError:
                 pass
             return
-        if ready is self.ctl or ready is self.wake:
+        if isinstance(ready, Blocker):
             if not ready.armed:
                 return
             try:
                 reply = ready.read()
             except _REDIS_ERRORS:
                 return  # re-armed by the next step
-            if ready is self.wake:
+            if ready is not self.ctl:  # a wake list
                 self.may_claim = True
+                self._cancel_wakes()
             elif reply:
                 self._on_control(reply[1])
             return
@@ -415,10 +372,22 @@ class Worker:
             if ready == c.proc.sentinel:
                 return self._on_exit(c)
 
+    def _cancel_wakes(self) -> None:
+        """Woken: cancel the BRPOPs still out on other wake lists (a cluster's, one per
+        queue), so that their tokens go to other idle workers, as with one BRPOP on every
+        list. One whose answer has come already stays, to be read."""
+        armed = [b for b in self.wakes if b.armed]
+        if armed:
+            answered = wait(armed, 0)
+            for b in armed:
+                if b not in answered:
+                    b.reset()
+
     def _arm(self) -> None:
-        self.ctl.arm([self.keys.control(self.name)], self.s.idle_block)
+        self.ctl.arm(self.s.idle_block)
         if not self.stopping and not self.may_claim and any(not c.jobs for c in self.children):
-            self.wake.arm([p + "wake" for p in self.prefixes], self.s.idle_block)
+            for b in self.wakes:
+                b.arm(self.s.idle_block)
 
     # -- children ----------------------------------------------------------------------
 
@@ -587,7 +556,8 @@ class Worker:
         slots = self._slots(now) if self.may_claim and not self.stopping else []
         if slots:
             pairs = [v for c, ahead in slots for v in (c.pid, f"{ahead:.3f}")]
-            batch.call(scripts.CLAIM, self.prefixes, claim_args(self.app, self.name, self.host, self.ip, pairs))
+            claim = claim_args(self.app, self.name, self.host, self.ip, pairs)
+            batch.call(scripts.CLAIM, claim_keys(self.app, self.prefixes), claim)
         results = batch.execute()
         self.outbox, self.stuck_marks = {}, []
         for entries, acks in zip(outbox.values(), results):
@@ -596,7 +566,7 @@ class Worker:
                     log.warning("worker %s: job %s was requeued and taken by another worker while it ran "
                                 "here; this result was discarded", self.name, e[0])
         if slots:
-            claimed = results[-1]
+            claimed = claim_rest(self.app, self.prefixes, claim, results[-1])
             self._start(slots, claimed)
             if len(claimed) < 8 * len(slots):
                 self.may_claim = False

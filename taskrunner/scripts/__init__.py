@@ -30,11 +30,13 @@ class Script:
             return client.evalsha(self.sha, len(keys), *keys, *args)
 
 
-
 class Batch:
-    """Commands and script calls sent in one round trip (a non-transactional pipeline).
-    A script the server did not know (NOSCRIPT) did not run, so it is loaded and run
-    again alone; any other error is raised after the whole batch ran."""
+    """Commands and script calls sent in one round trip (a non-transactional pipeline;
+    on a Redis Cluster one per node, redis-py's ClusterPipeline sending each call to the
+    primary of its keys' slot). A script the server did not know (NOSCRIPT: a restart, a
+    promoted replica, a node new to the cluster) did not run, so it is loaded (on every
+    primary of a cluster) and run again alone; any other error is raised after the whole
+    batch ran."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
@@ -42,14 +44,15 @@ class Batch:
         self._scripts: list[tuple[int, Script, list[str], list[Any]]] = []
 
     def call(self, script: Script, keys: list[str], args: list[Any]) -> None:
-        self._scripts.append((len(self.pipe.command_stack), script, keys, args))
-        self.pipe.evalsha(script.sha, len(keys), *keys, *args)
+        self._scripts.append((len(self.pipe), script, keys, args))
+        # Not pipe.evalsha(): ClusterPipeline refuses it, yet routes the command by its keys.
+        self.pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
     def __len__(self) -> int:
-        return len(self.pipe.command_stack)
+        return len(self.pipe)
 
     def execute(self) -> list[Any]:
-        if not self.pipe.command_stack:
+        if not len(self.pipe):
             return []
         results = self.pipe.execute(raise_on_error=False)
         for index, script, keys, args in self._scripts:

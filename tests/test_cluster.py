@@ -1,0 +1,179 @@
+"""Redis Cluster: three primaries on loopback, and three queues whose hash tags land on
+three different primaries. A real worker serving all three and a real dispatcher, reached
+through a redis+cluster:// URL, run their jobs (delayed and killed ones too); the CLI and
+the dashboard work; a Consumer claims across them in strict priority and blocks on all."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from dashboard import create_app
+from taskrunner import scripts
+from taskrunner.connection import ClusterURL, connect, connect_async
+from taskrunner.consumer import Consumer
+from tests import apps
+from tests.conftest import Stack, wait_for
+from tests.topologies import Cluster, Topology, redis_cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with Topology(tmp_path_factory.mktemp("cluster")) as topology:
+        yield redis_cluster(topology)
+
+
+@pytest.fixture
+def queues(cluster: Cluster) -> list[str]:
+    """Three queue names whose keys live on three different primaries."""
+    found: dict[int, str] = {}
+    for i in range(1000):
+        found.setdefault(cluster.owner(f"{{q{i}}}").port, f"q{i}")
+        if len(found) == 3:
+            return list(found.values())
+    raise AssertionError("no three queues on three primaries")
+
+
+@pytest.fixture
+def capp(app, cluster):
+    """The tests' app, reaching the cluster."""
+    app.configure(redis_url=cluster.url())
+    return app
+
+
+@pytest.fixture
+def stack(capp, cluster):
+    s = Stack(capp, cluster.url())
+    yield s
+    s.stop()
+
+
+def test_worker_and_dispatcher_run_jobs_of_queues_on_three_primaries(capp, stack, cluster, queues):
+    stack.dispatcher()
+    stack.worker("-Q", ",".join(queues), name="w1")
+    jobs = [apps.add.apply_async([i, 1], queue=q) for i in range(20) for q in queues]
+    many = capp.enqueue_many({"task": "tests.apps.add", "args": [i, 2], "queue": q} for q in queues for i in range(10))
+    delayed = apps.add.apply_async([40, 2], queue=queues[1], delay=0.3)
+    assert [j.wait(30) for j in jobs] == [i + 1 for i in range(20) for _ in queues]
+    assert [(j.queue, j.wait(30)) for j in many] == [(q, i + 2) for q in queues for i in range(10)]
+    assert delayed.wait(30) == 42
+    jobs += many
+    for q in queues:  # each queue's records on its own primary
+        with cluster.owner(f"{{{q}}}").client() as node:
+            done = [j for j in jobs if j.queue == q]
+            assert {node.hget(capp.keys.job(q, j.id), "state") for j in done} == {"completed"}
+            assert {node.hget(capp.keys.job(q, j.id), "worker") for j in done} == {"w1"}
+
+    # A node that lost its scripts (a failover, a new node): NOSCRIPT, loaded again, on every primary.
+    for n in cluster.primaries:
+        with n.client() as node:
+            node.script_flush()
+    again = [apps.add.apply_async([i, 3], queue=q) for i, q in enumerate(queues)]
+    assert [j.wait(30) for j in again] == [3, 4, 5]
+    for n in cluster.primaries:
+        with n.client() as node:
+            assert all(node.script_exists(s.sha)[0] for s in (scripts.CLAIM, scripts.FINISH))
+
+    # Kill a running job: kill.lua in its queue's slot, the message on the worker's control list.
+    held = apps.hold.apply_async(["k"], queue=queues[2])
+    wait_for(lambda: held.state == "running", what="the job to run")
+    assert held.kill() == "running"
+    wait_for(lambda: held.state == "killed", what="the job killed")
+    assert apps.add.apply_async([1, 1], queue=queues[2]).wait(30) == 2  # its worker carries on
+
+
+def test_a_woken_worker_leaves_other_queues_wake_tokens_to_other_workers(capp, stack, cluster, queues):
+    """One BRPOP per queue: once one answers, the others are cancelled (as one BRPOP on
+    every list would be answered once), so a busy worker takes no token it cannot use."""
+    first, second = [q for q in queues if cluster.owner(f"{{{q}}}") != cluster.owner(capp.keys.g)][:2]
+    stack.worker("-Q", f"{first},{second}", concurrency=1)
+    with cluster.owner(f"{{{second}}}").client() as node:  # only the BRPOP on `second`'s wake list blocks there
+        wait_for(lambda: node.info("clients")["blocked_clients"] == 1, what="the idle worker waiting on both queues")
+        held = apps.hold.apply_async(["w"], queue=first)
+        wait_for(lambda: held.state == "running", what="the job to run")
+        assert node.info("clients")["blocked_clients"] == 0
+
+
+def test_cli_dashboard_history_and_queue_delete(capp, stack, cluster, queues, tmp_path):
+    stack.worker("-Q", ",".join(queues))
+    ids = [stack.cli("enqueue", "tests.apps.add", "--args", f"[{i}, 1]", "-q", q, check=True).stdout.strip()
+           for i, q in enumerate(queues)]
+    assert [stack.cli("wait", i, "--timeout", "30", check=True).stdout.strip() for i in ids] == ["1", "2", "3"]
+    assert json.loads(stack.cli("status", ids[2], "--json", check=True).stdout)["state"] == "completed"
+    listed = json.loads(stack.cli("jobs", "--state", "completed", "--json", check=True).stdout)
+    assert sorted(j["id"] for j in listed) == sorted(ids)
+    counts = {q["name"]: q["completed"] for q in json.loads(stack.cli("queues", "--json", check=True).stdout)}
+    assert counts == {q: 1 for q in queues}
+    client = create_app(capp, password="", token="").test_client()
+    page = client.get("/")
+    assert page.status_code == 200 and all(q in page.text for q in queues)
+    overview = client.get("/api/overview").get_json()
+    assert {q["name"]: q["completed"] for q in overview["queues"]} == counts
+    assert [w["state"] for w in overview["workers"]] == ["alive"]
+
+    stack.cli("history", "archive", "--history-dir", str(tmp_path), check=True)
+    assert {p.parent.name for p in tmp_path.rglob("*.parquet")} == {f"queue={q}" for q in queues}
+    stack.cli("queue", "delete", queues[0], "--force", check=True)  # SCAN on every primary
+    with cluster.owner(f"{{{queues[0]}}}").client() as node:
+        assert node.keys(capp.keys.q(queues[0]).replace("{", "\\{") + "*") == []
+    assert [q["name"] for q in json.loads(stack.cli("queues", "--json", check=True).stdout)] == sorted(queues[1:])
+
+
+def test_consumer_claims_in_strict_priority_and_blocks_on_every_queue(capp, cluster, queues):
+    first, second, third = queues
+    later = [apps.add.apply_async([i, 0], queue=third) for i in range(2)]
+    top = [apps.add.apply_async([i, 0], queue=first) for i in range(2)]
+    consumer = Consumer(capp, queues, name="c1")
+    got = consumer.claim(3)
+    assert [(d.queue, d.id) for d in got] == [(first, j.id) for j in top] + [(third, later[0].id)]
+    assert consumer.ack(got) == [True] * 3
+    assert [(d.queue, d.id) for d in consumer.claim(5)] == [(third, later[1].id)]
+
+    # Nothing left: it blocks on all three wake lists (one per primary), and the enqueue wakes it.
+    blocked = [0] * 3
+    woke: list = []
+    waiter = threading.Thread(target=lambda: woke.extend(consumer.claim(1, block=20)))
+    waiter.start()
+
+    def waiting() -> bool:
+        for i, n in enumerate(cluster.primaries):
+            with n.client() as node:
+                blocked[i] = node.info("clients")["blocked_clients"]
+        return all(blocked)
+
+    wait_for(waiting, what="a blocked BRPOP on every primary")
+    job = apps.add.apply_async([1, 2], queue=second)
+    waiter.join(20)
+    assert [(d.queue, d.id) for d in woke] == [(second, job.id)]
+    consumer.close()
+
+
+def test_asyncio_client_and_url(cluster, queues):
+    async def roundtrip() -> list:
+        client = connect_async(cluster.url())
+        try:
+            await client.mset({"{k}a": "1", "{k}b": "2"})  # one slot
+            return [await client.get(f"{{{q}}}x") for q in queues] + await client.mget("{k}a", "{k}b")
+        finally:
+            await client.aclose()
+
+    r = connect(cluster.url())
+    for q in queues:
+        r.set(f"{{{q}}}x", q)
+    assert asyncio.run(roundtrip()) == [*queues, "1", "2"]
+    u = ClusterURL.parse("redis+cluster://:p%40ss@10.0.0.1,[::1]:7001/?socket_timeout=2")
+    assert (u.nodes, u.password, u.options) == ((("10.0.0.1", 6379), ("::1", 7001)), "p@ss", {"socket_timeout": 2.0})
+
+
+@pytest.mark.parametrize("url, why", [
+    ("redis+cluster://h1:1,h2/0", "a cluster has no path"),
+    ("redis+cluster://:secret@h1:70000", "'h1:70000' is not host[:port]"),
+    ("redis+cluster://h1?db=1", "unknown option 'db'"),
+])
+def test_bad_cluster_urls_say_what_is_expected(url, why):
+    with pytest.raises(ValueError) as e:
+        connect(url)
+    assert why in str(e.value) and "expected redis+cluster://" in str(e.value) and "secret" not in str(e.value)
