@@ -168,8 +168,10 @@ class ClusterURL:
         return cls(nodes, user, password, options)
 
     def _options(self, options: dict[str, Any]) -> dict[str, Any]:
+        # socket_timeout None, as redis.Redis has it: redis-py's cluster default of 5 s cuts
+        # off a BLPOP of 5 s (Job.wait), and then retries it for a minute.
         return {"username": self.username, "password": self.password, "socket_keepalive": True,
-                "socket_connect_timeout": 5.0, **self.options, **options}
+                "socket_connect_timeout": 5.0, "socket_timeout": None, **self.options, **options}
 
     def client(self, **options: Any) -> redis.cluster.RedisCluster:
         """A client of the cluster (it asks a node for the slots layout at once)."""

@@ -15,6 +15,7 @@ from dashboard import create_app
 from taskrunner import scripts
 from taskrunner.connection import ClusterURL, connect, connect_async
 from taskrunner.consumer import Consumer
+from taskrunner.errors import Timeout
 from tests import apps
 from tests.conftest import Stack, wait_for
 from tests.topologies import Cluster, Topology, redis_cluster
@@ -122,10 +123,32 @@ def test_cli_dashboard_history_and_queue_delete(capp, stack, cluster, queues, tm
     assert [q["name"] for q in json.loads(stack.cli("queues", "--json", check=True).stdout)] == sorted(queues[1:])
 
 
+def test_worker_follows_a_resharded_queue(capp, stack, cluster, queues):
+    """The slot of a queue moves to another primary while the worker waits on its wake
+    list there: its BRPOP answers MOVED, it learns the new layout and waits on the new
+    owner, whose enqueue wakes it (its idle wait is longer than the test)."""
+    q = queues[0]
+    stack.worker("-Q", q, env={"TASKRUNNER_IDLE_BLOCK": "60"})
+    before = apps.add.apply_async([1, 1], queue=q)
+    assert before.wait(30) == 2
+    source = cluster.owner(f"{{{q}}}")
+    waiting = 1 + (cluster.owner(capp.keys.g) is source)  # and its control list's BRPOP, when there
+    with source.client() as node:
+        wait_for(lambda: node.info("clients")["blocked_clients"] == waiting, what="the worker waiting on the wake list")
+    target = next(n for n in cluster.primaries if n is not source)
+    cluster.move_slot(f"{{{q}}}", target)
+    after = apps.add.apply_async([2, 2], queue=q)
+    assert after.wait(30) == 4 and before.refresh().result == 2  # the records moved with the slot
+    with target.client() as node:
+        assert node.hget(capp.keys.job(q, after.id), "state") == "completed"
+
+
 def test_consumer_claims_in_strict_priority_and_blocks_on_every_queue(capp, cluster, queues):
     first, second, third = queues
     later = [apps.add.apply_async([i, 0], queue=third) for i in range(2)]
     top = [apps.add.apply_async([i, 0], queue=first) for i in range(2)]
+    with pytest.raises(Timeout):  # blocks in Redis (BLPOP) for 5 s, then some: no socket timeout cuts it
+        top[0].wait(5.1)
     consumer = Consumer(capp, queues, name="c1")
     got = consumer.claim(3)
     assert [(d.queue, d.id) for d in got] == [(first, j.id) for j in top] + [(third, later[0].id)]

@@ -167,6 +167,21 @@ class Cluster:
                     return next(n for n in self.primaries if n.port == int(port))
         raise LookupError(f"no node serves slot {slot}")
 
+    def move_slot(self, key: str, to: Node) -> None:
+        """Reshard: the slot of `key`, with every key in it, to primary `to` (the steps of
+        `redis-cli --cluster reshard`: IMPORTING, MIGRATING, MIGRATE, then SETSLOT NODE)."""
+        source = self.owner(key)
+        with source.client() as src, to.client() as dst:
+            slot = src.cluster("keyslot", key)
+            src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+            dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+            while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+                src.execute_command("MIGRATE", "127.0.0.1", to.port, "", 0, 5000, "KEYS", *keys)
+        for node in self.primaries:
+            with node.client() as c:
+                c.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+
 
 def redis_cluster(topology: Topology, primaries: int = 3) -> Cluster:
     """`primaries` nodes with --cluster-enabled (each with a cluster bus port of its own),
