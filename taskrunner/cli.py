@@ -67,7 +67,7 @@ class Main(click.Group):
             return super().invoke(ctx)
         except (TaskRunnerError, ValueError, TypeError) as e:
             raise click.ClickException(str(e)) from None
-        except redis.ConnectionError as e:
+        except (redis.ConnectionError, redis.exceptions.RedisClusterException) as e:
             raise click.ClickException(f"cannot reach Redis: {e} (set REDIS_URL or --redis-url)") from None
 
 

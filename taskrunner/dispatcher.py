@@ -29,7 +29,8 @@ from .holders import lose, lose_held, pid_namespace
 from .listing import server_time
 
 log = logging.getLogger("taskrunner.dispatcher")
-_REDIS_ERRORS = (redis.RedisError,)  # back off and retry: every action is fenced
+# Back off and retry (every action is fenced); on a cluster also when no node is reachable.
+_REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 #: Dead workers stay listed (as dead) this long.
 DEAD_KEPT = 3600
 #: With missed="skip", a tick this late still fires.

@@ -34,9 +34,10 @@ from .listing import server_time
 
 log = logging.getLogger("taskrunner.worker")
 _ctx = multiprocessing.get_context("fork")
-# Any Redis failure (down, OOM, READONLY after a failover, BUSY) means: back off, retry.
-# Retrying is safe: finishes are idempotent and a claim without an answer is reconciled.
-_REDIS_ERRORS = (redis.RedisError,)
+# Any Redis failure (down, OOM, READONLY after a failover, BUSY; a cluster with no node
+# reachable, or a slot no node serves) means: back off, retry. Retrying is safe: finishes
+# are idempotent and a claim without an answer is reconciled.
+_REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 #: Seconds of work, by the runtimes seen so far, that a child is sent ahead (its prefetch).
 PREFETCH_WINDOW = 0.01
 #: A job that runs longer than this (or than its max duration) hands the jobs sent ahead

@@ -200,3 +200,8 @@ def test_bad_cluster_urls_say_what_is_expected(url, why):
     with pytest.raises(ValueError) as e:
         connect(url)
     assert why in str(e.value) and "expected redis+cluster://" in str(e.value) and "secret" not in str(e.value)
+
+
+def test_cli_says_when_no_cluster_node_answers(app):
+    r = Stack(app, "redis+cluster://127.0.0.1:1").cli("queues")
+    assert r.returncode == 1 and "cannot reach Redis" in r.stderr and "Traceback" not in r.stderr
