@@ -89,10 +89,10 @@ class Consumer:
         self.heartbeat()
         deadline = time.monotonic() + block
         prefixes = [self.keys.q(q) for q in self.queues]
-        args = claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid(), ""] * count)
+        argv = claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid(), ""] * count)
         while True:
-            raw = scripts.CLAIM(self.app.redis, claim_keys(self.app, prefixes), args)
-            raw = claim_rest(self.app, prefixes, args, raw)
+            raw = scripts.CLAIM(self.app.redis, claim_keys(self.app, prefixes), argv)
+            raw = claim_rest(self.app, prefixes, argv, raw)
             out = []
             for i in range(0, len(raw), 8):
                 qi, job_id, attempt, task, args, kwargs, md, _ = raw[i:i + 8]
