@@ -53,13 +53,16 @@ class Dispatcher:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
         signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
-        self.publish_schedules()
         log.info("dispatcher %s: every %.2fs, %d schedules", self.name, self.s.dispatch_interval,
                  len(self.app.schedules))
         backoff = 0.0
+        published = False  # Redis may be down or still loading its AOF: wait for it, as later on
         while not self.stop_event.is_set():
             started = time.monotonic()
             try:
+                if not published:
+                    self.publish_schedules()
+                    published = True
                 self.run_once()
                 backoff = 0.0
             except _REDIS_ERRORS as e:

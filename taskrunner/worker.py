@@ -206,7 +206,15 @@ class Worker:
     # -- lifecycle ---------------------------------------------------------------------
 
     def run(self) -> int:
-        self._check_name_free()
+        backoff = 0.0
+        while True:  # Redis may be down or still loading its AOF: wait for it, as later on
+            try:
+                self._check_name_free()
+                break
+            except _REDIS_ERRORS as e:
+                backoff = min(max(backoff * 2, 0.2), 5.0)
+                log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, backoff)
+                time.sleep(backoff)
         # Signals interrupt our select through this socket (select itself is restarted).
         self._wakeup, wakeup_w = socket.socketpair()
         for s in (self._wakeup, wakeup_w):

@@ -46,3 +46,22 @@ def test_dropped_connections_lose_nothing(app, stack):
     jobs.append(apps.nap.delay(0.5))
     assert [j.wait(60) for j in jobs] == [i + 1 for i in range(200)] + [0.5]
     assert w.poll() is None
+
+
+def test_worker_and_dispatcher_started_while_redis_is_down_wait_for_it(app, tmp_path):
+    """Started before Redis (a host booting, Redis loading a big AOF): they wait, then work."""
+    server = RedisServer(tmp_path, appendonly=True)
+    app.configure(redis_url=server.url)
+    stack = Stack(app, server.url)
+    try:
+        w, d = stack.worker(), stack.dispatcher()
+        lines: list[str] = []
+        wait_for(lambda: lines.append(w.stdout.readline()) or "Redis unavailable" in lines[-1],
+                 what="the worker to say it waits for Redis")
+        assert w.poll() is None and d.poll() is None
+        server.start()
+        assert apps.add.delay(2, 3).wait(30) == 5
+        assert apps.add.apply_async([1, 1], delay=0.2).wait(30) == 2  # the dispatcher promotes it
+    finally:
+        stack.stop()
+        server.stop()
