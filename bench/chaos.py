@@ -462,9 +462,6 @@ def restart_redis(run: Run, how: str) -> None:
     down = time.monotonic()
     killed_at = time.time()
     server.stop(kill=how != "redis-term")
-    # A crashed Redis leaves its socket file; RedisServer.start() would ping it first,
-    # and redis-py retries a refused connection with backoff for seconds.
-    server.socket.unlink(missing_ok=True)
     if how == "redis-powerloss" and run.fsync == "everysec":
         cut_at, dropped = run.aof.cut(killed_at)
         run.cuts.append((cut_at, killed_at, dropped))
@@ -543,7 +540,7 @@ REASONS = (
 )
 
 
-#: More runs than deliveries on record: Redis lost the record of one (only a power loss may).
+#: A run no delivery on record accounts for: Redis lost the record of one (only a power loss may).
 FORGOT = "Redis forgot a delivery (AOF tail dropped by a power loss)"
 
 
@@ -594,6 +591,7 @@ def check(run: Run, planned: list[dict[str, Any]]) -> dict[str, Any]:
         "planned": len(planned), "enqueued": len(acked), "completed": 0,
         "failed_as_designed": collections.Counter(), "failed_otherwise": {}, "lost": {}, "lost_to_everysec": {},
         "stuck": {}, "inconsistent": {}, "duplicates": 0, "extra_runs": 0, "why": collections.Counter(),
+        "unmatched_starts": {},
     }
     for job_id, rec in recs.items():
         kind, state = kind_of(job_id), rec.get("state")
@@ -629,8 +627,10 @@ def check(run: Run, planned: list[dict[str, Any]]) -> dict[str, Any]:
             ends = [rec[f"end:{n}"] for n in range(1, int(rec.get("attempts", 0)) + 1) if f"end:{n}" in rec]
             why = {reason_of(e) for e in ends[:-1]
                    if "returned before it began" not in e and ", retry " not in e}
-            if n_runs > int(rec.get("attempts", 0)):
+            unmatched = unmatched_starts(run.ledger.lrange(f"starts:{job_id}", 0, -1), rec)
+            if unmatched:
                 why.add(FORGOT)
+                res["unmatched_starts"][job_id] = unmatched
             for w in why or {"unexplained"}:
                 res["why"][w] += 1
     res["never_acknowledged"] = len(planned) - len(acked)
@@ -638,6 +638,30 @@ def check(run: Run, planned: list[dict[str, Any]]) -> dict[str, Any]:
     res["recovery"] = recovery(run)
     res["zombies"] = zombies(run, recs)
     return res
+
+
+def unmatched_starts(starts: list[str], rec: dict[str, str]) -> list[str]:
+    """Runs in the ledger ("<time> <pid>") that no delivery on record accounts for: each
+    delivery that began (`run:<n>`, not ended "returned before it began") accounts for one
+    start in its process (the holding entry's pid) at or after its claim."""
+    deliveries = []
+    for n in range(1, int(rec.get("attempts", 0)) + 1):
+        if "returned before it began" in rec.get(f"end:{n}", ""):
+            continue
+        try:
+            entry = codec.loads(rec.get(f"run:{n}", ""))
+            deliveries.append((int(entry["pid"]), float(entry["started_at"])))
+        except (ValueError, KeyError, TypeError):
+            continue
+    unmatched = []
+    for start in starts:
+        at, pid = float(start.split()[0]), int(start.split()[1])
+        match = next((d for d in deliveries if d[0] == pid and d[1] <= at + 0.01), None)
+        if match is None:
+            unmatched.append(start)
+        else:
+            deliveries.remove(match)
+    return unmatched
 
 
 def zombies(run: Run, recs: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
@@ -849,6 +873,7 @@ def report(res: dict[str, Any]) -> str:
         f"{len(res['unexpected_exits'])} exited on their own",
     ]
     for title, items in (("LOST", res["lost"]), ("dropped by Redis (everysec)", everysec),
+                         ("run with no delivery on record", res["unmatched_starts"]),
                          ("failed otherwise", res["failed_otherwise"]), ("inconsistent", res["inconsistent"]),
                          ("stuck", res["stuck"])):
         for job_id, what in list(items.items())[:10]:
