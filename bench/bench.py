@@ -54,6 +54,7 @@ PEER_MODULES = {"celery": "celery", "rq": "rq", "dramatiq": "dramatiq"}
 
 sys.path.insert(0, str(ROOT))
 from bench import record  # noqa: E402
+from bench.limits import stop_after  # noqa: E402
 
 
 class BenchError(Exception):
@@ -684,15 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     os.chdir(ROOT)
 
-    def on_alarm(signum: int, frame: Any) -> None:
-        raise BenchTimeout(f"the whole bench passed --max-time {a.max_time:.0f}s")
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.signal(signal.SIGTERM, on_term)
-    signal.alarm(int(a.max_time))
+    stop_after(a.max_time, lambda: BenchTimeout(f"the whole bench passed --max-time {a.max_time:.0f}s"))
 
     from taskrunner.redis_server import RedisServer
 

@@ -72,6 +72,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import tasks_chaos  # noqa: E402
+from bench.limits import stop_after  # noqa: E402
 from taskrunner import codec  # noqa: E402
 from taskrunner.redis_server import RedisServer  # noqa: E402
 
@@ -921,15 +922,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
 
-    def on_alarm(signum: int, frame: Any) -> None:
-        raise ChaosError(f"--max-time {a.max_time:.0f}s passed")
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.signal(signal.SIGTERM, on_term)
-    signal.alarm(int(a.max_time))
+    stop_after(a.max_time, lambda: ChaosError(f"--max-time {a.max_time:.0f}s passed"))
     base = Path(tempfile.mkdtemp(prefix="trchaos-"))
     machine = (f"{platform.node()}, {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
                f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())} at start")

@@ -32,7 +32,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
 import redis
@@ -41,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import tasks_chaos  # noqa: E402
 from bench.chaos import PREFIX, Supervisor, free_port, log  # noqa: E402
+from bench.limits import stop_after  # noqa: E402
 from taskrunner.redis_server import RedisServer  # noqa: E402
 
 COLUMNS = ("worker_rss", "child_rss", "dispatcher_rss", "keys", "used_memory", "pending", "delayed", "history")
@@ -141,15 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     limit = a.minutes * 60 + a.result_ttl + 300
 
-    def on_alarm(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"the soak passed its time limit of {limit:.0f}s")
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.signal(signal.SIGTERM, on_term)
-    signal.alarm(int(limit))
+    stop_after(limit, lambda: TimeoutError(f"the soak passed its time limit of {limit:.0f}s"))
     rng = random.Random(f"soak-{a.seed}")
     run_dir = Path(tempfile.mkdtemp(prefix="trsoak-"))
     port = free_port()
