@@ -78,17 +78,20 @@ class Child:
             theirs, worker.app, self.kill_flag, self.state, self.lock, os.getpid(), inherited))
         self.proc.start()
         theirs.close()
+        # Ours never blocks: a child busy in a long job reads nothing, and jobs sent ahead with
+        # big arguments must not stop our heartbeats until it is done (flush() keeps the rest).
+        os.set_blocking(self.conn.fileno(), False)
         self.pid: int = self.proc.pid  # type: ignore[assignment]
         self.jobs: deque[Delivery] = deque()  # sent to it, in order; jobs[0] runs
         self.seq = 0
-        self.outgoing = bytearray()  # frames for it, written by flush()
+        self.outgoing = bytearray()  # frames for it that flush() could not write yet
         self.reader = frames.Reader(self.conn.fileno())
         self.kill_target: Delivery | None = None
         self.kill_reason: str | None = None
         self.kill_at: float | None = None
 
     def send(self, d: Delivery, message: bytes, now: float) -> None:
-        """Queue a job for the child (flush() writes what was queued, in one go)."""
+        """Queue a job for the child (flush() writes what is queued, in one go)."""
         self.seq += 1
         d.seq = self.seq
         if not self.jobs:
@@ -97,19 +100,22 @@ class Child:
         self.outgoing += frames.frame(b"%d\0%s" % (d.seq, message))
 
     def flush(self) -> None:
-        data, self.outgoing = self.outgoing, bytearray()
+        """Write what the pipe takes now; the rest waits for the next call."""
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self.conn.fileno(), view):]
+            while self.outgoing:
+                del self.outgoing[:os.write(self.conn.fileno(), self.outgoing)]
+        except BlockingIOError:
+            pass  # the pipe is full: the child is busy
         except OSError:
-            pass  # it died; its sentinel tells us
+            self.outgoing.clear()  # it died; its sentinel tells us
 
     def replies(self) -> list[bytes] | None:
         """The answers that have arrived whole (call when the pipe is readable); None once
         the child's end is closed."""
         try:
             return self.reader.read()
+        except BlockingIOError:
+            return []
         except OSError:
             return None
 
@@ -298,6 +304,9 @@ class Worker:
                 b.reset()
             self._give_back_wake()
         self._enforce(now)
+        for c in self.children:
+            if c.outgoing:
+                c.flush()
         if now >= self.redis_ok_at:
             try:
                 if now >= self.next_beat:
@@ -326,6 +335,8 @@ class Worker:
         now = time.monotonic()
         t = [self.next_beat, self.redis_ok_at if self.backoff else now + 5]
         for c in self.children:
+            if c.outgoing:
+                t.append(now + 0.01)  # select() here cannot wait for the pipe to have room
             if c.jobs:
                 head = c.jobs[0]
                 t.append(head.deadline)

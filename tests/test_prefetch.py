@@ -76,3 +76,19 @@ def test_a_child_killed_with_prefetched_jobs_hands_them_back(app, stack):
         assert any("returned before it began: its process died" in e for e in events(j)) or \
             any("ahead of it ran long" in e for e in events(j))
     assert "lost" in long.refresh().data and "lost" not in short[0].refresh().data
+
+
+def test_big_jobs_sent_ahead_do_not_stall_the_worker(app, stack):
+    """Jobs with big arguments sent ahead of a long job fill the pipe to a child that reads
+    nothing until that job ends: the worker must go on (hand them back, heartbeat)."""
+    warm(app, stack, name="first")
+    big = "x" * 200_000
+    jobs = app.enqueue_many([{"task": "tests.apps.hold", "args": ["long", 4]}]
+                            + [{"task": "tests.apps.add", "args": [big, str(i)]} for i in range(20)])
+    long, short = jobs[0], jobs[1:]
+    wait_for(lambda: ledger(app, "long") == 1, what="the long job to begin")
+    stack.worker(concurrency=1, name="second")
+    for i, j in enumerate(short):
+        assert j.wait(timeout=30) == big + str(i)
+    assert long.state == "running"  # the first worker handed them back while it ran
+    assert long.wait(timeout=30) == "timeout"
