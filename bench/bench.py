@@ -72,6 +72,17 @@ def log(msg: str) -> None:
 # -- processes -------------------------------------------------------------------------------
 
 
+def exited(p: subprocess.Popen) -> bool:
+    """Has the leader exited? Without reaping it: while it is a zombie its PID, and so its
+    group ID, cannot be reused, and killpg cannot hit a stranger."""
+    if p.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
 class Procs:
     """Every process we start: each in its own session (so its group is its own),
     killed as a group."""
@@ -87,29 +98,18 @@ class Procs:
         self.live.append(p)
         return p
 
-    @staticmethod
-    def _exited(p: subprocess.Popen) -> bool:
-        """Has the leader exited? Without reaping it: while it is a zombie its PID, and
-        so its group ID, cannot be reused, and killpg cannot hit a stranger."""
-        if p.returncode is not None:
-            return True
-        try:
-            return os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:
-            return True
-
     def stop(self, p: subprocess.Popen, grace: float = 10.0, sig: int | None = signal.SIGTERM) -> bool:
         """Signal the group (sig None: already done), give the leader `grace` seconds, then
         SIGKILL the whole group (whatever is left of it) and reap the leader. True if it
         ended without SIGKILL."""
         clean = True
-        if not self._exited(p):
+        if not exited(p):
             if sig is not None:
                 self._killpg(p, sig)
             deadline = time.monotonic() + grace
-            while not self._exited(p) and time.monotonic() < deadline:
+            while not exited(p) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            clean = self._exited(p) or sig == signal.SIGKILL
+            clean = exited(p) or sig == signal.SIGKILL
         if p.returncode is None:
             self._killpg(p, signal.SIGKILL)  # stray children of the group too
             p.wait()
@@ -131,7 +131,7 @@ class Procs:
             self._killpg(p, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for p in list(self.live):
-            while not self._exited(p) and time.monotonic() < deadline:
+            while not exited(p) and time.monotonic() < deadline:
                 time.sleep(0.05)
             self.stop(p, grace=0, sig=signal.SIGKILL)
 
@@ -145,7 +145,7 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float, interval: flo
         if check():
             return time.monotonic()
         for p in procs or []:
-            if Procs._exited(p):  # not reaped: its group is killed safely later
+            if exited(p):  # not reaped: its group is killed safely later
                 raise BenchError(f"{what}: a process exited early ({' '.join(map(str, p.args))[:120]})")
         if time.monotonic() > deadline:
             raise BenchTimeout(f"{what}: not done within {timeout:.0f}s")

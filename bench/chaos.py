@@ -72,6 +72,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import tasks_chaos  # noqa: E402
+from bench.bench import exited  # noqa: E402
 from bench.limits import stop_after  # noqa: E402
 from taskrunner import codec  # noqa: E402
 from taskrunner.redis_server import RedisServer  # noqa: E402
@@ -179,16 +180,6 @@ def signal_group(p: subprocess.Popen, sig: int) -> None:
             os.killpg(p.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def exited(p: subprocess.Popen) -> bool:
-    """Has the leader exited? Without reaping it: a zombie keeps its group ID ours."""
-    if p.returncode is not None:
-        return True
-    try:
-        return os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
 
 
 def reap(p: subprocess.Popen) -> int:

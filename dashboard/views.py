@@ -85,6 +85,8 @@ def pager(total: int, page: int) -> dict[str, Any]:
 
 def act(job: Job, action: str, who: str) -> tuple[bool, str]:
     """Carry out an action; (done, message). Logged and kept in an audit list in Redis."""
+    if action not in ACTIONS:
+        abort(404, f"no action {action!r}")
     if action == "kill":
         state = job.kill(who)
         done, message = state in ("killed", "running"), {
@@ -225,8 +227,6 @@ def logout() -> Any:
 @pages.post("/jobs/<job_id>/<action>")
 @security.form_action
 def job_action(job_id: str, action: str) -> Any:
-    if action not in ACTIONS:
-        abort(404, f"no action {action!r}")
     done, message = act(find_job(job_id), action, security.who())
     flash(f"{job_id}: {message}")
     return redirect(local_path(request.form.get("next", ""), url_for("pages.job", job_id=job_id)))
@@ -301,8 +301,6 @@ def api_job(job_id: str) -> Any:
 @api.post("/jobs/<job_id>/<action>")
 @security.api_action
 def api_job_action(job_id: str, action: str) -> Any:
-    if action not in ACTIONS:
-        abort(404, f"no action {action!r}")
     done, message = act(find_job(job_id), action, security.who())
     return jsonify({"id": job_id, "action": action, "done": done, "message": message}), 200 if done else 409
 

@@ -29,6 +29,20 @@ def release(app, key: str) -> None:
     app.redis.set(f"{app.settings.prefix}:release:{key}", 1)
 
 
+def run_again_elsewhere(app, stack, key: str, first: str, second: str):
+    """hold(key) starts on worker `first`, whose process group is SIGKILLed; it runs again
+    on worker `second` and ends. The job."""
+    w1 = stack.worker(name=first, concurrency=1)
+    job = apps.hold.delay(key)
+    started_pid(app, key)
+    os.killpg(w1.pid, signal.SIGKILL)
+    stack.worker(name=second, concurrency=1)
+    started_pid(app, key, 2)
+    release(app, key)
+    job.wait(30)
+    return job
+
+
 def test_sigkilled_worker_group_job_runs_on_another_worker(app, stack):
     stack.dispatcher()
     w1 = stack.worker(name="w1")
@@ -132,14 +146,7 @@ def test_dispatcher_killed_and_restarted_mid_run(app, stack):
 def test_two_dispatchers_act_once(app, stack):
     stack.dispatcher()
     stack.dispatcher()
-    w1 = stack.worker(name="w1", concurrency=1)
-    job = apps.hold.delay("d1")
-    started_pid(app, "d1")
-    os.killpg(w1.pid, signal.SIGKILL)
-    stack.worker(name="w2", concurrency=1)
-    started_pid(app, "d1", 2)
-    release(app, "d1")
-    job.wait(30)
+    job = run_again_elsewhere(app, stack, "d1", "w1", "w2")
     d = job.refresh().to_dict()
     assert d["requeues"] == 1 and d["attempts"] == 2 and ledger(app, "d1") == 2
 
@@ -219,14 +226,7 @@ def test_dispatcher_on_same_host_sees_dead_pid_before_heartbeat_expires(app, sta
 
 def test_timeline_tells_the_story(app, stack):
     stack.dispatcher()
-    w1 = stack.worker(name="tl1", concurrency=1)
-    job = apps.hold.delay("tl")
-    started_pid(app, "tl")
-    os.killpg(w1.pid, signal.SIGKILL)
-    stack.worker(name="tl2", concurrency=1)
-    started_pid(app, "tl", 2)
-    release(app, "tl")
-    job.wait(30)
+    job = run_again_elsewhere(app, stack, "tl", "tl1", "tl2")
     events = [e["event"] for e in job.refresh().to_dict()["timeline"]]
     assert events == ["enqueued", "delivery 1 started", "delivery 1 requeued: worker tl1 is dead",
                       "delivery 2 started", "delivery 2 completed"]
