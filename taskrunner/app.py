@@ -17,7 +17,7 @@ from croniter import croniter
 
 from . import codec, scripts
 from .config import Settings
-from .connection import connect
+from .connection import Direct, connect
 from .errors import JobNotFound, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from .job import Job
 from .keys import Keys
@@ -148,6 +148,7 @@ class TaskRunner:
         self.tasks: dict[str, Task] = {}
         self.schedules: dict[str, Schedule] = {}
         self._redis: redis.Redis | None = None
+        self._direct: Direct | None = None  # the lone enqueue's fast path (None: not available)
         self._redis_pid = 0
         self._known_queues: set[str] = set()
         self._producer = f"{socket.gethostname()}:{os.getpid()}"
@@ -165,6 +166,7 @@ class TaskRunner:
         UnicodeDecodeError in whichever process reads it."""
         if self._redis is None or self._redis_pid != os.getpid():
             self._redis = connect(self.settings.redis_url, encoding_errors="replace")
+            self._direct = Direct.of(self._redis)
             self._redis_pid = os.getpid()
             self._known_queues = set()
         return self._redis
@@ -343,7 +345,7 @@ class TaskRunner:
         if queue not in self._known_queues:  # once per process and queue
             client.sadd(self.keys.queues, queue)
             self._known_queues.add(queue)
-        return scripts.ENQUEUE(client, [self.keys.q(queue)], _enqueue_args(jobs))
+        return scripts.ENQUEUE(self._direct or client, [self.keys.q(queue)], _enqueue_args(jobs))
 
     # -- looking up ------------------------------------------------------------------
 

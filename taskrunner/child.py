@@ -22,6 +22,8 @@ import traceback
 from collections import deque
 from typing import Any
 
+import orjson
+
 from . import codec, frames
 from .errors import NotJSONError, Reject, Retry
 
@@ -78,7 +80,7 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
                 state[0] = int(seq)
             began = time.perf_counter()
             outcome = run(app, message)
-            reply = codec.dumps([message.split(b"\0", 1)[0].decode(), time.perf_counter() - began, *outcome])
+            reply = orjson.dumps([message.split(b"\0", 1)[0].decode(), time.perf_counter() - began, *outcome])
             sending = True
             try:
                 conn.send_bytes(reply)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -247,6 +248,52 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis | redis.clust
         return redis.Redis.from_url(url, **options)
     except ValueError as e:
         raise ValueError(f"bad Redis URL {redact(url)!r}: {e}; expected {FORMS}") from None
+
+
+class Direct:
+    """A connection per thread, used directly, for the one hot single-command path (a lone
+    enqueue): redis-py spends half its CPU per command on taking a connection from the pool
+    and giving it back, and on event and metrics hooks. Same connection settings and retry
+    policy as the client's own; a connection that failed mid-command is closed, never reused
+    with a reply half read. Only for a plain pool (not Sentinel, not Cluster): of() gives
+    None otherwise. Its connections are not the pool's: each goes with its thread."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.pool = client.connection_pool
+        self.local = threading.local()
+
+    @classmethod
+    def of(cls, client: Any) -> Direct | None:
+        pool = getattr(client, "connection_pool", None)
+        return cls(client) if type(pool) is redis.ConnectionPool and pool.cache is None else None
+
+    def execute_command(self, *args: Any) -> Any:
+        conn = getattr(self.local, "conn", None)
+        if conn is None:
+            conn = self.local.conn = self.pool.connection_class(**self.pool.connection_kwargs)
+
+        def call() -> Any:
+            conn.send_command(*args)
+            return conn.read_response()
+
+        try:
+            try:
+                return call()
+            except (redis.ConnectionError, redis.TimeoutError):  # then as the client would
+                conn.disconnect()
+                return conn.retry.call_with_retry(call, lambda error: conn.disconnect())
+        except redis.ResponseError:
+            raise  # an error reply: the connection is fine
+        except BaseException:
+            conn.disconnect()
+            raise
+
+    def evalsha(self, sha: str, numkeys: int, *args: Any) -> Any:
+        return self.execute_command("EVALSHA", sha, numkeys, *args)
+
+    def script_load(self, source: str) -> str:
+        return self.client.script_load(source)
 
 
 def connect_async(url: str | None = None, **options: Any) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:

@@ -187,7 +187,7 @@ class Dispatcher:
 
     def _stuck(self, queue: str, job_id: str, attempt: str, stats: dict[str, int]) -> None:
         res = scripts.STUCK(self.redis, [self.keys.q(queue)],
-                            [job_id, attempt, time.time() + self.s.stuck_recheck, self.s.bucket_width])
+                            [job_id, attempt, time.time() + self.s.stuck_recheck, self.s.bucket_width, "check"])
         if not res:
             return
         worker, policy, first = res

@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import time
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import wait
 from typing import Any
 
 import psutil
@@ -45,6 +45,9 @@ PREFETCH_WINDOW = 0.01
 HOLD = 1.0
 #: Seconds results may wait to go to Redis together while children have jobs queued.
 FLUSH_AFTER = 0.002
+#: While children run short jobs with more queued, we look at their answers this often
+#: instead of waking for each one.
+GLANCE = 0.0005
 
 
 @dataclass
@@ -145,6 +148,16 @@ class Child:
             self.kill_flag.value = 1
             self.kill_at = time.monotonic() + grace
             _signal(self.pid, signal.SIGTERM)
+
+
+def _wait(objects: list[Any], timeout: float) -> list[Any]:
+    """The objects (file descriptors, or with a fileno()) that are readable or closed,
+    waiting up to timeout seconds: multiprocessing's wait() builds a selector each call."""
+    fds = {o if isinstance(o, int) else o.fileno(): o for o in objects}
+    poll = select.poll()
+    for fd in fds:
+        poll.register(fd, select.POLLIN)
+    return [fds[fd] for fd, _ in poll.poll(timeout * 1000)]
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -298,6 +311,9 @@ class Worker:
     # -- the loop ----------------------------------------------------------------------
 
     def _step(self) -> None:
+        quiet = self._quiet()
+        for c in quiet:
+            self._read(c)
         now = time.monotonic()
         if self.stopping and any(b.armed for b in self.wakes):
             for b in self.wakes:
@@ -324,12 +340,22 @@ class Worker:
                 log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, self.backoff)
         waitables: list[Any] = [self._wakeup]
         for c in self.children:
-            waitables += [c.conn, c.proc.sentinel]
+            waitables += [c.proc.sentinel] if c in quiet else [c.conn, c.proc.sentinel]
         for b in (self.ctl, *self.wakes):
             if b.armed:
                 waitables.append(b)
-        for ready in wait(waitables, self._timeout()):
+        timeout = self._timeout()
+        for ready in _wait(waitables, min(timeout, GLANCE) if quiet else timeout):
             self._on_ready(ready)
+
+    def _quiet(self) -> list[Child]:
+        """Children busy with short jobs and with enough of them queued that their answers
+        can wait for our next glance: we read them GLANCE apart, many at a time, instead of
+        waking for each one."""
+        if self.runtime is None or self.runtime > GLANCE or self.stopping:
+            return []
+        half = self._depth() // 2
+        return [c for c in self.children if len(c.jobs) > half and c.kill_reason is None]
 
     def _timeout(self) -> float:
         now = time.monotonic()
@@ -398,7 +424,7 @@ class Worker:
         list. One whose answer has come already stays, to be read."""
         armed = [b for b in self.wakes if b.armed]
         if armed:
-            answered = wait(armed, 0)
+            answered = _wait(armed, 0)
             for b in armed:
                 if b not in answered:
                     b.reset()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from taskrunner.redis_server import RedisServer
@@ -65,3 +67,52 @@ def test_worker_and_dispatcher_started_while_redis_is_down_wait_for_it(app, tmp_
     finally:
         stack.stop()
         server.stop()
+
+
+def _pending(app) -> set[str]:
+    return set(app.redis.lrange(app.keys.q("default") + "pending", 0, -1))
+
+
+def test_lone_enqueue_fast_path_recovers_from_dropped_connections_restarts_and_flushes(app, own_redis):
+    """A lone enqueue goes on a connection of its thread's own, outside the pool (Direct):
+    a connection killed under it, a Redis restart or a flushed script cache cost a retry,
+    never a job or an error."""
+    app.configure(redis_url=own_redis.url)
+    ids = [apps.add.delay(0, 0).id]
+    assert app._direct is not None and app._direct.local.conn._sock is not None
+    names = {c["id"]: c for c in app.redis.client_list()}
+    assert len(names) >= 2  # the pool's connection and the fast path's own
+    app.redis.client_kill_filter(_type="normal", skipme=True)  # the fast path's connection
+    ids.append(apps.add.delay(1, 1).id)
+    own_redis.restart(kill=True)  # appendfsync always: the jobs before survive
+    ids.append(apps.add.delay(2, 2).id)
+    app.redis.script_flush()
+    ids.append(apps.add.delay(3, 3).id)
+    assert _pending(app) == set(ids)
+    assert [app.job(i).data["args"] for i in ids] == ["[0,0]", "[1,1]", "[2,2]", "[3,3]"]
+
+
+def test_lone_enqueue_fast_path_per_thread_and_after_fork(app):
+    """Each thread has its own connection (a reply never goes to another thread's call), and
+    a forked process makes its own client and connections."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(lambda i: apps.add.delay(i, 0).id, range(400)))
+    assert len(set(ids)) == 400 and _pending(app) == set(ids)
+    jobs = {i: app.job(i).data["args"] for i in ids}
+    assert sorted(jobs.values()) == sorted(f"[{i},0]" for i in range(400))
+    assert all(jobs[i] == f"[{n},0]" for n, i in enumerate(ids))  # each call got its own answer
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: enqueue, say the id, exit without running pytest's teardown
+        try:
+            os.write(w, apps.add.delay(7, 7).id.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    child_id = os.read(r, 100).decode()
+    os.close(r)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert app.job(child_id).data["args"] == "[7,7]"
+    assert apps.add.delay(8, 8).id in _pending(app)  # the parent's connection is still its own

@@ -86,10 +86,20 @@ def test_prefetched_jobs_queue_behind_each_other_in_one_process(app):
     p = app.keys.q("default")
     entries = [json.loads(app.redis.hget(p + "running", i)) for i in [*ids, other]]
     assert [e.get("ahead", 0) for e in entries] == [5, 35, 65, 5]
-    buckets = [int(app.job(i).data["bucket"]) for i in [*ids, other]]  # bucket width 1 s
-    assert buckets == [math.floor(e["started_at"] + d) for e, d in zip(entries, [35, 65, 95, 35])]
+    # One deadline bucket for a process's chain, the first job's (bucket width 1 s): due
+    # early for the others, and the dispatcher's check moves them on, unflagged.
+    buckets = [int(app.job(i).data["bucket"]) for i in [*ids, other]]
+    assert buckets == [math.floor(entries[0]["started_at"] + 35)] * 4
     for i in [*ids, other]:
         assert app.redis.sismember(p + "dl:" + app.job(i).data["bucket"], i)
+    third = ids[2]
+    assert scripts.STUCK(app.redis, [p], [third, "1", 0, 1, "check"]) == []
+    assert app.job(third).data["bucket"] == str(math.floor(entries[2]["started_at"] + 95))
+    assert app.redis.sismember(p + "dl:" + app.job(third).data["bucket"], third)
+    assert app.job(third).data.get("stuck") == "0"
+    # The worker running it knows when it began: its word flags it at once.
+    assert scripts.STUCK(app.redis, [p], [third, "1", 0, 1]) == ["w1", "kill", 1]
+    assert app.job(third).data["stuck"] == "1"
 
 
 def test_finish_records_when_the_job_began_and_batches_many(app):
@@ -181,7 +191,7 @@ def test_sweep_promotes_due_and_reports_due_deadlines(app):
     out = scripts.SWEEP(app.redis, [p], [100, 10, 3600])
     due = dict(zip(out[1::2], out[2::2]))
     assert job.id in due and now.id not in due
-    res = scripts.STUCK(app.redis, [p], [job.id, "1", time.time() + 60, 1])
+    res = scripts.STUCK(app.redis, [p], [job.id, "1", time.time() + 60, 1, "check"])
     assert res == ["w1", "kill", 1]
     assert app.job(job.id).data["stuck"] == "1"
     assert scripts.SWEEP(app.redis, [p], [100, 10, 3600])[1:] == []  # moved to a later bucket

@@ -8,7 +8,9 @@
 --          run it, and "ahead": "" when it starts at once, else the seconds of work queued
 --          before it in that process. Jobs claimed for the same PID then queue one behind
 --          the other (a worker's prefetch): each one's deadline is its start at the latest,
---          when everything ahead of it used its whole max duration, plus its own.
+--          when everything ahead of it used its whole max duration, plus its own. They all
+--          go in the deadline bucket of the first one (one SADD for them): a bucket may be
+--          due before a job's deadline, never after; stuck.lua then moves it on.
 -- The antirez claim, batched: LRANGE the oldest ids, SADD them to processing (an id
 -- already there is another delivery's: a stale duplicate), SREM them from items (an id
 -- not there was killed or deleted meanwhile), LTRIM them off pending; record each in the
@@ -69,12 +71,13 @@ for qi = 1, #KEYS do
         if not md or not string.find(md_s, '^%d+%.?%d*$') then  -- not "nan", "0x10", "-1"
           md, md_s = default_md, ARGV[6]
         end
-        local ahead = 0
+        local ahead, first = 0, 0
         if base ~= '' then
-          ahead = queued[pid] or tonumber(base) or 0
+          first = tonumber(base) or 0
+          ahead = queued[pid] or first
           queued[pid] = ahead + md
         end
-        local b = math.floor((t + ahead + md) / width)
+        local b = math.floor((t + first + md) / width)
         local b_s = bucket_names[b]  -- formatting numbers is costly: once per bucket
         if not b_s then
           b_s = tostring(b)
