@@ -281,18 +281,30 @@ class TaskRunner:
         """Enqueue many jobs, one round trip per `chunk`. Each job is a dict with `task`
         and optionally args, kwargs, queue, delay, max_duration, retries, id. Never blocks:
         jobs refused by a full or closed queue raise QueueFull/QueueClosed after the chunk
-        (the jobs before them are enqueued)."""
+        (the jobs before them are enqueued). While Redis runs a chunk, the next one is built;
+        it is sent once the answers came."""
         out: list[Job] = []
         pending: list[tuple[str, str, float, list[Any]]] = []
+        sent: list[Any] = []  # the chunk Redis runs while we build the next: [batch, by_queue, count]
 
-        def flush() -> None:
+        def send() -> None:
             by_queue: dict[str, list[tuple[str, float, list[Any]]]] = {}
             for queue, job_id, delay, fields in pending:
                 by_queue.setdefault(queue, []).append((job_id, delay, fields))
-            batch = scripts.Batch(self.redis)
+            batch = scripts.Batch(self.redis, self._direct)
             for queue, items in by_queue.items():
                 self._queue_enqueue(batch, queue, items)
             batch.pipe.sadd(self.keys.queues, *by_queue)
+            batch.send()
+            sent[:] = [batch, by_queue, len(pending)]
+            pending.clear()
+
+        def settle() -> None:
+            """Read the answers of the chunk sent: a refused job raises before another is sent."""
+            if not sent:
+                return
+            batch, by_queue, count = sent
+            sent.clear()
             results = iter(batch.execute())
             answers = {q: next(results) for q in by_queue}
             refused = []
@@ -305,8 +317,7 @@ class TaskRunner:
                         refused.append((queue, created))
                 self._known_queues.add(queue)
             if progress:
-                progress(len(pending))
-            pending.clear()
+                progress(count)
             if refused:
                 kind = QueueClosed if any(c == -2 for _, c in refused) else QueueFull
                 raise kind(f"{len(refused)} jobs refused: queue {refused[0][0]} is "
@@ -316,11 +327,15 @@ class TaskRunner:
             try:
                 pending.append(self._job_of(spec_))
             except (TaskRunnerError, ValueError, TypeError) as e:
+                settle()
                 raise type(e)(f"job {n}: {e}") from None
             if len(pending) >= chunk:
-                flush()
+                settle()
+                send()
+        settle()
         if pending:
-            flush()
+            send()
+            settle()
         return out
 
     def _job_of(self, spec: Any) -> tuple[str, str, float, list[Any]]:

@@ -268,10 +268,14 @@ class Direct:
         pool = getattr(client, "connection_pool", None)
         return cls(client) if type(pool) is redis.ConnectionPool and pool.cache is None else None
 
-    def execute_command(self, *args: Any) -> Any:
+    def _conn(self) -> Any:
         conn = getattr(self.local, "conn", None)
         if conn is None:
             conn = self.local.conn = self.pool.connection_class(**self.pool.connection_kwargs)
+        return conn
+
+    def execute_command(self, *args: Any) -> Any:
+        conn = self._conn()
 
         def call() -> Any:
             conn.send_command(*args)
@@ -288,6 +292,31 @@ class Direct:
         except BaseException:
             conn.disconnect()
             raise
+
+    def send(self, commands: list[tuple[Any, ...]]) -> int:
+        """Send commands and return without their answers (read() them): the caller works
+        meanwhile. No retry: a caller whose read() fails does it all again another way."""
+        conn = self._conn()
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+        except BaseException:
+            conn.disconnect()
+            raise
+        return len(commands)
+
+    def read(self, n: int) -> list[Any]:
+        """The answers to the last n commands sent; an error reply is returned, not raised."""
+        conn, out = self._conn(), []
+        try:
+            for _ in range(n):
+                try:
+                    out.append(conn.read_response())
+                except redis.ResponseError as e:
+                    out.append(e)
+        except BaseException:
+            conn.disconnect()
+            raise
+        return out
 
     def evalsha(self, sha: str, numkeys: int, *args: Any) -> Any:
         return self.execute_command("EVALSHA", sha, numkeys, *args)

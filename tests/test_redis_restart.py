@@ -116,3 +116,31 @@ def test_lone_enqueue_fast_path_per_thread_and_after_fork(app):
     assert os.waitpid(pid, 0)[1] == 0
     assert app.job(child_id).data["args"] == "[7,7]"
     assert apps.add.delay(8, 8).id in _pending(app)  # the parent's connection is still its own
+
+
+def test_batch_sent_ahead_is_sent_again_when_its_answers_are_lost(app):
+    """enqueue_many sends a chunk and builds the next meanwhile (Batch.send). If the
+    connection dies before the answers come, the chunk goes again the usual way: the ids
+    make that idempotent."""
+    from taskrunner import scripts
+    from taskrunner.app import _enqueue_args
+    from taskrunner.codec import new_id
+
+    admin = app.redis
+    admin.ping()
+    direct_id = app._direct.execute_command("CLIENT", "ID")
+    ids = [new_id() for _ in range(50)]
+    batch = scripts.Batch(admin, app._direct)
+    fields = ["task", "tests.apps.add", "queue", "default", "args", "[1,1]", "kwargs", "{}"]
+    batch.call(scripts.ENQUEUE, [app.keys.q("default")], _enqueue_args([(i, 0, fields) for i in ids]))
+    admin.client_pause(10_000, all=False)  # writes (scripts among them) wait
+    try:
+        batch.send()
+        wait_for(lambda: any(c["id"] == str(direct_id) and c["cmd"] == "evalsha" for c in admin.client_list()),
+                 what="the batch to reach Redis")
+        admin.client_kill_filter(_id=direct_id)  # its answers will never come
+    finally:
+        admin.client_unpause()
+    assert batch.execute() == [[1] * 50]  # sent again: every job created once, by this call
+    assert _pending(app) == set(ids)
+    assert apps.add.delay(1, 2).id in _pending(app)  # the fast path reconnects

@@ -8,7 +8,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import ConnectionError, NoScriptError, ResponseError
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
 
 _DIR = Path(__file__).parent
 _LIB = (_DIR / "_lib.lua").read_text()
@@ -38,8 +38,10 @@ class Batch:
     primary of a cluster) and run again alone; any other error is raised after the whole
     batch ran."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, direct: Any = None) -> None:
         self.client = client
+        self.direct = direct  # a connection.Direct for send()
+        self.sent = 0  # commands sent by send() whose answers are still to be read
         self.pipe = client.pipeline(transaction=False)
         self._scripts: list[tuple[int, Script, list[str], list[Any]]] = []
 
@@ -51,10 +53,25 @@ class Batch:
     def __len__(self) -> int:
         return len(self.pipe)
 
+    def send(self) -> None:
+        """Send the batch now on the Direct connection, if there is one, and return at once:
+        execute() reads the answers. For idempotent calls only: if reading fails, execute()
+        sends the batch again, the usual way (with redis-py's retries)."""
+        if self.direct is not None and len(self.pipe):
+            self.sent = self.direct.send([args for args, _ in self.pipe.command_stack])
+
     def execute(self) -> list[Any]:
         if not len(self.pipe):
             return []
-        results = self.pipe.execute(raise_on_error=False)
+        results = None
+        if self.sent:
+            try:
+                results = self.direct.read(self.sent)
+            except (ConnectionError, TimeoutError):
+                pass  # did it run? Again, as idempotent calls may be
+            self.sent = 0
+        if results is None:
+            results = self.pipe.execute(raise_on_error=False)
         for index, script, keys, args in self._scripts:
             if isinstance(results[index], NoScriptError):
                 results[index] = script(self.client, keys, args)
