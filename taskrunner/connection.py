@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+import hiredis
 import redis
 import redis.asyncio
 import redis.asyncio.cluster
@@ -278,7 +279,7 @@ class Direct:
         conn = self._conn()
 
         def call() -> Any:
-            conn.send_command(*args)
+            conn.send_packed_command([hiredis.pack_command(args)], check_health=False)
             return conn.read_response()
 
         try:
