@@ -55,8 +55,17 @@ if #taken > 0 then
     redis.call('SREM', p .. 'dl:' .. b, unpack(list))
   end
 end
--- Last first: jobs put back next in line (RPUSH) then keep the order they were given in.
+-- A delivery reached completed, failed or killed: its timeline, when it began, the rest.
 local index = {}
+local function finish(id, job, r, attempt, began, state, fields, error_type)
+  local ek, ev = ended(attempt, t, state == 'failed' and 'failed ' .. error_type or state)
+  fields[#fields + 1], fields[#fields + 2] = ek, ev
+  if began then
+    fields[#fields + 1], fields[#fields + 2] = 'started_at', r.started_at
+  end
+  finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
+end
+-- Last first: jobs put back next in line (RPUSH) then keep the order they were given in.
 for k = #ids, 1, -1 do
   local id = ids[k]
   if out[k] == 1 then
@@ -65,28 +74,18 @@ for k = #ids, 1, -1 do
     local v1, v2, v3, v4 = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7]
     local job = p .. 'job:' .. id
     local r = records[k]
-    local began_at = {}
     if began then
       r.started_at = fmt(t - began)
-      began_at = {'started_at', r.started_at}
-    end
-    local function finish(state, fields, error_type)
-      local ek, ev = ended(attempt, t, state == 'failed' and 'failed ' .. error_type or state)
-      fields[#fields + 1], fields[#fields + 2] = ek, ev
-      for _, v in ipairs(began_at) do
-        fields[#fields + 1] = v
-      end
-      finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
     end
     if outcome == 'completed' then
-      finish('completed', {'result', v1}, nil)
+      finish(id, job, r, attempt, began, 'completed', {'result', v1}, nil)
     elseif outcome == 'lost' then
       lose(p, id, job, r, attempt, t, ttl, v1, true, index)
     elseif outcome == 'return' then
       local ek, ev = ended(attempt, t, 'returned before it began: ' .. v1)
       to_pending(p, id, job, true, {ek, ev})
     elseif outcome == 'killed' then
-      finish('killed', {'error_type', 'Killed', 'error', v2}, 'Killed')
+      finish(id, job, r, attempt, began, 'killed', {'error_type', 'Killed', 'error', v2}, 'Killed')
     elseif outcome == 'requeue' then
       redis.call('HINCRBY', job, 'requeues', 1)
       history(p, id, r, 'requeued', t, nil)
@@ -94,7 +93,10 @@ for k = #ids, 1, -1 do
       local why = v3 ~= '' and v3 or (v2 == 'front' and 'worker shutting down'
         or string.format('requeued itself (Retry, %gs)', delay))
       local ek, ev = ended(attempt, t, 'requeued: ' .. why)
-      local extra = {'last_requeued_at', fmt(t), ek, ev, unpack(began_at)}
+      local extra = {'last_requeued_at', fmt(t), ek, ev}
+      if began then
+        extra[5], extra[6] = 'started_at', r.started_at
+      end
       if delay > 0 then
         to_delayed(p, id, job, t + delay, extra)
       else
@@ -109,9 +111,13 @@ for k = #ids, 1, -1 do
         local delay = math.min(base * 2 ^ (failures - 1), cap) * math.min(amount(v4, 1), 1)
         local ek, ev = ended(attempt, t, string.format('failed %s, retry %d of %d in %.2fs', v1, failures,
           retries, delay))
-        to_delayed(p, id, job, t + delay, {'error_type', v1, 'error', v2, 'traceback', v3, ek, ev, unpack(began_at)})
+        local fields = {'error_type', v1, 'error', v2, 'traceback', v3, ek, ev}
+        if began then
+          fields[9], fields[10] = 'started_at', r.started_at
+        end
+        to_delayed(p, id, job, t + delay, fields)
       else
-        finish('failed', {'error_type', v1, 'error', v2, 'traceback', v3}, v1)
+        finish(id, job, r, attempt, began, 'failed', {'error_type', v1, 'error', v2, 'traceback', v3}, v1)
       end
     end
   end
