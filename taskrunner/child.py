@@ -62,7 +62,8 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
     _die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
-    reader, jobs = frames.Reader(conn.fileno()), deque()
+    fd = conn.fileno()
+    reader, jobs = frames.Reader(fd), deque()
     try:
         while True:
             try:
@@ -74,16 +75,19 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
             except OSError:
                 os._exit(0)
             seq, message = jobs.popleft().split(b"\0", 1)
+            n = int(seq)
             with lock:
-                if state[1] <= int(seq) <= state[2]:
+                if state[1] <= n <= state[2]:
                     continue  # taken back before it began
-                state[0] = int(seq)
+                state[0] = n
             began = time.perf_counter()
             outcome = run(app, message)
-            reply = orjson.dumps([message.split(b"\0", 1)[0].decode(), time.perf_counter() - began, *outcome])
+            reply = frames.frame(orjson.dumps([message[:message.find(b"\0")].decode(), time.perf_counter() - began,
+                                               *outcome]))
             sending = True
             try:
-                conn.send_bytes(reply)
+                while reply:  # a signal may cut a big write short
+                    reply = reply[os.write(fd, reply):]
             finally:
                 sending = False
             if killed:
@@ -122,12 +126,12 @@ def run(app: Any, message: bytes) -> list:
     parts = message.split(b"\0")
     if len(parts) != 5:
         return _failed("CorruptJob", "job record has a malformed field (NUL byte)")
-    _, _, name, raw_args, raw_kwargs = (p.decode("utf-8", "replace") for p in parts)
+    name = parts[2].decode("utf-8", "replace")
     task = app.tasks.get(name)
     if task is None:
         return _failed("NotRegistered", f"unknown task {name!r}: no task of that name in app {app.name!r}")
     try:
-        args, kwargs = codec.loads(raw_args), codec.loads(raw_kwargs)
+        args, kwargs = codec.loads(parts[3]), codec.loads(parts[4])  # UTF-8 checked there
     except ValueError as e:
         return _failed("BadArguments", f"args/kwargs are not valid JSON: {e}")
     if not isinstance(args, list) or not isinstance(kwargs, dict):
