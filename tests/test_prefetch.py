@@ -92,3 +92,25 @@ def test_big_jobs_sent_ahead_do_not_stall_the_worker(app, stack):
         assert j.wait(timeout=30) == big + str(i)
     assert long.state == "running"  # the first worker handed them back while it ran
     assert long.wait(timeout=30) == "timeout"
+
+
+def test_answers_of_short_jobs_are_read_while_a_long_one_runs(app, stack):
+    """With short jobs queued in a child, the worker reads its answers on a timer (GLANCE)
+    instead of waking for each one. Those of the jobs that ran before a long one reach Redis
+    while it runs, before its followers are handed back (HOLD), not once that lets up."""
+    warm(app, stack)
+    jobs = app.enqueue_many([{"task": "tests.apps.record", "args": [f"a{i}"]} for i in range(3)]
+                            + [{"task": "tests.apps.hold", "args": ["long", 3]}]
+                            + [{"task": "tests.apps.record", "args": [f"b{i}"]} for i in range(28)])
+    before, long, after = jobs[:3], jobs[3], jobs[4:]
+    wait_for(lambda: ledger(app, "long") == 1, what="the long job to begin")
+    assert sum(j.state == "running" for j in after) > 16, "the child should hold many jobs behind the long one"
+
+    def handed_back() -> list[float]:
+        return [e["at"] for j in after for e in j.refresh().to_dict()["timeline"]
+                if "returned before it began" in e["event"]]
+
+    back = wait_for(handed_back, what="the jobs behind the long one to be handed back")
+    assert all(j.state == "completed" for j in before)
+    assert max(float(j.refresh().data["finished_at"]) for j in before) < min(back)
+    assert long.wait(timeout=30) == "timeout" and all(j.wait(timeout=30) == 1 for j in after)
