@@ -285,9 +285,10 @@ class TaskRunner:
         it is sent once the answers came."""
         out: list[Job] = []
         pending: list[tuple[str, str, float, list[Any]]] = []
-        sent: list[Any] = []  # the chunk Redis runs while we build the next: [batch, by_queue, count]
+        sent: tuple[scripts.Batch, dict[str, list[Any]], int] | None = None  # what Redis runs meanwhile
 
         def send() -> None:
+            nonlocal sent
             by_queue: dict[str, list[tuple[str, float, list[Any]]]] = {}
             for queue, job_id, delay, fields in pending:
                 by_queue.setdefault(queue, []).append((job_id, delay, fields))
@@ -296,15 +297,16 @@ class TaskRunner:
                 self._queue_enqueue(batch, queue, items)
             batch.pipe.sadd(self.keys.queues, *by_queue)
             batch.send()
-            sent[:] = [batch, by_queue, len(pending)]
+            sent = batch, by_queue, len(pending)
             pending.clear()
 
         def settle() -> None:
             """Read the answers of the chunk sent: a refused job raises before another is sent."""
-            if not sent:
+            nonlocal sent
+            if sent is None:
                 return
             batch, by_queue, count = sent
-            sent.clear()
+            sent = None
             results = iter(batch.execute())
             answers = {q: next(results) for q in by_queue}
             refused = []

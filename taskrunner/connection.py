@@ -269,55 +269,55 @@ class Direct:
         pool = getattr(client, "connection_pool", None)
         return cls(client) if type(pool) is redis.ConnectionPool and pool.cache is None else None
 
-    def _conn(self) -> Any:
+    def _on_conn(self, work: Callable[[Any], Any]) -> Any:
+        """work(connection of this thread); a connection that failed mid-command is closed
+        (an error reply leaves it fine)."""
         conn = getattr(self.local, "conn", None)
         if conn is None:
             conn = self.local.conn = self.pool.connection_class(**self.pool.connection_kwargs)
-        return conn
-
-    def execute_command(self, *args: Any) -> Any:
-        conn = self._conn()
-
-        def call() -> Any:
-            conn.send_packed_command([hiredis.pack_command(args)], check_health=False)
-            return conn.read_response()
-
         try:
-            try:
-                return call()
-            except (redis.ConnectionError, redis.TimeoutError):  # then as the client would
-                conn.disconnect()
-                return conn.retry.call_with_retry(call, lambda error: conn.disconnect())
+            return work(conn)
         except redis.ResponseError:
-            raise  # an error reply: the connection is fine
+            raise
         except BaseException:
             conn.disconnect()
             raise
+
+    def execute_command(self, *args: Any) -> Any:
+        def call(conn: Any) -> Any:
+            conn.send_packed_command([hiredis.pack_command(args)], check_health=False)
+            return conn.read_response()
+
+        def once_more(conn: Any) -> Any:
+            # A connection that Redis dropped while idle (a restart, CLIENT KILL) fails here
+            # first: connect again and retry, as the pool's check at checkout would; then
+            # the client's retry policy.
+            try:
+                return call(conn)
+            except (redis.ConnectionError, redis.TimeoutError):
+                conn.disconnect()
+                return conn.retry.call_with_retry(lambda: call(conn), lambda error: conn.disconnect())
+
+        return self._on_conn(once_more)
 
     def send(self, commands: list[tuple[Any, ...]]) -> int:
         """Send commands and return without their answers (read() them): the caller works
         meanwhile. No retry: a caller whose read() fails does it all again another way."""
-        conn = self._conn()
-        try:
-            conn.send_packed_command(conn.pack_commands(commands))
-        except BaseException:
-            conn.disconnect()
-            raise
+        self._on_conn(lambda conn: conn.send_packed_command(conn.pack_commands(commands)))
         return len(commands)
 
     def read(self, n: int) -> list[Any]:
         """The answers to the last n commands sent; an error reply is returned, not raised."""
-        conn, out = self._conn(), []
-        try:
+        def answers(conn: Any) -> list[Any]:
+            out = []
             for _ in range(n):
                 try:
                     out.append(conn.read_response())
                 except redis.ResponseError as e:
                     out.append(e)
-        except BaseException:
-            conn.disconnect()
-            raise
-        return out
+            return out
+
+        return self._on_conn(answers)
 
     def evalsha(self, sha: str, numkeys: int, *args: Any) -> Any:
         return self.execute_command("EVALSHA", sha, numkeys, *args)

@@ -338,6 +338,7 @@ class Worker:
                 for b in (self.ctl, *self.wakes):
                     b.reset()
                 log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, self.backoff)
+        quiet = self._quiet()  # as things stand now
         waitables: list[Any] = [self._wakeup]
         for c in self.children:
             waitables += [c.proc.sentinel] if c in quiet else [c.conn, c.proc.sentinel]

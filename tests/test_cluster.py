@@ -191,17 +191,6 @@ def test_asyncio_client_and_url(cluster, queues):
     assert (u.nodes, u.password, u.options) == ((("10.0.0.1", 6379), ("::1", 7001)), "p@ss", {"socket_timeout": 2.0})
 
 
-@pytest.mark.parametrize("url, why", [
-    ("redis+cluster://h1:1,h2/0", "a cluster has no path"),
-    ("redis+cluster://:secret@h1:70000", "'h1:70000' is not host[:port]"),
-    ("redis+cluster://h1?db=1", "unknown option 'db'"),
-])
-def test_bad_cluster_urls_say_what_is_expected(url, why):
-    with pytest.raises(ValueError) as e:
-        connect(url)
-    assert why in str(e.value) and "expected redis+cluster://" in str(e.value) and "secret" not in str(e.value)
-
-
 def test_cli_says_when_no_cluster_node_answers(app):
     r = Stack(app, "redis+cluster://127.0.0.1:1").cli("queues")
     assert r.returncode == 1 and "cannot reach Redis" in r.stderr and "Traceback" not in r.stderr

@@ -19,6 +19,7 @@ from dashboard import create_app
 from taskrunner import TaskRunner, codec
 from taskrunner import queue as queues
 from taskrunner.cli import main
+from taskrunner.connection import connect
 from taskrunner.consumer import Consumer
 from taskrunner.dispatcher import Dispatcher
 from taskrunner.errors import InvalidName, JobFailed, NotJSONError, PayloadTooLarge, TaskRunnerError
@@ -311,3 +312,22 @@ def test_nan_backoff_in_a_record_written_by_another_client_still_retries(app):
     state, due = r.hmget(p + "job:nan", "state", "due_at")
     assert state == "pending" or (state == "delayed" and r.zscore(p + "delayed", "nan") is not None
                                   and math.isfinite(float(due))), (state, due)
+
+
+@pytest.mark.parametrize("url, why", [
+    ("redis+sentinel://h1:1,h2/", "the path must be /service or /service/db"),
+    ("redis+sentinel://h1/svc/zero", "the path must be /service or /service/db"),
+    ("redis+sentinel://h1:70000/svc", "'h1:70000' is not host[:port]"),
+    ("redis+sentinel://:secret@h1,,h2/svc", "'' is not host[:port]"),
+    ("redis+sentinel://h1/svc?timeout=1", "unknown option 'timeout'"),
+    ("redis+sentinel://h1/svc?socket_timeout=soon", "socket_timeout must be a number of seconds"),
+    ("redis+cluster://h1:1,h2/0", "a cluster has no path"),
+    ("redis+cluster://:secret@h1:70000", "'h1:70000' is not host[:port]"),
+    ("redis+cluster://h1?db=1", "unknown option 'db'"),
+])
+def test_bad_sentinel_and_cluster_urls_say_what_is_expected(url, why):
+    with pytest.raises(ValueError) as e:
+        connect(url)
+    scheme = url.split("://")[0]
+    assert why in str(e.value) and f"expected {scheme}://" in str(e.value)
+    assert "secret" not in str(e.value)

@@ -10,22 +10,24 @@
 local p = KEYS[1]
 local id, attempt = ARGV[1], ARGV[2]
 local job = p .. 'job:' .. id
-if holder_check(p, id, load(job), attempt) ~= 1 then
+local r = load(job)
+if holder_check(p, id, r, attempt) ~= 1 then
   return {}
 end
+local t = now()
 local width = tonumber(ARGV[4])
 local next_check, flag = tonumber(ARGV[3]), true
 if ARGV[5] == 'check' then
   local ok, e = pcall(cjson.decode, redis.call('HGET', p .. 'running', id))
   if ok and type(e) == 'table' then
     local deadline = amount(e.started_at, 0) + amount(e.ahead, 0) + amount(e.max_duration, 0)
-    if deadline > now() then
+    if deadline > t then
       next_check, flag = deadline, false
     end
   end
 end
 local nb = math.floor(next_check / width)
-local old = redis.call('HGET', job, 'bucket')
+local old = r.bucket
 if old then
   local bk = p .. 'dl:' .. old
   redis.call('SREM', bk, id)
@@ -37,10 +39,10 @@ if not flag then
   redis.call('HSET', job, 'bucket', nb)
   return {}
 end
-local first = redis.call('HGET', job, 'stuck') ~= '1' and 1 or 0
+local f = redis.call('HMGET', job, 'stuck', 'timeout_policy')
+local first = f[1] ~= '1' and 1 or 0
 redis.call('HSET', job, 'bucket', nb, 'stuck', '1')
 if first == 1 then
-  redis.call('HSET', job, 'stuck_at', fmt(now()))
+  redis.call('HSET', job, 'stuck_at', fmt(t))
 end
-local f = redis.call('HMGET', job, 'worker', 'timeout_policy')
-return {f[1] or '', f[2] or 'kill', first}
+return {r.worker or '', f[2] or 'kill', first}
