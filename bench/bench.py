@@ -9,7 +9,8 @@ Metrics (each repeated --repeat times; the table shows median and min-max):
      on one connection as the reference of what one round trip costs; and in batches
      (enqueue_many, 1000 jobs per round trip: taskrunner and RQ, the systems that have one);
   2. drain: --jobs no-op jobs enqueued first, then 2 worker processes started; seconds
-     from starting them to the last completion (each job INCRs a counter in db 1);
+     from starting them to the last completion (each job appends a byte to a file;
+     --recorder redis: INCRs a counter in Redis instead, the method before 2026-11-21);
   3. pickup latency: idle workers, 200 jobs enqueued 20 ms apart, start - enqueue in ms;
   4. taskrunner only: the job of a SIGKILLed worker running again on a new worker;
   5. Redis work per job during the drain: commands, and Redis CPU per 1000 jobs.
@@ -338,6 +339,7 @@ class Bench:
     def flush(self) -> None:
         self.r.flushall()
         self.r.config_resetstat()
+        record.reset()
 
     # 1. enqueue ---------------------------------------------------------------------------
 
@@ -367,7 +369,7 @@ class Bench:
         def finished() -> bool:
             nonlocal polls
             polls += 1
-            return int(self.rdb.get(record.DONE) or 0) >= n
+            return record.count(self.rdb) >= n
 
         t0 = time.monotonic()
         workers = self.env.start_workers(system, f"drain{rep}")
@@ -377,7 +379,9 @@ class Bench:
         finally:
             self.env.stop_workers(workers, f"{system} workers")
         seconds = t1 - t0
-        # Our own polling (GET) and the INFO that ends the window are not the system's work.
+        # Our own polling (GET, with the redis recorder) and the INFO that ends the window
+        # are not the system's work.
+        polls = polls if record.recorder() == "redis" else 0
         commands = after.commands - before.commands - polls - 1
         delta = {k: v - before.stats.get(k, 0) for k, v in after.stats.items() if v - before.stats.get(k, 0)}
         delta["get"] = delta.get("get", 0) - polls
@@ -409,7 +413,7 @@ class Bench:
             warm = 4
             for _ in range(warm):
                 self.env.drive(system, "fill", 1)
-            wait_for(f"{system} warm-up", lambda: int(self.rdb.get(record.DONE) or 0) >= warm, self.a.timeout,
+            wait_for(f"{system} warm-up", lambda: record.count(self.rdb) >= warm, self.a.timeout,
                      0.02, workers)
             time.sleep(self.a.idle)  # idle workers: whatever they do when there is nothing to do
             count = self.a.latency_jobs
@@ -510,7 +514,8 @@ def report(b: Bench, systems: list[str], meta: dict[str, Any]) -> str:
     lines = [f"taskrunner benchmark — {time.strftime('%Y-%m-%d %H:%M:%S')}",
              f"machine: {meta['machine']}",
              f"redis-server {meta['redis_version']} on a unix socket (appendonly no), one server for all systems; "
-             f"FLUSHALL between runs",
+             f"FLUSHALL between runs; no-op jobs record their completion "
+             f"{'with an INCR in Redis' if a.recorder == 'redis' else 'by appending a byte to a file'}",
              "versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
              f"repeats: {a.repeat} (cells: median (min–max)); enqueue N={a.enqueue_n}; drain N={a.jobs}; "
              f"latency: {a.latency_jobs} jobs {a.latency_interval * 1000:.0f} ms apart after {a.idle:.0f} s idle",
@@ -560,7 +565,9 @@ def report(b: Bench, systems: list[str], meta: dict[str, Any]) -> str:
     lines += ["", "notes:",
               "  - enqueue: one process, one job per call, after 50 warm-up calls; workers not running.",
               "  - drain: jobs enqueued first; the clock starts just before the worker processes are spawned",
-              "    and stops when the counter that each job INCRs (db 1) reaches N (polled every 10 ms).",
+              "    and stops when N jobs have recorded their run (polled every 10 ms): each appends one byte",
+              "    to a file (O_APPEND), or with --recorder redis INCRs a counter in db 1 (then 1 command per",
+              "    job is the task's own, and about 50 us of each job's CPU is redis-py's).",
               "    Redis figures cover the same window: commands less the bench's own polling; network bytes",
               "    include it (a few bytes per job at most).",
               "  - latency: start of the task (time.time()) minus time.time() just before the enqueue call.",
@@ -661,6 +668,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-n", type=int, help="jobs for the batch enqueue rate (default 20000; --quick: 5000)")
     p.add_argument("--metrics", default="enqueue,batch,drain,latency,recovery",
                    help="which to run, among enqueue,batch,drain,latency,recovery")
+    p.add_argument("--recorder", choices=record.RECORDERS, default="file",
+                   help="how a no-op job records that it ran: append a byte to a file (default), or INCR a "
+                        "counter in Redis (the method before 2026-11-21; it costs every system a round trip)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of each wait, seconds")
     p.add_argument("--max-time", type=float, default=3600.0, help="the whole run stops after this many seconds")
     p.add_argument("--fail-fast", action="store_true",
@@ -698,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ensure_peers(a.systems, timeout=900)
         server.start()
+        os.environ[record.SOCKET_ENV] = str(server.socket)  # for record, here and in every process we start
+        os.environ[record.RECORDER_ENV] = a.recorder
         r = redis.Redis(unix_socket_path=str(server.socket))
         env = Env(str(server.socket), procs, a.timeout, heartbeat=a.heartbeat, dead_after=a.dead_after)
         b = Bench(a, env, r)

@@ -90,7 +90,7 @@ def run(a: argparse.Namespace, server: RedisServer, procs: Procs) -> int:
     rows: list[tuple[float, int, int, int, int, int, int]] = []
     try:
         while True:
-            done = int(done_db.get(record.DONE) or 0)
+            done = record.count(done_db)
             info = r.info("memory")
             rows.append((time.monotonic() - t0, done, rss(worker.pid), rss(worker.pid, children=True),
                          rss(dispatcher.pid), info["used_memory"], r.dbsize()))
