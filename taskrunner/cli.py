@@ -255,7 +255,7 @@ def _setup_logging(level: str) -> None:
               help="Child processes running jobs.")
 @click.option("-n", "--name", help="Worker name (default host.pid); must be unique among live workers.")
 @click.option("--prefetch", type=click.IntRange(min=1), help="Most jobs sent ahead to one child, so that short "
-              "jobs run back to back (default 32, TASKRUNNER_PREFETCH; adapts to ~10 ms of work; 1: off).")
+              "jobs run back to back (default 128, TASKRUNNER_PREFETCH; adapts to ~10 ms of work; 1: off).")
 @click.option("--log-level", default="info", show_default=True)
 @common
 def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch: int | None, log_level: str,

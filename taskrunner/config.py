@@ -50,7 +50,7 @@ class Settings:
     #: Most jobs a worker sends ahead to one child process, so that short jobs run back to
     #: back; fewer when jobs are long (10 ms of work ahead), 1 turns it off. Jobs held back
     #: by a job running over 1 s go back to the queue.
-    prefetch: int = 32  # TASKRUNNER_PREFETCH
+    prefetch: int = 128  # TASKRUNNER_PREFETCH
     #: Seconds an idle worker blocks in Redis before it looks again anyway.
     idle_block: float = 5.0  # TASKRUNNER_IDLE_BLOCK
 
