@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +42,7 @@ import redis.asyncio.cluster
 import redis.asyncio.sentinel
 import redis.cluster
 import redis.sentinel
+from redis._parsers.base import BaseParser
 
 EMBEDDED_DIR = Path("var")
 SENTINEL_SCHEME = "redis+sentinel"
@@ -251,13 +254,72 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis | redis.clust
         raise ValueError(f"bad Redis URL {redact(url)!r}: {e}; expected {FORMS}") from None
 
 
+class _Link:
+    """One thread's connection. redis-py opens it (AUTH, SELECT, HELLO: the pool's settings);
+    then we write packed commands to its socket and parse the replies with hiredis. The
+    socket blocks, its timeout kept by the kernel (SO_RCVTIMEO, SO_SNDTIMEO): Python polls
+    before every send and every recv on a socket that has a timeout of its own."""
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        self.conn = pool.connection_class(**pool.connection_kwargs)
+        self.sock: socket.socket | None = None
+        self.reader: Any = None
+
+    def _open(self) -> socket.socket:
+        conn = self.conn
+        conn.connect()
+        sock = conn._sock
+        sock.settimeout(None)
+        if conn.socket_timeout:
+            t = float(conn.socket_timeout)
+            timeval = struct.pack("ll", int(t), int(t % 1 * 1e6))
+            for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+                sock.setsockopt(socket.SOL_SOCKET, option, timeval)
+        enc = conn.encoder
+        decoding = {"encoding": enc.encoding, "errors": enc.encoding_errors} if enc.decode_responses else {}
+        self.reader = hiredis.Reader(protocolError=redis.exceptions.InvalidResponse,
+                                     replyError=BaseParser.parse_error, **decoding)
+        self.sock = sock
+        return sock
+
+    def close(self) -> None:
+        self.sock = self.reader = None
+        self.conn.disconnect()
+
+    def write(self, data: bytes) -> None:
+        try:
+            (self.sock or self._open()).sendall(data)
+        except BlockingIOError:
+            raise redis.TimeoutError("Timeout writing to socket") from None
+        except OSError as e:
+            raise redis.ConnectionError(f"Error while writing to socket: {e}") from None
+
+    def reply(self) -> Any:
+        """The next reply; an error reply is returned (a ResponseError), not raised."""
+        if self.reader is None:
+            raise redis.ConnectionError("Connection closed before its replies were read.")
+        while (r := self.reader.gets()) is False:
+            try:
+                data = self.sock.recv(65536)
+            except BlockingIOError:
+                raise redis.TimeoutError("Timeout reading from socket") from None
+            except OSError as e:
+                raise redis.ConnectionError(f"Error while reading from socket: {e}") from None
+            if not data:
+                raise redis.ConnectionError("Connection closed by server.")
+            self.reader.feed(data)
+        return r
+
+
 class Direct:
     """A connection per thread, used directly, for the one hot single-command path (a lone
-    enqueue): redis-py spends half its CPU per command on taking a connection from the pool
-    and giving it back, and on event and metrics hooks. Same connection settings and retry
-    policy as the client's own; a connection that failed mid-command is closed, never reused
-    with a reply half read. Only for a plain pool (not Sentinel, not Cluster): of() gives
-    None otherwise. Its connections are not the pool's: each goes with its thread."""
+    enqueue): redis-py spends more CPU on a command than Redis does, taking a connection
+    from the pool and giving it back (with a poll() to check it), in event and metrics
+    hooks, and in a poll() before each send and recv. Same connection settings and retry
+    policy as the client's own; a connection that failed mid-command is closed, never
+    reused with a reply half read. Only for a plain pool of TCP or unix-socket connections
+    (not TLS, Sentinel or Cluster): of() gives None otherwise. Its connections are not the
+    pool's: each goes with its thread."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
@@ -267,57 +329,54 @@ class Direct:
     @classmethod
     def of(cls, client: Any) -> Direct | None:
         pool = getattr(client, "connection_pool", None)
-        return cls(client) if type(pool) is redis.ConnectionPool and pool.cache is None else None
+        if (type(pool) is redis.ConnectionPool and pool.cache is None
+                and pool.connection_class in (redis.Connection, redis.UnixDomainSocketConnection)):
+            return cls(client)
+        return None
 
-    def _on_conn(self, work: Callable[[Any], Any]) -> Any:
-        """work(connection of this thread); a connection that failed mid-command is closed
-        (an error reply leaves it fine)."""
-        conn = getattr(self.local, "conn", None)
-        if conn is None:
-            conn = self.local.conn = self.pool.connection_class(**self.pool.connection_kwargs)
+    def _on_link(self, work: Callable[[_Link], Any]) -> Any:
+        """work(this thread's link); a link that failed mid-command is closed (an error reply
+        leaves it fine)."""
+        link = getattr(self.local, "link", None)
+        if link is None:
+            link = self.local.link = _Link(self.pool)
         try:
-            return work(conn)
+            return work(link)
         except redis.ResponseError:
             raise
         except BaseException:
-            conn.disconnect()
+            link.close()
             raise
 
     def execute_command(self, *args: Any) -> Any:
-        def call(conn: Any) -> Any:
-            conn.send_packed_command([hiredis.pack_command(args)], check_health=False)
-            return conn.read_response()
+        def call(link: _Link) -> Any:
+            link.write(hiredis.pack_command(args))
+            r = link.reply()
+            if isinstance(r, redis.ResponseError):
+                raise r
+            return r
 
-        def once_more(conn: Any) -> Any:
+        def once_more(link: _Link) -> Any:
             # A connection that Redis dropped while idle (a restart, CLIENT KILL) fails here
             # first: connect again and retry, as the pool's check at checkout would; then
             # the client's retry policy.
             try:
-                return call(conn)
+                return call(link)
             except (redis.ConnectionError, redis.TimeoutError):
-                conn.disconnect()
-                return conn.retry.call_with_retry(lambda: call(conn), lambda error: conn.disconnect())
+                link.close()
+                return link.conn.retry.call_with_retry(lambda: call(link), lambda error: link.close())
 
-        return self._on_conn(once_more)
+        return self._on_link(once_more)
 
     def send(self, commands: list[tuple[Any, ...]]) -> int:
         """Send commands and return without their answers (read() them): the caller works
         meanwhile. No retry: a caller whose read() fails does it all again another way."""
-        self._on_conn(lambda conn: conn.send_packed_command(conn.pack_commands(commands)))
+        self._on_link(lambda link: link.write(b"".join(hiredis.pack_command(c) for c in commands)))
         return len(commands)
 
     def read(self, n: int) -> list[Any]:
         """The answers to the last n commands sent; an error reply is returned, not raised."""
-        def answers(conn: Any) -> list[Any]:
-            out = []
-            for _ in range(n):
-                try:
-                    out.append(conn.read_response())
-                except redis.ResponseError as e:
-                    out.append(e)
-            return out
-
-        return self._on_conn(answers)
+        return self._on_link(lambda link: [link.reply() for _ in range(n)])
 
     def evalsha(self, sha: str, numkeys: int, *args: Any) -> Any:
         return self.execute_command("EVALSHA", sha, numkeys, *args)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
+import redis
 
 from taskrunner.redis_server import RedisServer
 from tests import apps
@@ -79,7 +81,7 @@ def test_lone_enqueue_fast_path_recovers_from_dropped_connections_restarts_and_f
     never a job or an error."""
     app.configure(redis_url=own_redis.url)
     ids = [apps.add.delay(0, 0).id]
-    assert app._direct is not None and app._direct.local.conn._sock is not None
+    assert app._direct is not None and app._direct.local.link.sock is not None
     names = {c["id"]: c for c in app.redis.client_list()}
     assert len(names) >= 2  # the pool's connection and the fast path's own
     app.redis.client_kill_filter(_type="normal", skipme=True)  # the fast path's connection
@@ -90,6 +92,23 @@ def test_lone_enqueue_fast_path_recovers_from_dropped_connections_restarts_and_f
     ids.append(apps.add.delay(3, 3).id)
     assert _pending(app) == set(ids)
     assert [app.job(i).data["args"] for i in ids] == ["[0,0]", "[1,1]", "[2,2]", "[3,3]"]
+
+
+def test_lone_enqueue_fast_path_times_out_when_redis_stops_answering(app, own_redis):
+    """The fast path's socket blocks, its timeout kept by the kernel (SO_RCVTIMEO), not by
+    a poll() before each recv: a Redis that stops answering (SIGSTOP) gives TimeoutError
+    after socket_timeout and the client's retries, never a hang; once it answers again, so
+    does the next enqueue, on a new connection."""
+    app.configure(redis_url=own_redis.url + "?socket_timeout=0.3")
+    apps.add.delay(0, 0)
+    os.kill(own_redis.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(redis.TimeoutError):
+            apps.add.delay(1, 1)
+    finally:
+        os.kill(own_redis.proc.pid, signal.SIGCONT)
+    assert apps.add.delay(2, 2).id in _pending(app)
+    assert app._direct.local.link.sock is not None
 
 
 def test_lone_enqueue_fast_path_per_thread_and_after_fork(app):
