@@ -260,13 +260,14 @@ class TaskRunner:
         fields = self._fields(task, args, kwargs, spec)
         delay = seconds("delay", delay) if delay is not None else None
         wait = seconds("block_timeout", self.settings.block_timeout if block_timeout is None else block_timeout)
-        deadline = time.monotonic() + wait
+        deadline = None
         while True:
             created = self._enqueue_batch(spec.queue, [(job_id, delay or 0, fields)])[0]
             if created == -2:
                 raise QueueClosed(f"queue {spec.queue} is closed: it takes no new jobs")
             if created != -1:
                 break
+            deadline = deadline or time.monotonic() + wait  # from the first refusal
             left = deadline - time.monotonic()
             if left <= 0:
                 raise QueueFull(f"queue {spec.queue} is full (its bound is reached)"

@@ -294,6 +294,19 @@ class _Link:
         except OSError as e:
             raise redis.ConnectionError(f"Error while writing to socket: {e}") from None
 
+    def call(self, packed: bytes) -> Any:
+        """Send one packed command and return its reply (an error reply too, not raised);
+        a connection that Redis dropped while idle (a restart, CLIENT KILL) fails here
+        first: connect again and retry, as the pool's check at checkout would; then the
+        client's retry policy."""
+        try:
+            self.write(packed)
+            return self.reply()
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.close()
+            return self.conn.retry.call_with_retry(lambda: (self.write(packed), self.reply())[1],
+                                                   lambda error: self.close())
+
     def reply(self) -> Any:
         """The next reply; an error reply is returned (a ResponseError), not raised."""
         if self.reader is None:
@@ -334,44 +347,28 @@ class Direct:
             return cls(client)
         return None
 
-    def _on_link(self, work: Callable[[_Link], Any]) -> Any:
-        """work(this thread's link); a link that failed mid-command is closed (an error reply
-        leaves it fine)."""
+    def _on_link(self, work: Callable[..., Any], *args: Any) -> Any:
+        """work(this thread's link, *args); a link that failed mid-command is closed (error
+        replies are returned by the link, not raised: they leave it fine)."""
         link = getattr(self.local, "link", None)
         if link is None:
             link = self.local.link = _Link(self.pool)
         try:
-            return work(link)
-        except redis.ResponseError:
-            raise
+            return work(link, *args)
         except BaseException:
             link.close()
             raise
 
     def execute_command(self, *args: Any) -> Any:
-        def call(link: _Link) -> Any:
-            link.write(hiredis.pack_command(args))
-            r = link.reply()
-            if isinstance(r, redis.ResponseError):
-                raise r
-            return r
-
-        def once_more(link: _Link) -> Any:
-            # A connection that Redis dropped while idle (a restart, CLIENT KILL) fails here
-            # first: connect again and retry, as the pool's check at checkout would; then
-            # the client's retry policy.
-            try:
-                return call(link)
-            except (redis.ConnectionError, redis.TimeoutError):
-                link.close()
-                return link.conn.retry.call_with_retry(lambda: call(link), lambda error: link.close())
-
-        return self._on_link(once_more)
+        r = self._on_link(_Link.call, hiredis.pack_command(args))
+        if isinstance(r, redis.ResponseError):
+            raise r
+        return r
 
     def send(self, commands: list[tuple[Any, ...]]) -> int:
         """Send commands and return without their answers (read() them): the caller works
         meanwhile. No retry: a caller whose read() fails does it all again another way."""
-        self._on_link(lambda link: link.write(b"".join(hiredis.pack_command(c) for c in commands)))
+        self._on_link(_Link.write, b"".join(hiredis.pack_command(c) for c in commands))
         return len(commands)
 
     def read(self, n: int) -> list[Any]:
