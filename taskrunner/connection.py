@@ -268,7 +268,7 @@ class _Link:
     def _open(self) -> socket.socket:
         conn = self.conn
         conn.connect()
-        sock = conn._sock
+        sock = conn._sock  # redis-py's own attribute; test_redis_restart would catch a change
         sock.settimeout(None)
         if conn.socket_timeout:
             t = float(conn.socket_timeout)
