@@ -294,18 +294,20 @@ class _Link:
         except OSError as e:
             raise redis.ConnectionError(f"Error while writing to socket: {e}") from None
 
+    def ask(self, packed: bytes) -> Any:
+        """Send one packed command and return its reply (an error reply too, not raised)."""
+        self.write(packed)
+        return self.reply()
+
     def call(self, packed: bytes) -> Any:
-        """Send one packed command and return its reply (an error reply too, not raised);
-        a connection that Redis dropped while idle (a restart, CLIENT KILL) fails here
-        first: connect again and retry, as the pool's check at checkout would; then the
-        client's retry policy."""
+        """ask(), and again on a connection error: a connection that Redis dropped while
+        idle (a restart, CLIENT KILL) fails here first, so connect again and retry, as the
+        pool's check at checkout would; then the client's retry policy."""
         try:
-            self.write(packed)
-            return self.reply()
+            return self.ask(packed)
         except (redis.ConnectionError, redis.TimeoutError):
             self.close()
-            return self.conn.retry.call_with_retry(lambda: (self.write(packed), self.reply())[1],
-                                                   lambda error: self.close())
+            return self.conn.retry.call_with_retry(lambda: self.ask(packed), lambda error: self.close())
 
     def reply(self) -> Any:
         """The next reply; an error reply is returned (a ResponseError), not raised."""

@@ -55,15 +55,20 @@ if #taken > 0 then
     redis.call('SREM', p .. 'dl:' .. b, unpack(list))
   end
 end
--- A delivery reached completed, failed or killed: its timeline, when it began, the rest.
-local index = {}
-local function finish(id, job, r, attempt, began, state, fields, error_type)
-  local ek, ev = ended(attempt, t, state == 'failed' and 'failed ' .. error_type or state)
+-- The fields that end a delivery, with its timeline entry and, when the worker says, when
+-- it began.
+local function ending(fields, ek, ev, r, began)
   fields[#fields + 1], fields[#fields + 2] = ek, ev
   if began then
     fields[#fields + 1], fields[#fields + 2] = 'started_at', r.started_at
   end
-  finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
+  return fields
+end
+-- A delivery reached completed, failed or killed.
+local index = {}
+local function finish(id, job, r, attempt, began, state, fields, error_type)
+  local ek, ev = ended(attempt, t, state == 'failed' and 'failed ' .. error_type or state)
+  finalize(p, id, job, r, state, t, ttl, ending(fields, ek, ev, r, began), error_type, index)
 end
 -- Last first: jobs put back next in line (RPUSH) then keep the order they were given in.
 for k = #ids, 1, -1 do
@@ -93,10 +98,7 @@ for k = #ids, 1, -1 do
       local why = v3 ~= '' and v3 or (v2 == 'front' and 'worker shutting down'
         or string.format('requeued itself (Retry, %gs)', delay))
       local ek, ev = ended(attempt, t, 'requeued: ' .. why)
-      local extra = {'last_requeued_at', fmt(t), ek, ev}
-      if began then
-        extra[5], extra[6] = 'started_at', r.started_at
-      end
+      local extra = ending({'last_requeued_at', fmt(t)}, ek, ev, r, began)
       if delay > 0 then
         to_delayed(p, id, job, t + delay, extra)
       else
@@ -111,11 +113,8 @@ for k = #ids, 1, -1 do
         local delay = math.min(base * 2 ^ (failures - 1), cap) * math.min(amount(v4, 1), 1)
         local ek, ev = ended(attempt, t, string.format('failed %s, retry %d of %d in %.2fs', v1, failures,
           retries, delay))
-        local fields = {'error_type', v1, 'error', v2, 'traceback', v3, ek, ev}
-        if began then
-          fields[9], fields[10] = 'started_at', r.started_at
-        end
-        to_delayed(p, id, job, t + delay, fields)
+        local fields = {'error_type', v1, 'error', v2, 'traceback', v3}
+        to_delayed(p, id, job, t + delay, ending(fields, ek, ev, r, began))
       else
         finish(id, job, r, attempt, began, 'failed', {'error_type', v1, 'error', v2, 'traceback', v3}, v1)
       end
