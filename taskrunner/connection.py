@@ -28,6 +28,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -254,6 +255,9 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis | redis.clust
         raise ValueError(f"bad Redis URL {redact(url)!r}: {e}; expected {FORMS}") from None
 
 
+PENDING = object()  # a reply not (all) come yet
+
+
 class _Link:
     """One thread's connection. redis-py opens it (AUTH, SELECT, HELLO: the pool's settings);
     then we write packed commands to its socket and parse the replies with hiredis. The
@@ -309,14 +313,17 @@ class _Link:
             self.close()
             return self.conn.retry.call_with_retry(lambda: self.ask(packed), lambda error: self.close())
 
-    def reply(self) -> Any:
-        """The next reply; an error reply is returned (a ResponseError), not raised."""
+    def reply(self, block: bool = True) -> Any:
+        """The next reply; an error reply is returned (a ResponseError), not raised. Without
+        block, PENDING when it has not all come yet."""
         if self.reader is None:
             raise redis.ConnectionError("Connection closed before its replies were read.")
         while (r := self.reader.gets()) is False:
             try:
-                data = self.sock.recv(65536)
+                data = self.sock.recv(65536, 0 if block else socket.MSG_DONTWAIT)
             except BlockingIOError:
+                if not block:
+                    return PENDING
                 raise redis.TimeoutError("Timeout reading from socket") from None
             except OSError as e:
                 raise redis.ConnectionError(f"Error while reading from socket: {e}") from None
@@ -324,6 +331,14 @@ class _Link:
                 raise redis.ConnectionError("Connection closed by server.")
             self.reader.feed(data)
         return r
+
+
+def _plain(client: Any) -> bool:
+    """A client whose pool opens plain TCP or unix-socket connections to one server (not
+    TLS, Sentinel or Cluster): we can use their sockets ourselves."""
+    pool = getattr(client, "connection_pool", None)
+    return (type(pool) is redis.ConnectionPool and pool.cache is None
+            and pool.connection_class in (redis.Connection, redis.UnixDomainSocketConnection))
 
 
 class Direct:
@@ -343,11 +358,7 @@ class Direct:
 
     @classmethod
     def of(cls, client: Any) -> Direct | None:
-        pool = getattr(client, "connection_pool", None)
-        if (type(pool) is redis.ConnectionPool and pool.cache is None
-                and pool.connection_class in (redis.Connection, redis.UnixDomainSocketConnection)):
-            return cls(client)
-        return None
+        return cls(client) if _plain(client) else None
 
     def _on_link(self, work: Callable[..., Any], *args: Any) -> Any:
         """work(this thread's link, *args); a link that failed mid-command is closed (error
@@ -382,6 +393,70 @@ class Direct:
 
     def script_load(self, source: str) -> str:
         return self.client.script_load(source)
+
+
+class Channel:
+    """A connection of its own on which batches of commands stay in flight: send() returns
+    at once, select() on fileno() tells when answers come, and take() gives each batch's
+    answers once they have all come. The worker's syncs: Redis runs one while the worker
+    reads its children, instead of each waiting on the other. Nothing is ever sent again:
+    a batch whose answers were lost may have run, and the caller reconciles. The client's
+    socket_timeout bounds the wait for an answer (deadline()). Plain pools only, as
+    Direct: of() gives None otherwise."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.link = _Link(client.connection_pool)
+        self.sizes: deque[int] = deque()  # commands per batch in flight, oldest first
+        self.got: list[Any] = []  # the oldest batch's answers come so far
+        self.heard = 0.0  # monotonic; the last answer, or the send that ended a silence
+
+    @classmethod
+    def of(cls, client: Any) -> Channel | None:
+        return cls(client) if _plain(client) else None
+
+    def send(self, commands: list[tuple[Any, ...]]) -> None:
+        try:
+            self.link.write(b"".join(hiredis.pack_command(c) for c in commands))
+        except BaseException:
+            self.close()
+            raise
+        if not self.sizes:
+            self.heard = time.monotonic()
+        self.sizes.append(len(commands))
+
+    def deadline(self) -> float:
+        """When what is in flight counts as lost, if no answer comes before (monotonic)."""
+        timeout = self.link.conn.socket_timeout
+        return self.heard + float(timeout) if timeout and self.sizes else float("inf")
+
+    def fileno(self) -> int:
+        return self.link.sock.fileno()  # type: ignore[union-attr]  # open while batches are in flight
+
+    def take(self, block: bool = False) -> list[list[Any]]:
+        """The batches answered whole since the last call, oldest first (block: wait for
+        every one in flight); an error reply is returned, not raised."""
+        done = []
+        try:
+            while self.sizes:
+                r = self.link.reply(block)
+                if r is PENDING:
+                    break
+                self.heard = time.monotonic()
+                self.got.append(r)
+                if len(self.got) == self.sizes[0]:
+                    done.append(self.got)
+                    self.got = []
+                    self.sizes.popleft()
+        except BaseException:
+            self.close()
+            raise
+        return done
+
+    def close(self) -> None:
+        """Forget what is in flight (the caller reconciles) and the connection."""
+        self.link.close()
+        self.sizes.clear()
+        self.got = []
 
 
 def connect_async(url: str | None = None, **options: Any) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:

@@ -3,10 +3,11 @@ long-lived child processes.
 
 The main process never runs a job, so its heartbeats go on whatever a job does. It
 waits on everything at once with one select: the children's pipes and exit sentinels,
-and connections each with a BRPOP outstanding: its control list (kill requests) and,
-when a child is idle and the queues were found empty, the queues' wake lists (one BRPOP
-on all; on a Redis Cluster one per queue, as one command's keys must share a slot). No
-threads (the worker forks replacement children) and no polling."""
+the connection its syncs with Redis (finish, claim: one round trip) are in flight on, and
+connections each with a BRPOP outstanding: its control list (kill requests) and, when a
+child is idle and the queues were found empty, the queues' wake lists (one BRPOP on all;
+on a Redis Cluster one per queue, as one command's keys must share a slot). No threads
+(the worker forks replacement children) and no polling."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import signal
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -27,7 +28,7 @@ import redis
 from . import codec, frames, scripts
 from .app import TaskRunner
 from .child import child_main
-from .connection import Blocker, is_cluster
+from .connection import Blocker, Channel, is_cluster
 from .consumer import claim_args, claim_keys, claim_rest
 from .holders import lose_held, pid_namespace
 from .listing import server_time
@@ -43,8 +44,11 @@ PREFETCH_WINDOW = 0.01
 #: A job that runs longer than this (or than its max duration) hands the jobs sent ahead
 #: of it back to the queue, for other workers.
 HOLD = 1.0
-#: Seconds results may wait to go to Redis together while children have jobs queued.
+#: Seconds results may wait to go to Redis together while children have jobs queued and
+#: a sync is in flight (with none, Redis has nothing to do: they go at once).
 FLUSH_AFTER = 0.002
+#: Syncs in flight at most: Redis runs one while we act on another's answers.
+FLIGHTS = 2
 #: While children run short jobs with more queued, we look at their answers this often
 #: instead of waking for each one.
 GLANCE = 0.0005
@@ -66,6 +70,18 @@ class Delivery:
     @property
     def deadline(self) -> float:
         return self.began + self.max_duration if self.began is not None else float("inf")
+
+
+@dataclass
+class Flight:
+    """A sync sent to Redis whose answers have not come yet: what it reports, and what
+    it claims for."""
+
+    batch: scripts.Batch
+    outbox: dict[str, list[list[Any]]]
+    marks: list[tuple[str, str, str]]
+    slots: list[tuple[Child, float]] = field(default_factory=list)
+    claim: list[Any] = field(default_factory=list)
 
 
 class Child:
@@ -218,6 +234,10 @@ class Worker:
         groups = [[k] for k in wakes] if is_cluster(self.redis) else [wakes]  # one command's keys: one slot
         self.wakes = [Blocker(self.redis, keys) for keys in groups]
         self.ctl = Blocker(self.redis, [self.keys.control(self.name)])
+        # Syncs go on a connection of our own, answered while we read our children (with
+        # TLS, Sentinel or Cluster through redis-py, one at a time, waiting for each).
+        self.channel = Channel.of(self.redis)
+        self.flights: deque[Flight] = deque()  # oldest first
         self.proc = psutil.Process()
         self.started_at = time.time()
         self.processed = 0
@@ -285,7 +305,7 @@ class Worker:
             pass
 
     def _drained(self) -> bool:
-        return not any(c.jobs for c in self.children) and not self.outbox
+        return not any(c.jobs for c in self.children) and not self.outbox and not self.flights
 
     def _shutdown(self) -> None:
         signal.set_wakeup_fd(-1)
@@ -299,7 +319,7 @@ class Worker:
                 c.proc.kill()
                 c.proc.join()
         try:
-            self._sync()
+            self._sync(wait=True)
             pipe = self.redis.pipeline(transaction=False)
             pipe.zrem(self.keys.workers, self.name).delete(self.keys.worker(self.name))
             pipe.delete(self.keys.control(self.name)).execute()
@@ -325,6 +345,8 @@ class Worker:
                 c.flush()
         if now >= self.redis_ok_at:
             try:
+                if self.flights and now >= self.channel.deadline():
+                    raise redis.TimeoutError("no answer from Redis within socket_timeout")
                 if now >= self.next_beat:
                     self._heartbeat()
                 if now >= self._sync_due(now):
@@ -332,14 +354,11 @@ class Worker:
                 self._arm()
                 self.backoff = 0.0
             except _REDIS_ERRORS as e:
-                self.backoff = min(max(self.backoff * 2, 0.1), 5.0)
-                self.redis_ok_at = time.monotonic() + self.backoff
-                self.reconcile = True  # a claim may have gone through unanswered
-                for b in (self.ctl, *self.wakes):
-                    b.reset()
-                log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, self.backoff)
+                self._redis_failed(e)
         quiet = self._quiet()  # as things stand now
         waitables: list[Any] = [self._wakeup]
+        if self.flights:
+            waitables.append(self.channel)
         for c in self.children:
             waitables += [c.proc.sentinel] if c in quiet else [c.conn, c.proc.sentinel]
         for b in (self.ctl, *self.wakes):
@@ -348,6 +367,29 @@ class Worker:
         timeout = self._timeout()
         for ready in _wait(waitables, min(timeout, GLANCE) if quiet else timeout):
             self._on_ready(ready)
+
+    def _redis_failed(self, e: Exception) -> None:
+        """Back off. What the syncs in flight reported goes again (finishes are idempotent)
+        and what they claimed is reconciled, as any claim may have gone through unanswered."""
+        self.backoff = min(max(self.backoff * 2, 0.1), 5.0)
+        self.redis_ok_at = time.monotonic() + self.backoff
+        self.reconcile = True
+        if self.flights:
+            if self.channel is not None:
+                self.channel.close()
+            outbox: dict[str, list[list[Any]]] = {}
+            marks: list[tuple[str, str, str]] = []
+            for box, their_marks in [*((f.outbox, f.marks) for f in self.flights), (self.outbox, self.stuck_marks)]:
+                for q, entries in box.items():
+                    outbox.setdefault(q, []).extend(entries)
+                marks += their_marks
+            self.flights.clear()
+            self.outbox, self.stuck_marks = outbox, marks
+            if outbox:
+                self.outbox_since = time.monotonic()
+        for b in (self.ctl, *self.wakes):
+            b.reset()
+        log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, self.backoff)
 
     def _quiet(self) -> list[Child]:
         """Children busy with short jobs and with enough of them queued that their answers
@@ -375,23 +417,33 @@ class Worker:
             t.append(self.stop_at)
         if now >= self.redis_ok_at:
             t.append(self._sync_due(now))
+        if self.flights:
+            t.append(self.channel.deadline())
         return max(0.0, min(t) - now)
 
     def _sync_due(self, now: float) -> float:
         """When to talk to Redis next. At once when a child has run out of jobs or is down to
         half of what it should have; results wait up to FLUSH_AFTER while children have jobs
-        queued (more per round trip: less work for Redis and for us), else they go at once."""
+        queued and a sync is in flight (more per round trip: less work for Redis and for
+        us), else they go at once. Up to FLIGHTS syncs are in flight, one with a claim."""
+        if len(self.flights) >= FLIGHTS:
+            return float("inf")
         if self.stuck_marks or self.reconcile:
             return now
         due = float("inf")
         if self.outbox:
             queued = any(len(c.jobs) > 1 for c in self.children)
-            due = self.outbox_since + FLUSH_AFTER if queued and not self.stopping else now
-        if self.may_claim and not self.stopping:
+            due = self.outbox_since + FLUSH_AFTER if queued and self.flights and not self.stopping else now
+        if self.may_claim and not self.stopping and not self._claiming():
             depth = self._depth()
             if any(len(c.jobs) <= depth // 2 and c.kill_reason is None for c in self.children) and self._slots(now):
                 return now
         return due
+
+    def _claiming(self) -> bool:
+        """Is a claim in flight? Jobs it brings go to children before the next claim counts
+        their room and the work queued ahead of the jobs it claims for them."""
+        return any(f.slots for f in self.flights)
 
     def _on_ready(self, ready: Any) -> None:
         if ready is self._wakeup:
@@ -399,6 +451,12 @@ class Worker:
                 self._wakeup.recv(512)
             except BlockingIOError:
                 pass
+            return
+        if ready is self.channel:
+            try:
+                self._land()
+            except _REDIS_ERRORS as e:
+                self._redis_failed(e)
             return
         if isinstance(ready, Blocker):
             if not ready.armed:
@@ -580,13 +638,18 @@ class Worker:
         self.reconcile = True
 
     def _reported(self, job_id: str) -> bool:
-        """Is the job's outcome waiting in the outbox?"""
-        return any(v[0] == job_id for values in self.outbox.values() for v in values)
+        """Is the job's outcome waiting in the outbox, or on its way?"""
+        boxes = [self.outbox, *(f.outbox for f in self.flights)]
+        return any(v[0] == job_id for box in boxes for values in box.values() for v in values)
 
     # -- Redis -------------------------------------------------------------------------
 
-    def _sync(self) -> None:
-        """Report finished jobs, mark stuck ones and claim for children with room: one round trip."""
+    def _sync(self, wait: bool = False) -> None:
+        """Report finished jobs, mark stuck ones and claim for children with room: one round
+        trip, whose answers _land() takes when they come. We wait for them (wait) when the
+        channel cannot keep it in flight, and to reconcile: what we hold must be known."""
+        if self.reconcile:
+            self._land(block=True)
         batch = scripts.Batch(self.redis)
         outbox = self.outbox
         now = time.monotonic()
@@ -600,33 +663,58 @@ class Worker:
         for q, job_id, attempt in marks:
             batch.call(scripts.STUCK, [self.keys.q(q)],
                        [job_id, attempt, time.time() + self.s.stuck_recheck, self.s.bucket_width])
-        slots = self._slots(now) if self.may_claim and not self.stopping else []
+        slots = self._slots(now) if self.may_claim and not self.stopping and not self._claiming() else []
+        claim: list[Any] = []
         if slots:
             pairs = [v for c, ahead in slots for v in (c.pid, f"{ahead:.3f}")]
             claim = claim_args(self.app, self.name, self.host, self.ip, pairs)
             batch.call(scripts.CLAIM, claim_keys(self.app, self.prefixes), claim)
-        results = batch.execute()
-        self.outbox, self.stuck_marks = {}, []
-        for entries, acks in zip(outbox.values(), results):
+        if len(batch):
+            self.flights.append(Flight(batch, outbox, marks, slots, claim))
+            self.outbox, self.stuck_marks = {}, []
+            if self.channel is not None:
+                self.channel.send(batch.commands())
+            if wait or self.reconcile or self.channel is None:
+                self._land(block=True)
+        if self.reconcile:
+            self._release_orphans()
+
+    def _land(self, block: bool = False) -> None:
+        """Act on the answers to the syncs in flight that have come (block: wait for all)."""
+        if self.channel is None:
+            answered = [None] * len(self.flights)  # each runs now, the usual way
+        else:
+            answered = self.channel.take(block) if self.flights else []
+        for answers in answered:
+            f = self.flights[0]
+            results = f.batch.execute() if answers is None else f.batch.settle(answers)
+            self.flights.popleft()
+            self._landed(f, results)
+
+    def _landed(self, f: Flight, results: list[Any]) -> None:
+        for entries, acks in zip(f.outbox.values(), results):
             for e, ack in zip(entries, acks):
                 if ack == 0:
                     log.warning("worker %s: job %s was requeued and taken by another worker while it ran "
                                 "here; this result was discarded", self.name, e[0])
-        if slots:
-            claimed = claim_rest(self.app, self.prefixes, claim, results[-1])
-            self._start(slots, claimed)
-            if len(claimed) < 8 * len(slots):
+        if f.slots:
+            claimed = claim_rest(self.app, self.prefixes, f.claim, results[-1])
+            self._start(f.slots, claimed)
+            if len(claimed) < 8 * len(f.slots):
                 self.may_claim = False
-        if self.reconcile:
-            self._release_orphans()
 
     def _start(self, slots: list[tuple[Child, float]], claimed: list[Any]) -> None:
+        """Send claimed jobs to the children they were claimed for; a child that died while
+        the claim was in flight never got its jobs, so they go back, next in line."""
         now = time.monotonic()
         for i in range(0, len(claimed), 8):
             qi, job_id, attempt, task, args, kwargs, md, policy = claimed[i:i + 8]
             c = slots[i // 8][0]
             d = Delivery(job_id, str(attempt), self.queues[int(qi) - 1], float(md), policy)
-            c.send(d, b"\0".join(s.encode() for s in (job_id, str(attempt), task, args, kwargs)), now)
+            if c in self.children:
+                c.send(d, b"\0".join(s.encode() for s in (job_id, str(attempt), task, args, kwargs)), now)
+            else:
+                self._report(d, ["return", f"its process died on {self.host} before it got it", "", "", ""])
         for c in {c for c, _ in slots}:
             c.flush()
 

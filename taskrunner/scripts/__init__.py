@@ -58,7 +58,11 @@ class Batch:
         execute() reads the answers. For idempotent calls only: if reading fails, execute()
         sends the batch again, the usual way (with redis-py's retries)."""
         if self.direct is not None and len(self.pipe):
-            self.sent = self.direct.send([args for args, _ in self.pipe.command_stack])
+            self.sent = self.direct.send(self.commands())
+
+    def commands(self) -> list[tuple[Any, ...]]:
+        """The batch's commands, to send another way (then settle() their answers)."""
+        return [args for args, _ in self.pipe.command_stack]
 
     def execute(self) -> list[Any]:
         if not len(self.pipe):
@@ -72,6 +76,11 @@ class Batch:
             self.sent = 0
         if results is None:
             results = self.pipe.execute(raise_on_error=False)
+        return self.settle(results)
+
+    def settle(self, results: list[Any]) -> list[Any]:
+        """The batch's results from its answers: scripts the server did not know are loaded
+        and run again; an error is raised."""
         for index, script, keys, args in self._scripts:
             if isinstance(results[index], NoScriptError):
                 results[index] = script(self.client, keys, args)
