@@ -24,8 +24,6 @@ log = logging.getLogger("taskrunner.history")
 #: Half of HISTORY_MAX in _lib.lua: beyond this backlog the dispatcher warns (the stream
 #: is capped at HISTORY_MAX; entries past it would be trimmed before being archived).
 WARN_BACKLOG = 250_000
-FIELDS = ("id", "task", "queue", "state", "attempt", "enqueued_at", "started_at", "finished_at", "runtime",
-          "wait", "worker", "host", "pid", "error_type")
 
 
 def schema() -> Any:
@@ -49,21 +47,28 @@ def _next_id(stream_id: str) -> str:
 
 
 def _record(stream_id: str, f: dict[str, str]) -> dict[str, Any]:
-    def ts(v: str) -> datetime | None:
-        return datetime.fromtimestamp(float(v), timezone.utc) if v else None
-
-    def num(v: str, kind: type) -> Any:
+    """A stream entry as a row. Runtime and wait are derived here, not stored in Redis (its
+    CPU is every worker's bottleneck); entries written by earlier versions carry them."""
+    def num(v: str | None, kind: type = float) -> Any:
         try:
             return kind(float(v)) if v else None
         except ValueError:
             return None
 
+    def ts(v: float | None) -> datetime | None:
+        return datetime.fromtimestamp(v, timezone.utc) if v is not None else None
+
+    def since(end: float | None, start: float | None) -> float | None:
+        return round(end - start, 6) if end is not None and start is not None else None
+
+    enqueued, started, finished = num(f.get("enqueued_at")), num(f.get("started_at")), num(f.get("finished_at"))
+    runtime = num(f["runtime"]) if "runtime" in f else since(finished, started)
+    wait = num(f["wait"]) if "wait" in f else since(started, enqueued)
     return {"id": f.get("id", ""), "task": f.get("task", ""), "queue": f.get("queue", ""),
-            "state": f.get("state", ""), "attempt": num(f.get("attempt", ""), int),
-            "enqueued_at": ts(f.get("enqueued_at", "")), "started_at": ts(f.get("started_at", "")),
-            "finished_at": ts(f.get("finished_at", "")), "runtime": num(f.get("runtime", ""), float),
-            "wait": num(f.get("wait", ""), float), "worker": f.get("worker", ""), "host": f.get("host", ""),
-            "pid": num(f.get("pid", ""), int), "error_type": f.get("error_type") or None, "stream_id": stream_id}
+            "state": f.get("state", ""), "attempt": num(f.get("attempt"), int),
+            "enqueued_at": ts(enqueued), "started_at": ts(started), "finished_at": ts(finished),
+            "runtime": runtime, "wait": wait, "worker": f.get("worker", ""), "host": f.get("host", ""),
+            "pid": num(f.get("pid"), int), "error_type": f.get("error_type") or None, "stream_id": stream_id}
 
 
 class Archiver:

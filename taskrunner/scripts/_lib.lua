@@ -99,17 +99,15 @@ end
 
 -- The history stream is capped (approximately) at this many entries; the archiver empties
 -- it long before, and the dispatcher warns when it holds half as many.
-local HISTORY_MAX = 500000
+local HISTORY_MAX = '500000'
 
 -- Append what just happened to a delivery to the queue's history stream.
 local function history(p, id, r, state, t, error_type)
-  local enq, started = tonumber(r.enqueued_at), tonumber(r.started_at)
   redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*',
     'id', id, 'task', r.task or '', 'queue', r.queue or '', 'state', state,
     'attempt', r.attempts or '0', 'enqueued_at', r.enqueued_at or '', 'started_at', r.started_at or '',
-    'finished_at', fmt(t), 'runtime', started and fmt(t - started) or '',
-    'wait', (started and enq) and fmt(started - enq) or '',
-    'worker', r.worker or '', 'host', r.host or '', 'pid', r.pid or '', 'error_type', error_type or '')
+    'finished_at', fmt(t), 'worker', r.worker or '', 'host', r.host or '', 'pid', r.pid or '',
+    'error_type', error_type or '')
 end
 
 -- A job reached completed, failed or killed: index it, expire it, wake its waiters.

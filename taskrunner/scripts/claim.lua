@@ -66,7 +66,8 @@ for qi = 1, #KEYS do
         taken = taken + 1
         bytes = bytes + #(f[2] or '') + #(f[3] or '')
         local pid, base = ARGV[5 + 2 * n], ARGV[6 + 2 * n]
-        local attempt = (tonumber(f[6]) or 0) + 1
+        local attempt_n = (tonumber(f[6]) or 0) + 1
+        local attempt = tostring(attempt_n)  -- as text once, not at each use
         local md, md_s = tonumber(f[4]), f[4]
         if not md or not string.find(md_s, '^%d+%.?%d*$') then  -- not "nan", "0x10", "-1"
           md, md_s = default_md, ARGV[6]
@@ -96,7 +97,7 @@ for qi = 1, #KEYS do
         end
         ids_b[#ids_b + 1] = id
         local o = #out
-        out[o + 1], out[o + 2], out[o + 3], out[o + 4] = qi, id, attempt, f[1]
+        out[o + 1], out[o + 2], out[o + 3], out[o + 4] = qi, id, attempt_n, f[1]
         out[o + 5], out[o + 6], out[o + 7], out[o + 8] = f[2] or '[]', f[3] or '{}', md_s, f[5] or 'kill'
       end
     end
