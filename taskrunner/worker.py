@@ -681,10 +681,8 @@ class Worker:
 
     def _land(self, block: bool = False) -> None:
         """Act on the answers to the syncs in flight that have come (block: wait for all)."""
-        if self.channel is None:
-            answered = [None] * len(self.flights)  # each runs now, the usual way
-        else:
-            answered = self.channel.take(block) if self.flights else []
+        # Without a channel, each runs now, the usual way.
+        answered = [None] * len(self.flights) if self.channel is None else self.channel.take(block)
         for answers in answered:
             f = self.flights[0]
             results = f.batch.execute() if answers is None else f.batch.settle(answers)
