@@ -166,7 +166,7 @@ class TaskRunner:
         UnicodeDecodeError in whichever process reads it."""
         if self._redis is None or self._redis_pid != os.getpid():
             self._redis = connect(self.settings.redis_url, encoding_errors="replace")
-            self._direct = Direct.of(self._redis)
+            self._direct = Direct.of(self._redis, self.settings.enqueue_spin)
             self._redis_pid = os.getpid()
             self._known_queues = set()
         return self._redis

@@ -53,6 +53,11 @@ class Settings:
     prefetch: int = 128  # TASKRUNNER_PREFETCH
     #: Seconds an idle worker blocks in Redis before it looks again anyway.
     idle_block: float = 5.0  # TASKRUNNER_IDLE_BLOCK
+    #: Seconds a lone enqueue polls for Redis's answer before it sleeps on the socket, when
+    #: Redis is on this machine (unix socket, loopback): waking a sleeping process can take
+    #: longer than Redis's work, on VMs most. Costs up to this much CPU per enqueue; 0 turns
+    #: it off. Never with a remote Redis or a single CPU.
+    enqueue_spin: float = 0.0001  # TASKRUNNER_ENQUEUE_SPIN
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:

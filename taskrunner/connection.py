@@ -22,6 +22,7 @@ pool: after a failover it moves to the promoted replica even if the old primary 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -262,12 +263,14 @@ class _Link:
     """One thread's connection. redis-py opens it (AUTH, SELECT, HELLO: the pool's settings);
     then we write packed commands to its socket and parse the replies with hiredis. The
     socket blocks, its timeout kept by the kernel (SO_RCVTIMEO, SO_SNDTIMEO): Python polls
-    before every send and every recv on a socket that has a timeout of its own."""
+    before every send and every recv on a socket that has a timeout of its own. With `spin`,
+    a reply is polled for that many seconds before we sleep on the socket."""
 
-    def __init__(self, pool: redis.ConnectionPool) -> None:
+    def __init__(self, pool: redis.ConnectionPool, spin: float = 0.0) -> None:
         self.conn = pool.connection_class(**pool.connection_kwargs)
         self.sock: socket.socket | None = None
         self.reader: Any = None
+        self.spin = spin
 
     def _open(self) -> socket.socket:
         conn = self.conn
@@ -318,12 +321,16 @@ class _Link:
         block, PENDING when it has not all come yet."""
         if self.reader is None:
             raise redis.ConnectionError("Connection closed before its replies were read.")
+        spin_until = time.perf_counter() + self.spin if block and self.spin else 0.0
         while (r := self.reader.gets()) is False:
+            polling = not block or (spin_until and time.perf_counter() < spin_until)
             try:
-                data = self.sock.recv(65536, 0 if block else socket.MSG_DONTWAIT)
+                data = self.sock.recv(65536, socket.MSG_DONTWAIT if polling else 0)
             except BlockingIOError:
                 if not block:
                     return PENDING
+                if polling:
+                    continue
                 raise redis.TimeoutError("Timeout reading from socket") from None
             except OSError as e:
                 raise redis.ConnectionError(f"Error while reading from socket: {e}") from None
@@ -341,6 +348,22 @@ def _plain(client: Any) -> bool:
             and pool.connection_class in (redis.Connection, redis.UnixDomainSocketConnection))
 
 
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _on_this_machine(pool: redis.ConnectionPool) -> bool:
+    """Does the pool connect to a unix socket or a loopback address?"""
+    if pool.connection_class is redis.UnixDomainSocketConnection:
+        return True
+    host = str(pool.connection_kwargs.get("host", "localhost"))
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Direct:
     """A connection per thread, used directly, for the one hot single-command path (a lone
     enqueue): redis-py spends more CPU on a command than Redis does, taking a connection
@@ -349,23 +372,29 @@ class Direct:
     policy as the client's own; a connection that failed mid-command is closed, never
     reused with a reply half read. Only for a plain pool of TCP or unix-socket connections
     (not TLS, Sentinel or Cluster): of() gives None otherwise. Its connections are not the
-    pool's: each goes with its thread."""
+    pool's: each goes with its thread.
 
-    def __init__(self, client: redis.Redis) -> None:
+    `spin`: seconds to poll for a reply before sleeping on the socket (Settings.enqueue_spin)
+    when Redis is on this machine and we have more than one CPU: a caller that waits for the
+    answer anyway is then awake when it comes, where waking a sleeping process can take
+    longer than Redis's work. A remote Redis's answer takes the network's round trip: no spin."""
+
+    def __init__(self, client: redis.Redis, spin: float = 0.0) -> None:
         self.client = client
         self.pool = client.connection_pool
         self.local = threading.local()
+        self.spin = spin if _cpus() > 1 and _on_this_machine(self.pool) else 0.0
 
     @classmethod
-    def of(cls, client: Any) -> Direct | None:
-        return cls(client) if _plain(client) else None
+    def of(cls, client: Any, spin: float = 0.0) -> Direct | None:
+        return cls(client, spin) if _plain(client) else None
 
     def _on_link(self, work: Callable[..., Any], *args: Any) -> Any:
         """work(this thread's link, *args); a link that failed mid-command is closed (error
         replies are returned by the link, not raised: they leave it fine)."""
         link = getattr(self.local, "link", None)
         if link is None:
-            link = self.local.link = _Link(self.pool)
+            link = self.local.link = _Link(self.pool, self.spin)
         try:
             return work(link, *args)
         except BaseException:

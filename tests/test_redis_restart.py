@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import redis
 
 from taskrunner.redis_server import RedisServer
 from tests import apps
-from tests.conftest import Stack, wait_for
+from tests.conftest import ROOT, Stack, wait_for
 
 
 @pytest.fixture
@@ -109,6 +112,40 @@ def test_lone_enqueue_fast_path_times_out_when_redis_stops_answering(app, own_re
         os.kill(own_redis.proc.pid, signal.SIGCONT)
     assert apps.add.delay(2, 2).id in _pending(app)
     assert app._direct.local.link.sock is not None
+
+
+def test_lone_enqueue_spins_briefly_then_sleeps_when_redis_is_slow(app, own_redis):
+    """A lone enqueue polls for its answer for enqueue_spin seconds, then sleeps on the
+    socket: a Redis that stops answering (SIGSTOP) costs the caller almost no CPU while it
+    waits out socket_timeout and the retries, and the answer after SIGCONT is the right one."""
+    app.configure(redis_url=own_redis.url + "?socket_timeout=0.3", enqueue_spin=0.001)
+    apps.add.delay(0, 0)
+    assert app._direct.spin == 0.001  # a unix socket: Redis is on this machine
+    os.kill(own_redis.proc.pid, signal.SIGSTOP)
+    try:
+        cpu, wall = time.process_time(), time.monotonic()
+        with pytest.raises(redis.TimeoutError):
+            apps.add.delay(1, 1)
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    finally:
+        os.kill(own_redis.proc.pid, signal.SIGCONT)
+    assert wall >= 0.3 and cpu < wall / 4, (cpu, wall)  # slept, spun only at each try's start
+    job = apps.add.delay(2, 2)
+    assert job.id in _pending(app) and app.job(job.id).data["args"] == "[2,2]"
+
+
+@pytest.mark.parametrize("url, spins", [("redis://127.0.0.1:6399", True), ("redis://[::1]:6399", True),
+                                        ("redis://localhost:6399", True), ("redis://10.1.2.3:6399", False),
+                                        ("redis://redis.example:6399", False)])
+def test_enqueue_spins_only_for_a_redis_on_this_machine(url, spins):
+    """No spin for a remote Redis (its answer takes the network's round trip) or on one CPU."""
+    code = ("import os, sys; from taskrunner.connection import Direct, connect\n"
+            "if sys.argv[2] == 'one': os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+            "print(Direct.of(connect(sys.argv[1]), 0.0001).spin)")
+    for cpus, expected in (("all", 0.0001 if spins else 0.0), ("one", 0.0)):
+        out = subprocess.run([sys.executable, "-c", code, url, cpus], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout
+        assert float(out) == expected, (url, cpus, out)
 
 
 def test_lone_enqueue_fast_path_per_thread_and_after_fork(app):
