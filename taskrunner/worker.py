@@ -19,7 +19,7 @@ import signal
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -80,8 +80,8 @@ class Flight:
     batch: scripts.Batch
     outbox: dict[str, list[list[Any]]]
     marks: list[tuple[str, str, str]]
-    slots: list[tuple[Child, float]] = field(default_factory=list)
-    claim: list[Any] = field(default_factory=list)
+    slots: list[tuple[Child, float]]
+    claim: list[Any]
 
 
 class Child:
@@ -705,11 +705,12 @@ class Worker:
         """Send claimed jobs to the children they were claimed for; a child that died while
         the claim was in flight never got its jobs, so they go back, next in line."""
         now = time.monotonic()
+        alive = set(self.children)
         for i in range(0, len(claimed), 8):
             qi, job_id, attempt, task, args, kwargs, md, policy = claimed[i:i + 8]
             c = slots[i // 8][0]
             d = Delivery(job_id, str(attempt), self.queues[int(qi) - 1], float(md), policy)
-            if c in self.children:
+            if c in alive:
                 c.send(d, b"\0".join(s.encode() for s in (job_id, str(attempt), task, args, kwargs)), now)
             else:
                 self._report(d, ["return", f"its process died on {self.host} before it got it", "", "", ""])
