@@ -22,12 +22,10 @@ from taskrunner.loader import load_app
 from . import security
 from .views import api, pages
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def create_app(runner: TaskRunner | None = None, password: str | None = None, token: str | None = None) -> Flask:
     runner = runner or load_app(os.environ.get("TASKRUNNER_APP"))
-    web = Flask(__name__, template_folder=os.path.join(ROOT, "templates"), static_folder="static")
+    web = Flask(__name__)
     # X-Forwarded-Proto/-Host may come from anyone: at worst a client gets a Secure cookie.
     # X-Forwarded-For is the address logins are counted by, so it is trusted only from the
     # TASKRUNNER_DASHBOARD_PROXIES proxies said to be in front (a client could set it).
