@@ -17,7 +17,7 @@ import redis
 
 from . import listing
 from .app import TaskRunner
-from .errors import JobFailed, TaskRunnerError, Timeout
+from .errors import JobFailed, TaskRunnerError, Timeout, require_extra
 from .loader import load_app
 
 
@@ -297,6 +297,7 @@ def dashboard(host: str, port: int, app_spec: str | None, redis_url: str | None)
     TASKRUNNER_DASHBOARD_PASSWORD  enables login, then Kill/Retry/... in the pages
     TASKRUNNER_DASHBOARD_TOKEN     enables POST /api/... with "Authorization: Bearer <token>"
     Neither set: read-only."""
+    require_extra("dashboard", "the dashboard", "flask")
     from dashboard import create_app
     from dashboard.security import check_bind
 
@@ -319,6 +320,7 @@ def up(demo: bool, concurrency: int, port: int, exit_after: bool, app_spec: str 
 
     if not app_spec and not demo:
         raise click.UsageError("give your app with -A module, or try --demo")
+    require_extra("dashboard", "up (it serves the dashboard)", "flask", "gunicorn")
     sys.exit(run_stack(app_spec or "taskrunner.demo:app", redis_url, concurrency, port, demo, exit_after))
 
 
@@ -532,10 +534,11 @@ def history() -> None:
 @common
 def history_archive(history_dir: str | None, batch: int, app_spec: str | None, redis_url: str | None) -> None:
     """Move every history record now; safe to interrupt and run again (exactly once)."""
-    from .history import Archiver
+    from .history import Archiver, backlog
 
-    archiver = Archiver(_app(app_spec, redis_url), history_dir, batch)
-    waiting = sum(archiver.backlog().values())
+    app = _app(app_spec, redis_url)
+    archiver = Archiver(app, history_dir, batch)
+    waiting = sum(backlog(app).values())
     with click.progressbar(length=waiting, label="archiving", file=sys.stderr) as bar:
         n = archiver.archive(progress=bar.update)
     click.echo(f"{n} records archived to {archiver.directory}")
@@ -546,9 +549,9 @@ def history_archive(history_dir: str | None, batch: int, app_spec: str | None, r
 @common
 def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
     """Records waiting to be archived, per queue."""
-    from .history import Archiver
+    from .history import backlog as history_backlog
 
-    backlog = Archiver(_app(app_spec, redis_url)).backlog()
+    backlog = history_backlog(_app(app_spec, redis_url))
     if as_json:
         return _emit(backlog)
     for q, n in backlog.items():
@@ -567,12 +570,9 @@ def analyze(since: str, master: str | None, history_dir: str | None, as_json: bo
     """Statistics of the archived job history, with PySpark: per task, queue, worker host
     and hour (counts, outcome rates, runtime and wait percentiles, top errors). Writes them
     next to the archive and into Redis for the dashboard's History page."""
-    try:
-        import pyspark  # noqa: F401
+    require_extra("spark", "analyze (PySpark)", "pyspark")
+    from . import analyze as analysis
 
-        from . import analyze as analysis
-    except ImportError:
-        raise click.ClickException("analyze needs PySpark: pip install 'taskrunner[spark]'") from None
     app = _app(app_spec, redis_url)
     seconds = analysis.parse_since(since)
     summary = analysis.analyze(history_dir, seconds, master,

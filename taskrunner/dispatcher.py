@@ -23,8 +23,8 @@ from croniter import croniter
 
 from . import codec, scripts
 from .app import Schedule, TaskRunner, cron_job_id
-from .errors import TaskRunnerError
-from .history import WARN_BACKLOG
+from .errors import MissingExtra, TaskRunnerError
+from .history import WARN_BACKLOG, Archiver, backlog
 from .holders import lose, lose_held, pid_namespace
 from .listing import server_time
 
@@ -128,18 +128,18 @@ class Dispatcher:
         fills up faster than it is archived, before its cap could drop anything."""
         self.next_archive = time.monotonic() + self.s.history_interval
         try:
-            from .history import Archiver
-        except ImportError:
-            log.error("dispatcher: pyarrow is not installed: job history is not archived")
+            archiver = Archiver(self.app)
+        except MissingExtra as e:  # a core install: said once, and history stays in Redis
+            log.warning("dispatcher: job history is not archived, each queue's last %d records stay in Redis: %s",
+                        2 * WARN_BACKLOG, e)
             self.next_archive = float("inf")
             return 0
-        archiver = Archiver(self.app)
         try:
             n = archiver.archive(queues, max_batches=5)
         except OSError as e:
             log.error("dispatcher: archiving job history to %s failed: %s", archiver.directory, e)
             n = 0
-        self.history_backlog = archiver.backlog(queues)
+        self.history_backlog = backlog(self.app, queues)
         for q, waiting in self.history_backlog.items():
             if waiting >= WARN_BACKLOG:
                 log.error("dispatcher: %d history records of queue %s wait to be archived; the stream keeps at "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 
 class TaskRunnerError(Exception):
     """Base of every taskrunner error."""
@@ -34,6 +36,22 @@ class JobFailed(TaskRunnerError):
 
 class Timeout(TaskRunnerError, TimeoutError):
     """Job.wait() gave up before the job ended."""
+
+
+class MissingExtra(TaskRunnerError, ImportError):
+    """A part that `pip install taskrunner` leaves out (the core is the client, worker,
+    dispatcher and CLI) was used: says which extra brings it."""
+
+    def __init__(self, what: str, extra: str):
+        super().__init__(f"{what} needs the {extra!r} extra: pip install 'taskrunner[{extra}]'")
+        self.extra = extra
+
+
+def require_extra(extra: str, what: str, *modules: str) -> None:
+    """Raise MissingExtra unless every module of `extra` can be imported (checked before
+    importing, so that a user sees the extra to install, not a bare ModuleNotFoundError)."""
+    if any(importlib.util.find_spec(m) is None for m in modules):
+        raise MissingExtra(what, extra)
 
 
 class Retry(Exception):

@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .app import TaskRunner
+from .errors import require_extra
 
 log = logging.getLogger("taskrunner.history")
 #: Half of HISTORY_MAX in _lib.lua: beyond this backlog the dispatcher warns (the stream
@@ -71,8 +72,20 @@ def _record(stream_id: str, f: dict[str, str]) -> dict[str, Any]:
             "pid": num(f.get("pid"), int), "error_type": f.get("error_type") or None, "stream_id": stream_id}
 
 
+def backlog(app: TaskRunner, queues: list[str] | None = None) -> dict[str, int]:
+    """Entries waiting in each queue's history stream (no pyarrow needed: known with
+    archiving off too)."""
+    queues = queues if queues is not None else app.queue_names()
+    pipe = app.redis.pipeline(transaction=False)
+    for q in queues:
+        pipe.xlen(app.keys.q(q) + "history")
+    return dict(zip(queues, pipe.execute()))
+
+
 class Archiver:
     def __init__(self, app: TaskRunner, directory: str | None = None, batch: int = 10_000):
+        """Raises MissingExtra without pyarrow (the `history` extra)."""
+        require_extra("history", "archiving job history to Parquet", "pyarrow")
         import pyarrow.fs as pafs
 
         self.app, self.batch = app, batch
@@ -82,14 +95,6 @@ class Archiver:
         else:
             self.fs, self.root = pafs.LocalFileSystem(), os.path.abspath(self.directory)
         self.token = secrets.token_hex(8)
-
-    def backlog(self, queues: list[str] | None = None) -> dict[str, int]:
-        """Entries waiting in each queue's stream."""
-        queues = queues if queues is not None else self.app.queue_names()
-        pipe = self.app.redis.pipeline(transaction=False)
-        for q in queues:
-            pipe.xlen(self.app.keys.q(q) + "history")
-        return dict(zip(queues, pipe.execute()))
 
     def archive(self, queues: list[str] | None = None, progress: Callable[[int], Any] | None = None,
                 max_batches: int | None = None) -> int:

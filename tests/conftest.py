@@ -88,13 +88,19 @@ class Stack:
         return [c.pid for c in psutil.Process(p.pid).children()]
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait()
+        kill_groups(self.procs)
+
+
+def kill_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the process group of each process still running (each started in its own
+    session), and reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
 
 
 @pytest.fixture
