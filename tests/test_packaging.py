@@ -22,6 +22,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from taskrunner import TaskRunner
@@ -266,3 +267,81 @@ def test_core_install_history_status_works(core_bin: Path, redis_server: RedisSe
     env = _clean_env(core_bin, REDIS_URL=redis_server.url, TASKRUNNER_PREFIX=f"x{uuid.uuid4().hex[:8]}")
     r = _run(core_bin / "taskrunner", "history", "status", "--json", cwd=tmp_path, env=env)
     assert json.loads(r.stdout) == {}
+
+
+# -- a Heroku-style deploy -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def deployed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """What Heroku's Python buildpack does with this repository: install requirements.txt,
+    and nothing else, from the app's root. The app directory and the virtualenv's bin/."""
+    src = _source(tmp_path_factory.mktemp("heroku") / "app")
+    return src, _venv(src.parent / "venv", "-r", "requirements.txt", cwd=src)
+
+
+def test_repository_is_deployable_as_it_is() -> None:
+    """The files the buildpack and the deploy button read."""
+    version = (ROOT / ".python-version").read_text().strip()
+    assert re.fullmatch(r"3\.\d+", version) and int(version.split(".")[1]) >= 10, version
+    types = [line.split(":")[0] for line in (ROOT / "Procfile").read_text().splitlines() if line.strip()]
+    spec = json.loads((ROOT / "app.json").read_text())
+    assert sorted(spec["formation"]) == sorted(types) == ["dispatcher", "web", "worker"]
+    assert spec["env"]["TASKRUNNER_DASHBOARD_PASSWORD"]["required"] is True  # web binds 0.0.0.0
+
+
+def test_procfile_under_honcho_serves_runs_a_job_and_stops_cleanly_on_sigterm(
+        deployed: tuple[Path, Path], app: TaskRunner, redis_server: RedisServer, tmp_path: Path) -> None:
+    src, bin_dir = deployed
+    port, marker = free_port(), uuid.uuid4().hex
+    # As the platform sets it: PORT, REDIS_URL, the config vars; TASKRUNNER_APP unset (the demo)
+    env = _clean_env(bin_dir, PORT=str(port), REDIS_URL=redis_server.url, TASKRUNNER_PREFIX=app.settings.prefix,
+                     TASKRUNNER_DASHBOARD_PASSWORD="pw", TASKRUNNER_DASHBOARD_PROXIES="1", DEPLOY_MARKER=marker)
+    found = _modules(bin_dir, env, tmp_path)
+    assert found["dashboard"].startswith(str(bin_dir.parent)) and not found["pyarrow"], found
+
+    def ours() -> list[psutil.Process]:
+        """Every process of this deploy, found by the marker in its environment."""
+        procs = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get("DEPLOY_MARKER") == marker:
+                    procs.append(p)
+            except (psutil.Error, OSError):
+                pass
+        return procs
+
+    with open(tmp_path / "honcho.log", "w") as out:
+        honcho = subprocess.Popen([sys.executable, "-m", "honcho", "start"], cwd=src, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    log = lambda: (tmp_path / "honcho.log").read_text()  # noqa: E731
+    try:
+        wait_for(lambda: honcho.poll() is not None or _answers(f"http://127.0.0.1:{port}/"), 60,
+                 "the web process on $PORT")
+        assert honcho.poll() is None, log()
+        status, body = _get(f"http://127.0.0.1:{port}/")
+        assert status == 200 and b"taskrunner <span>demo</span>" in body, body[:300]  # the demo app, by default
+        job = app.enqueue("taskrunner.demo.add", [1, 2])
+        wait_for(lambda: job.state == "completed", 60, f"the demo job:\n{log()}")
+        assert job.refresh().result == 3
+
+        running = app.enqueue("taskrunner.demo.sleep", [3])
+        wait_for(lambda: running.state == "running", 60, f"the job to start:\n{log()}")
+        procs = ours()
+        assert len(procs) >= 8, procs  # honcho; web: gunicorn and 2 workers; worker and 2 children; dispatcher
+        # The platform sends SIGTERM to every process, once: honcho does so to each process
+        # group (a process that got two would take the second as "hurry up").
+        honcho.send_signal(signal.SIGTERM)
+        gone, alive = psutil.wait_procs(procs, timeout=30)
+        assert not alive, f"still running 30 s after SIGTERM: {alive}\n{log()}"
+        assert honcho.wait(5) is not None and not ours(), "orphans"
+        assert running.state == "completed" and running.refresh().result == 3, log()
+        assert "Traceback" not in log() and "second signal" not in log(), log()
+        for stopped in (r"worker \S+: stopped after", r"dispatcher \S+: stopped after", r"Shutting down: Master"):
+            assert re.search(stopped, log()), log()
+    finally:
+        for p in ours():
+            p.kill()
+        if honcho.poll() is None:
+            honcho.kill()
+        honcho.wait()
