@@ -15,7 +15,7 @@ from typing import Any
 import click
 import redis
 
-from . import listing
+from . import codec, listing
 from .app import TaskRunner
 from .errors import JobFailed, TaskRunnerError, Timeout
 from .loader import load_app
@@ -57,6 +57,16 @@ def _ts(t: Any) -> str:
 
 def _emit(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def _confirm(question: str, yes: bool) -> None:
+    """Ask before deleting. Where nobody can answer (stdin is not a terminal: a pipe, a
+    script, cron) only --yes goes on: `echo n | taskrunner purge` must not delete."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise click.UsageError(f"{question} Not asked, as stdin is not a terminal: add --yes to go on")
+    click.confirm(question, abort=True)
 
 
 class Main(click.Group):
@@ -325,7 +335,7 @@ def up(demo: bool, concurrency: int, port: int, exit_after: bool, app_spec: str 
 
 @main.group()
 def queue() -> None:
-    """Create, close or delete a queue (bounded, exclusive); see also `queues`."""
+    """Create, close, open or delete a queue (bounded, exclusive); see also `queues`."""
 
 
 @queue.command("create")
@@ -342,26 +352,36 @@ def queue_create(name: str, bound: int, exclusive: bool, app_spec: str | None, r
     click.echo(f"queue {name}: bound {bound or 'none'}{', exclusive' if exclusive else ''}")
 
 
-@queue.command("close")
-@click.argument("name")
-@common
-def queue_close(name: str, app_spec: str | None, redis_url: str | None) -> None:
-    """Take no new jobs (enqueue fails with QueueClosed); queued jobs still run."""
+def _queue_switch(how: str, doc: str, said: str) -> None:
+    """`queue close` and `queue open`: one setting of a queue, each way."""
     from . import queue as queues
 
-    queues.close(_app(app_spec, redis_url), name)
-    click.echo(f"queue {name}: closed")
+    @queue.command(how, help=doc)
+    @click.argument("name")
+    @common
+    def switch(name: str, app_spec: str | None, redis_url: str | None) -> None:
+        getattr(queues, how)(_app(app_spec, redis_url), name)
+        click.echo(f"queue {name}: {said.format(name=name)}")
+
+
+_queue_switch("close", "Take no new jobs (enqueue fails with QueueClosed); queued jobs still run.",
+              "closed (`taskrunner queue open {name}` undoes it)")
+_queue_switch("open", "Take new jobs again after `queue close`.", "open")
 
 
 @queue.command("delete")
 @click.argument("name")
 @click.option("--force", is_flag=True, help="Even while jobs of it run (their results are then dropped).")
+@click.option("--yes", is_flag=True, help="Do not ask (needed where nobody can answer: stdin not a terminal).")
 @common
-def queue_delete(name: str, force: bool, app_spec: str | None, redis_url: str | None) -> None:
-    """Remove every key of queue NAME: its jobs, records and counters."""
+def queue_delete(name: str, force: bool, yes: bool, app_spec: str | None, redis_url: str | None) -> None:
+    """Remove every key of queue NAME: its jobs, records and counters. Asks first."""
     from . import queue as queues
 
-    n = queues.delete(_app(app_spec, redis_url), name, force)
+    app = _app(app_spec, redis_url)
+    jobs = queues.deletable(app, name, force)
+    _confirm(f"delete queue {name} and its {', '.join(f'{n} {s}' for s, n in jobs.items())} jobs?", yes)
+    n = queues.delete(app, name, force)
     click.echo(f"queue {name}: deleted ({n} keys)")
 
 
@@ -384,14 +404,13 @@ def queue_info(name: str, as_json: bool, app_spec: str | None, redis_url: str | 
 
 @main.command()
 @click.option("-q", "--queue", "queue_name", required=True)
-@click.option("--yes", is_flag=True, help="Do not ask.")
+@click.option("--yes", is_flag=True, help="Do not ask (needed where nobody can answer: stdin not a terminal).")
 @common
 def purge(queue_name: str, yes: bool, app_spec: str | None, redis_url: str | None) -> None:
-    """Delete every pending job of a queue (running, delayed and finished ones stay)."""
+    """Delete every pending job of a queue (running, delayed and finished ones stay). Asks first."""
     app = _app(app_spec, redis_url)
-    total = app.redis.llen(app.keys.q(queue_name) + "pending")
-    if not yes and sys.stdin.isatty():
-        click.confirm(f"delete {total} pending jobs of {queue_name}?", abort=True)
+    total = app.redis.llen(app.keys.q(codec.check_name("queue", queue_name)) + "pending")
+    _confirm(f"delete {total} pending jobs of {queue_name}?", yes)
     with click.progressbar(length=total, label="purging", file=sys.stderr) as bar:
         n = app.purge(queue_name, progress=bar.update)
     click.echo(f"{n} pending jobs deleted from {queue_name}")
@@ -484,7 +503,7 @@ def recover(queue_name: str, older_than: str, count: int, app_spec: str | None, 
     their next delivery is counted. Prints the ids."""
     import socket
 
-    from . import codec, scripts
+    from . import scripts
 
     app = _app(app_spec, redis_url)
     codec.check_name("queue", queue_name)

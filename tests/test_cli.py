@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from typing import Any
 
 import pytest
+
+from tests import apps
+from tests.conftest import ROOT
 
 
 def test_enqueue_status_wait(app, stack):
@@ -88,3 +95,69 @@ def test_help_teaches(stack):
     assert "priority order" in stack.cli("worker", "--help", check=True).stdout
     r = stack.cli("worker")
     assert r.returncode == 2 and "needs your app" in r.stderr
+
+
+# -- queue open, and destructive commands that ask (issue 14) ---------------------------
+
+
+def cli_with_stdin(stack, *args: str, stdin: Any = None, input: str | None = None) -> subprocess.CompletedProcess:
+    """`taskrunner ARGS` with stdin a pipe fed `input`, or the file descriptor `stdin` (a pty)."""
+    return subprocess.run([sys.executable, "-m", "taskrunner", *args], cwd=ROOT, env=stack.env, stdin=stdin,
+                          input=input, capture_output=True, text=True, timeout=60)
+
+
+def test_queue_open_undoes_close(app, stack):
+    from taskrunner import queue
+    from taskrunner.errors import QueueClosed
+
+    apps.add.apply_async([1, 2], queue="shut")
+    assert "queue open shut" in stack.cli("queue", "close", "shut", check=True).stdout
+    assert stack.cli("enqueue", "tests.apps.add", "-q", "shut").returncode == 1
+    assert stack.cli("queue", "open", "shut", check=True).stdout.strip() == "queue shut: open"
+    stack.cli("enqueue", "tests.apps.add", "-q", "shut", check=True)
+    queue.close(app, "shut")
+    with pytest.raises(QueueClosed):
+        apps.add.apply_async([1, 2], queue="shut")
+    queue.open(app, "shut")
+    apps.add.apply_async([1, 2], queue="shut")
+    assert app.redis.llen(app.keys.q("shut") + "pending") == 3 and not queue.info(app, "shut")["closed"]
+    r = stack.cli("queue", "open", "nope")
+    assert r.returncode == 1 and "no queue 'nope'" in r.stderr
+
+
+def test_destructive_commands_need_yes_when_they_cannot_ask(app, stack):
+    for i in range(5):
+        apps.add.apply_async([i, i], queue="keep")
+    pending = app.keys.q("keep") + "pending"
+    for args in (["purge", "-q", "keep"], ["queue", "delete", "keep"]):
+        r = cli_with_stdin(stack, *args, input="n\n")  # `echo n | taskrunner purge -q keep`
+        assert r.returncode == 2 and "--yes" in r.stderr and "delete" in r.stderr, r.stderr
+        r = cli_with_stdin(stack, *args, input="y\n")  # nobody asked, so no answer counts
+        assert r.returncode == 2 and app.redis.llen(pending) == 5
+    r = cli_with_stdin(stack, "purge", "-q", "keep", "--yes", input="")
+    assert r.returncode == 0 and "5 pending jobs deleted" in r.stdout and app.redis.llen(pending) == 0
+    r = cli_with_stdin(stack, "queue", "delete", "keep", "--yes", input="")
+    assert r.returncode == 0 and "keep" not in app.queue_names()
+
+
+def test_destructive_commands_ask_at_a_terminal(app, stack):
+    for i in range(3):
+        apps.add.apply_async([i, i], queue="asked")
+    pending = app.keys.q("asked") + "pending"
+
+    def at_a_terminal(*args: str, answer: str) -> subprocess.CompletedProcess:
+        leader, follower = os.openpty()
+        try:
+            os.write(leader, f"{answer}\n".encode())
+            return cli_with_stdin(stack, *args, stdin=follower)
+        finally:
+            os.close(leader)
+            os.close(follower)
+
+    r = at_a_terminal("queue", "delete", "asked", answer="n")
+    assert "delete queue asked and its 3 pending, 0 delayed, 0 running, 0 finished jobs?" in r.stdout
+    assert r.returncode == 1 and "asked" in app.queue_names()
+    r = at_a_terminal("purge", "-q", "asked", answer="n")
+    assert "delete 3 pending jobs of asked?" in r.stdout and r.returncode == 1 and app.redis.llen(pending) == 3
+    r = at_a_terminal("purge", "-q", "asked", answer="y")
+    assert r.returncode == 0 and app.redis.llen(pending) == 0, r.stderr

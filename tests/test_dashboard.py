@@ -9,6 +9,8 @@ import re
 import pytest
 
 from dashboard import create_app
+from taskrunner import queue
+from taskrunner.errors import QueueClosed
 from tests import apps
 from tests.conftest import wait_for
 
@@ -134,7 +136,12 @@ def test_api_actions_need_the_bearer_token(app, web):
     r = web.post(f"/api/jobs/{job.id}/retry", headers={"Authorization": "Bearer tok"})
     assert r.status_code == 200 and job.state == "pending"
     r = web.post("/api/queues/default/purge", headers={"Authorization": "Bearer tok"})
-    assert r.get_json() == {"queue": "default", "deleted": 1}
+    assert r.get_json() == {"queue": "default", "action": "purge", "deleted": 1, "message": "1 pending jobs deleted"}
+    r = web.post("/api/queues/default/close", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 200 and queue.info(app, "default")["closed"]
+    r = web.post("/api/queues/default/open", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 200 and not queue.info(app, "default")["closed"]
+    assert web.post("/api/queues/default/explode", headers={"Authorization": "Bearer tok"}).status_code == 404
 
 
 def test_read_only_without_password_or_token(app):
@@ -149,8 +156,6 @@ def test_read_only_without_password_or_token(app):
 
 
 def test_queue_settings_and_counters_show(app, web):
-    from taskrunner import queue
-
     queue.create(app, "shown", bound=7, exclusive=True)
     apps.add.apply_async([1, 2], queue="shown")
     queue.close(app, "shown")
@@ -159,3 +164,22 @@ def test_queue_settings_and_counters_show(app, web):
     assert "bound 7" in web.get("/").get_data(as_text=True)
     [q] = [q for q in web.get("/api/queues").get_json() if q["name"] == "shown"]
     assert q["bound"] == 7 and q["closed"] and q["exclusive"] and q["produced_messages"] == 1
+
+
+def test_close_and_open_a_queue_from_its_page(app, web):
+    apps.add.delay(1, 2)
+    token = login(web)
+    page = web.get("/queues/default").get_data(as_text=True)
+    assert 'data-action="close"' in page and 'data-action="open"' not in page
+    r = web.post("/queues/default/close", data={"csrf_token": token})
+    assert r.status_code == 302 and queue.info(app, "default")["closed"]
+    with pytest.raises(QueueClosed):
+        apps.add.delay(1, 2)
+    page = web.get("/queues/default").get_data(as_text=True)
+    assert "takes no new jobs" in page and 'data-action="open"' in page
+    r = web.post("/queues/default/open", data={"csrf_token": token})
+    assert r.status_code == 302 and not queue.info(app, "default")["closed"]
+    apps.add.delay(1, 2)
+    audit = app.redis.lrange(app.keys.g + "audit", 0, -1)
+    assert any('"what":"close default"' in a for a in audit) and any('"what":"open default"' in a for a in audit)
+    assert web.post("/queues/default/close").status_code == 403  # no CSRF token
