@@ -17,6 +17,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from taskrunner import TaskRunner
+from taskrunner.errors import AppNotFound
 from taskrunner.loader import load_app
 
 from . import security
@@ -26,7 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def create_app(runner: TaskRunner | None = None, password: str | None = None, token: str | None = None) -> Flask:
-    runner = runner or load_app(os.environ.get("TASKRUNNER_APP"))
+    if runner is None:
+        try:
+            runner = load_app(os.environ.get("TASKRUNNER_APP"))
+        except AppNotFound as e:
+            raise SystemExit(f"Error: {e}") from None  # one line in gunicorn's log, not a traceback
     web = Flask(__name__, template_folder=os.path.join(ROOT, "templates"), static_folder="static")
     # X-Forwarded-Proto/-Host may come from anyone: at worst a client gets a Secure cookie.
     # X-Forwarded-For is the address logins are counted by, so it is trusted only from the

@@ -14,24 +14,49 @@ from typing import Any
 
 import click
 import redis
+from click.core import ParameterSource
 
 from . import codec, listing
 from .app import TaskRunner
-from .errors import JobFailed, TaskRunnerError, Timeout
+from .diagnose import explain
+from .errors import AppNotFound, BadURL, JobFailed, TaskRunnerError, Timeout
 from .loader import load_app
+
+APP_HELP = "Module with your TaskRunner (module or module:attr). Env: TASKRUNNER_APP."
+URL_HELP = ("redis://host:port/db, rediss://..., unix:///path, redis+sentinel://host[:port][,host...]/service[/db], "
+            "redis+cluster://host[:port][,host...]. Env: REDIS_URL.")
+
+
+def _or_before(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """-A and --redis-url may come before the command too (`taskrunner --redis-url U
+    jobs`): given after it they win, else the value given before it, else the environment's."""
+    if ctx.get_parameter_source(param.name or "") is ParameterSource.COMMANDLINE:
+        return value
+    before = ctx.find_root().params.get(param.name or "")
+    return before if before is not None else value
 
 
 def common(f: Callable) -> Callable:
-    f = click.option("-A", "--app", "app_spec", envvar="TASKRUNNER_APP", metavar="APP",
-                     help="Module with your TaskRunner (module or module:attr). Env: TASKRUNNER_APP.")(f)
-    f = click.option("--redis-url", envvar="REDIS_URL", metavar="URL",
-                     help="redis://host:port/db, rediss://..., unix:///path, "
-                     "redis+sentinel://host[:port][,host...]/service[/db]. Env: REDIS_URL.")(f)
+    f = click.option("-A", "--app", "app_spec", envvar="TASKRUNNER_APP", metavar="APP", callback=_or_before,
+                     help=APP_HELP)(f)
+    f = click.option("--redis-url", envvar="REDIS_URL", metavar="URL", callback=_or_before, help=URL_HELP)(f)
     return f
 
 
-def _app(app_spec: str | None, redis_url: str | None) -> TaskRunner:
-    return load_app(app_spec, redis_url)
+def _app(app_spec: str | None, redis_url: str | None, check: bool = False) -> TaskRunner:
+    """The app; with `check`, for processes that run until stopped, Redis is tried once
+    first: a mistake in its configuration stops them here (exit 2), an outage they wait out."""
+    app = load_app(app_spec, redis_url)
+    click.get_current_context().meta["taskrunner.url"] = app.settings.redis_url
+    if check:
+        try:
+            app.redis.ping()
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+            problem = explain(e, app.settings.redis_url)
+            if problem is None or problem.lasting:
+                raise
+            click.echo(f"Warning: {problem.message}; waiting for it", err=True)
+    return app
 
 
 def _json_arg(value: str | None, kind: type, what: str) -> Any:
@@ -69,21 +94,37 @@ def _confirm(question: str, yes: bool) -> None:
     click.confirm(question, abort=True)
 
 
+class Misconfigured(click.ClickException):
+    """An error in what the command was given (a Redis URL, an app): exit 2, as click's
+    own usage errors."""
+
+    exit_code = 2
+
+
 class Main(click.Group):
-    """Turns taskrunner and Redis errors into one clear line and exit code 1."""
+    """Turns taskrunner and Redis errors into one clear line: exit 2 for a mistake in the
+    configuration (bad URL, wrong database, TLS or Sentinel mismatch, refused password, an
+    app that cannot be imported), 1 for the rest (Redis down, no such job, ...)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except (BadURL, AppNotFound) as e:
+            raise Misconfigured(str(e)) from None
         except (TaskRunnerError, ValueError, TypeError) as e:
             raise click.ClickException(str(e)) from None
-        except (redis.ConnectionError, redis.exceptions.RedisClusterException) as e:
-            raise click.ClickException(f"cannot reach Redis: {e} (set REDIS_URL or --redis-url)") from None
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+            problem = explain(e, ctx.meta.get("taskrunner.url"))
+            if problem is None:
+                raise click.ClickException(f"Redis answered with an error: {e}") from None
+            raise (Misconfigured if problem.lasting else click.ClickException)(problem.message) from None
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="taskrunner")
-def main() -> None:
+@click.option("-A", "--app", "app_spec", metavar="APP", help=APP_HELP + " Also after the command.")
+@click.option("--redis-url", metavar="URL", help=URL_HELP + " Also after the command.")
+def main(app_spec: str | None, redis_url: str | None) -> None:
     """taskrunner: reliable jobs on Redis, run in child processes, watched by a dispatcher.
 
     \b
@@ -91,6 +132,9 @@ def main() -> None:
     Run a worker for your app:                  taskrunner worker -A myapp -c 4
     Enqueue and wait from the shell:            id=$(taskrunner enqueue myapp.add --args '[1,2]')
                                                 taskrunner wait $id
+
+    Exit codes: 0 done, 1 an error (Redis unreachable, no such job, ...), 2 a mistake in the
+    arguments, the Redis URL or the app; `wait` and `consume` say what else theirs mean.
     """
 
 
@@ -276,7 +320,7 @@ def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch:
     _setup_logging(log_level)
     if not app_spec:
         raise click.UsageError("the worker needs your app: -A module (or TASKRUNNER_APP)")
-    app = _app(app_spec, redis_url)
+    app = _app(app_spec, redis_url, check=True)
     qs = [q.strip() for q in queue_list.split(",") if q.strip()] if queue_list else \
         list(dict.fromkeys(["default", *(t.spec.queue for t in app.tasks.values())]))
     sys.exit(Worker(app, qs, concurrency, name, prefetch).run())
@@ -292,7 +336,7 @@ def dispatcher(name: str | None, log_level: str, app_spec: str | None, redis_url
     from .dispatcher import Dispatcher
 
     _setup_logging(log_level)
-    sys.exit(Dispatcher(_app(app_spec, redis_url), name).run())
+    sys.exit(Dispatcher(_app(app_spec, redis_url, check=True), name).run())
 
 
 @main.command()
@@ -311,7 +355,7 @@ def dashboard(host: str, port: int, app_spec: str | None, redis_url: str | None)
     from dashboard.security import check_bind
 
     check_bind([host], os.environ.get("TASKRUNNER_DASHBOARD_PASSWORD"))
-    app = _app(app_spec, redis_url)
+    app = _app(app_spec, redis_url, check=True)
     create_app(app).run(host=host, port=port)
 
 

@@ -83,7 +83,7 @@ def test_unknown_job_and_bad_url(app, stack):
     r = stack.cli("status", "nope")
     assert r.returncode == 1 and "no job nope" in r.stderr
     r = stack.cli("status", "x", "--redis-url", "nonsense")
-    assert r.returncode == 1 and "bad Redis URL" in r.stderr
+    assert r.returncode == 2 and "bad Redis URL" in r.stderr
     r = stack.cli("queues", "--redis-url", "redis://127.0.0.1:1/0")
     assert r.returncode == 1 and "cannot reach Redis" in r.stderr
 
@@ -100,10 +100,12 @@ def test_help_teaches(stack):
 # -- queue open, and destructive commands that ask (issue 14) ---------------------------
 
 
-def cli_with_stdin(stack, *args: str, stdin: Any = None, input: str | None = None) -> subprocess.CompletedProcess:
-    """`taskrunner ARGS` with stdin a pipe fed `input`, or the file descriptor `stdin` (a pty)."""
-    return subprocess.run([sys.executable, "-m", "taskrunner", *args], cwd=ROOT, env=stack.env, stdin=stdin,
-                          input=input, capture_output=True, text=True, timeout=60)
+def run_cli(stack, *args: str, stdin: Any = None, input: str | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`taskrunner ARGS` with stdin a pipe fed `input`, or the file descriptor `stdin` (a
+    pty); `env` added to the stack's environment."""
+    return subprocess.run([sys.executable, "-m", "taskrunner", *args], cwd=ROOT, env={**stack.env, **(env or {})},
+                          stdin=stdin, input=input, capture_output=True, text=True, timeout=60)
 
 
 def test_queue_open_undoes_close(app, stack):
@@ -130,13 +132,13 @@ def test_destructive_commands_need_yes_when_they_cannot_ask(app, stack):
         apps.add.apply_async([i, i], queue="keep")
     pending = app.keys.q("keep") + "pending"
     for args in (["purge", "-q", "keep"], ["queue", "delete", "keep"]):
-        r = cli_with_stdin(stack, *args, input="n\n")  # `echo n | taskrunner purge -q keep`
+        r = run_cli(stack, *args, input="n\n")  # `echo n | taskrunner purge -q keep`
         assert r.returncode == 2 and "--yes" in r.stderr and "delete" in r.stderr, r.stderr
-        r = cli_with_stdin(stack, *args, input="y\n")  # nobody asked, so no answer counts
+        r = run_cli(stack, *args, input="y\n")  # nobody asked, so no answer counts
         assert r.returncode == 2 and app.redis.llen(pending) == 5
-    r = cli_with_stdin(stack, "purge", "-q", "keep", "--yes", input="")
+    r = run_cli(stack, "purge", "-q", "keep", "--yes", input="")
     assert r.returncode == 0 and "5 pending jobs deleted" in r.stdout and app.redis.llen(pending) == 0
-    r = cli_with_stdin(stack, "queue", "delete", "keep", "--yes", input="")
+    r = run_cli(stack, "queue", "delete", "keep", "--yes", input="")
     assert r.returncode == 0 and "keep" not in app.queue_names()
 
 
@@ -149,7 +151,7 @@ def test_destructive_commands_ask_at_a_terminal(app, stack):
         leader, follower = os.openpty()
         try:
             os.write(leader, f"{answer}\n".encode())
-            return cli_with_stdin(stack, *args, stdin=follower)
+            return run_cli(stack, *args, stdin=follower)
         finally:
             os.close(leader)
             os.close(follower)
@@ -161,3 +163,61 @@ def test_destructive_commands_ask_at_a_terminal(app, stack):
     assert "delete 3 pending jobs of asked?" in r.stdout and r.returncode == 1 and app.redis.llen(pending) == 3
     r = at_a_terminal("purge", "-q", "asked", answer="y")
     assert r.returncode == 0 and app.redis.llen(pending) == 0, r.stderr
+
+
+# -- one line, exit 2, for a mistake in the configuration (issue 14) --------------------
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    assert r.stderr.startswith("Error: ") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr) < 600, r.stderr
+    return r.stderr
+
+
+def test_redis_url_mistakes_are_one_line_and_exit_2(app, stack, tmp_path):
+    from tests.topologies import DATA_NODE, Topology
+
+    with Topology(tmp_path) as topology:
+        plain = topology.start(*DATA_NODE)
+        sentinel = topology.start("--sentinel", conf=f"sentinel monitor other 127.0.0.1 {plain.port} 1\n")
+        mistakes = {
+            f"redis://127.0.0.1:{plain.port}/99": "has no such database (DB index is out of range",
+            f"redis://127.0.0.1:{plain.port}/abc": "the database 'abc' is not a number",
+            f"rediss://127.0.0.1:{plain.port}/0": f"127.0.0.1:{plain.port} is a plain Redis, not TLS",
+            f"redis+sentinel://127.0.0.1:{plain.port}/mymaster": f"127.0.0.1:{plain.port} is not a sentinel",
+            f"redis+sentinel://127.0.0.1:{sentinel.port}/mymaster": "does not monitor it (it monitors other)",
+        }
+        for url, message in mistakes.items():
+            r = stack.cli("jobs", "--redis-url", url)
+            assert r.returncode == 2 and message in one_line_error(r), (url, r.stderr)
+        # Processes that run until stopped do not start on such a mistake either.
+        for command in (["worker", "-A", "tests.apps"], ["dispatcher"]):
+            r = stack.cli(*command, "--redis-url", f"redis+sentinel://127.0.0.1:{plain.port}/mymaster")
+            assert r.returncode == 2 and "is not a sentinel" in one_line_error(r)
+    r = stack.cli("jobs", "--redis-url", f"redis://127.0.0.1:{plain.port}/0")  # an outage: exit 1
+    assert r.returncode == 1 and "cannot reach Redis at redis://127.0.0.1:" in one_line_error(r)
+    r = stack.cli("jobs", "--redis-url", f"redis+sentinel://127.0.0.1:{sentinel.port}/mymaster")
+    assert r.returncode == 1 and "is unreachable" in one_line_error(r)
+
+
+def test_an_app_that_cannot_be_imported_is_one_line_and_exit_2(stack):
+    r = stack.cli("jobs", "-A", "no_such_module")
+    assert r.returncode == 2
+    assert one_line_error(r) == "Error: cannot import app module 'no_such_module': No module named 'no_such_module'\n"
+    r = stack.cli("worker", "-A", "tests.apps:nothing")
+    assert r.returncode == 2 and "'nothing' is not a TaskRunner" in one_line_error(r)
+
+
+def test_redis_url_and_app_before_the_command(app, stack):
+    job = apps.add.delay(1, 2)
+    wrong = {"REDIS_URL": "redis://127.0.0.1:1/0"}
+    for args in (["--redis-url", stack.url, "jobs", "--json"],
+                 ["--redis-url", "redis://127.0.0.1:1/0", "jobs", "--json", "--redis-url", stack.url]):
+        r = run_cli(stack, *args, env=wrong)
+        assert r.returncode == 0 and [j["id"] for j in json.loads(r.stdout)] == [job.id], r.stderr
+    r = run_cli(stack, "--redis-url", stack.url, "queue", "info", "default", "--json", env=wrong)
+    assert r.returncode == 0 and json.loads(r.stdout)["pending"] == 1, r.stderr
+    r = run_cli(stack, "-A", "no_such_module", "jobs")
+    assert r.returncode == 2 and "no_such_module" in r.stderr
+    r = run_cli(stack, "-A", "tests.apps", "--redis-url", stack.url, "enqueue", "tests.apps.add", env=wrong)
+    assert r.returncode == 0 and app.job(r.stdout.strip()).queue == "default", r.stderr
