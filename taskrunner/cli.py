@@ -75,7 +75,7 @@ def _ts(t: Any) -> str:
     if not t:
         return "-"
     try:
-        return datetime.fromtimestamp(float(t), timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        return datetime.fromtimestamp(float(t), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     except (TypeError, ValueError, OverflowError, OSError):
         return str(t)  # a corrupt record, shown as it is
 
@@ -259,6 +259,9 @@ def jobs(queue: str | None, state: str | None, limit: int, offset: int, as_json:
         st = d.get("state", "?") + ("*" if d.get("stuck") == "1" else "")
         where = f"{d.get('worker', '')} pid {d.get('pid')}" if d.get("state") == "running" else d.get("error_type", "")
         click.echo(f"{j.id:26}  {j.queue:12} {st:10} {d.get('task', '?')[:30]:30} {d.get('attempts', 0):>5}  {where}")
+    if any(j.data.get("stuck") == "1" for j in found):
+        click.echo("* stuck: ran past its max duration (`taskrunner status ID` says more; "
+                   "`jobs --state stuck` lists them)")
 
 
 @main.command()
@@ -283,17 +286,20 @@ def queues(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @common
 def workers(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
-    """Workers: alive ones with their heartbeat, and those found dead in the last hour."""
+    """Workers: alive ones with their heartbeat, and those found dead in the last hour. BUSY:
+    children running a job, of all; BEAT: since the last heartbeat; CPU %: of one core, the
+    worker and its children together, since the heartbeat before."""
     ws = listing.workers(_app(app_spec, redis_url))
     if as_json:
         return _emit(ws)
     click.echo(f"{'NAME':28} {'STATE':6} {'HOST':16} {'IP':15} {'PID':>7} {'BUSY':>6} {'BEAT':>6} "
-               f"{'RSS MB':>7}  QUEUES")
+               f"{'RSS MB':>7} {'CPU %':>6}  QUEUES")
     for w in ws:
         beat = f"{w['heartbeat_age']:.1f}s" if w.get("heartbeat_age") is not None else "-"
-        busy = f"{w.get('busy', '?')}/{w.get('concurrency', '?')}"
+        busy = "-" if w.get("busy") is None else f"{w['busy']}/{w.get('concurrency', '?')}"
+        cpu = "-" if w.get("cpu") is None else f"{w['cpu']:.1f}"
         click.echo(f"{w['name'][:28]:28} {w['state']:6} {str(w.get('host', '-'))[:16]:16} {w.get('ip', '-'):15} "
-                   f"{w.get('pid', '-'):>7} {busy:>6} {beat:>6} {w.get('rss', 0) / 1e6:>7.1f}  "
+                   f"{w.get('pid', '-'):>7} {busy:>6} {beat:>6} {w.get('rss', 0) / 1e6:>7.1f} {cpu:>6}  "
                    f"{','.join(w.get('queues', []))}")
 
 
@@ -577,9 +583,9 @@ def inspect(queue_name: str, running: bool, limit: int, as_json: bool, app_spec:
                 "last_delivery": r["started_at"], "age": round(now - (r["enqueued_at"] or now), 3)} for r in rows]
     if as_json:
         return _emit(out)
-    click.echo(f"{'ID':26}  {'TASK':30} {'DELIVERIES':>10}  {'LAST DELIVERY':19}  {'AGE':>9}")
+    click.echo(f"{'ID':26}  {'TASK':30} {'DELIVERIES':>10}  {'LAST DELIVERY':23}  {'AGE':>9}")
     for r in out:
-        click.echo(f"{r['id']:26}  {(r['task'] or '?')[:30]:30} {r['deliveries']:>10}  {_ts(r['last_delivery']):19}  "
+        click.echo(f"{r['id']:26}  {(r['task'] or '?')[:30]:30} {r['deliveries']:>10}  {_ts(r['last_delivery']):23}  "
                    f"{r['age']:>8.1f}s")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests import apps
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_for
 
 
 def test_enqueue_status_wait(app, stack):
@@ -68,8 +69,6 @@ def test_kill_jobs_queues_workers(app, stack):
         "name": "default", "pending": 2, "delayed": 0, "running": 0, "completed": 0, "failed": 0, "killed": 1}
     assert "default" in stack.cli("queues", check=True).stdout
     stack.worker(name="cli-w")
-    from tests.conftest import wait_for
-
     ws = wait_for(lambda: json.loads(stack.cli("workers", "--json", check=True).stdout), what="worker listed")
     w = ws[0]
     assert w["name"] == "cli-w" and w["state"] == "alive" and w["concurrency"] == 2 and len(w["children"]) == 2
@@ -221,3 +220,26 @@ def test_redis_url_and_app_before_the_command(app, stack):
     assert r.returncode == 2 and "no_such_module" in r.stderr
     r = run_cli(stack, "-A", "tests.apps", "--redis-url", stack.url, "enqueue", "tests.apps.add", env=wrong)
     assert r.returncode == 0 and app.job(r.stdout.strip()).queue == "default", r.stderr
+
+
+# -- what the tables say (issue 14) -----------------------------------------------------
+
+
+def test_times_say_utc_jobs_explains_stuck_workers_show_cpu(app, stack):
+    job = app.enqueue("tests.apps.hold", ["flagged", 30], max_duration=0.3, timeout_policy="flag")
+    assert "* stuck" not in stack.cli("jobs", check=True).stdout  # no marker, no legend
+    status = stack.cli("status", job.id, check=True).stdout
+    assert re.search(r"enqueued  \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$", status, re.M), status
+    inspect = stack.cli("inspect", "-q", "default", check=True).stdout
+    assert "LAST DELIVERY" in inspect
+    stack.worker(name="cpu-w", concurrency=1)
+    wait_for(lambda: job.refresh().data.get("stuck") == "1", what="the job flagged stuck")
+    out = stack.cli("jobs", "--state", "running", check=True).stdout
+    assert "running*" in out and "* stuck: ran past its max duration" in out, out
+    assert re.search(r"started  \S+ \S+ UTC$", stack.cli("status", job.id, check=True).stdout, re.M)
+    workers = stack.cli("workers", check=True).stdout.splitlines()
+    assert "CPU %" in workers[0]
+    [row] = [line for line in workers if line.startswith("cpu-w")]
+    assert re.search(r" \d+\.\d +default,", row), row
+    app.redis.set(f"{app.settings.prefix}:release:flagged", 1)
+    job.wait(30)

@@ -4,7 +4,9 @@ CSRF, brute force, headers, binding) are in test_security.py."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 
 import pytest
 
@@ -183,3 +185,34 @@ def test_close_and_open_a_queue_from_its_page(app, web):
     audit = app.redis.lrange(app.keys.g + "audit", 0, -1)
     assert any('"what":"close default"' in a for a in audit) and any('"what":"open default"' in a for a in audit)
     assert web.post("/queues/default/close").status_code == 403  # no CSRF token
+
+
+def test_overview_tells_the_truth(app, stack, web):
+    """A dispatcher that stopped cleanly is gone, a dead worker runs nothing, and pending
+    jobs that no live worker consumes are pointed out."""
+    dispatcher = stack.dispatcher()
+    wait_for(lambda: web.get("/api/overview").get_json()["dispatchers"], what="a dispatcher pass")
+    dispatcher.send_signal(signal.SIGTERM)
+    assert dispatcher.wait(30) == 0
+    assert web.get("/api/overview").get_json()["dispatchers"] == []
+    assert "no dispatcher has run" in web.get("/").get_data(as_text=True)
+
+    worker = stack.worker(concurrency=2, name="doomed")
+    apps.hold.delay("truth", 60)
+    wait_for(lambda: [w for w in web.get("/api/workers").get_json() if w.get("busy") == 1], what="a busy worker")
+    os.killpg(worker.pid, signal.SIGKILL)
+    [w] = wait_for(lambda: [w for w in web.get("/api/workers").get_json() if w["state"] == "dead"],
+                   what="the worker seen dead")
+    assert w["busy"] is None and w["cpu"] is None
+    row = re.search(r'<tr class="dead">.*?</tr>', web.get("/").get_data(as_text=True), re.S).group(0)
+    assert "doomed" in row and "1/2" not in row and "-/2" in row
+
+    apps.add.apply_async([1, 2], queue="lonely")
+    page = web.get("/").get_data(as_text=True)
+    assert 'data-unserved="lonely"' in page and "no live worker consumes it" in page
+    assert 'data-unserved="default"' not in page  # its one job is running, none pending
+    [q] = [q for q in web.get("/api/overview").get_json()["queues"] if q["name"] == "lonely"]
+    assert q["unserved"] is True
+    stack.worker("-Q", "lonely", concurrency=1)
+    wait_for(lambda: 'data-unserved="lonely"' not in web.get("/").get_data(as_text=True),
+             what="the warning gone once a worker consumes the queue")
