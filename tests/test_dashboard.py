@@ -216,3 +216,29 @@ def test_overview_tells_the_truth(app, stack, web):
     stack.worker("-Q", "lonely", concurrency=1)
     wait_for(lambda: 'data-unserved="lonely"' not in web.get("/").get_data(as_text=True),
              what="the warning gone once a worker consumes the queue")
+
+
+def test_pages_say_when_redis_is_down(tmp_path):
+    """Redis stopped: every page answers 503 with one line saying so (not a bare 500), the
+    dashboard starts anyway, and it serves again, logins included, once Redis is back."""
+    from taskrunner import TaskRunner
+    from taskrunner.redis_server import RedisServer
+
+    server = RedisServer(tmp_path, appendonly=False)
+    runner = TaskRunner("down", redis_url=server.url)
+    try:
+        web = create_app(runner, password="pw").test_client()  # Redis not started yet
+        for path in ["/", "/running", "/stuck", "/failed", "/schedules", "/history", "/queues/default",
+                     "/jobs/x", "/login"]:
+            r = web.get(path)
+            assert r.status_code == 503 and "cannot reach Redis at unix://" in r.get_data(as_text=True), path
+        r = web.get("/api/overview")
+        assert r.status_code == 503 and "cannot reach Redis" in r.get_json()["error"]
+        server.start()
+        assert web.get("/").status_code == 200
+        login(web)
+        server.stop()
+        r = web.get("/running")
+        assert r.status_code == 503 and "works again once Redis answers" in r.get_data(as_text=True)
+    finally:
+        server.stop()
