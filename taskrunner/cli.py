@@ -16,7 +16,7 @@ import click
 import redis
 from click.core import ParameterSource
 
-from . import codec, listing
+from . import listing
 from .app import TaskRunner
 from .diagnose import explain
 from .errors import AppNotFound, BadURL, JobFailed, TaskRunnerError, Timeout
@@ -82,6 +82,15 @@ def _ts(t: Any) -> str:
 
 def _emit(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def _known(app: TaskRunner, *queues: str) -> None:
+    """Commands that read or change a named queue refuse a name no queue has: a typo
+    must not look like an empty queue ("0 pending jobs deleted")."""
+    from . import queue
+
+    for name in queues:
+        queue.must_exist(app, name)
 
 
 def _confirm(question: str, yes: bool) -> None:
@@ -243,14 +252,17 @@ def kill(job_id: str, app_spec: str | None, redis_url: str | None) -> None:
 @main.command()
 @click.option("-q", "--queue", help="Only this queue.")
 @click.option("--state", type=click.Choice(listing.LIST_STATES), help="Only jobs in this state.")
-@click.option("--limit", type=int, default=50, show_default=True)
-@click.option("--offset", type=int, default=0)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--offset", type=click.IntRange(min=0), default=0)
 @click.option("--json", "as_json", is_flag=True)
 @common
 def jobs(queue: str | None, state: str | None, limit: int, offset: int, as_json: bool, app_spec: str | None,
          redis_url: str | None) -> None:
     """List jobs (by default: a page of each state in each queue)."""
-    found = listing.list_jobs(_app(app_spec, redis_url), queue, state, limit, offset)
+    app = _app(app_spec, redis_url)
+    if queue:
+        _known(app, queue)
+    found = listing.list_jobs(app, queue, state, limit, offset)
     if as_json:
         return _emit([j.to_dict() for j in found])
     click.echo(f"{'ID':26}  {'QUEUE':12} {'STATE':10} {'TASK':30} {'TRIES':>5}  WHERE")
@@ -459,7 +471,8 @@ def queue_info(name: str, as_json: bool, app_spec: str | None, redis_url: str | 
 def purge(queue_name: str, yes: bool, app_spec: str | None, redis_url: str | None) -> None:
     """Delete every pending job of a queue (running, delayed and finished ones stay). Asks first."""
     app = _app(app_spec, redis_url)
-    total = app.redis.llen(app.keys.q(codec.check_name("queue", queue_name)) + "pending")
+    _known(app, queue_name)
+    total = app.redis.llen(app.keys.q(queue_name) + "pending")
     _confirm(f"delete {total} pending jobs of {queue_name}?", yes)
     with click.progressbar(length=total, label="purging", file=sys.stderr) as bar:
         n = app.purge(queue_name, progress=bar.update)
@@ -531,6 +544,7 @@ def harvest(queue_list: str | None, app_spec: str | None, redis_url: str | None)
 
     app = _app(app_spec, redis_url)
     qs = [q for q in queue_list.split(",") if q] if queue_list else app.queue_names()
+    _known(app, *qs)
     stats = Dispatcher(app).harvest(qs)
     click.echo(" ".join(f"{k}={v}" for k, v in stats.items()))
 
@@ -546,7 +560,7 @@ def _seconds(value: str) -> float:
 @main.command()
 @click.option("-q", "--queue", "queue_name", required=True)
 @click.option("--older-than", required=True, help="Put back jobs delivered longer ago than this (e.g. 60s, 5m).")
-@click.option("--count", type=int, default=1000, show_default=True, help="At most this many.")
+@click.option("--count", type=click.IntRange(min=1), default=1000, show_default=True, help="At most this many.")
 @common
 def recover(queue_name: str, older_than: str, count: int, app_spec: str | None, redis_url: str | None) -> None:
     """Put running jobs delivered too long ago back in line (whatever their workers do);
@@ -556,7 +570,7 @@ def recover(queue_name: str, older_than: str, count: int, app_spec: str | None, 
     from . import scripts
 
     app = _app(app_spec, redis_url)
-    codec.check_name("queue", queue_name)
+    _known(app, queue_name)
     ids = scripts.RECOVER(app.redis, [app.keys.q(queue_name)],
                           [_seconds(older_than), count, f"{socket.gethostname()}:{os.getpid()}"])
     click.echo("\n".join(ids) if ids else "nothing to recover")
@@ -565,13 +579,14 @@ def recover(queue_name: str, older_than: str, count: int, app_spec: str | None, 
 @main.command()
 @click.option("-q", "--queue", "queue_name", required=True)
 @click.option("--running", is_flag=True, help="In-flight jobs instead of waiting ones.")
-@click.option("--limit", type=int, default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @common
 def inspect(queue_name: str, running: bool, limit: int, as_json: bool, app_spec: str | None,
             redis_url: str | None) -> None:
     """Jobs with their delivery count, last delivery time and age."""
     app = _app(app_spec, redis_url)
+    _known(app, queue_name)
     now = listing.server_time(app)
     if running:
         _, rows = listing.running(app, queue_name, 0, limit)

@@ -243,3 +243,17 @@ def test_times_say_utc_jobs_explains_stuck_workers_show_cpu(app, stack):
     assert re.search(r" \d+\.\d +default,", row), row
     app.redis.set(f"{app.settings.prefix}:release:flagged", 1)
     job.wait(30)
+
+
+def test_commands_on_a_queue_refuse_a_name_no_queue_has(app, stack):
+    """A typo in -q must not look like an empty queue ("0 pending jobs deleted")."""
+    apps.add.delay(1, 2)
+    for args in (["purge", "-q", "defualt", "--yes"], ["inspect", "-q", "defualt"], ["jobs", "-q", "defualt"],
+                 ["recover", "-q", "defualt", "--older-than", "5m"], ["harvest", "-q", "default,defualt"]):
+        r = stack.cli(*args)
+        assert r.returncode == 1 and "no queue 'defualt' (see `taskrunner queues`)" in one_line_error(r), args
+    for args in (["jobs", "--limit", "-1"], ["jobs", "--offset", "-5"], ["inspect", "-q", "default", "--limit", "0"],
+                 ["recover", "-q", "default", "--older-than", "5m", "--count", "0"]):
+        r = stack.cli(*args)
+        assert r.returncode == 2 and "Invalid value" in r.stderr, args
+    assert app.redis.llen(app.keys.q("default") + "pending") == 1
