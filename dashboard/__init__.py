@@ -7,24 +7,34 @@ front, e.g. 1 on Heroku; default 0) from the environment (gunicorn: "dashboard:c
 from __future__ import annotations
 
 import json
+import logging
 import os
 from datetime import datetime, timezone
 from typing import Any
 
+import redis
 from flask import Flask, jsonify, render_template, request
 from jinja2 import Undefined
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, ServiceUnavailable
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from taskrunner import TaskRunner
+from taskrunner.diagnose import explain
+from taskrunner.errors import AppNotFound
 from taskrunner.loader import load_app
 
 from . import security
 from .views import api, pages
 
+log = logging.getLogger("taskrunner.dashboard")
+
 
 def create_app(runner: TaskRunner | None = None, password: str | None = None, token: str | None = None) -> Flask:
-    runner = runner or load_app(os.environ.get("TASKRUNNER_APP"))
+    if runner is None:
+        try:
+            runner = load_app(os.environ.get("TASKRUNNER_APP"))
+        except AppNotFound as e:
+            raise SystemExit(f"Error: {e}") from None  # one line in gunicorn's log, not a traceback
     web = Flask(__name__)
     # X-Forwarded-Proto/-Host may come from anyone: at worst a client gets a Secure cookie.
     # X-Forwarded-For is the address logins are counted by, so it is trusted only from the
@@ -39,7 +49,7 @@ def create_app(runner: TaskRunner | None = None, password: str | None = None, to
         SESSION_COOKIE_HTTPONLY=True,
         SESSION_COOKIE_SAMESITE="Strict",
         SESSION_COOKIE_NAME="taskrunner_session",
-        SECRET_KEY=os.environ.get("TASKRUNNER_DASHBOARD_SECRET") or security.secret_key(runner),
+        SECRET_KEY=os.environ.get("TASKRUNNER_DASHBOARD_SECRET"),  # else Sessions fetches the one in Redis
     )
     web.session_interface = security.Sessions()
     web.register_blueprint(pages)
@@ -68,6 +78,17 @@ def create_app(runner: TaskRunner | None = None, password: str | None = None, to
         if request.path.startswith("/api/"):
             return jsonify(error=e.description, status=e.code), e.code
         return render_template("error.html", error=e), e.code
+
+    @web.errorhandler(redis.RedisError)
+    @web.errorhandler(redis.exceptions.RedisClusterException)
+    def redis_error(e: Exception) -> Any:
+        """Redis down or misconfigured: a page that says so (503), not a bare 500."""
+        problem = explain(e, runner.settings.redis_url)
+        if problem is None:
+            raise e
+        log.warning("dashboard: %s", problem.message)
+        return error(ServiceUnavailable(problem.message + (". This page works again once Redis answers."
+                                                           if not problem.lasting else "")))
 
     return web
 

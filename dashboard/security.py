@@ -15,18 +15,30 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
+import redis
 from flask import abort, current_app, request, session
-from flask.sessions import SecureCookieSessionInterface
+from flask.sessions import NullSession, SecureCookieSessionInterface
 
 #: Failed logins allowed per client address per minute; then 429.
 LOGIN_ATTEMPTS = 5
 
 
 class Sessions(SecureCookieSessionInterface):
-    """Secure cookies whenever the request came over HTTPS (behind a proxy too)."""
+    """Secure cookies whenever the request came over HTTPS (behind a proxy too), signed
+    with the key kept in Redis, fetched at the first request that finds Redis up: a
+    dashboard started while Redis is down serves pages that say so, and sessions once
+    Redis is back (till then, none: nobody can log in or act)."""
 
     def get_cookie_secure(self, app: Any) -> bool:
         return request.is_secure
+
+    def get_signing_serializer(self, app: Any) -> Any:
+        if not app.secret_key:
+            try:
+                app.secret_key = secret_key(app.config["TR_RUNNER"])
+            except (redis.RedisError, redis.exceptions.RedisClusterException):
+                return None
+        return super().get_signing_serializer(app)
 
 
 def secret_key(runner: Any) -> str:
@@ -37,6 +49,9 @@ def secret_key(runner: Any) -> str:
 
 
 def csrf_token() -> str:
+    if isinstance(session, NullSession):  # no signing key: Redis was down when the request came
+        current_app.config["TR_RUNNER"].redis.ping()  # still down: the page says why
+        abort(503, "Redis was unreachable a moment ago: reload the page")
     if "csrf" not in session:
         session["csrf"] = secrets.token_urlsafe(32)
     return session["csrf"]

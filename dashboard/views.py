@@ -33,6 +33,7 @@ pages = Blueprint("pages", __name__)
 api = Blueprint("api", __name__, url_prefix="/api")
 PAGE = 50
 ACTIONS = ("kill", "retry", "requeue", "delete")
+QUEUE_ACTIONS = ("purge", "close", "open")
 FINISHED = ("completed", "failed", "killed")
 
 
@@ -102,6 +103,24 @@ def act(job: Job, action: str, who: str) -> tuple[bool, str]:
         message = "deleted" if done else "a running job cannot be deleted: kill it first"
     audit(f"{action} {job.id} ({job.queue})", who, done)
     return done, message
+
+
+def queue_act(name: str, action: str, who: str) -> dict[str, Any]:
+    """Purge, close or open a queue; {"message": ..., and for purge "deleted": n}. Audited."""
+    if action not in QUEUE_ACTIONS:
+        abort(404, f"no queue action {action!r}")
+    queue_arg(name)
+    if action == "purge":
+        n = runner().purge(name)
+        out: dict[str, Any] = {"deleted": n, "message": f"{n} pending jobs deleted"}
+    elif action == "close":
+        taskqueue.close(runner(), name)
+        out = {"message": "closed: it takes no new jobs (queued ones still run)"}
+    else:
+        taskqueue.open(runner(), name)
+        out = {"message": "open: it takes new jobs"}
+    audit(f"{action} {name}" + (f" ({out['deleted']} jobs)" if action == "purge" else ""), who, True)
+    return out
 
 
 def audit(what: str, who: str, done: bool) -> None:
@@ -232,13 +251,10 @@ def job_action(job_id: str, action: str) -> Any:
     return redirect(local_path(request.form.get("next", ""), url_for("pages.job", job_id=job_id)))
 
 
-@pages.post("/queues/<name>/purge")
+@pages.post("/queues/<name>/<action>")
 @security.form_action
-def purge(name: str) -> Any:
-    queue_arg(name)
-    n = runner().purge(name)
-    audit(f"purge {name} ({n} jobs)", security.who(), True)
-    flash(f"queue {name}: {n} pending jobs deleted")
+def queue_action(name: str, action: str) -> Any:
+    flash(f"queue {name}: {queue_act(name, action, security.who())['message']}")
     return redirect(url_for("pages.queue", name=name))
 
 
@@ -305,10 +321,7 @@ def api_job_action(job_id: str, action: str) -> Any:
     return jsonify({"id": job_id, "action": action, "done": done, "message": message}), 200 if done else 409
 
 
-@api.post("/queues/<name>/purge")
+@api.post("/queues/<name>/<action>")
 @security.api_action
-def api_purge(name: str) -> Any:
-    queue_arg(name)
-    n = runner().purge(name)
-    audit(f"purge {name} ({n} jobs)", security.who(), True)
-    return jsonify({"queue": name, "deleted": n})
+def api_queue_action(name: str, action: str) -> Any:
+    return jsonify({"queue": name, "action": action, **queue_act(name, action, security.who())})

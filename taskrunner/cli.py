@@ -14,24 +14,49 @@ from typing import Any
 
 import click
 import redis
+from click.core import ParameterSource
 
 from . import listing
 from .app import TaskRunner
-from .errors import JobFailed, TaskRunnerError, Timeout, require_extra
+from .diagnose import explain
+from .errors import AppNotFound, BadURL, JobFailed, TaskRunnerError, Timeout, require_extra
 from .loader import load_app
+
+APP_HELP = "Module with your TaskRunner (module or module:attr). Env: TASKRUNNER_APP."
+URL_HELP = ("redis://host:port/db, rediss://..., unix:///path, redis+sentinel://host[:port][,host...]/service[/db], "
+            "redis+cluster://host[:port][,host...]. Env: REDIS_URL.")
+
+
+def _or_before(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """-A and --redis-url may come before the command too (`taskrunner --redis-url U
+    jobs`): given after it they win, else the value given before it, else the environment's."""
+    if ctx.get_parameter_source(param.name or "") is ParameterSource.COMMANDLINE:
+        return value
+    before = ctx.find_root().params.get(param.name or "")
+    return before if before is not None else value
 
 
 def common(f: Callable) -> Callable:
-    f = click.option("-A", "--app", "app_spec", envvar="TASKRUNNER_APP", metavar="APP",
-                     help="Module with your TaskRunner (module or module:attr). Env: TASKRUNNER_APP.")(f)
-    f = click.option("--redis-url", envvar="REDIS_URL", metavar="URL",
-                     help="redis://host:port/db, rediss://..., unix:///path, "
-                     "redis+sentinel://host[:port][,host...]/service[/db]. Env: REDIS_URL.")(f)
+    f = click.option("-A", "--app", "app_spec", envvar="TASKRUNNER_APP", metavar="APP", callback=_or_before,
+                     help=APP_HELP)(f)
+    f = click.option("--redis-url", envvar="REDIS_URL", metavar="URL", callback=_or_before, help=URL_HELP)(f)
     return f
 
 
-def _app(app_spec: str | None, redis_url: str | None) -> TaskRunner:
-    return load_app(app_spec, redis_url)
+def _app(app_spec: str | None, redis_url: str | None, check: bool = False) -> TaskRunner:
+    """The app; with `check`, for processes that run until stopped, Redis is tried once
+    first: a mistake in its configuration stops them here (exit 2), an outage they wait out."""
+    app = load_app(app_spec, redis_url)
+    click.get_current_context().meta["taskrunner.url"] = app.settings.redis_url
+    if check:
+        try:
+            app.redis.ping()
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+            problem = explain(e, app.settings.redis_url)
+            if problem is None or problem.lasting:
+                raise
+            click.echo(f"Warning: {problem.message}; waiting for it", err=True)
+    return app
 
 
 def _json_arg(value: str | None, kind: type, what: str) -> Any:
@@ -50,7 +75,7 @@ def _ts(t: Any) -> str:
     if not t:
         return "-"
     try:
-        return datetime.fromtimestamp(float(t), timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        return datetime.fromtimestamp(float(t), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     except (TypeError, ValueError, OverflowError, OSError):
         return str(t)  # a corrupt record, shown as it is
 
@@ -59,21 +84,56 @@ def _emit(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
 
+def _known(app: TaskRunner, *queues: str) -> None:
+    """Commands that read or change a named queue refuse a name no queue has: a typo
+    must not look like an empty queue ("0 pending jobs deleted")."""
+    from . import queue
+
+    for name in queues:
+        queue.must_exist(app, name)
+
+
+def _confirm(question: str, yes: bool) -> None:
+    """Ask before deleting. Where nobody can answer (stdin is not a terminal: a pipe, a
+    script, cron) only --yes goes on: `echo n | taskrunner purge` must not delete."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise click.UsageError(f"{question} Not asked, as stdin is not a terminal: add --yes to go on")
+    click.confirm(question, abort=True)
+
+
+class Misconfigured(click.ClickException):
+    """An error in what the command was given (a Redis URL, an app): exit 2, as click's
+    own usage errors."""
+
+    exit_code = 2
+
+
 class Main(click.Group):
-    """Turns taskrunner and Redis errors into one clear line and exit code 1."""
+    """Turns taskrunner and Redis errors into one clear line: exit 2 for a mistake in the
+    configuration (bad URL, wrong database, TLS or Sentinel mismatch, refused password, an
+    app that cannot be imported), 1 for the rest (Redis down, no such job, ...)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except (BadURL, AppNotFound) as e:
+            raise Misconfigured(str(e)) from None
         except (TaskRunnerError, ValueError, TypeError) as e:
             raise click.ClickException(str(e)) from None
-        except (redis.ConnectionError, redis.exceptions.RedisClusterException) as e:
-            raise click.ClickException(f"cannot reach Redis: {e} (set REDIS_URL or --redis-url)") from None
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+            problem = explain(e, ctx.meta.get("taskrunner.url"))
+            if problem is None:
+                raise click.ClickException(f"Redis answered with an error: {e}") from None
+            raise (Misconfigured if problem.lasting else click.ClickException)(problem.message) from None
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="taskrunner")
-def main() -> None:
+@click.option("-A", "--app", "app_spec", metavar="APP", help=APP_HELP + " Also after the command.")
+@click.option("--redis-url", metavar="URL", help=URL_HELP + " Also after the command.")
+def main(app_spec: str | None, redis_url: str | None) -> None:
     """taskrunner: reliable jobs on Redis, run in child processes, watched by a dispatcher.
 
     \b
@@ -81,6 +141,9 @@ def main() -> None:
     Run a worker for your app:                  taskrunner worker -A myapp -c 4
     Enqueue and wait from the shell:            id=$(taskrunner enqueue myapp.add --args '[1,2]')
                                                 taskrunner wait $id
+
+    Exit codes: 0 done, 1 an error (Redis unreachable, no such job, ...), 2 a mistake in the
+    arguments, the Redis URL or the app; `wait` and `consume` say what else theirs mean.
     """
 
 
@@ -189,14 +252,17 @@ def kill(job_id: str, app_spec: str | None, redis_url: str | None) -> None:
 @main.command()
 @click.option("-q", "--queue", help="Only this queue.")
 @click.option("--state", type=click.Choice(listing.LIST_STATES), help="Only jobs in this state.")
-@click.option("--limit", type=int, default=50, show_default=True)
-@click.option("--offset", type=int, default=0)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--offset", type=click.IntRange(min=0), default=0)
 @click.option("--json", "as_json", is_flag=True)
 @common
 def jobs(queue: str | None, state: str | None, limit: int, offset: int, as_json: bool, app_spec: str | None,
          redis_url: str | None) -> None:
     """List jobs (by default: a page of each state in each queue)."""
-    found = listing.list_jobs(_app(app_spec, redis_url), queue, state, limit, offset)
+    app = _app(app_spec, redis_url)
+    if queue:
+        _known(app, queue)
+    found = listing.list_jobs(app, queue, state, limit, offset)
     if as_json:
         return _emit([j.to_dict() for j in found])
     click.echo(f"{'ID':26}  {'QUEUE':12} {'STATE':10} {'TASK':30} {'TRIES':>5}  WHERE")
@@ -205,6 +271,9 @@ def jobs(queue: str | None, state: str | None, limit: int, offset: int, as_json:
         st = d.get("state", "?") + ("*" if d.get("stuck") == "1" else "")
         where = f"{d.get('worker', '')} pid {d.get('pid')}" if d.get("state") == "running" else d.get("error_type", "")
         click.echo(f"{j.id:26}  {j.queue:12} {st:10} {d.get('task', '?')[:30]:30} {d.get('attempts', 0):>5}  {where}")
+    if any(j.data.get("stuck") == "1" for j in found):
+        click.echo("* stuck: ran past its max duration (`taskrunner status ID` says more; "
+                   "`jobs --state stuck` lists them)")
 
 
 @main.command()
@@ -229,17 +298,20 @@ def queues(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @common
 def workers(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
-    """Workers: alive ones with their heartbeat, and those found dead in the last hour."""
+    """Workers: alive ones with their heartbeat, and those found dead in the last hour. BUSY:
+    children running a job, of all; BEAT: since the last heartbeat; CPU %: of one core, the
+    worker and its children together, since the heartbeat before."""
     ws = listing.workers(_app(app_spec, redis_url))
     if as_json:
         return _emit(ws)
     click.echo(f"{'NAME':28} {'STATE':6} {'HOST':16} {'IP':15} {'PID':>7} {'BUSY':>6} {'BEAT':>6} "
-               f"{'RSS MB':>7}  QUEUES")
+               f"{'RSS MB':>7} {'CPU %':>6}  QUEUES")
     for w in ws:
         beat = f"{w['heartbeat_age']:.1f}s" if w.get("heartbeat_age") is not None else "-"
-        busy = f"{w.get('busy', '?')}/{w.get('concurrency', '?')}"
+        busy = "-" if w.get("busy") is None else f"{w['busy']}/{w.get('concurrency', '?')}"
+        cpu = "-" if w.get("cpu") is None else f"{w['cpu']:.1f}"
         click.echo(f"{w['name'][:28]:28} {w['state']:6} {str(w.get('host', '-'))[:16]:16} {w.get('ip', '-'):15} "
-                   f"{w.get('pid', '-'):>7} {busy:>6} {beat:>6} {w.get('rss', 0) / 1e6:>7.1f}  "
+                   f"{w.get('pid', '-'):>7} {busy:>6} {beat:>6} {w.get('rss', 0) / 1e6:>7.1f} {cpu:>6}  "
                    f"{','.join(w.get('queues', []))}")
 
 
@@ -266,7 +338,7 @@ def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch:
     _setup_logging(log_level)
     if not app_spec:
         raise click.UsageError("the worker needs your app: -A module (or TASKRUNNER_APP)")
-    app = _app(app_spec, redis_url)
+    app = _app(app_spec, redis_url, check=True)
     qs = [q.strip() for q in queue_list.split(",") if q.strip()] if queue_list else \
         list(dict.fromkeys(["default", *(t.spec.queue for t in app.tasks.values())]))
     sys.exit(Worker(app, qs, concurrency, name, prefetch).run())
@@ -282,7 +354,7 @@ def dispatcher(name: str | None, log_level: str, app_spec: str | None, redis_url
     from .dispatcher import Dispatcher
 
     _setup_logging(log_level)
-    sys.exit(Dispatcher(_app(app_spec, redis_url), name).run())
+    sys.exit(Dispatcher(_app(app_spec, redis_url, check=True), name).run())
 
 
 @main.command()
@@ -302,7 +374,7 @@ def dashboard(host: str, port: int, app_spec: str | None, redis_url: str | None)
     from dashboard.security import check_bind
 
     check_bind([host], os.environ.get("TASKRUNNER_DASHBOARD_PASSWORD"))
-    app = _app(app_spec, redis_url)
+    app = _app(app_spec, redis_url, check=True)
     create_app(app).run(host=host, port=port)
 
 
@@ -327,7 +399,7 @@ def up(demo: bool, concurrency: int, port: int, exit_after: bool, app_spec: str 
 
 @main.group()
 def queue() -> None:
-    """Create, close or delete a queue (bounded, exclusive); see also `queues`."""
+    """Create, close, open or delete a queue (bounded, exclusive); see also `queues`."""
 
 
 @queue.command("create")
@@ -344,26 +416,36 @@ def queue_create(name: str, bound: int, exclusive: bool, app_spec: str | None, r
     click.echo(f"queue {name}: bound {bound or 'none'}{', exclusive' if exclusive else ''}")
 
 
-@queue.command("close")
-@click.argument("name")
-@common
-def queue_close(name: str, app_spec: str | None, redis_url: str | None) -> None:
-    """Take no new jobs (enqueue fails with QueueClosed); queued jobs still run."""
+def _queue_switch(how: str, doc: str, said: str) -> None:
+    """`queue close` and `queue open`: one setting of a queue, each way."""
     from . import queue as queues
 
-    queues.close(_app(app_spec, redis_url), name)
-    click.echo(f"queue {name}: closed")
+    @queue.command(how, help=doc)
+    @click.argument("name")
+    @common
+    def switch(name: str, app_spec: str | None, redis_url: str | None) -> None:
+        getattr(queues, how)(_app(app_spec, redis_url), name)
+        click.echo(f"queue {name}: {said.format(name=name)}")
+
+
+_queue_switch("close", "Take no new jobs (enqueue fails with QueueClosed); queued jobs still run.",
+              "closed (`taskrunner queue open {name}` undoes it)")
+_queue_switch("open", "Take new jobs again after `queue close`.", "open")
 
 
 @queue.command("delete")
 @click.argument("name")
 @click.option("--force", is_flag=True, help="Even while jobs of it run (their results are then dropped).")
+@click.option("--yes", is_flag=True, help="Do not ask (needed where nobody can answer: stdin not a terminal).")
 @common
-def queue_delete(name: str, force: bool, app_spec: str | None, redis_url: str | None) -> None:
-    """Remove every key of queue NAME: its jobs, records and counters."""
+def queue_delete(name: str, force: bool, yes: bool, app_spec: str | None, redis_url: str | None) -> None:
+    """Remove every key of queue NAME: its jobs, records and counters. Asks first."""
     from . import queue as queues
 
-    n = queues.delete(_app(app_spec, redis_url), name, force)
+    app = _app(app_spec, redis_url)
+    jobs = queues.deletable(app, name, force)
+    _confirm(f"delete queue {name} and its {', '.join(f'{n} {s}' for s, n in jobs.items())} jobs?", yes)
+    n = queues.delete(app, name, force)
     click.echo(f"queue {name}: deleted ({n} keys)")
 
 
@@ -386,14 +468,14 @@ def queue_info(name: str, as_json: bool, app_spec: str | None, redis_url: str | 
 
 @main.command()
 @click.option("-q", "--queue", "queue_name", required=True)
-@click.option("--yes", is_flag=True, help="Do not ask.")
+@click.option("--yes", is_flag=True, help="Do not ask (needed where nobody can answer: stdin not a terminal).")
 @common
 def purge(queue_name: str, yes: bool, app_spec: str | None, redis_url: str | None) -> None:
-    """Delete every pending job of a queue (running, delayed and finished ones stay)."""
+    """Delete every pending job of a queue (running, delayed and finished ones stay). Asks first."""
     app = _app(app_spec, redis_url)
+    _known(app, queue_name)
     total = app.redis.llen(app.keys.q(queue_name) + "pending")
-    if not yes and sys.stdin.isatty():
-        click.confirm(f"delete {total} pending jobs of {queue_name}?", abort=True)
+    _confirm(f"delete {total} pending jobs of {queue_name}?", yes)
     with click.progressbar(length=total, label="purging", file=sys.stderr) as bar:
         n = app.purge(queue_name, progress=bar.update)
     click.echo(f"{n} pending jobs deleted from {queue_name}")
@@ -464,6 +546,7 @@ def harvest(queue_list: str | None, app_spec: str | None, redis_url: str | None)
 
     app = _app(app_spec, redis_url)
     qs = [q for q in queue_list.split(",") if q] if queue_list else app.queue_names()
+    _known(app, *qs)
     stats = Dispatcher(app).harvest(qs)
     click.echo(" ".join(f"{k}={v}" for k, v in stats.items()))
 
@@ -479,17 +562,17 @@ def _seconds(value: str) -> float:
 @main.command()
 @click.option("-q", "--queue", "queue_name", required=True)
 @click.option("--older-than", required=True, help="Put back jobs delivered longer ago than this (e.g. 60s, 5m).")
-@click.option("--count", type=int, default=1000, show_default=True, help="At most this many.")
+@click.option("--count", type=click.IntRange(min=1), default=1000, show_default=True, help="At most this many.")
 @common
 def recover(queue_name: str, older_than: str, count: int, app_spec: str | None, redis_url: str | None) -> None:
     """Put running jobs delivered too long ago back in line (whatever their workers do);
     their next delivery is counted. Prints the ids."""
     import socket
 
-    from . import codec, scripts
+    from . import scripts
 
     app = _app(app_spec, redis_url)
-    codec.check_name("queue", queue_name)
+    _known(app, queue_name)
     ids = scripts.RECOVER(app.redis, [app.keys.q(queue_name)],
                           [_seconds(older_than), count, f"{socket.gethostname()}:{os.getpid()}"])
     click.echo("\n".join(ids) if ids else "nothing to recover")
@@ -498,13 +581,14 @@ def recover(queue_name: str, older_than: str, count: int, app_spec: str | None, 
 @main.command()
 @click.option("-q", "--queue", "queue_name", required=True)
 @click.option("--running", is_flag=True, help="In-flight jobs instead of waiting ones.")
-@click.option("--limit", type=int, default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @common
 def inspect(queue_name: str, running: bool, limit: int, as_json: bool, app_spec: str | None,
             redis_url: str | None) -> None:
     """Jobs with their delivery count, last delivery time and age."""
     app = _app(app_spec, redis_url)
+    _known(app, queue_name)
     now = listing.server_time(app)
     if running:
         _, rows = listing.running(app, queue_name, 0, limit)
@@ -516,9 +600,9 @@ def inspect(queue_name: str, running: bool, limit: int, as_json: bool, app_spec:
                 "last_delivery": r["started_at"], "age": round(now - (r["enqueued_at"] or now), 3)} for r in rows]
     if as_json:
         return _emit(out)
-    click.echo(f"{'ID':26}  {'TASK':30} {'DELIVERIES':>10}  {'LAST DELIVERY':19}  {'AGE':>9}")
+    click.echo(f"{'ID':26}  {'TASK':30} {'DELIVERIES':>10}  {'LAST DELIVERY':23}  {'AGE':>9}")
     for r in out:
-        click.echo(f"{r['id']:26}  {(r['task'] or '?')[:30]:30} {r['deliveries']:>10}  {_ts(r['last_delivery']):19}  "
+        click.echo(f"{r['id']:26}  {(r['task'] or '?')[:30]:30} {r['deliveries']:>10}  {_ts(r['last_delivery']):23}  "
                    f"{r['age']:>8.1f}s")
 
 

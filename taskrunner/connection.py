@@ -46,6 +46,8 @@ import redis.cluster
 import redis.sentinel
 from redis._parsers.base import BaseParser
 
+from .errors import BadURL
+
 EMBEDDED_DIR = Path("var")
 SENTINEL_SCHEME = "redis+sentinel"
 SENTINEL_FORM = ("redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db]"
@@ -119,11 +121,11 @@ class SentinelURL:
                                    **self._master_options(options))
 
 
-def _complaint(url: str, form: str) -> Callable[[str], ValueError]:
+def _complaint(url: str, form: str) -> Callable[[str], BadURL]:
     """Makes the error of a bad URL: what is wrong, and the form expected."""
 
-    def bad(why: str) -> ValueError:
-        return ValueError(f"bad Redis URL {redact(url)!r}: {why}; expected {form}")
+    def bad(why: str) -> BadURL:
+        return BadURL(f"bad Redis URL {redact(url)!r}: {why}; expected {form}")
 
     return bad
 
@@ -247,13 +249,22 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis | redis.clust
     if url.startswith(CLUSTER_SCHEME + ":"):
         return ClusterURL.parse(url).client(**options)
     if "://" not in url:
-        raise ValueError(f"bad Redis URL {redact(url)!r}: expected {FORMS}")
+        raise BadURL(f"bad Redis URL {redact(url)!r}: expected {FORMS}")
+    _check_db(url)
     if not url.startswith("unix:"):
         options.setdefault("socket_keepalive", True)
     try:
         return redis.Redis.from_url(url, **options)
     except ValueError as e:
-        raise ValueError(f"bad Redis URL {redact(url)!r}: {e}; expected {FORMS}") from None
+        raise BadURL(f"bad Redis URL {redact(url)!r}: {e}; expected {FORMS}") from None
+
+
+def _check_db(url: str) -> None:
+    """redis-py reads redis://host/abc as database 0, and /1/2 as 12: refuse a path that
+    is not one number (a unix:// URL's path is its socket; its ?db= redis-py checks)."""
+    db = "" if url.startswith("unix:") else urlsplit(url).path.strip("/")
+    if db and not db.isdigit():
+        raise BadURL(f"bad Redis URL {redact(url)!r}: the database {db!r} is not a number; expected {FORMS}")
 
 
 PENDING = object()  # a reply not (all) come yet
@@ -496,10 +507,11 @@ def connect_async(url: str | None = None, **options: Any) -> redis.asyncio.Redis
         return SentinelURL.parse(url).master_async(**options)
     if url.startswith(CLUSTER_SCHEME + ":"):
         return ClusterURL.parse(url).client_async(**options)
+    _check_db(url)
     try:
         return redis.asyncio.Redis.from_url(url, **options)
     except ValueError as e:
-        raise ValueError(f"bad Redis URL {redact(url)!r}: {e}; expected {FORMS}") from None
+        raise BadURL(f"bad Redis URL {redact(url)!r}: {e}; expected {FORMS}") from None
 
 
 class Blocker:

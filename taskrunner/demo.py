@@ -58,13 +58,36 @@ def polls(counter: str) -> str:
     return "ready"
 
 
+@app.task(queue="slow", max_duration=600)
+def report(seconds: float) -> float:
+    """A long job: still running when you open the dashboard (the Running page)."""
+    time.sleep(seconds)
+    return seconds
+
+
+@app.task(queue="slow", max_duration=5, timeout_policy="flag")
+def overdue(seconds: float) -> float:
+    """Runs past its max duration with timeout_policy="flag": flagged stuck (the Stuck
+    page) and left running, where the default policy would stop it."""
+    time.sleep(seconds)
+    return seconds
+
+
 @app.periodic("* * * * *")
 def tick() -> float:
     return time.time()
 
 
+#: The failures the demo plans, by task name: what each shows.
+PLANNED = {
+    "taskrunner.demo.fail": "raises ValueError: failed, no retries",
+    "taskrunner.demo.too_slow": "runs past its 1 s max duration: stopped, failed with TimeLimitExceeded",
+    "taskrunner.demo.crash": "kills its own process: requeued once, then failed with WorkerLost",
+}
+
+
 def workload() -> list:
-    """What `up --demo` enqueues; returns the jobs."""
+    """What `up --demo` enqueues and waits for; returns the jobs."""
     run = str(time.time_ns())
     jobs = [add.delay(i, i) for i in range(200)]
     jobs += [sleep.delay(0.2 * i) for i in range(1, 6)]
@@ -73,3 +96,10 @@ def workload() -> list:
     jobs += [fail.delay("this one fails on purpose"), too_slow.delay(), crash.delay()]
     jobs += [add.apply_async((1, 1), delay=2 + i) for i in range(3)]
     return jobs
+
+
+def showcase() -> list:
+    """Two long jobs of the "slow" queue, to look at in the dashboard while they last: one
+    running (3 minutes), one stuck past its max duration (10 minutes)."""
+    app.purge("slow")  # left by an earlier demo stopped while they ran
+    return [report.delay(180), overdue.delay(600)]

@@ -72,6 +72,10 @@ class Dispatcher:
                 backoff = min(max(backoff * 2, 0.2), 5.0)
                 log.exception("dispatcher %s: pass failed; retrying in %.1fs", self.name, backoff)
             self.stop_event.wait(max(backoff, self.s.dispatch_interval - (time.monotonic() - started)))
+        try:  # a clean stop: off the dashboard at once, where a silent entry would show "late"
+            self.redis.hdel(self.keys.dispatchers, self.name)
+        except _REDIS_ERRORS as e:
+            log.warning("dispatcher %s: could not say goodbye (%s); the dashboard shows it late", self.name, e)
         log.info("dispatcher %s: stopped after %d passes", self.name, self.passes)
         return 0
 

@@ -21,6 +21,14 @@ class InvalidName(TaskRunnerError, ValueError):
     """A queue, task or job id that cannot be used as one."""
 
 
+class BadURL(TaskRunnerError, ValueError):
+    """A Redis URL that cannot be read: a wrong scheme, host, port, database or option."""
+
+
+class AppNotFound(TaskRunnerError):
+    """-A / TASKRUNNER_APP names no module, or no single TaskRunner in it."""
+
+
 class JobNotFound(TaskRunnerError, LookupError):
     """No job with that id (never enqueued, or expired after its result TTL)."""
 

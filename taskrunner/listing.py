@@ -71,6 +71,8 @@ def workers(app: TaskRunner) -> list[dict[str, Any]]:
     for (n, t, buried), raw in zip(rows, infos):
         info = _worker_info(raw)
         is_dead = buried or now - t >= app.settings.dead_after
+        if is_dead:  # its last heartbeat's figures are not the truth any more: a dead worker runs nothing
+            info.update(busy=None, cpu=None)
         out.append({**info, "name": n, "state": "dead" if is_dead else "alive",
                     "heartbeat_age": None if buried else round(now - t, 3), "died_at": t if buried else None})
     return out
@@ -242,8 +244,11 @@ def overview(app: TaskRunner) -> dict[str, Any]:
             d["history_backlog"] = {}
         d["healthy"] = d["age"] < max(5 * app.settings.dispatch_interval, 5)
         dispatchers.append(d)
-    return {"now": now, "queues": queues, "workers": workers(app),
-            "dispatchers": sorted(dispatchers, key=lambda d: d["age"])}
+    ws = workers(app)
+    consumed = {q for w in ws if w["state"] == "alive" for q in w.get("queues", [])}
+    for q in queues:  # jobs wait with nobody to run them: the overview says so
+        q["unserved"] = q["name"] not in consumed and q["pending"] > 0
+    return {"now": now, "queues": queues, "workers": ws, "dispatchers": sorted(dispatchers, key=lambda d: d["age"])}
 
 
 def schedules(app: TaskRunner) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from .app import TaskRunner
+from .errors import AppNotFound
 
 
 def load_app(spec: str | None, redis_url: str | None = None) -> TaskRunner:
@@ -21,15 +22,15 @@ def load_app(spec: str | None, redis_url: str | None = None) -> TaskRunner:
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise SystemExit(f"cannot import app module {module_name!r}: {e}") from None
+            raise AppNotFound(f"cannot import app module {module_name!r}: {e}") from None
         if attr:
             app = getattr(module, attr, None)
             if not isinstance(app, TaskRunner):
-                raise SystemExit(f"{spec}: {attr!r} is not a TaskRunner in {module_name}")
+                raise AppNotFound(f"{spec}: {attr!r} is not a TaskRunner in {module_name}")
         else:
             found = [v for v in vars(module).values() if isinstance(v, TaskRunner)]
             if len(found) != 1:
-                raise SystemExit(f"{module_name} has {len(found)} TaskRunner instances; name one as "
+                raise AppNotFound(f"{module_name} has {len(found)} TaskRunner instances; name one as "
                                  f"{module_name}:attribute")
             app = found[0]
     if redis_url:

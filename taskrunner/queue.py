@@ -30,19 +30,36 @@ def create(app: TaskRunner, name: str, bound: int = 0, exclusive: bool = False) 
 
 
 def close(app: TaskRunner, name: str) -> None:
-    """No new jobs (enqueue raises QueueClosed); jobs already queued still run."""
-    _must_exist(app, name)
+    """No new jobs (enqueue raises QueueClosed); jobs already queued still run. open()
+    undoes it."""
+    must_exist(app, name)
     app.redis.hset(app.keys.q(name) + "meta", "closed", 1)
+
+
+def open(app: TaskRunner, name: str) -> None:  # the counterpart of close(), named as the CLI command
+    """Take new jobs again after close()."""
+    must_exist(app, name)
+    app.redis.hdel(app.keys.q(name) + "meta", "closed")
+
+
+def deletable(app: TaskRunner, name: str, force: bool = False) -> dict[str, int]:
+    """What delete() would remove, jobs counted by state; raises what delete() would
+    (no such queue; jobs running and not forced), so that a caller can ask first."""
+    must_exist(app, name)
+    p, r = app.keys.q(name), app.redis
+    pending, delayed, running, *finished = (r.pipeline(transaction=False).llen(p + "pending").zcard(p + "delayed")
+                                            .hlen(p + "running").zcard(p + "completed").zcard(p + "failed")
+                                            .zcard(p + "killed").execute())
+    if running and not force:
+        raise TaskRunnerError(f"queue {name} has {running} running jobs: kill them, wait, or force")
+    return {"pending": pending, "delayed": delayed, "running": running, "finished": sum(finished)}
 
 
 def delete(app: TaskRunner, name: str, force: bool = False) -> int:
     """Remove every key of the queue and forget it; refused while its jobs run unless
     forced (their workers' results are then fenced off). Returns the keys deleted."""
-    _must_exist(app, name)
+    deletable(app, name, force)
     p = app.keys.q(name)
-    running = app.redis.hlen(p + "running")
-    if running and not force:
-        raise TaskRunnerError(f"queue {name} has {running} running jobs: kill them, wait, or force")
     deleted = 0
     # SCAN, not KEYS: an admin operation that must find every job record of the queue.
     pattern = p.replace("[", "\\[") + "*"
@@ -77,7 +94,7 @@ def settings(app: TaskRunner, names: list[str]) -> list[dict[str, Any]]:
     return out
 
 
-def _must_exist(app: TaskRunner, name: str) -> None:
+def must_exist(app: TaskRunner, name: str) -> None:
     codec.check_name("queue", name)
     if not app.redis.sismember(app.keys.queues, name):
         raise QueueNotFound(f"no queue {name!r} (see `taskrunner queues`)")

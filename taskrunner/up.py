@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
+from .app import TaskRunner
 from .connection import EMBEDDED_DIR
-from .job import FINAL
+from .job import FINAL, Job
 from .loader import load_app
 from .redis_server import RedisServer
 
@@ -31,16 +33,22 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
     env = {**os.environ, "REDIS_URL": redis_url, "TASKRUNNER_APP": app_spec}
     procs = {
         "dispatcher": _spawn(["taskrunner", "dispatcher"], env),
-        "worker": _spawn(["taskrunner", "worker", "-c", str(concurrency)], env),
+        "worker": _spawn(["taskrunner", "worker", "-c", str(concurrency), *(["-Q", "default"] if demo else [])], env),
         "dashboard": _spawn(["gunicorn", "-c", "python:dashboard.gunicorn_conf", "-w", "2", "-b", f"127.0.0.1:{port}",
                              "--log-level", "warning", "dashboard:create_app()"], env),
     }
+    if demo:  # the demo's long jobs get a worker of their own, so that they hold up nothing
+        procs["slow worker"] = _spawn(["taskrunner", "worker", "-Q", "slow", "-c", "2"],
+                                      {**env, "TASKRUNNER_SHUTDOWN_GRACE": "1"})
     click.echo(f"dashboard: http://127.0.0.1:{port}/   (Ctrl-C stops everything)")
+    if not os.environ.get("TASKRUNNER_DASHBOARD_PASSWORD"):
+        click.echo("dashboard: read-only; to kill, retry and purge from it, start with a password: "
+                   "TASKRUNNER_DASHBOARD_PASSWORD=pick-one " + ("make demo" if demo else "taskrunner up ..."))
     code = 0
     interrupted = False
     try:
         if demo:
-            code = _demo(app_spec, redis_url)
+            code = _demo(app_spec, redis_url, exit_after)
             if exit_after:
                 return code
         while all(p.poll() is None for p in procs.values()):
@@ -71,30 +79,68 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
     return code
 
 
-def _demo(app_spec: str, redis_url: str) -> int:
-    """Enqueue the demo workload and show its progress until every job has ended."""
+def _demo(app_spec: str, redis_url: str, exit_after: bool) -> int:
+    """Enqueue the demo workload and tell its progress, a line at a time (log lines of
+    the other processes go to the same terminal), until every job has ended; start the
+    long jobs to look at and say where they are. With exit_after: once they are seen
+    running and stuck, kill them and return."""
     from . import demo
 
     app = load_app(app_spec, redis_url)
     if not hasattr(sys.modules.get(app_spec.split(":")[0]), "workload"):
         app = demo.app
         app.configure(redis_url=redis_url)
+    long_jobs = demo.showcase()
     jobs = demo.workload()
-    click.echo(f"demo: enqueued {len(jobs)} jobs")
-    states: dict[str, int] = {}
-    deadline = time.monotonic() + 120
-    with click.progressbar(length=len(jobs), label="demo jobs done") as bar:
-        done = 0
-        while done < len(jobs) and time.monotonic() < deadline:
-            pipe = app.redis.pipeline(transaction=False)
-            for j in jobs:
-                pipe.hget(app.keys.job(j.queue, j.id), "state")
-            current = pipe.execute()
-            states = {s: current.count(s) for s in set(current)}
-            now_done = sum(n for s, n in states.items() if s in FINAL)
-            bar.update(now_done - done)
-            done = now_done
-            time.sleep(0.2)
-    click.echo("demo: " + ", ".join(f"{n} {s}" for s, n in sorted(states.items())))
-    click.echo("demo: 'taskrunner jobs --state failed' shows the failures the demo planned")
-    return 0 if sum(n for s, n in states.items() if s in FINAL) == len(jobs) else 1
+    click.echo(f"demo: enqueued {len(jobs)} jobs; {len(demo.PLANNED)} of them fail on purpose (planned):")
+    for task, what in demo.PLANNED.items():
+        click.echo(f"demo:   {task.rsplit('.', 1)[1]:9} {what}")
+    click.echo("demo: so the warnings below about a job past its max duration and a child that died are planned")
+    ended = _follow(app, jobs)
+    planned = sum(1 for state, task in ended if state == "failed" and task in demo.PLANNED)
+    counts = {s: [state for state, _ in ended].count(s) for s in sorted({state for state, _ in ended})}
+    click.echo("demo: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+               + (f" ({planned} planned)" if planned == counts.get("failed") else " (NOT as planned)"))
+    click.echo("demo: 'taskrunner jobs --state failed' lists the failures; each job's page in the dashboard "
+               "tells its story")
+    code = 0 if sum(n for s, n in counts.items() if s in FINAL) == len(jobs) else 1
+    report, overdue = long_jobs
+    if not _until(lambda: report.refresh().state == "running" and overdue.refresh().data.get("stuck") == "1", 60):
+        click.echo("demo: the long jobs did not start; is the slow worker up?", err=True)
+        return 1
+    click.echo(f"demo: still running for you to look at: {report.id} (report, 3 minutes: /running), and "
+               f"{overdue.id} (overdue, stuck past its 5 s max duration, left running: /stuck)")
+    if exit_after:
+        for j in long_jobs:
+            j.kill()
+        _until(lambda: all(j.refresh().state in FINAL for j in long_jobs), 60)
+    return code
+
+
+def _until(cond: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _follow(app: TaskRunner, jobs: list[Job]) -> list[tuple[str, str]]:
+    """Each job's (state, task) once all have ended (or after 2 minutes), printing how
+    many are done when that changes, at most every 2 seconds."""
+    ended: list[tuple[str, str]] = []
+    deadline, told, told_at = time.monotonic() + 120, 0, 0.0
+    while time.monotonic() < deadline:
+        pipe = app.redis.pipeline(transaction=False)
+        for j in jobs:
+            pipe.hmget(app.keys.job(j.queue, j.id), "state", "task")
+        ended = [(state or "?", task or "?") for state, task in pipe.execute()]
+        done = sum(1 for state, _ in ended if state in FINAL)
+        if done == len(jobs):
+            break
+        if done != told and time.monotonic() - told_at >= 2:
+            click.echo(f"demo: {done}/{len(jobs)} jobs done")
+            told, told_at = done, time.monotonic()
+        time.sleep(0.2)
+    return ended

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any
 
 import pytest
+
+from tests import apps
+from tests.conftest import ROOT, wait_for
 
 
 def test_enqueue_status_wait(app, stack):
@@ -61,8 +69,6 @@ def test_kill_jobs_queues_workers(app, stack):
         "name": "default", "pending": 2, "delayed": 0, "running": 0, "completed": 0, "failed": 0, "killed": 1}
     assert "default" in stack.cli("queues", check=True).stdout
     stack.worker(name="cli-w")
-    from tests.conftest import wait_for
-
     ws = wait_for(lambda: json.loads(stack.cli("workers", "--json", check=True).stdout), what="worker listed")
     w = ws[0]
     assert w["name"] == "cli-w" and w["state"] == "alive" and w["concurrency"] == 2 and len(w["children"]) == 2
@@ -76,7 +82,7 @@ def test_unknown_job_and_bad_url(app, stack):
     r = stack.cli("status", "nope")
     assert r.returncode == 1 and "no job nope" in r.stderr
     r = stack.cli("status", "x", "--redis-url", "nonsense")
-    assert r.returncode == 1 and "bad Redis URL" in r.stderr
+    assert r.returncode == 2 and "bad Redis URL" in r.stderr
     r = stack.cli("queues", "--redis-url", "redis://127.0.0.1:1/0")
     assert r.returncode == 1 and "cannot reach Redis" in r.stderr
 
@@ -88,3 +94,166 @@ def test_help_teaches(stack):
     assert "priority order" in stack.cli("worker", "--help", check=True).stdout
     r = stack.cli("worker")
     assert r.returncode == 2 and "needs your app" in r.stderr
+
+
+# -- queue open, and destructive commands that ask (issue 14) ---------------------------
+
+
+def run_cli(stack, *args: str, stdin: Any = None, input: str | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`taskrunner ARGS` with stdin a pipe fed `input`, or the file descriptor `stdin` (a
+    pty); `env` added to the stack's environment."""
+    return subprocess.run([sys.executable, "-m", "taskrunner", *args], cwd=ROOT, env={**stack.env, **(env or {})},
+                          stdin=stdin, input=input, capture_output=True, text=True, timeout=60)
+
+
+def test_queue_open_undoes_close(app, stack):
+    from taskrunner import queue
+    from taskrunner.errors import QueueClosed
+
+    apps.add.apply_async([1, 2], queue="shut")
+    assert "queue open shut" in stack.cli("queue", "close", "shut", check=True).stdout
+    assert stack.cli("enqueue", "tests.apps.add", "-q", "shut").returncode == 1
+    assert stack.cli("queue", "open", "shut", check=True).stdout.strip() == "queue shut: open"
+    stack.cli("enqueue", "tests.apps.add", "-q", "shut", check=True)
+    queue.close(app, "shut")
+    with pytest.raises(QueueClosed):
+        apps.add.apply_async([1, 2], queue="shut")
+    queue.open(app, "shut")
+    apps.add.apply_async([1, 2], queue="shut")
+    assert app.redis.llen(app.keys.q("shut") + "pending") == 3 and not queue.info(app, "shut")["closed"]
+    r = stack.cli("queue", "open", "nope")
+    assert r.returncode == 1 and "no queue 'nope'" in r.stderr
+
+
+def test_destructive_commands_need_yes_when_they_cannot_ask(app, stack):
+    for i in range(5):
+        apps.add.apply_async([i, i], queue="keep")
+    pending = app.keys.q("keep") + "pending"
+    for args in (["purge", "-q", "keep"], ["queue", "delete", "keep"]):
+        r = run_cli(stack, *args, input="n\n")  # `echo n | taskrunner purge -q keep`
+        assert r.returncode == 2 and "--yes" in r.stderr and "delete" in r.stderr, r.stderr
+        r = run_cli(stack, *args, input="y\n")  # nobody asked, so no answer counts
+        assert r.returncode == 2 and app.redis.llen(pending) == 5
+    r = run_cli(stack, "purge", "-q", "keep", "--yes", input="")
+    assert r.returncode == 0 and "5 pending jobs deleted" in r.stdout and app.redis.llen(pending) == 0
+    r = run_cli(stack, "queue", "delete", "keep", "--yes", input="")
+    assert r.returncode == 0 and "keep" not in app.queue_names()
+
+
+def test_destructive_commands_ask_at_a_terminal(app, stack):
+    for i in range(3):
+        apps.add.apply_async([i, i], queue="asked")
+    pending = app.keys.q("asked") + "pending"
+
+    def at_a_terminal(*args: str, answer: str) -> subprocess.CompletedProcess:
+        leader, follower = os.openpty()
+        try:
+            os.write(leader, f"{answer}\n".encode())
+            return run_cli(stack, *args, stdin=follower)
+        finally:
+            os.close(leader)
+            os.close(follower)
+
+    r = at_a_terminal("queue", "delete", "asked", answer="n")
+    assert "delete queue asked and its 3 pending, 0 delayed, 0 running, 0 finished jobs?" in r.stdout
+    assert r.returncode == 1 and "asked" in app.queue_names()
+    r = at_a_terminal("purge", "-q", "asked", answer="n")
+    assert "delete 3 pending jobs of asked?" in r.stdout and r.returncode == 1 and app.redis.llen(pending) == 3
+    r = at_a_terminal("purge", "-q", "asked", answer="y")
+    assert r.returncode == 0 and app.redis.llen(pending) == 0, r.stderr
+
+
+# -- one line, exit 2, for a mistake in the configuration (issue 14) --------------------
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    assert r.stderr.startswith("Error: ") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr) < 600, r.stderr
+    return r.stderr
+
+
+def test_redis_url_mistakes_are_one_line_and_exit_2(app, stack, tmp_path):
+    from tests.topologies import DATA_NODE, Topology
+
+    with Topology(tmp_path) as topology:
+        plain = topology.start(*DATA_NODE)
+        sentinel = topology.start("--sentinel", conf=f"sentinel monitor other 127.0.0.1 {plain.port} 1\n")
+        mistakes = {
+            f"redis://127.0.0.1:{plain.port}/99": "has no such database (DB index is out of range",
+            f"redis://127.0.0.1:{plain.port}/abc": "the database 'abc' is not a number",
+            f"rediss://127.0.0.1:{plain.port}/0": f"127.0.0.1:{plain.port} is a plain Redis, not TLS",
+            f"redis+sentinel://127.0.0.1:{plain.port}/mymaster": f"127.0.0.1:{plain.port} is not a sentinel",
+            f"redis+sentinel://127.0.0.1:{sentinel.port}/mymaster": "does not monitor it (it monitors other)",
+        }
+        for url, message in mistakes.items():
+            r = stack.cli("jobs", "--redis-url", url)
+            assert r.returncode == 2 and message in one_line_error(r), (url, r.stderr)
+        # Processes that run until stopped do not start on such a mistake either.
+        for command in (["worker", "-A", "tests.apps"], ["dispatcher"]):
+            r = stack.cli(*command, "--redis-url", f"redis+sentinel://127.0.0.1:{plain.port}/mymaster")
+            assert r.returncode == 2 and "is not a sentinel" in one_line_error(r)
+    r = stack.cli("jobs", "--redis-url", f"redis://127.0.0.1:{plain.port}/0")  # an outage: exit 1
+    assert r.returncode == 1 and "cannot reach Redis at redis://127.0.0.1:" in one_line_error(r)
+    r = stack.cli("jobs", "--redis-url", f"redis+sentinel://127.0.0.1:{sentinel.port}/mymaster")
+    assert r.returncode == 1 and "is unreachable" in one_line_error(r)
+
+
+def test_an_app_that_cannot_be_imported_is_one_line_and_exit_2(stack):
+    r = stack.cli("jobs", "-A", "no_such_module")
+    assert r.returncode == 2
+    assert one_line_error(r) == "Error: cannot import app module 'no_such_module': No module named 'no_such_module'\n"
+    r = stack.cli("worker", "-A", "tests.apps:nothing")
+    assert r.returncode == 2 and "'nothing' is not a TaskRunner" in one_line_error(r)
+
+
+def test_redis_url_and_app_before_the_command(app, stack):
+    job = apps.add.delay(1, 2)
+    wrong = {"REDIS_URL": "redis://127.0.0.1:1/0"}
+    for args in (["--redis-url", stack.url, "jobs", "--json"],
+                 ["--redis-url", "redis://127.0.0.1:1/0", "jobs", "--json", "--redis-url", stack.url]):
+        r = run_cli(stack, *args, env=wrong)
+        assert r.returncode == 0 and [j["id"] for j in json.loads(r.stdout)] == [job.id], r.stderr
+    r = run_cli(stack, "--redis-url", stack.url, "queue", "info", "default", "--json", env=wrong)
+    assert r.returncode == 0 and json.loads(r.stdout)["pending"] == 1, r.stderr
+    r = run_cli(stack, "-A", "no_such_module", "jobs")
+    assert r.returncode == 2 and "no_such_module" in r.stderr
+    r = run_cli(stack, "-A", "tests.apps", "--redis-url", stack.url, "enqueue", "tests.apps.add", env=wrong)
+    assert r.returncode == 0 and app.job(r.stdout.strip()).queue == "default", r.stderr
+
+
+# -- what the tables say (issue 14) -----------------------------------------------------
+
+
+def test_times_say_utc_jobs_explains_stuck_workers_show_cpu(app, stack):
+    job = app.enqueue("tests.apps.hold", ["flagged", 30], max_duration=0.3, timeout_policy="flag")
+    assert "* stuck" not in stack.cli("jobs", check=True).stdout  # no marker, no legend
+    status = stack.cli("status", job.id, check=True).stdout
+    assert re.search(r"enqueued  \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$", status, re.M), status
+    inspect = stack.cli("inspect", "-q", "default", check=True).stdout
+    assert "LAST DELIVERY" in inspect
+    stack.worker(name="cpu-w", concurrency=1)
+    wait_for(lambda: job.refresh().data.get("stuck") == "1", what="the job flagged stuck")
+    out = stack.cli("jobs", "--state", "running", check=True).stdout
+    assert "running*" in out and "* stuck: ran past its max duration" in out, out
+    assert re.search(r"started  \S+ \S+ UTC$", stack.cli("status", job.id, check=True).stdout, re.M)
+    workers = stack.cli("workers", check=True).stdout.splitlines()
+    assert "CPU %" in workers[0]
+    [row] = [line for line in workers if line.startswith("cpu-w")]
+    assert re.search(r" \d+\.\d +default,", row), row
+    app.redis.set(f"{app.settings.prefix}:release:flagged", 1)
+    job.wait(30)
+
+
+def test_commands_on_a_queue_refuse_a_name_no_queue_has(app, stack):
+    """A typo in -q must not look like an empty queue ("0 pending jobs deleted")."""
+    apps.add.delay(1, 2)
+    for args in (["purge", "-q", "defualt", "--yes"], ["inspect", "-q", "defualt"], ["jobs", "-q", "defualt"],
+                 ["recover", "-q", "defualt", "--older-than", "5m"], ["harvest", "-q", "default,defualt"]):
+        r = stack.cli(*args)
+        assert r.returncode == 1 and "no queue 'defualt' (see `taskrunner queues`)" in one_line_error(r), args
+    for args in (["jobs", "--limit", "-1"], ["jobs", "--offset", "-5"], ["inspect", "-q", "default", "--limit", "0"],
+                 ["recover", "-q", "default", "--older-than", "5m", "--count", "0"]):
+        r = stack.cli(*args)
+        assert r.returncode == 2 and "Invalid value" in r.stderr, args
+    assert app.redis.llen(app.keys.q("default") + "pending") == 1

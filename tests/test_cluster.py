@@ -117,7 +117,7 @@ def test_cli_dashboard_history_and_queue_delete(capp, stack, cluster, queues, tm
 
     stack.cli("history", "archive", "--history-dir", str(tmp_path), check=True)
     assert {p.parent.name for p in tmp_path.rglob("*.parquet")} == {f"queue={q}" for q in queues}
-    stack.cli("queue", "delete", queues[0], "--force", check=True)  # SCAN on every primary
+    stack.cli("queue", "delete", queues[0], "--force", "--yes", check=True)  # SCAN on every primary
     with cluster.owner(f"{{{queues[0]}}}").client() as node:
         assert node.keys(capp.keys.q(queues[0]).replace("{", "\\{") + "*") == []
     assert [q["name"] for q in json.loads(stack.cli("queues", "--json", check=True).stdout)] == sorted(queues[1:])

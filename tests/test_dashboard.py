@@ -4,11 +4,15 @@ CSRF, brute force, headers, binding) are in test_security.py."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 
 import pytest
 
 from dashboard import create_app
+from taskrunner import queue
+from taskrunner.errors import QueueClosed
 from tests import apps
 from tests.conftest import wait_for
 
@@ -134,7 +138,12 @@ def test_api_actions_need_the_bearer_token(app, web):
     r = web.post(f"/api/jobs/{job.id}/retry", headers={"Authorization": "Bearer tok"})
     assert r.status_code == 200 and job.state == "pending"
     r = web.post("/api/queues/default/purge", headers={"Authorization": "Bearer tok"})
-    assert r.get_json() == {"queue": "default", "deleted": 1}
+    assert r.get_json() == {"queue": "default", "action": "purge", "deleted": 1, "message": "1 pending jobs deleted"}
+    r = web.post("/api/queues/default/close", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 200 and queue.info(app, "default")["closed"]
+    r = web.post("/api/queues/default/open", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 200 and not queue.info(app, "default")["closed"]
+    assert web.post("/api/queues/default/explode", headers={"Authorization": "Bearer tok"}).status_code == 404
 
 
 def test_read_only_without_password_or_token(app):
@@ -149,8 +158,6 @@ def test_read_only_without_password_or_token(app):
 
 
 def test_queue_settings_and_counters_show(app, web):
-    from taskrunner import queue
-
     queue.create(app, "shown", bound=7, exclusive=True)
     apps.add.apply_async([1, 2], queue="shown")
     queue.close(app, "shown")
@@ -159,3 +166,79 @@ def test_queue_settings_and_counters_show(app, web):
     assert "bound 7" in web.get("/").get_data(as_text=True)
     [q] = [q for q in web.get("/api/queues").get_json() if q["name"] == "shown"]
     assert q["bound"] == 7 and q["closed"] and q["exclusive"] and q["produced_messages"] == 1
+
+
+def test_close_and_open_a_queue_from_its_page(app, web):
+    apps.add.delay(1, 2)
+    token = login(web)
+    page = web.get("/queues/default").get_data(as_text=True)
+    assert 'data-action="close"' in page and 'data-action="open"' not in page
+    r = web.post("/queues/default/close", data={"csrf_token": token})
+    assert r.status_code == 302 and queue.info(app, "default")["closed"]
+    with pytest.raises(QueueClosed):
+        apps.add.delay(1, 2)
+    page = web.get("/queues/default").get_data(as_text=True)
+    assert "takes no new jobs" in page and 'data-action="open"' in page
+    r = web.post("/queues/default/open", data={"csrf_token": token})
+    assert r.status_code == 302 and not queue.info(app, "default")["closed"]
+    apps.add.delay(1, 2)
+    audit = app.redis.lrange(app.keys.g + "audit", 0, -1)
+    assert any('"what":"close default"' in a for a in audit) and any('"what":"open default"' in a for a in audit)
+    assert web.post("/queues/default/close").status_code == 403  # no CSRF token
+
+
+def test_overview_tells_the_truth(app, stack, web):
+    """A dispatcher that stopped cleanly is gone, a dead worker runs nothing, and pending
+    jobs that no live worker consumes are pointed out."""
+    dispatcher = stack.dispatcher()
+    wait_for(lambda: web.get("/api/overview").get_json()["dispatchers"], what="a dispatcher pass")
+    dispatcher.send_signal(signal.SIGTERM)
+    assert dispatcher.wait(30) == 0
+    assert web.get("/api/overview").get_json()["dispatchers"] == []
+    assert "no dispatcher has run" in web.get("/").get_data(as_text=True)
+
+    worker = stack.worker(concurrency=2, name="doomed")
+    apps.hold.delay("truth", 60)
+    wait_for(lambda: [w for w in web.get("/api/workers").get_json() if w.get("busy") == 1], what="a busy worker")
+    os.killpg(worker.pid, signal.SIGKILL)
+    [w] = wait_for(lambda: [w for w in web.get("/api/workers").get_json() if w["state"] == "dead"],
+                   what="the worker seen dead")
+    assert w["busy"] is None and w["cpu"] is None
+    row = re.search(r'<tr class="dead">.*?</tr>', web.get("/").get_data(as_text=True), re.S).group(0)
+    assert "doomed" in row and "1/2" not in row and "-/2" in row
+
+    apps.add.apply_async([1, 2], queue="lonely")
+    page = web.get("/").get_data(as_text=True)
+    assert 'data-unserved="lonely"' in page and "no live worker consumes it" in page
+    assert 'data-unserved="default"' not in page  # its one job is running, none pending
+    [q] = [q for q in web.get("/api/overview").get_json()["queues"] if q["name"] == "lonely"]
+    assert q["unserved"] is True
+    stack.worker("-Q", "lonely", concurrency=1)
+    wait_for(lambda: 'data-unserved="lonely"' not in web.get("/").get_data(as_text=True),
+             what="the warning gone once a worker consumes the queue")
+
+
+def test_pages_say_when_redis_is_down(tmp_path):
+    """Redis stopped: every page answers 503 with one line saying so (not a bare 500), the
+    dashboard starts anyway, and it serves again, logins included, once Redis is back."""
+    from taskrunner import TaskRunner
+    from taskrunner.redis_server import RedisServer
+
+    server = RedisServer(tmp_path, appendonly=False)
+    runner = TaskRunner("down", redis_url=server.url)
+    try:
+        web = create_app(runner, password="pw").test_client()  # Redis not started yet
+        for path in ["/", "/running", "/stuck", "/failed", "/schedules", "/history", "/queues/default",
+                     "/jobs/x", "/login"]:
+            r = web.get(path)
+            assert r.status_code == 503 and "cannot reach Redis at unix://" in r.get_data(as_text=True), path
+        r = web.get("/api/overview")
+        assert r.status_code == 503 and "cannot reach Redis" in r.get_json()["error"]
+        server.start()
+        assert web.get("/").status_code == 200
+        login(web)
+        server.stop()
+        r = web.get("/running")
+        assert r.status_code == 503 and "works again once Redis answers" in r.get_data(as_text=True)
+    finally:
+        server.stop()

@@ -68,7 +68,7 @@ def test_delete_queue_removes_every_key(app, stack):
         queue.delete(app, "d")
     r = stack.cli("queue", "delete", "d")
     assert r.returncode == 1 and "running" in r.stderr
-    assert stack.cli("queue", "delete", "d", "--force", check=True).stdout.startswith("queue d: deleted")
+    assert stack.cli("queue", "delete", "d", "--force", "--yes", check=True).stdout.startswith("queue d: deleted")
     assert list(app.redis.scan_iter(match=app.keys.q("d") + "*")) == []
     assert "d" not in app.queue_names()
     assert stack.cli("queue", "info", "d").returncode == 1

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import psutil
 
@@ -18,24 +19,63 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_up_demo_runs_and_stops_cleanly(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_URL", "TASKRUNNER_"))}
-    env["PYTHONPATH"] = str(ROOT)
-    p = subprocess.Popen([sys.executable, "-m", "taskrunner", "up", "--demo", "--exit", "--port", str(free_port())],
-                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def run_in_a_terminal(args: list[str], cwd, env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """Run a command with a pty as its stdout and stderr, as in a terminal (where progress
+    bars redraw their line); (exit code, what it wrote, with the terminal's \r\n as \n)."""
+    leader, follower = os.openpty()
+    p = subprocess.Popen(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
                          start_new_session=True)
+    os.close(follower)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: _drain(leader, chunks), daemon=True)
+    reader.start()
     try:
-        out, _ = p.communicate(timeout=180)
+        p.wait(timeout)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, 9)
             p.wait()
-    assert p.returncode == 0, out
+        reader.join(10)
+        os.close(leader)
+    return p.returncode, b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+
+
+def _drain(fd: int, into: list[bytes]) -> None:
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO: every writer closed the terminal
+            return
+        if not data:
+            return
+        into.append(data)
+
+
+def test_up_demo_runs_teaches_and_stops_cleanly(tmp_path):
+    """The whole demo, in a terminal. What a newcomer reads: the planned failures named as
+    planned before the warnings they cause, that the dashboard is read-only and the line
+    that enables actions, a job still running and one stuck to look at, and no log line
+    overwritten by a progress bar."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_URL", "TASKRUNNER_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    code, out = run_in_a_terminal([sys.executable, "-m", "taskrunner", "up", "--demo", "--exit", "--port",
+                                   str(free_port())], tmp_path, env, timeout=180)
+    assert code == 0, out
     assert f"unix://{tmp_path.resolve()}/var/redis.sock" in out
     assert "demo: enqueued 215 jobs" in out and "redis-server stopped" in out
     summary = [line for line in out.splitlines() if line.startswith("demo: ") and "completed" in line][-1]
-    assert summary == "demo: 212 completed, 3 failed", summary  # fail, too_slow and crash fail by design
+    assert summary == "demo: 212 completed, 3 failed (3 planned)", summary  # fail, too_slow and crash
     assert (tmp_path / "var" / "appendonlydir").is_dir()  # AOF on
     leftovers = [q for q in psutil.process_iter(["cmdline"])
                  if str(tmp_path) in " ".join(q.info["cmdline"] or [])]
     assert leftovers == []
+    assert "\r" not in out, "a line was redrawn over: " + repr(out[:2000])
+    lines = out.splitlines()
+    assert "dashboard: read-only; to kill, retry and purge from it, start with a password: " \
+           "TASKRUNNER_DASHBOARD_PASSWORD=pick-one make demo" in lines
+    planned = lines.index("demo: enqueued 215 jobs; 3 of them fail on purpose (planned):")
+    assert [line.split()[1] for line in lines[planned + 1:planned + 4]] == ["fail", "too_slow", "crash"]
+    first_warning = next(i for i, line in enumerate(lines) if " WARNING " in line)
+    assert planned < first_warning
+    [shown] = [line for line in lines if line.startswith("demo: still running for you to look at:")]
+    assert "/running" in shown and "stuck past its 5 s max duration" in shown and "/stuck" in shown
