@@ -47,7 +47,6 @@ import redis.asyncio.cluster
 import redis.asyncio.sentinel
 import redis.cluster
 import redis.sentinel
-from redis._parsers.base import BaseParser
 
 EMBEDDED_DIR = Path("var")
 SENTINEL_SCHEME = "redis+sentinel"
@@ -330,7 +329,7 @@ class _Link:
         enc = conn.encoder
         decoding = {"encoding": enc.encoding, "errors": enc.encoding_errors} if enc.decode_responses else {}
         self.reader = hiredis.Reader(protocolError=redis.exceptions.InvalidResponse,
-                                     replyError=BaseParser.parse_error, **decoding)
+                                     replyError=_PARSE_ERROR, **decoding)
         self.sock = sock
         return sock
 
@@ -385,11 +384,36 @@ class _Link:
         return r
 
 
+def _internals() -> Callable[[str], Exception] | None:
+    """What _Link takes from redis-py beyond its public API, or None where this redis-py
+    differs: its parser's mapping of an error reply to an exception (redis._parsers.base,
+    since 5.0), and a connection's _sock (the socket once connected), encoder, retry and
+    socket_timeout. Checked once, at import: with None, Direct.of() and Channel.of() give
+    None and every command takes redis-py's public path (slower, the same results)."""
+    try:
+        from redis._parsers.base import BaseParser
+
+        conn = redis.Connection()  # not connected: only its attributes are looked at
+        parse_error = BaseParser.parse_error
+    except (ImportError, AttributeError, TypeError):
+        return None
+    if not (all(hasattr(conn, a) for a in ("_sock", "encoder", "retry", "socket_timeout"))
+            and hasattr(hiredis, "pack_command") and callable(parse_error)):
+        return None
+    return parse_error
+
+
+_PARSE_ERROR = _internals()
+FAST_PATH = _PARSE_ERROR is not None  # this redis-py has what Direct and Channel need
+
+
 def _plain(client: Any) -> bool:
     """A client whose pool opens plain TCP or unix-socket connections to one server (not
-    TLS, Sentinel or Cluster): we can use their sockets ourselves."""
+    TLS, Sentinel or Cluster, no client-side cache: redis-py 5.1+'s `cache`, which must see
+    every read) and a redis-py whose internals we know (FAST_PATH): we can use their
+    sockets ourselves."""
     pool = getattr(client, "connection_pool", None)
-    return (type(pool) is redis.ConnectionPool and pool.cache is None
+    return (FAST_PATH and type(pool) is redis.ConnectionPool and getattr(pool, "cache", None) is None
             and pool.connection_class in (redis.Connection, redis.UnixDomainSocketConnection))
 
 
