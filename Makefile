@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 .PHONY: setup demo test lint bench clean chaos soak
 
 $(BIN)/taskrunner: setup.cfg pyproject.toml
+	@sh scripts/ensure-venv.sh $(PY)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[test]"
