@@ -25,6 +25,7 @@ lowest=$(sed -n 's/^ *redis\[hiredis\]>=\([0-9.]*\).*/\1/p' setup.cfg)
 if [ -z "$lowest" ]; then echo "debian-root: no 'redis[hiredis]>=X' line in setup.cfg" >&2; exit 1; fi
 
 cleanup() {
+  set +e  # a cleanup step that finds nothing to do must not stop the rest
   # The namespaces took their mounts with them; unmount anything left all the same before
   # removing the root (rm must never reach through a mount).
   grep -o " $root/[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m" || true; done
