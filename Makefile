@@ -7,12 +7,16 @@ BIN := $(VENV)/bin
 .PHONY: setup demo test lint bench clean chaos soak
 
 $(BIN)/taskrunner: setup.cfg pyproject.toml
+	@sh scripts/ensure-venv.sh $(PY)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[test]"
 	@touch $@
 
+# REDIS_PY=X installs redis-py X instead of the newest, e.g. `make test REDIS_PY=5.0.8` (CI runs
+# the suite with the lowest of setup.cfg's range in .ci/debian-root.sh, the newest in `make test`).
 setup: $(BIN)/taskrunner
+	$(if $(REDIS_PY),$(BIN)/pip install -q "redis[hiredis]==$(REDIS_PY)")
 	@sh scripts/ensure-redis.sh $(BIN)
 
 demo: setup

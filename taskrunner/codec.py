@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 import time
 from typing import Any
 
@@ -62,7 +63,27 @@ def check_id(job_id: str) -> str:
     return job_id
 
 
+_last_id = 0  # this process's last new_id() as a number: the next one is above it
+_id_lock = threading.Lock()
+
+
+def _forget_last_id() -> None:
+    """In a forked child: it must not count up from its parent's last id as the parent does
+    (the two would make the same ids); and a lock held by another thread at the fork stays so."""
+    global _last_id, _id_lock
+    _last_id, _id_lock = 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_last_id)
+
+
 def new_id() -> str:
-    """A ULID: 26 characters that sort by creation time (ms), then 80 random bits."""
+    """A ULID: 26 characters that sort by creation time (ms), then 80 random bits. Within a
+    process each is above the last (in the same millisecond the random part counts up: the
+    monotonic form of ULID), so one producer's ids sort in the order it made them; ids
+    from random bits alone came out in random order within a millisecond."""
+    global _last_id
     n = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10), "big")
+    with _id_lock:
+        n = _last_id = max(n, _last_id + 1)
     return "".join([_PAIRS[(n >> s) & 1023] for s in _SHIFTS])  # 26 characters, 10 bits at a time

@@ -18,6 +18,9 @@ Options: sentinel_username, sentinel_password (AUTH to the sentinels), socket_ti
 socket_connect_timeout (seconds). The client asks the sentinels for the current primary
 whenever it opens a connection, and at most every RECHECK seconds when it takes one from its
 pool: after a failover it moves to the promoted replica even if the old primary is still up.
+
+In both, an IPv6 host goes in brackets, and a '/', '?', '#' or '%' in the user or password is
+percent-encoded (see _split).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote
 
 import hiredis
 import redis
@@ -44,7 +47,6 @@ import redis.asyncio.cluster
 import redis.asyncio.sentinel
 import redis.cluster
 import redis.sentinel
-from redis._parsers.base import BaseParser
 
 from .errors import BadURL
 
@@ -58,7 +60,7 @@ FORMS = (f"redis://[[user]:password@]host[:port][/db], rediss://..., unix:///pat
          f"or {SENTINEL_FORM}")
 _SENTINEL_PORT = 26379
 _REDIS_PORT = 6379
-_HOST = re.compile(r"^(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]/]+))(?::(?P<port>\d{1,5}))?$")
+_HOST = re.compile(r"^(?:\[(?P<ipv6>[^\[\]]+)\]|(?P<name>[A-Za-z0-9_.-]+))(?::(?P<port>[0-9]{1,5}))?$")
 _FLOAT_OPTIONS = ("socket_timeout", "socket_connect_timeout")
 _STR_OPTIONS = ("sentinel_username", "sentinel_password")
 RECHECK = 1.0  # seconds between looks at which node the sentinels call the primary
@@ -76,8 +78,11 @@ def default_url() -> str:
 
 
 def redact(url: str) -> str:
-    """The URL with its password hidden, fit for error messages and logs."""
-    return re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1***@", url)
+    """The URL with its passwords hidden, fit for error messages and logs: the userinfo's up
+    to the last '@' (a raw '/' or '@' in it too, at the cost of hiding more), and the
+    password options (?password=, ?sentinel_password=)."""
+    url = re.sub(r"(://[^:@/?#]*:).*@", r"\1***@", url)
+    return re.sub(r"([?&](?:sentinel_)?password=)[^&#]*", r"\1***", url)
 
 
 @dataclass(frozen=True)
@@ -130,22 +135,61 @@ def _complaint(url: str, form: str) -> Callable[[str], BadURL]:
     return bad
 
 
+def _split(url: str, scheme: str, bad: Callable[[str], ValueError]) -> tuple[str | None, str, str, str]:
+    """(userinfo or None, host list, path, query) of scheme://[userinfo@]hosts[/path][?query],
+    split here by RFC 3986's rules rather than by urlsplit: urlsplit checks a netloc as one
+    host, and how differs between Python builds (Debian's 3.11.2 refuses "10.0.0.1,[::1]:7001"
+    as an invalid IPv6 URL, 3.11.7 takes it). The authority ends at the first '/', '?' or '#';
+    within it the last '@' ends the userinfo, so a raw '@' or ':' in a password works, while
+    '/', '?' and '#' there must be percent-encoded."""
+    head, sep, rest = url.partition("://")
+    if not sep or head.lower() != scheme:
+        raise bad(f"it must start with {scheme}://")
+    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    authority, rest = rest[:end], rest[end:]
+    userinfo, at, hosts = authority.rpartition("@")
+    if not at and "@" in rest:  # the userinfo was cut short: a '/', '?' or '#' in it
+        raise bad("a '/', '?' or '#' in the user or password must be percent-encoded (%2F, %3F, %23)")
+    rest, hash_, _ = rest.partition("#")
+    if hash_:
+        raise bad("'#' has no place in it (in the password, write it %23)")
+    path, _, query = rest.partition("?")
+    return (userinfo if at else None), hosts, path, query
+
+
+def _hosts(hosts: str, default_port: int, bad: Callable[[str], ValueError]) -> tuple[tuple[str, int], ...]:
+    """[(host, port)] of "host[:port],...", an IPv6 address in brackets."""
+    if not hosts:
+        raise bad("no host given")
+    found = []
+    for host in hosts.split(","):
+        m = _HOST.match(host)
+        if not m:
+            hint = " (an IPv6 address goes in brackets: [::1]:port)" if host.count(":") > 1 else ""
+            raise bad(f"{host!r} is not host[:port]{hint}")
+        port = int(m["port"] or default_port)
+        if not 0 < port < 65536:
+            raise bad(f"{host!r} is not host[:port] (a port is 1-65535)")
+        if m["ipv6"] is not None:
+            try:
+                ipaddress.IPv6Address(unquote(m["ipv6"]))
+            except ValueError:
+                raise bad(f"{host!r} is not host[:port] ({m['ipv6']!r} is not an IPv6 address)") from None
+        found.append((unquote(m["ipv6"]) if m["ipv6"] is not None else m["name"], port))
+    return tuple(found)
+
+
 def _parse(url: str, scheme: str, default_port: int, bad: Callable[[str], ValueError], str_options: tuple[str, ...] = ()
            ) -> tuple[tuple[tuple[str, int], ...], str | None, str | None, list[str], dict[str, Any]]:
     """(hosts, user, password, path segments, options) of a URL naming several hosts."""
-    parts = urlsplit(url)
-    if parts.scheme != scheme:
-        raise bad(f"scheme is not {scheme}")
-    userinfo, _, netloc = parts.netloc.rpartition("@")
-    user, _, password = userinfo.partition(":")
-    hosts = []
-    for host in netloc.split(","):
-        m = _HOST.match(host)
-        if not m or not 0 < int(m["port"] or default_port) < 65536:
-            raise bad(f"{host!r} is not host[:port]")
-        hosts.append((m["ipv6"] or m["name"], int(m["port"] or default_port)))
+    userinfo, hosts, path, query = _split(url, scheme, bad)
+    user, _, password = (userinfo or "").partition(":")
     options: dict[str, Any] = {}
-    for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)):
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise bad("the options after '?' must be name=value pairs joined by '&'") from None
+    for key, value in pairs:
         if key in _FLOAT_OPTIONS:
             try:
                 options[key] = float(value)
@@ -155,8 +199,8 @@ def _parse(url: str, scheme: str, default_port: int, bad: Callable[[str], ValueE
             options[key] = value
         else:
             raise bad(f"unknown option {key!r} (known: {', '.join(_FLOAT_OPTIONS + str_options)})")
-    path = [unquote(p) for p in parts.path.split("/")[1:]]
-    return tuple(hosts), unquote(user) or None, unquote(password) or None, path, options
+    segments = [unquote(p) for p in path.split("/")[1:]]
+    return _hosts(hosts, default_port, bad), unquote(user) or None, unquote(password) or None, segments, options
 
 
 @dataclass(frozen=True)
@@ -296,7 +340,7 @@ class _Link:
         enc = conn.encoder
         decoding = {"encoding": enc.encoding, "errors": enc.encoding_errors} if enc.decode_responses else {}
         self.reader = hiredis.Reader(protocolError=redis.exceptions.InvalidResponse,
-                                     replyError=BaseParser.parse_error, **decoding)
+                                     replyError=_PARSE_ERROR, **decoding)
         self.sock = sock
         return sock
 
@@ -351,11 +395,36 @@ class _Link:
         return r
 
 
+def _internals() -> Callable[[str], Exception] | None:
+    """What _Link takes from redis-py beyond its public API, or None where this redis-py
+    differs: its parser's mapping of an error reply to an exception (redis._parsers.base,
+    since 5.0), and a connection's _sock (the socket once connected), encoder, retry and
+    socket_timeout. Checked once, at import: with None, Direct.of() and Channel.of() give
+    None and every command takes redis-py's public path (slower, the same results)."""
+    try:
+        from redis._parsers.base import BaseParser
+
+        conn = redis.Connection()  # not connected: only its attributes are looked at
+        parse_error = BaseParser.parse_error
+    except (ImportError, AttributeError, TypeError):
+        return None
+    if not (all(hasattr(conn, a) for a in ("_sock", "encoder", "retry", "socket_timeout"))
+            and hasattr(hiredis, "pack_command") and callable(parse_error)):
+        return None
+    return parse_error
+
+
+_PARSE_ERROR = _internals()
+FAST_PATH = _PARSE_ERROR is not None  # this redis-py has what Direct and Channel need
+
+
 def _plain(client: Any) -> bool:
     """A client whose pool opens plain TCP or unix-socket connections to one server (not
-    TLS, Sentinel or Cluster): we can use their sockets ourselves."""
+    TLS, Sentinel or Cluster, no client-side cache: redis-py 5.1+'s `cache`, which must see
+    every read) and a redis-py whose internals we know (FAST_PATH): we can use their
+    sockets ourselves."""
     pool = getattr(client, "connection_pool", None)
-    return (type(pool) is redis.ConnectionPool and pool.cache is None
+    return (FAST_PATH and type(pool) is redis.ConnectionPool and getattr(pool, "cache", None) is None
             and pool.connection_class in (redis.Connection, redis.UnixDomainSocketConnection))
 
 

@@ -119,9 +119,11 @@ class Archiver:
             return 0
         try:
             recorded = r.get(mark)
-            if recorded:  # a batch that an archiver began: write exactly it again
+            # A batch that an archiver began: write exactly it again. None left of it: that
+            # archiver died after its trim, before forgetting the batch; go on with the next.
+            entries = r.xrange(stream, *recorded.split()) if recorded else []
+            if entries:
                 first, last = recorded.split()
-                entries = r.xrange(stream, first, last)
             else:
                 entries = r.xrange(stream, "-", "+", count=self.batch)
                 if not entries:
@@ -129,7 +131,9 @@ class Archiver:
                 first, last = entries[0][0], entries[-1][0]
                 r.set(mark, f"{first} {last}")
             self._write(queue, first, last, entries)
-            pipe = r.pipeline(transaction=True)
+            # Trim, then forget the batch, in this order and without MULTI (redis-py before
+            # 6.1 has no transactions on a cluster): a death between the two is the case above.
+            pipe = r.pipeline(transaction=False)
             pipe.xtrim(stream, minid=_next_id(last), approximate=False)
             pipe.delete(mark)
             pipe.execute()
