@@ -17,7 +17,7 @@ from croniter import croniter
 
 from . import codec, scripts
 from .config import Settings
-from .connection import Direct, connect
+from .connection import Direct, connect, pop_any
 from .errors import JobNotFound, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from .job import Job
 from .keys import Keys
@@ -272,7 +272,7 @@ class TaskRunner:
             if left <= 0:
                 raise QueueFull(f"queue {spec.queue} is full (its bound is reached)"
                                 + (f" and had no room within {wait:g}s" if wait else ""))
-            self.redis.brpop([self.keys.q(spec.queue) + "notfull"], timeout=max(0.01, min(left, 1.0)))
+            pop_any(self.redis, [self.keys.q(spec.queue) + "notfull"], max(0.01, min(left, 1.0)))
         job = Job(self, job_id, spec.queue)
         job.created = bool(created)
         return job

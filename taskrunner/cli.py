@@ -159,12 +159,17 @@ def status(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | No
 
 @main.command()
 @click.argument("job_id")
-@click.option("--timeout", type=float, help="Give up after this many seconds (exit 2).")
+@click.option("--timeout", type=float, help="Give up after this many seconds (exit 2); default: as long as it takes.")
 @common
 def wait(job_id: str, timeout: float | None, app_spec: str | None, redis_url: str | None) -> None:
-    """Wait for a job; print its result as JSON. Exit 0 completed, 1 failed or killed, 2 timeout."""
-    job = _app(app_spec, redis_url).job(job_id)
+    """Wait for a job; print its result as JSON. Rides out a Redis restart or failover
+    (it connects again and looks again).
+
+    \b
+    Exit 0 completed, 1 failed or killed, 2 still not ended after --timeout,
+    3 Redis unreachable (at the start, or still at the end of --timeout): state unknown."""
     try:
+        job = _app(app_spec, redis_url).job(job_id)
         result = job.wait(timeout)
     except JobFailed as e:
         click.echo(f"{e.state}: {e.error_type}: {e.message}", err=True)
@@ -172,6 +177,9 @@ def wait(job_id: str, timeout: float | None, app_spec: str | None, redis_url: st
     except Timeout as e:
         click.echo(str(e), err=True)
         sys.exit(2)
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+        click.echo(f"Error: cannot reach Redis, the job's state is unknown: {e}", err=True)
+        sys.exit(3)
     click.echo(json.dumps(result))
 
 
