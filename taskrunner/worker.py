@@ -320,9 +320,13 @@ class Worker:
                 c.proc.join()
         try:
             self._sync(wait=True)
+            # One call a line, one key a delete: a ClusterPipeline's delete() returns None (not
+            # the pipeline) and refuses several keys.
             pipe = self.redis.pipeline(transaction=False)
-            pipe.zrem(self.keys.workers, self.name).delete(self.keys.worker(self.name))
-            pipe.delete(self.keys.control(self.name)).execute()
+            pipe.zrem(self.keys.workers, self.name)
+            pipe.delete(self.keys.worker(self.name))
+            pipe.delete(self.keys.control(self.name))
+            pipe.execute()
         except _REDIS_ERRORS as e:
             log.error("worker %s: could not say goodbye to Redis (%s); the dispatcher will requeue "
                       "anything left", self.name, e)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import threading
 
 import pytest
@@ -96,6 +97,21 @@ def test_a_woken_worker_leaves_other_queues_wake_tokens_to_other_workers(capp, s
         held = apps.hold.apply_async(["w"], queue=first)
         wait_for(lambda: held.state == "running", what="the job to run")
         assert node.info("clients")["blocked_clients"] == 0
+
+
+def test_sigterm_stops_a_cluster_worker_cleanly(capp, stack, queues):
+    """SIGTERM: the worker says goodbye (its entries go) and exits 0. redis-py's
+    ClusterPipeline.delete() returns None, not the pipeline: a chained call after it
+    raised AttributeError and the worker crashed without saying goodbye."""
+    w = stack.worker("-Q", ",".join(queues), name="leaver")
+    assert apps.add.apply_async([1, 1], queue=queues[0]).wait(30) == 2
+    assert capp.redis.zscore(capp.keys.workers, "leaver") is not None
+    w.send_signal(signal.SIGTERM)
+    out, _ = w.communicate(timeout=60)
+    assert w.returncode == 0, out
+    assert "Traceback" not in out and "could not say goodbye" not in out, out
+    assert capp.redis.zscore(capp.keys.workers, "leaver") is None
+    assert not capp.redis.exists(capp.keys.worker("leaver"), capp.keys.control("leaver"))
 
 
 def test_cli_dashboard_history_and_queue_delete(capp, stack, cluster, queues, tmp_path):
