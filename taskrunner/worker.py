@@ -267,7 +267,7 @@ class Worker:
                  self.concurrency, self.prefetch, os.getpid())
         try:
             while not (self.stopping and self._drained()):
-                if self.stopping and time.monotonic() > self.stop_at + self.s.kill_grace + 10:
+                if self.stopping and time.monotonic() >= self._give_up_at():
                     log.error("worker %s: could not report every job before exiting; the dispatcher "
                               "will requeue what is left", self.name)
                     break
@@ -275,6 +275,11 @@ class Worker:
         finally:
             self._shutdown()
         return 0
+
+    def _give_up_at(self) -> float:
+        """When a stopping worker exits even with jobs unreported (Redis unreachable): the
+        dispatcher requeues them."""
+        return self.stop_at + self.s.kill_grace + 10
 
     def _check_name_free(self) -> None:
         last = self.redis.zscore(self.keys.workers, self.name)
@@ -318,6 +323,13 @@ class Worker:
             if c.proc.is_alive():
                 c.proc.kill()
                 c.proc.join()
+        if self.backoff and self.stopping and time.monotonic() >= self._give_up_at():
+            # Redis has been unreachable all along: trying again could hang for the client's
+            # timeouts and retries. Our entry lapses after dead_after, and the dispatcher
+            # requeues what we held.
+            log.info("worker %s: stopped after %d jobs, without saying goodbye to Redis", self.name,
+                     self.processed)
+            return
         try:
             self._sync(wait=True)
             # One call a line, one key a delete: a ClusterPipeline's delete() returns None (not
@@ -405,24 +417,30 @@ class Worker:
         return [c for c in self.children if len(c.jobs) > half and c.kill_reason is None]
 
     def _timeout(self) -> float:
+        """Seconds until the next thing to do. Only what is still ahead counts: a deadline
+        that passed and was acted on (a job flagged stuck, the end of the shutdown grace) is
+        not waited for again, and while we back off from a Redis failure nothing that talks
+        to Redis is due before redis_ok_at: either would keep the timeout at 0, a spin."""
         now = time.monotonic()
-        t = [self.next_beat, self.redis_ok_at if self.backoff else now + 5]
+        if now < self.redis_ok_at:
+            t = [self.redis_ok_at]
+        else:
+            t = [self.next_beat, now + 5, self._sync_due(now)]
+            if self.flights:
+                t.append(self.channel.deadline())
         for c in self.children:
             if c.outgoing:
                 t.append(now + 0.01)  # select() here cannot wait for the pipe to have room
             if c.jobs:
                 head = c.jobs[0]
-                t.append(head.deadline)
+                if not head.stuck:
+                    t.append(head.deadline)
                 if len(c.jobs) > 1 and head.began is not None:
                     t.append(head.began + min(HOLD, head.max_duration))
             if c.kill_at:
                 t.append(c.kill_at)
         if self.stopping:
-            t.append(self.stop_at)
-        if now >= self.redis_ok_at:
-            t.append(self._sync_due(now))
-        if self.flights:
-            t.append(self.channel.deadline())
+            t.append(self.stop_at if now < self.stop_at else self._give_up_at())
         return max(0.0, min(t) - now)
 
     def _sync_due(self, now: float) -> float:
