@@ -387,7 +387,9 @@ class Worker:
     def _redis_failed(self, e: Exception) -> None:
         """Back off. What the syncs in flight reported goes again (finishes are idempotent)
         and what they claimed is reconciled, as any claim may have gone through unanswered."""
-        self.backoff = min(max(self.backoff * 2, 0.1), 5.0)
+        # At most a heartbeat apart: once Redis is back, our heartbeat must land well within
+        # the dead_after the dispatcher gives us after an outage.
+        self.backoff = min(max(self.backoff * 2, 0.1), 5.0, self.s.heartbeat)
         self.redis_ok_at = time.monotonic() + self.backoff
         self.reconcile = True
         if self.flights:

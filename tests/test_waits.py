@@ -113,14 +113,18 @@ def own_redis(tmp_path):
     server.stop()
 
 
-def test_waits_outlive_a_redis_outage(app, own_redis):
+def test_a_redis_outage_loses_no_wait_and_kills_no_job(app, own_redis):
     """Redis stops for longer than the client's own retries last (redis-py's are about 4 s)
-    while three waiters wait for a job that runs across the outage: each reconnects with
-    backoff, looks again, and gets the result; the CLI's waiter exits 0."""
+    and than dead_after, while three waiters wait for a job that runs across the outage:
+    each reconnects with backoff, looks again, and gets the result; the CLI's waiter exits
+    0. The dispatcher gives the worker dead_after to heartbeat once Redis is back: it
+    declared it dead at once (every heartbeat was old), and the job was killed and run
+    again."""
     app.configure(redis_url=own_redis.url)
     stack = Stack(app, own_redis.url)
     try:
         stack.worker()
+        stack.dispatcher()
         job = apps.nap.delay(9)
         wait_for(lambda: job.state == "running", what="the job to start")
         sync = _in_thread(apps.app.job(job.id).wait, 60)
@@ -136,6 +140,7 @@ def test_waits_outlive_a_redis_outage(app, own_redis):
         out, err = cli.communicate(timeout=60)
         assert (cli.returncode, out.strip()) == (0, "9"), err
         assert _joined(sync) == 9 and _joined(aio) == 9
+        assert job.refresh().data["attempts"] == "1" and not job.data.get("lost"), job.data
     finally:
         stack.stop()
 
