@@ -418,6 +418,7 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec:
     import subprocess
     import threading
 
+    from .connection import Backoff
     from .consumer import Consumer
 
     app = _app(app_spec, redis_url)
@@ -433,9 +434,16 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec:
         return c.close()
     done = threading.Event()
 
-    def beat() -> None:  # keep the job ours while CMD runs
-        while not done.wait(app.settings.heartbeat):
-            c.heartbeat(busy=1)
+    def beat() -> None:  # keep the job ours while CMD runs, through a Redis outage too
+        backoff = Backoff(f"consumer {c.name}", None)
+        pause = app.settings.heartbeat
+        while not done.wait(pause):
+            try:
+                c.heartbeat(busy=1)
+                backoff.ok()
+                pause = app.settings.heartbeat
+            except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+                pause = min(backoff.after(e), app.settings.heartbeat)
 
     threading.Thread(target=beat, daemon=True).start()
     try:

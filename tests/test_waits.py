@@ -119,14 +119,20 @@ def test_a_redis_outage_loses_no_wait_and_kills_no_job(app, own_redis):
     each reconnects with backoff, looks again, and gets the result; the CLI's waiter exits
     0. The dispatcher gives the worker dead_after to heartbeat once Redis is back: it
     declared it dead at once (every heartbeat was old), and the job was killed and run
-    again."""
+    again. A job taken by `taskrunner consume` runs across the outage too: its heartbeat
+    goes on after it (its thread died at the first error)."""
     app.configure(redis_url=own_redis.url)
     stack = Stack(app, own_redis.url)
     try:
         stack.worker()
         stack.dispatcher()
         job = apps.nap.delay(9)
-        wait_for(lambda: job.state == "running", what="the job to start")
+        by_hand = app.enqueue("tests.apps.nap", [0], queue="byhand")
+        consume = subprocess.Popen([sys.executable, "-m", "taskrunner", "consume", "-q", "byhand", "--", "sh", "-c",
+                                    "sleep 9; echo 7"], cwd=ROOT, env=stack.env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        stack.procs.append(consume)
+        wait_for(lambda: job.state == "running" and by_hand.state == "running", what="the jobs to start")
         sync = _in_thread(apps.app.job(job.id).wait, 60)
         aio = _in_thread(_async_wait, app, job.id, 60)
         cli = subprocess.Popen([sys.executable, "-m", "taskrunner", "wait", job.id, "--timeout", "60"], cwd=ROOT,
@@ -141,6 +147,10 @@ def test_a_redis_outage_loses_no_wait_and_kills_no_job(app, own_redis):
         assert (cli.returncode, out.strip()) == (0, "9"), err
         assert _joined(sync) == 9 and _joined(aio) == 9
         assert job.refresh().data["attempts"] == "1" and not job.data.get("lost"), job.data
+        out, err = consume.communicate(timeout=60)
+        assert (consume.returncode, out.strip()) == (0, "7"), err
+        assert "Traceback" not in err, err
+        assert by_hand.refresh().data["state"] == "completed" and by_hand.data["attempts"] == "1", by_hand.data
     finally:
         stack.stop()
 
