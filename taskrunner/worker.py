@@ -19,6 +19,7 @@ import signal
 import socket
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,13 +167,19 @@ class Child:
             _signal(self.pid, signal.SIGTERM)
 
 
-def _wait(objects: list[Any], timeout: float) -> list[Any]:
-    """The objects (file descriptors, or with a fileno()) that are readable or closed,
-    waiting up to timeout seconds: multiprocessing's wait() builds a selector each call."""
-    fds = {o if isinstance(o, int) else o.fileno(): o for o in objects}
+def _wait(objects: list[Any], timeout: float, writers: Iterable[Any] = ()) -> list[Any]:
+    """The objects (file descriptors, or with a fileno()) that are readable or closed, and
+    the `writers` that can be written to, waiting up to timeout seconds: multiprocessing's
+    wait() builds a selector each call."""
+    fds: dict[int, Any] = {}
+    masks: dict[int, int] = {}
+    for o, mask in [*((o, select.POLLIN) for o in objects), *((o, select.POLLOUT) for o in writers)]:
+        fd = o if isinstance(o, int) else o.fileno()
+        fds[fd] = o
+        masks[fd] = masks.get(fd, 0) | mask
     poll = select.poll()
-    for fd in fds:
-        poll.register(fd, select.POLLIN)
+    for fd, mask in masks.items():
+        poll.register(fd, mask)
     return [fds[fd] for fd, _ in poll.poll(timeout * 1000)]
 
 
@@ -381,7 +388,8 @@ class Worker:
             if b.armed:
                 waitables.append(b)
         timeout = self._timeout()
-        for ready in _wait(waitables, min(timeout, GLANCE) if quiet else timeout):
+        writers = [c.conn for c in self.children if c.outgoing]  # flushed by the next step
+        for ready in _wait(waitables, min(timeout, GLANCE) if quiet else timeout, writers):
             self._on_ready(ready)
 
     def _redis_failed(self, e: Exception) -> None:
@@ -431,8 +439,6 @@ class Worker:
             if self.flights:
                 t.append(self.channel.deadline())
         for c in self.children:
-            if c.outgoing:
-                t.append(now + 0.01)  # select() here cannot wait for the pipe to have room
             if c.jobs:
                 head = c.jobs[0]
                 if not head.stuck:

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from taskrunner.redis_server import RedisServer
+from tests import apps
 from tests.conftest import FAST, Stack, wait_for
 
 #: Share of one core above which a process that only waits is spinning.
@@ -99,3 +100,20 @@ def test_stopping_worker_with_redis_down_exits_in_time(app, own_redis, down):
         stack.stop()
         if down == "hung":
             os.kill(own_redis.proc.pid, signal.SIGCONT)
+
+
+def test_worker_sleeps_while_a_busy_child_cannot_take_more(app, stack):
+    """Arguments sent ahead to a child busy in a long job that its pipe cannot hold wait
+    in the worker: it waits for the pipe to have room in its select (POLLOUT). It woke every
+    10 ms to try again, for as long as the job ran."""
+    w = stack.worker(concurrency=1)
+    assert [apps.add.delay(i, 1).wait(30) for i in range(20)] == list(range(1, 21))  # short jobs: it sends ahead
+    long, big = app.enqueue_many([{"task": "tests.apps.nap", "args": [30]},  # claimed together
+                                  {"task": "tests.apps.add", "args": ["x" * 600_000, "y"]}])  # more than a pipe holds
+    wait_for(lambda: long.state == "running", what="the long job to start")
+    wait_for(lambda: "end:1" in big.refresh().data, what="the job sent ahead to be handed back")  # after HOLD
+    p = psutil.Process(w.pid)
+    before, started = p.num_ctx_switches().voluntary, time.monotonic()
+    time.sleep(3)  # the measurement window
+    rate = (p.num_ctx_switches().voluntary - before) / (time.monotonic() - started)
+    assert rate < 50, f"{rate:.0f} wake-ups a second"  # heartbeats (5/s here) and their answers
