@@ -14,6 +14,7 @@ import pytest
 
 from dashboard import create_app
 from taskrunner import scripts
+from taskrunner.aio import AsyncClient
 from taskrunner.connection import ClusterURL, connect, connect_async
 from taskrunner.consumer import Consumer
 from taskrunner.errors import Timeout
@@ -188,6 +189,26 @@ def test_consumer_claims_in_strict_priority_and_blocks_on_every_queue(capp, clus
     waiter.join(20)
     assert [(d.queue, d.id) for d in woke] == [(second, job.id)]
     consumer.close()
+
+
+def test_asyncio_wait_blocks_on_the_primary_of_the_job(capp, stack, queues):
+    """AsyncClient.wait's BLPOP goes to the primary of the job's slot, on a connection of
+    its own: a Timeout while the job runs, then its result."""
+    stack.worker("-Q", queues[1])
+    held = apps.hold.apply_async(["aw"], queue=queues[1])
+    wait_for(lambda: held.state == "running", what="the job to run")
+
+    async def main() -> str:
+        client = AsyncClient(capp)
+        try:
+            with pytest.raises(Timeout):
+                await client.wait(held.id, 0.5)
+            capp.redis.set(f"{capp.settings.prefix}:release:aw", "1")
+            return await client.wait(held.id, 30)
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == "released"
 
 
 def test_asyncio_client_and_url(cluster, queues):
