@@ -61,6 +61,11 @@ _HOST = re.compile(r"^(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]/]+))(?::(
 _FLOAT_OPTIONS = ("socket_timeout", "socket_connect_timeout")
 _STR_OPTIONS = ("sentinel_username", "sentinel_password")
 RECHECK = 1.0  # seconds between looks at which node the sentinels call the primary
+#: Seconds an answer Redis owes at once may take, unless the URL says (socket_timeout):
+#: redis-py 6 and later default to this, 5.x to none, where a Redis that stops answering
+#: (SIGSTOP, a partition) hangs a worker's loop, and its stopping, for good. Blocking
+#: commands are waited for longer (see slack()).
+SOCKET_TIMEOUT = 5.0
 log = logging.getLogger("taskrunner")
 
 
@@ -107,7 +112,7 @@ class SentinelURL:
 
     def _master_options(self, options: dict[str, Any]) -> dict[str, Any]:
         return {"db": self.db, "username": self.username, "password": self.password, "socket_keepalive": True,
-                "socket_connect_timeout": 5.0, **self.options, **options}
+                "socket_connect_timeout": 5.0, "socket_timeout": SOCKET_TIMEOUT, **self.options, **options}
 
     def master(self, **options: Any) -> redis.Redis:
         """A client of the current primary (found anew by each connection it opens)."""
@@ -177,10 +182,8 @@ class ClusterURL:
         return cls(nodes, user, password, options)
 
     def _options(self, options: dict[str, Any]) -> dict[str, Any]:
-        # socket_timeout None, as redis.Redis has it: redis-py's cluster default of 5 s cuts
-        # off a BLPOP of 5 s (Job.wait), and then retries it for a minute.
         return {"username": self.username, "password": self.password, "socket_keepalive": True,
-                "socket_connect_timeout": 5.0, "socket_timeout": None, **self.options, **options}
+                "socket_connect_timeout": 5.0, "socket_timeout": SOCKET_TIMEOUT, **self.options, **options}
 
     def client(self, **options: Any) -> redis.cluster.RedisCluster:
         """A client of the cluster (it asks a node for the slots layout at once)."""
@@ -252,6 +255,7 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis | redis.clust
         raise ValueError(f"bad Redis URL {redact(url)!r}: expected {FORMS}")
     if not url.startswith("unix:"):
         options.setdefault("socket_keepalive", True)
+    options.setdefault("socket_timeout", SOCKET_TIMEOUT)  # the URL's own wins
     try:
         return redis.Redis.from_url(url, **options)
     except ValueError as e:
@@ -498,6 +502,7 @@ def connect_async(url: str | None = None, **options: Any) -> redis.asyncio.Redis
         return SentinelURL.parse(url).master_async(**options)
     if url.startswith(CLUSTER_SCHEME + ":"):
         return ClusterURL.parse(url).client_async(**options)
+    options.setdefault("socket_timeout", SOCKET_TIMEOUT)  # the URL's own wins
     try:
         return redis.asyncio.Redis.from_url(url, **options)
     except ValueError as e:

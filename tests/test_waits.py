@@ -15,6 +15,7 @@ import pytest
 
 from taskrunner import QueueFull, queue
 from taskrunner.aio import AsyncClient
+from taskrunner.connection import SOCKET_TIMEOUT, ClusterURL, connect, connect_async
 from taskrunner.consumer import Consumer
 from taskrunner.redis_server import RedisServer
 from tests import apps
@@ -163,3 +164,21 @@ def test_cli_wait_exit_code_says_redis_is_unreachable(tmp_path):
     assert r.returncode == 3, (r.returncode, r.stderr)
     assert r.stderr.startswith("Error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_every_client_has_a_socket_timeout_unless_its_url_sets_one():
+    """redis-py 5.x sets none: a Redis that stops answering (SIGSTOP, a partition) hung a
+    worker's loop, and its stopping, for good. Every form of URL gets SOCKET_TIMEOUT, and
+    its own socket_timeout wins."""
+    def timeout_of(client) -> float:
+        return client.connection_pool.connection_kwargs["socket_timeout"]
+
+    for url in ("redis://127.0.0.1:1/0", "unix:///nowhere.sock", "redis+sentinel://127.0.0.1:1/svc"):
+        assert timeout_of(connect(url)) == SOCKET_TIMEOUT == 5.0, url
+        assert timeout_of(connect_async(url)) == SOCKET_TIMEOUT, url
+        mark = "&" if "?" in url else "?"
+        assert timeout_of(connect(url + mark + "socket_timeout=0.5")) == 0.5, url
+        assert timeout_of(connect_async(url + mark + "socket_timeout=0.5")) == 0.5, url
+    cluster = ClusterURL.parse("redis+cluster://127.0.0.1:1")
+    assert cluster._options({})["socket_timeout"] == SOCKET_TIMEOUT
+    assert ClusterURL.parse("redis+cluster://127.0.0.1:1?socket_timeout=0.5")._options({})["socket_timeout"] == 0.5
