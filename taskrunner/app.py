@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import socket
@@ -23,6 +24,7 @@ from .job import Job
 from .keys import Keys
 
 TIMEOUT_POLICIES = ("kill", "flag")
+log = logging.getLogger("taskrunner")
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,19 @@ class TaskRunner:
             self._redis_pid = os.getpid()
             self._known_queues = set()
         return self._redis
+
+    def wait_for_redis(self, who: str) -> redis.Redis:
+        """The client, once it can be made: a Redis Cluster client asks a node for the
+        slots layout at once, and a worker or dispatcher started before its Redis (a host
+        booting) must wait for it, not exit. Backs off up to 5 s between tries."""
+        pause = 0.0
+        while True:
+            try:
+                return self.redis
+            except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+                pause = min(max(pause * 2, 0.2), 5.0)
+                log.warning("%s: Redis unavailable (%s); retrying in %.1fs", who, e, pause)
+                time.sleep(pause)
 
     def configure(self, **overrides: Any) -> None:
         """Change settings (e.g. redis_url from a CLI flag) before first use."""

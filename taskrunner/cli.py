@@ -277,6 +277,7 @@ def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch:
     app = _app(app_spec, redis_url)
     qs = [q.strip() for q in queue_list.split(",") if q.strip()] if queue_list else \
         list(dict.fromkeys(["default", *(t.spec.queue for t in app.tasks.values())]))
+    app.wait_for_redis("worker")
     sys.exit(Worker(app, qs, concurrency, name, prefetch).run())
 
 
@@ -290,7 +291,9 @@ def dispatcher(name: str | None, log_level: str, app_spec: str | None, redis_url
     from .dispatcher import Dispatcher
 
     _setup_logging(log_level)
-    sys.exit(Dispatcher(_app(app_spec, redis_url), name).run())
+    app = _app(app_spec, redis_url)
+    app.wait_for_redis("dispatcher")
+    sys.exit(Dispatcher(app, name).run())
 
 
 @main.command()

@@ -228,6 +228,20 @@ def test_asyncio_client_and_url(cluster, queues):
     assert (u.nodes, u.password, u.options) == ((("10.0.0.1", 6379), ("::1", 7001)), "p@ss", {"socket_timeout": 2.0})
 
 
+def test_worker_and_dispatcher_wait_for_an_unreachable_cluster(app):
+    """Started before the cluster (a host booting): they wait for it, as with one Redis,
+    rather than exit because the client could not learn the layout."""
+    stack = Stack(app, "redis+cluster://127.0.0.1:1")
+    try:
+        for p in (stack.worker(), stack.dispatcher()):
+            lines: list[str] = []
+            wait_for(lambda p=p, lines=lines: lines.append(p.stdout.readline()) or "Redis unavailable" in lines[-1]
+                     or not lines[-1], what="it to say it waits for Redis")  # "": it exited
+            assert p.poll() is None and "Redis unavailable" in lines[-1], lines
+    finally:
+        stack.stop()
+
+
 def test_cli_says_when_no_cluster_node_answers(app):
     r = Stack(app, "redis+cluster://127.0.0.1:1").cli("queues")
     assert r.returncode == 1 and "cannot reach Redis" in r.stderr and "Traceback" not in r.stderr
