@@ -10,17 +10,19 @@ scripts and record format as the synchronous API.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from . import codec, scripts
 from .app import TaskRunner
-from .connection import connect_async
+from .connection import Backoff, connect_async, slack
 from .errors import JobFailed, JobNotFound, QueueClosed, QueueFull, Timeout
-from .job import FINAL, Job
+from .job import FINAL, LOOK_AGAIN, Job
 
 
 class AsyncClient:
@@ -56,9 +58,27 @@ class AsyncClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise QueueFull(f"queue {spec.queue} is full")
-            await self.redis.brpop([prefix + "notfull"], timeout=max(0.01, min(left, 1.0)))
+            await self._pop("BRPOP", prefix + "notfull", max(0.01, min(left, 1.0)))
         await self.redis.sadd(self.keys.queues, spec.queue)
         return job_id
+
+    async def _pop(self, command: str, key: str, timeout: float) -> Any:
+        """One BRPOP or BLPOP of up to `timeout` seconds (any length) on a connection of its
+        own, whose read waits that long plus slack(): the client's socket_timeout (5 s by
+        default from redis-py 6 on) would cut off a longer block. On a cluster, to the
+        primary of the key's slot; through Sentinel, to the current primary."""
+        if isinstance(self.redis, aioredis.RedisCluster):
+            await self.redis.initialize()
+            maker: Any = self.redis.get_node_from_key(key)
+        else:
+            maker = self.redis.connection_pool
+        conn = maker.connection_class(**maker.connection_kwargs)
+        try:
+            await conn.connect()
+            await conn.send_command(command, key, timeout)
+            return await conn.read_response(timeout=timeout + slack(conn.socket_timeout))
+        finally:
+            await conn.disconnect()
 
     async def _queue_of(self, job_id: str) -> str:
         queues = sorted(await self.redis.smembers(self.keys.queues))
@@ -77,24 +97,30 @@ class AsyncClient:
 
     async def wait(self, job_id: str, timeout: float | None = None) -> Any:
         """The job's result once it ends (JobFailed if it failed or was killed, Timeout);
-        blocks in Redis (BLPOP), as Job.wait does."""
-        q = await self._queue_of(job_id)
-        prefix = self.keys.q(q)
+        blocks in Redis (BLPOP) and rides out a Redis outage, as Job.wait does."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        backoff = Backoff(f"waiting for job {job_id}", deadline)
+        q = None
         while True:
-            state = await self._script(scripts.WATCH, [prefix], [job_id])
-            if not state:
-                raise JobNotFound(f"no job {job_id}")
-            if state in FINAL:
-                d = await self.job(job_id)
-                if state == "completed":
-                    return d.get("result")
-                raise JobFailed(job_id, state, d.get("error_type") or "Error", d.get("error") or "",
-                                d.get("traceback") or "")
-            left = 5.0 if deadline is None else min(5.0, deadline - time.monotonic())
-            if left <= 0:
-                raise Timeout(f"job {job_id} still {state} after {timeout}s")
-            await self.redis.blpop([f"{prefix}notify:{job_id}"], timeout=max(left, 0.01))
+            try:
+                q = q or await self._queue_of(job_id)
+                prefix = self.keys.q(q)
+                state = await self._script(scripts.WATCH, [prefix], [job_id])
+                if not state:
+                    raise JobNotFound(f"no job {job_id}")
+                if state in FINAL:
+                    d = await self.job(job_id)
+                    if state == "completed":
+                        return d.get("result")
+                    raise JobFailed(job_id, state, d.get("error_type") or "Error", d.get("error") or "",
+                                    d.get("traceback") or "")
+                left = LOOK_AGAIN if deadline is None else min(LOOK_AGAIN, deadline - time.monotonic())
+                if left <= 0:
+                    raise Timeout(f"job {job_id} still {state} after {timeout}s")
+                await self._pop("BLPOP", f"{prefix}notify:{job_id}", max(left, 0.01))
+                backoff.ok()
+            except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+                await asyncio.sleep(backoff.after(e))
 
     async def kill(self, job_id: str, who: str = "aio") -> str:
         q = await self._queue_of(job_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import socket
@@ -17,12 +18,13 @@ from croniter import croniter
 
 from . import codec, scripts
 from .config import Settings
-from .connection import Direct, connect
+from .connection import Direct, connect, pop_any
 from .errors import JobNotFound, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from .job import Job
 from .keys import Keys
 
 TIMEOUT_POLICIES = ("kill", "flag")
+log = logging.getLogger("taskrunner")
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,19 @@ class TaskRunner:
             self._known_queues = set()
         return self._redis
 
+    def wait_for_redis(self, who: str) -> redis.Redis:
+        """The client, once it can be made: a Redis Cluster client asks a node for the
+        slots layout at once, and a worker or dispatcher started before its Redis (a host
+        booting) must wait for it, not exit. Backs off up to 5 s between tries."""
+        pause = 0.0
+        while True:
+            try:
+                return self.redis
+            except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+                pause = min(max(pause * 2, 0.2), 5.0)
+                log.warning("%s: Redis unavailable (%s); retrying in %.1fs", who, e, pause)
+                time.sleep(pause)
+
     def configure(self, **overrides: Any) -> None:
         """Change settings (e.g. redis_url from a CLI flag) before first use."""
         self.settings = replace(self.settings, **{k: v for k, v in overrides.items() if v is not None})
@@ -272,7 +287,7 @@ class TaskRunner:
             if left <= 0:
                 raise QueueFull(f"queue {spec.queue} is full (its bound is reached)"
                                 + (f" and had no room within {wait:g}s" if wait else ""))
-            self.redis.brpop([self.keys.q(spec.queue) + "notfull"], timeout=max(0.01, min(left, 1.0)))
+            pop_any(self.redis, [self.keys.q(spec.queue) + "notfull"], max(0.01, min(left, 1.0)))
         job = Job(self, job_id, spec.queue)
         job.created = bool(created)
         return job

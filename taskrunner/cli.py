@@ -222,12 +222,17 @@ def status(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | No
 
 @main.command()
 @click.argument("job_id")
-@click.option("--timeout", type=float, help="Give up after this many seconds (exit 2).")
+@click.option("--timeout", type=float, help="Give up after this many seconds (exit 2); default: as long as it takes.")
 @common
 def wait(job_id: str, timeout: float | None, app_spec: str | None, redis_url: str | None) -> None:
-    """Wait for a job; print its result as JSON. Exit 0 completed, 1 failed or killed, 2 timeout."""
-    job = _app(app_spec, redis_url).job(job_id)
+    """Wait for a job; print its result as JSON. Rides out a Redis restart or failover
+    (it connects again and looks again).
+
+    \b
+    Exit 0 completed, 1 failed or killed, 2 still not ended after --timeout,
+    3 Redis unreachable (at the start, or still at the end of --timeout): state unknown."""
     try:
+        job = _app(app_spec, redis_url).job(job_id)
         result = job.wait(timeout)
     except JobFailed as e:
         click.echo(f"{e.state}: {e.error_type}: {e.message}", err=True)
@@ -235,6 +240,9 @@ def wait(job_id: str, timeout: float | None, app_spec: str | None, redis_url: st
     except Timeout as e:
         click.echo(str(e), err=True)
         sys.exit(2)
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+        click.echo(f"Error: cannot reach Redis, the job's state is unknown: {e}", err=True)
+        sys.exit(3)
     click.echo(json.dumps(result))
 
 
@@ -341,6 +349,7 @@ def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch:
     app = _app(app_spec, redis_url, check=True)
     qs = [q.strip() for q in queue_list.split(",") if q.strip()] if queue_list else \
         list(dict.fromkeys(["default", *(t.spec.queue for t in app.tasks.values())]))
+    app.wait_for_redis("worker")
     sys.exit(Worker(app, qs, concurrency, name, prefetch).run())
 
 
@@ -354,7 +363,9 @@ def dispatcher(name: str | None, log_level: str, app_spec: str | None, redis_url
     from .dispatcher import Dispatcher
 
     _setup_logging(log_level)
-    sys.exit(Dispatcher(_app(app_spec, redis_url, check=True), name).run())
+    app = _app(app_spec, redis_url, check=True)
+    app.wait_for_redis("dispatcher")
+    sys.exit(Dispatcher(app, name).run())
 
 
 @main.command()
@@ -494,6 +505,7 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec:
     import subprocess
     import threading
 
+    from .connection import Backoff
     from .consumer import Consumer
 
     app = _app(app_spec, redis_url)
@@ -509,9 +521,16 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec:
         return c.close()
     done = threading.Event()
 
-    def beat() -> None:  # keep the job ours while CMD runs
-        while not done.wait(app.settings.heartbeat):
-            c.heartbeat(busy=1)
+    def beat() -> None:  # keep the job ours while CMD runs, through a Redis outage too
+        backoff = Backoff(f"consumer {c.name}", None)
+        pause = app.settings.heartbeat
+        while not done.wait(pause):
+            try:
+                c.heartbeat(busy=1)
+                backoff.ok()
+                pause = app.settings.heartbeat
+            except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+                pause = min(backoff.after(e), app.settings.heartbeat)
 
     threading.Thread(target=beat, daemon=True).start()
     try:

@@ -26,6 +26,7 @@ percent-encoded (see _split).
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import re
 import socket
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, unquote
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import hiredis
 import redis
@@ -64,6 +65,12 @@ _HOST = re.compile(r"^(?:\[(?P<ipv6>[^\[\]]+)\]|(?P<name>[A-Za-z0-9_.-]+))(?::(?
 _FLOAT_OPTIONS = ("socket_timeout", "socket_connect_timeout")
 _STR_OPTIONS = ("sentinel_username", "sentinel_password")
 RECHECK = 1.0  # seconds between looks at which node the sentinels call the primary
+#: Seconds an answer Redis owes at once may take, unless the URL says (socket_timeout):
+#: redis-py 6 and later default to this, 5.x to none, where a Redis that stops answering
+#: (SIGSTOP, a partition) hangs a worker's loop, and its stopping, for good. Blocking
+#: commands are waited for longer (see slack()).
+SOCKET_TIMEOUT = 5.0
+log = logging.getLogger("taskrunner")
 
 
 def default_url() -> str:
@@ -112,7 +119,7 @@ class SentinelURL:
 
     def _master_options(self, options: dict[str, Any]) -> dict[str, Any]:
         return {"db": self.db, "username": self.username, "password": self.password, "socket_keepalive": True,
-                "socket_connect_timeout": 5.0, **self.options, **options}
+                "socket_connect_timeout": 5.0, "socket_timeout": SOCKET_TIMEOUT, **self.options, **options}
 
     def master(self, **options: Any) -> redis.Redis:
         """A client of the current primary (found anew by each connection it opens)."""
@@ -221,10 +228,8 @@ class ClusterURL:
         return cls(nodes, user, password, options)
 
     def _options(self, options: dict[str, Any]) -> dict[str, Any]:
-        # socket_timeout None, as redis.Redis has it: redis-py's cluster default of 5 s cuts
-        # off a BLPOP of 5 s (Job.wait), and then retries it for a minute.
         return {"username": self.username, "password": self.password, "socket_keepalive": True,
-                "socket_connect_timeout": 5.0, "socket_timeout": None, **self.options, **options}
+                "socket_connect_timeout": 5.0, "socket_timeout": SOCKET_TIMEOUT, **self.options, **options}
 
     def client(self, **options: Any) -> redis.cluster.RedisCluster:
         """A client of the cluster (it asks a node for the slots layout at once)."""
@@ -297,6 +302,7 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis | redis.clust
     _check_db(url)
     if not url.startswith("unix:"):
         options.setdefault("socket_keepalive", True)
+    options.setdefault("socket_timeout", SOCKET_TIMEOUT)  # the URL's own wins
     try:
         return redis.Redis.from_url(url, **options)
     except ValueError as e:
@@ -577,22 +583,74 @@ def connect_async(url: str | None = None, **options: Any) -> redis.asyncio.Redis
     if url.startswith(CLUSTER_SCHEME + ":"):
         return ClusterURL.parse(url).client_async(**options)
     _check_db(url)
+    options.setdefault("socket_timeout", SOCKET_TIMEOUT)  # the URL's own wins
     try:
         return redis.asyncio.Redis.from_url(url, **options)
     except ValueError as e:
         raise BadURL(f"bad Redis URL {redact(url)!r}: {e}; expected {FORMS}") from None
 
 
+def slack(socket_timeout: float | None) -> float:
+    """Seconds a blocking command's answer may come after its own timeout before the
+    connection counts as hung: the connection's socket_timeout (what an answer due at once
+    may take), at least 1 s; 5 s where it has none."""
+    return max(1.0, float(socket_timeout or 5.0))
+
+
+def transient(e: BaseException) -> bool:
+    """A Redis error that passes by itself, after which a waiter connects again and looks
+    again: Redis down or restarting (connection errors, LOADING), unreachable for a while
+    (timeouts), failing over (READONLY, a blocked command UNBLOCKED, MASTERDOWN), a cluster
+    resharding or electing (MOVED, ASK, TRYAGAIN, CLUSTERDOWN) or with no node reachable."""
+    passing = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError,
+               redis.exceptions.ClusterError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+               redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.RedisClusterException)
+    return isinstance(e, passing) or (isinstance(e, redis.ResponseError)
+                                      and str(e).startswith(("UNBLOCKED", "MASTERDOWN", "BUSY ")))
+
+
+class Backoff:
+    """The pauses of a waiter whose Redis failed (transient()): 0.1 s doubling up to 2 s,
+    so that a restart is noticed soon after it ends, without hammering a Redis that is
+    down; one warning per outage. A wait with a deadline gives up (raises the error)
+    when the next try would come after it: the job's state is then unknown."""
+
+    def __init__(self, what: str, deadline: float | None) -> None:
+        self.what, self.deadline = what, deadline
+        self.pause = 0.0
+
+    def after(self, error: BaseException) -> float:
+        """Seconds to pause before the next try; raises `error` where that is not for
+        us to ride out."""
+        if not transient(error):
+            raise error
+        self.pause = min(max(self.pause * 2, 0.1), 2.0)
+        if self.deadline is not None and time.monotonic() + self.pause >= self.deadline:
+            raise error
+        if self.pause == 0.1:
+            log.warning("%s: Redis unavailable (%s); trying again until it answers", self.what, error)
+        return self.pause
+
+    def ok(self) -> None:
+        if self.pause:
+            log.info("%s: Redis answers again", self.what)
+        self.pause = 0.0
+
+
 class Blocker:
-    """One BRPOP on `keys` outstanding on a connection of its own (kept across calls,
-    outside the client's pool); select() tells when it answered. On a Redis Cluster the
+    """One BRPOP (or BLPOP: `command`) on `keys` outstanding on a connection of its own (kept
+    across calls, outside the client's pool); select() tells when it answered, or pop() waits
+    for it. Its wait is not bounded by the connection's socket_timeout (redis-py 6 and later
+    default it to 5 s), which would cut off any longer block, but by the block's own
+    timeout plus slack(): a wait lasts as long as asked. On a Redis Cluster the
     keys must share a slot, and the connection goes to the primary that owns it. When the
     primary moved (a Sentinel failover the worker saw no error in, a cluster failover or
     resharding) arm() raises ConnectionError once, so that the worker reconciles what it
     holds with the new primary, which may lack writes the old one took (jobs we finished)."""
 
-    def __init__(self, client: redis.Redis | redis.cluster.RedisCluster, keys: list[str]) -> None:
-        self.client, self.keys = client, keys
+    def __init__(self, client: redis.Redis | redis.cluster.RedisCluster, keys: list[str],
+                 command: str = "BRPOP") -> None:
+        self.client, self.keys, self.command = client, keys, command
         self.pool: Any = None
         self.conn: Any = None
         self.armed = False
@@ -617,8 +675,13 @@ class Blocker:
             before, self.address = self.address, (getattr(self.conn, "host", None), getattr(self.conn, "port", None))
             if before not in (None, self.address):
                 raise redis.ConnectionError(f"the Redis primary moved to {self.address[0]}:{self.address[1]}")
-            self.conn.send_command("BRPOP", *self.keys, timeout)
+            self.conn.send_command(self.command, *self.keys, timeout)
             self.armed = True
+
+    def pop(self, timeout: float) -> Any:
+        """Block up to `timeout` seconds for an item: [key, item], or None. The connection
+        stays open for the next call (reset() closes it)."""
+        return _pop([self], timeout)
 
     def fileno(self) -> int:
         return self.conn._sock.fileno()
@@ -648,19 +711,28 @@ class Blocker:
             self.conn = None
 
 
-def brpop_any(client: redis.Redis | redis.cluster.RedisCluster, keys: list[str], timeout: float) -> None:
-    """Wait up to `timeout` for a token on any of the lists `keys`, and take it: one BRPOP;
-    on a cluster, where one command's keys must share a slot, one per key, each to the
-    node of its slot, until one answers."""
-    if not is_cluster(client):
-        client.brpop(keys, timeout=timeout)
-        return
-    blockers = [Blocker(client, [key]) for key in keys]
-    try:
+def _pop(blockers: list[Blocker], timeout: float) -> Any:
+    """Arm every blocker and return the first item that comes (None if none in `timeout`)."""
+    for b in blockers:
+        b.arm(timeout)
+    ready = wait(blockers, timeout + slack(blockers[0].conn.socket_timeout))
+    if not ready:
         for b in blockers:
-            b.arm(timeout)
-        for b in wait(blockers, timeout + 1):
-            b.read()
+            b.reset()
+        raise redis.TimeoutError(f"no answer from Redis to a {timeout:g}s {blockers[0].command} in time")
+    items = [b.read() for b in ready]
+    return next((item for item in items if item), None)
+
+
+def pop_any(client: redis.Redis | redis.cluster.RedisCluster, keys: list[str], timeout: float,
+            command: str = "BRPOP") -> Any:
+    """Wait up to `timeout` (any length) for an item on any of the lists `keys`, and take
+    it: [key, item], or None. One BRPOP (or BLPOP); on a cluster, where one command's keys
+    must share a slot, one per key, each to the node of its slot, until one answers."""
+    groups = [[key] for key in keys] if is_cluster(client) else [keys]
+    blockers = [Blocker(client, group, command) for group in groups]
+    try:
+        return _pop(blockers, timeout)
     finally:
         for b in blockers:
             b.reset()

@@ -12,7 +12,7 @@ from typing import Any
 
 from . import codec, scripts
 from .app import TaskRunner
-from .connection import brpop_any, is_cluster
+from .connection import is_cluster, pop_any
 
 
 @dataclass
@@ -104,7 +104,7 @@ class Consumer:
             left = deadline - time.monotonic()
             if out or left <= 0:
                 return out
-            brpop_any(self.app.redis, [p + "wake" for p in prefixes], max(0.01, min(left, 5)))
+            pop_any(self.app.redis, [p + "wake" for p in prefixes], max(0.01, min(left, 5)))
 
     def ack(self, deliveries: list[Delivery], results: list[Any] | None = None) -> list[bool]:
         """Mark jobs completed, all in one round trip; says which were really acked (a job

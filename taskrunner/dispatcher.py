@@ -49,6 +49,10 @@ class Dispatcher:
         self.passes = 0
         self.next_archive = 0.0
         self.history_backlog: dict[str, int] = {}
+        # Redis time of our first pass since we last failed to reach Redis (None: not yet).
+        # Heartbeats are counted from then at the earliest: after a Redis outage no worker
+        # could heartbeat, and each gets dead_after to do so before it is dead.
+        self.heard_since: float | None = None
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
@@ -66,6 +70,7 @@ class Dispatcher:
                 self.run_once()
                 backoff = 0.0
             except _REDIS_ERRORS as e:
+                self.heard_since = None
                 backoff = min(max(backoff * 2, 0.2), 5.0)
                 log.warning("dispatcher %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, backoff)
             except Exception:  # a record no check foresaw must not stop requeueing for every queue
@@ -90,6 +95,8 @@ class Dispatcher:
     def run_once(self) -> dict[str, int]:
         """One pass; returns what it did (for logs and tests)."""
         now = server_time(self.app)
+        if self.heard_since is None:
+            self.heard_since = now
         alive, dead = self.liveness(now)
         queues = sorted(self.redis.smembers(self.keys.queues))
         stats = {"promoted": 0, "requeued": 0, "failed": 0, "killed": 0, "stuck": 0, "fired": 0}
@@ -153,7 +160,10 @@ class Dispatcher:
 
     def liveness(self, now: float) -> tuple[set[str], set[str]]:
         """Workers whose heartbeat is fresh, and the others. On this host (same PID
-        namespace) a worker whose process is gone is dead at once."""
+        namespace) a worker whose process is gone is dead at once. A heartbeat's age counts
+        from heard_since at the earliest: after a Redis outage longer than dead_after every
+        heartbeat is old, and declaring their workers dead would kill and rerun every
+        running job."""
         beats = dict(self.redis.zrange(self.keys.workers, 0, -1, withscores=True))
         unknown = [n for n in beats if n not in self._hosts]
         if unknown:
@@ -165,7 +175,8 @@ class Dispatcher:
                 self._hosts[n] = info if isinstance(info, dict) else {}
         alive, dead = set(), set()
         for n, last in beats.items():
-            if now - last >= self.s.dead_after or not self._process_alive(self._hosts.get(n, {})):
+            silent = now - max(last, self.heard_since or last)
+            if silent >= self.s.dead_after or not self._process_alive(self._hosts.get(n, {})):
                 dead.add(n)
             else:
                 alive.add(n)

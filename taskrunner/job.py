@@ -7,7 +7,10 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from . import codec, scripts
+from .connection import Backoff, Blocker
 from .errors import JobFailed, JobNotFound, Timeout
 
 if TYPE_CHECKING:
@@ -19,6 +22,9 @@ FINAL = frozenset(("completed", "failed", "killed"))
 _FLOATS = ("enqueued_at", "started_at", "finished_at", "due_at", "stuck_at", "kill_requested",
            "last_requeued_at", "max_duration", "retry_backoff")
 _INTS = ("attempts", "requeues", "failures", "lost", "retries", "max_lost", "pid")
+#: Seconds between a waiter's looks at the job's state while no notification came: one
+#: lost with a Redis restart or failover would otherwise leave it waiting forever.
+LOOK_AGAIN = 5.0
 
 
 class Job:
@@ -63,23 +69,36 @@ class Job:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the job ends; return its result, or raise JobFailed (failed or
-        killed) or Timeout. Blocks in Redis (BLPOP on notify:<id>), no polling; it looks
-        again at most every 5 s in case a notification was lost with a Redis restart."""
+        killed) or Timeout. Blocks in Redis (BLPOP on notify:<id>, on a connection of its
+        own, for as long as asked), no polling; it looks again at least every LOOK_AGAIN
+        seconds, in case a notification was lost. When Redis fails meanwhile (a restart, a
+        failover) it connects again with backoff and looks again: the job went on. With a
+        timeout, a Redis that is still unreachable at its end raises the Redis error (the
+        job's state is unknown), not Timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        notify = f"{self._prefix}notify:{self.id}"
-        while True:
-            state = scripts.WATCH(self.app.redis, [self._prefix], [self.id])
-            if not state:
-                raise JobNotFound(f"no job {self.id} in queue {self.queue}")
-            if state in FINAL:
-                self.refresh()
-                if state == "completed":
-                    return self.result
-                raise self._failure()
-            left = 5.0 if deadline is None else min(5.0, deadline - time.monotonic())
-            if left <= 0:
-                raise Timeout(f"job {self.id} still {state} after {timeout}s")
-            self.app.redis.blpop([notify], timeout=max(left, 0.01))
+        notify = Blocker(self.app.redis, [f"{self._prefix}notify:{self.id}"], "BLPOP")
+        backoff = Backoff(f"waiting for job {self.id}", deadline)
+        try:
+            while True:
+                try:
+                    state = scripts.WATCH(self.app.redis, [self._prefix], [self.id])
+                    if not state:
+                        raise JobNotFound(f"no job {self.id} in queue {self.queue}")
+                    if state in FINAL:
+                        self.refresh()
+                        if state == "completed":
+                            return self.result
+                        raise self._failure()
+                    left = LOOK_AGAIN if deadline is None else min(LOOK_AGAIN, deadline - time.monotonic())
+                    if left <= 0:
+                        raise Timeout(f"job {self.id} still {state} after {timeout}s")
+                    notify.pop(max(left, 0.01))
+                    backoff.ok()
+                except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+                    notify.reset()
+                    time.sleep(backoff.after(e))
+        finally:
+            notify.reset()
 
     def kill(self, who: str | None = None) -> str:
         """Kill the job: pending or delayed ones at once; a running one is stopped by the

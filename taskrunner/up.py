@@ -23,6 +23,14 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", *args], env=env)
 
 
+class _Terminated(Exception):
+    """SIGTERM to `up` itself (a supervisor, `kill`): stop everything, as Ctrl-C does."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int, demo: bool,
               exit_after: bool) -> int:
     server = None
@@ -46,6 +54,7 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
                    "TASKRUNNER_DASHBOARD_PASSWORD=pick-one " + ("make demo" if demo else "taskrunner up ..."))
     code = 0
     interrupted = False
+    signal.signal(signal.SIGTERM, _terminated)  # else it dies at once, leaving everything running
     try:
         if demo:
             code = _demo(app_spec, redis_url, exit_after)
@@ -59,7 +68,11 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
     except KeyboardInterrupt:
         interrupted = True  # the terminal sent SIGINT to every process of ours already
         click.echo("stopping...")
+    except _Terminated:
+        click.echo("stopping (SIGTERM)...")
+        code = 0
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the stopping short
         for p in procs.values():
             if p.poll() is None and not interrupted:
                 p.send_signal(signal.SIGTERM)

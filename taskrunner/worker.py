@@ -19,6 +19,7 @@ import signal
 import socket
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,13 +167,19 @@ class Child:
             _signal(self.pid, signal.SIGTERM)
 
 
-def _wait(objects: list[Any], timeout: float) -> list[Any]:
-    """The objects (file descriptors, or with a fileno()) that are readable or closed,
-    waiting up to timeout seconds: multiprocessing's wait() builds a selector each call."""
-    fds = {o if isinstance(o, int) else o.fileno(): o for o in objects}
+def _wait(objects: list[Any], timeout: float, writers: Iterable[Any] = ()) -> list[Any]:
+    """The objects (file descriptors, or with a fileno()) that are readable or closed, and
+    the `writers` that can be written to, waiting up to timeout seconds: multiprocessing's
+    wait() builds a selector each call."""
+    fds: dict[int, Any] = {}
+    masks: dict[int, int] = {}
+    for o, mask in [*((o, select.POLLIN) for o in objects), *((o, select.POLLOUT) for o in writers)]:
+        fd = o if isinstance(o, int) else o.fileno()
+        fds[fd] = o
+        masks[fd] = masks.get(fd, 0) | mask
     poll = select.poll()
-    for fd in fds:
-        poll.register(fd, select.POLLIN)
+    for fd, mask in masks.items():
+        poll.register(fd, mask)
     return [fds[fd] for fd, _ in poll.poll(timeout * 1000)]
 
 
@@ -267,7 +274,7 @@ class Worker:
                  self.concurrency, self.prefetch, os.getpid())
         try:
             while not (self.stopping and self._drained()):
-                if self.stopping and time.monotonic() > self.stop_at + self.s.kill_grace + 10:
+                if self.stopping and time.monotonic() >= self._give_up_at():
                     log.error("worker %s: could not report every job before exiting; the dispatcher "
                               "will requeue what is left", self.name)
                     break
@@ -275,6 +282,11 @@ class Worker:
         finally:
             self._shutdown()
         return 0
+
+    def _give_up_at(self) -> float:
+        """When a stopping worker exits even with jobs unreported (Redis unreachable): the
+        dispatcher requeues them."""
+        return self.stop_at + self.s.kill_grace + 10
 
     def _check_name_free(self) -> None:
         last = self.redis.zscore(self.keys.workers, self.name)
@@ -318,11 +330,22 @@ class Worker:
             if c.proc.is_alive():
                 c.proc.kill()
                 c.proc.join()
+        if self.backoff and self.stopping and time.monotonic() >= self._give_up_at():
+            # Redis has been unreachable all along: trying again could hang for the client's
+            # timeouts and retries. Our entry lapses after dead_after, and the dispatcher
+            # requeues what we held.
+            log.info("worker %s: stopped after %d jobs, without saying goodbye to Redis", self.name,
+                     self.processed)
+            return
         try:
             self._sync(wait=True)
+            # One call a line, one key a delete: a ClusterPipeline's delete() returns None (not
+            # the pipeline) and refuses several keys.
             pipe = self.redis.pipeline(transaction=False)
-            pipe.zrem(self.keys.workers, self.name).delete(self.keys.worker(self.name))
-            pipe.delete(self.keys.control(self.name)).execute()
+            pipe.zrem(self.keys.workers, self.name)
+            pipe.delete(self.keys.worker(self.name))
+            pipe.delete(self.keys.control(self.name))
+            pipe.execute()
         except _REDIS_ERRORS as e:
             log.error("worker %s: could not say goodbye to Redis (%s); the dispatcher will requeue "
                       "anything left", self.name, e)
@@ -365,13 +388,16 @@ class Worker:
             if b.armed:
                 waitables.append(b)
         timeout = self._timeout()
-        for ready in _wait(waitables, min(timeout, GLANCE) if quiet else timeout):
+        writers = [c.conn for c in self.children if c.outgoing]  # flushed by the next step
+        for ready in _wait(waitables, min(timeout, GLANCE) if quiet else timeout, writers):
             self._on_ready(ready)
 
     def _redis_failed(self, e: Exception) -> None:
         """Back off. What the syncs in flight reported goes again (finishes are idempotent)
         and what they claimed is reconciled, as any claim may have gone through unanswered."""
-        self.backoff = min(max(self.backoff * 2, 0.1), 5.0)
+        # At most a heartbeat apart: once Redis is back, our heartbeat must land well within
+        # the dead_after the dispatcher gives us after an outage.
+        self.backoff = min(max(self.backoff * 2, 0.1), 5.0, self.s.heartbeat)
         self.redis_ok_at = time.monotonic() + self.backoff
         self.reconcile = True
         if self.flights:
@@ -401,24 +427,28 @@ class Worker:
         return [c for c in self.children if len(c.jobs) > half and c.kill_reason is None]
 
     def _timeout(self) -> float:
+        """Seconds until the next thing to do. Only what is still ahead counts: a deadline
+        that passed and was acted on (a job flagged stuck, the end of the shutdown grace) is
+        not waited for again, and while we back off from a Redis failure nothing that talks
+        to Redis is due before redis_ok_at: either would keep the timeout at 0, a spin."""
         now = time.monotonic()
-        t = [self.next_beat, self.redis_ok_at if self.backoff else now + 5]
+        if now < self.redis_ok_at:
+            t = [self.redis_ok_at]
+        else:
+            t = [self.next_beat, now + 5, self._sync_due(now)]
+            if self.flights:
+                t.append(self.channel.deadline())
         for c in self.children:
-            if c.outgoing:
-                t.append(now + 0.01)  # select() here cannot wait for the pipe to have room
             if c.jobs:
                 head = c.jobs[0]
-                t.append(head.deadline)
+                if not head.stuck:
+                    t.append(head.deadline)
                 if len(c.jobs) > 1 and head.began is not None:
                     t.append(head.began + min(HOLD, head.max_duration))
             if c.kill_at:
                 t.append(c.kill_at)
         if self.stopping:
-            t.append(self.stop_at)
-        if now >= self.redis_ok_at:
-            t.append(self._sync_due(now))
-        if self.flights:
-            t.append(self.channel.deadline())
+            t.append(self.stop_at if now < self.stop_at else self._give_up_at())
         return max(0.0, min(t) - now)
 
     def _sync_due(self, now: float) -> float:

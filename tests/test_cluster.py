@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import threading
 
 import pytest
 
 from dashboard import create_app
 from taskrunner import scripts
+from taskrunner.aio import AsyncClient
 from taskrunner.connection import ClusterURL, connect, connect_async
 from taskrunner.consumer import Consumer
 from taskrunner.errors import Timeout
@@ -98,6 +100,21 @@ def test_a_woken_worker_leaves_other_queues_wake_tokens_to_other_workers(capp, s
         assert node.info("clients")["blocked_clients"] == 0
 
 
+def test_sigterm_stops_a_cluster_worker_cleanly(capp, stack, queues):
+    """SIGTERM: the worker says goodbye (its entries go) and exits 0. redis-py's
+    ClusterPipeline.delete() returns None, not the pipeline: a chained call after it
+    raised AttributeError and the worker crashed without saying goodbye."""
+    w = stack.worker("-Q", ",".join(queues), name="leaver")
+    assert apps.add.apply_async([1, 1], queue=queues[0]).wait(30) == 2
+    assert capp.redis.zscore(capp.keys.workers, "leaver") is not None
+    w.send_signal(signal.SIGTERM)
+    out, _ = w.communicate(timeout=60)
+    assert w.returncode == 0, out
+    assert "Traceback" not in out and "could not say goodbye" not in out, out
+    assert capp.redis.zscore(capp.keys.workers, "leaver") is None
+    assert not capp.redis.exists(capp.keys.worker("leaver"), capp.keys.control("leaver"))
+
+
 def test_cli_dashboard_history_and_queue_delete(capp, stack, cluster, queues, tmp_path):
     stack.worker("-Q", ",".join(queues))
     ids = [stack.cli("enqueue", "tests.apps.add", "--args", f"[{i}, 1]", "-q", q, check=True).stdout.strip()
@@ -174,6 +191,26 @@ def test_consumer_claims_in_strict_priority_and_blocks_on_every_queue(capp, clus
     consumer.close()
 
 
+def test_asyncio_wait_blocks_on_the_primary_of_the_job(capp, stack, queues):
+    """AsyncClient.wait's BLPOP goes to the primary of the job's slot, on a connection of
+    its own: a Timeout while the job runs, then its result."""
+    stack.worker("-Q", queues[1])
+    held = apps.hold.apply_async(["aw"], queue=queues[1])
+    wait_for(lambda: held.state == "running", what="the job to run")
+
+    async def main() -> str:
+        client = AsyncClient(capp)
+        try:
+            with pytest.raises(Timeout):
+                await client.wait(held.id, 0.5)
+            capp.redis.set(f"{capp.settings.prefix}:release:aw", "1")
+            return await client.wait(held.id, 30)
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == "released"
+
+
 def test_asyncio_client_and_url(cluster, queues):
     async def roundtrip() -> list:
         client = connect_async(cluster.url())
@@ -189,6 +226,20 @@ def test_asyncio_client_and_url(cluster, queues):
     assert asyncio.run(roundtrip()) == [*queues, "1", "2"]
     u = ClusterURL.parse("redis+cluster://:p%40ss@10.0.0.1,[::1]:7001/?socket_timeout=2")
     assert (u.nodes, u.password, u.options) == ((("10.0.0.1", 6379), ("::1", 7001)), "p@ss", {"socket_timeout": 2.0})
+
+
+def test_worker_and_dispatcher_wait_for_an_unreachable_cluster(app):
+    """Started before the cluster (a host booting): they wait for it, as with one Redis,
+    rather than exit because the client could not learn the layout."""
+    stack = Stack(app, "redis+cluster://127.0.0.1:1")
+    try:
+        for p in (stack.worker(), stack.dispatcher()):
+            lines: list[str] = []
+            wait_for(lambda p=p, lines=lines: lines.append(p.stdout.readline()) or "Redis unavailable" in lines[-1]
+                     or not lines[-1], what="it to say it waits for Redis")  # "": it exited
+            assert p.poll() is None and "Redis unavailable" in lines[-1], lines
+    finally:
+        stack.stop()
 
 
 def test_cli_says_when_no_cluster_node_answers(app):

@@ -10,8 +10,9 @@ import pytest
 
 from dashboard import create_app
 from taskrunner import scripts
+from taskrunner.aio import AsyncClient
 from taskrunner.connection import SentinelURL, connect, connect_async
-from taskrunner.errors import JobNotFound
+from taskrunner.errors import JobNotFound, Timeout
 from tests import apps
 from tests.conftest import Stack, wait_for
 from tests.topologies import SentinelGroup, Topology, sentinel_group
@@ -111,7 +112,7 @@ def test_demoted_primary_failover(app, stack, group):
     assert worker.poll() is None and dispatcher.poll() is None
 
 
-def test_asyncio_client_through_sentinel(group):
+def test_asyncio_client_through_sentinel(app, group):
     async def roundtrip() -> str:
         client = connect_async(group.url())
         try:
@@ -122,6 +123,19 @@ def test_asyncio_client_through_sentinel(group):
 
     assert asyncio.run(roundtrip()) == "v"
     assert connect(group.url()).get("k") == "v"
+
+    app.configure(redis_url=group.url())
+    job = apps.add.delay(1, 1)  # no worker: it stays pending
+
+    async def wait() -> None:  # its BLPOP goes to the primary the sentinels name
+        client = AsyncClient(app)
+        try:
+            await client.wait(job.id, 0.5)
+        finally:
+            await client.close()
+
+    with pytest.raises(Timeout):
+        asyncio.run(wait())
 
 
 def test_sentinel_url_parts():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import threading
 
 import psutil
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_for
 
 
 def free_port() -> int:
@@ -79,3 +80,35 @@ def test_up_demo_runs_teaches_and_stops_cleanly(tmp_path):
     assert planned < first_warning
     [shown] = [line for line in lines if line.startswith("demo: still running for you to look at:")]
     assert "/running" in shown and "stuck past its 5 s max duration" in shown and "/stuck" in shown
+
+
+def test_up_stops_everything_on_sigterm(tmp_path):
+    """SIGTERM to `taskrunner up` alone (a supervisor, `kill`): it stops its dispatcher,
+    worker, dashboard and Redis, as Ctrl-C does, and exits 0. It died at once and left them
+    all running."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_URL", "TASKRUNNER_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    p = subprocess.Popen([sys.executable, "-m", "taskrunner", "up", "-A", "tests.apps", "--port", str(free_port())],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    family: list[psutil.Process] = []
+    try:
+        up = psutil.Process(p.pid)
+        wait_for(lambda: len(up.children()) == 4, what="Redis, dispatcher, worker and dashboard")
+        wait_for(lambda: "queues default" in p.stdout.readline(), what="the worker to start")
+        family = up.children(recursive=True)
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+        _, alive = psutil.wait_procs(family, timeout=10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        for q in family:
+            try:
+                q.kill()  # Redis has its own session: killpg would miss it
+            except psutil.NoSuchProcess:
+                pass
+    assert p.returncode == 0, out
+    assert "redis-server stopped" in out, out
+    assert alive == [], [q.cmdline() for q in alive]
