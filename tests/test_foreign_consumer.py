@@ -91,6 +91,27 @@ def test_claim_writes_only_json_numbers_into_the_holding_entry(foreign, max_dura
     assert md == b"60" and entry["max_duration"] == 60 and entry["pid"] == 4242
 
 
+@pytest.mark.parametrize("head, job, why", [
+    (["1.5", 600], ["completed", "", "42", "", "", ""], "result TTL"),  # used to fail half-way
+    (["0", 600], ["completed", "", "42", "", "", ""], "result TTL"),
+    ([3600, "soon"], ["completed", "", "42", "", "", ""], "backoff cap"),
+    ([3600, 600], ["completed", "", "42", "", ""], "8 values"),  # one value short: misaligned
+    ([3600, 600], ["done", "", "42", "", "", ""], "unknown outcome"),  # used to fail the job
+    ([3600, 600], ["completed", "soon", "42", "", "", ""], "began"),
+])
+def test_finish_refuses_arguments_it_cannot_apply_whole(foreign, head, job, why):
+    assert foreign.enqueue("default", "j1", "tests.apps.add", [1, 2], {}) == 1
+    [_, _, attempt, *_] = foreign.claim_raw("default", *GOOD)
+    with pytest.raises(redis.ResponseError, match=re.escape(why)) as e:
+        foreign.r.evalsha(foreign.sha["finish"], 1, foreign.q("default"), *head, "j1", attempt, *job)
+    assert str(e.value).startswith("finish: ")
+    rec = foreign.record("default", "j1")
+    assert (rec["state"], rec.get("failures"), rec.get("result")) == ("running", None, None)
+    p = foreign.q("default")
+    assert foreign.r.hexists(p + "running", "j1") and foreign.r.ttl(p + "job:j1") == -1
+    assert foreign.finish("default", b"j1", attempt, 3) == 1 and foreign.record("default", "j1")["state"] == "completed"
+
+
 INFO = {"name": "c1", "host": "h", "pid": 4242}
 
 
