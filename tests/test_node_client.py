@@ -140,3 +140,17 @@ def test_a_node_consumer_sigkilled_mid_job_has_its_job_run_again(app, stack):
     assert job.wait(30) == 42
     d = job.refresh().to_dict()
     assert (d["worker"], d["attempts"]) == ("node-2", 2)
+
+
+def test_a_node_consumer_stopped_mid_job_puts_it_back_and_leaves(app, stack):
+    """SIGTERM: the running job gets shutdown_grace (5 s here), then goes back next in line
+    at once (not at its deadline), and the consumer leaves the worker list."""
+    node_s = consumer(stack, "node-s")
+    job = app.enqueue("node.slow_add", [1, 2, 300])
+    wait_for(lambda: running_on(app, job, "node-s"), what="the job running on Node")
+    out = stop(node_s)
+    assert "stopped after 1 jobs" in out
+    d = job.refresh().to_dict()
+    assert (d["state"], d["attempts"]) == ("pending", 1) and "node-s shutting down" in job.data["end:1"]
+    assert app.redis.lrange(app.keys.q("default") + "pending", -1, -1) == [job.id]
+    assert app.redis.zscore(app.keys.workers, "node-s") is None and not app.redis.exists(app.keys.worker("node-s"))

@@ -24,6 +24,7 @@ console.log(`consumer ${consumer.name}: queues ${consumer.queues.join(', ')}`);
 consumer.start().then(() => {
   console.log(`consumer ${consumer.name}: stopped after ${consumer.processed} jobs`);
   consumer.tr.redis.disconnect();
+  process.exit(0); // a handler told to stop may still have timers or sockets open
 }, (e) => {
   console.error(`Error: ${e.message}`);
   process.exit(1);
