@@ -25,6 +25,7 @@ demo: setup
 test: setup
 	-@sh scripts/ensure-chromium.sh
 	-@sh scripts/ensure-java.sh
+	-@sh scripts/ensure-node.sh
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 

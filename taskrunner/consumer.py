@@ -13,6 +13,7 @@ from typing import Any
 from . import codec, scripts
 from .app import TaskRunner
 from .connection import is_cluster, pop_any
+from .holders import held, identity
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Consumer:
     def heartbeat(self, busy: int = 0) -> None:
         """Say we are alive (call more often than dead_after while holding jobs)."""
         info = {"name": self.name, "host": self.host, "ip": "127.0.0.1", "pid": os.getpid(),
-                "queues": self.queues, "concurrency": 1, "busy": busy, "kind": "consumer"}
+                "queues": self.queues, "concurrency": 1, "busy": busy, "kind": "consumer", **identity()}
         scripts.HEARTBEAT(self.app.redis, [self.keys.g], [self.name, codec.dumps(info),
                                                          int(self.app.settings.dead_after * 3 + 60)])
 
@@ -134,5 +135,14 @@ class Consumer:
         return [answers[q][i] == 1 for q, i in order]
 
     def close(self) -> None:
-        """Leave cleanly (what we still hold is requeued by the dispatcher)."""
+        """Leave cleanly: what we still hold goes back to its queue now, next in line (left
+        to the dispatcher it would wait for its deadline: a holder that left is not dead),
+        then we leave the list of workers."""
+        batch = scripts.Batch(self.app.redis)
+        for q, job_id, worker, attempt in held(self.app, self.queues):
+            if worker == self.name:
+                batch.call(scripts.FINISH, [self.keys.q(q)], [self.app.settings.result_ttl, 0, job_id, attempt,
+                                                             "requeue", "", "0", "front", f"{self.name} left", ""])
+        batch.execute()
         self.app.redis.zrem(self.keys.workers, self.name)
+        self.app.redis.delete(self.keys.worker(self.name), self.keys.control(self.name))

@@ -17,7 +17,6 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-import psutil
 import redis
 from croniter import croniter
 
@@ -25,7 +24,7 @@ from . import codec, scripts
 from .app import Schedule, TaskRunner, cron_job_id
 from .errors import MissingExtra, TaskRunnerError
 from .history import WARN_BACKLOG, Archiver, backlog
-from .holders import lose, lose_held, pid_namespace
+from .holders import boot_id, lose, lose_held, pid_namespace, process_gone
 from .listing import server_time
 
 log = logging.getLogger("taskrunner.dispatcher")
@@ -42,7 +41,7 @@ class Dispatcher:
         self.app, self.s, self.keys = app, app.settings, app.keys
         self.redis = app.redis
         self.host = socket.gethostname()
-        self.pidns = pid_namespace()
+        self.pidns, self.boot_id = pid_namespace(), boot_id()
         self.name = name or f"{self.host}.{os.getpid()}"
         self.stop_event = threading.Event()
         self._hosts: dict[str, dict[str, Any]] = {}  # worker name -> info (host, pid, ...)
@@ -159,37 +158,36 @@ class Dispatcher:
         return n
 
     def liveness(self, now: float) -> tuple[set[str], set[str]]:
-        """Workers whose heartbeat is fresh, and the others. On this host (same PID
-        namespace) a worker whose process is gone is dead at once. A heartbeat's age counts
-        from heard_since at the earliest: after a Redis outage longer than dead_after every
-        heartbeat is old, and declaring their workers dead would kill and rerun every
+        """Workers whose heartbeat is fresh, and the others. A worker on this machine (same
+        boot and PID namespace) whose process is gone is dead at once. A heartbeat's age
+        counts from heard_since at the earliest: after a Redis outage longer than dead_after
+        every heartbeat is old, and declaring their workers dead would kill and rerun every
         running job."""
         beats = dict(self.redis.zrange(self.keys.workers, 0, -1, withscores=True))
         unknown = [n for n in beats if n not in self._hosts]
         if unknown:
             for n, raw in zip(unknown, self.redis.mget([self.keys.worker(n) for n in unknown])):
-                try:
-                    info = codec.loads(raw) if raw else {}
-                except ValueError:
-                    info = {}
-                self._hosts[n] = info if isinstance(info, dict) else {}
+                self._hosts[n] = _info(raw)
         alive, dead = set(), set()
         for n, last in beats.items():
-            silent = now - max(last, self.heard_since or last)
-            if silent >= self.s.dead_after or not self._process_alive(self._hosts.get(n, {})):
+            if now - max(last, self.heard_since or last) >= self.s.dead_after:
                 dead.add(n)
-            else:
+            elif self._process_alive(self._hosts[n]):
                 alive.add(n)
+            else:  # its info may be older than its process (a consumer restarted under its name)
+                self._hosts[n] = _info(self.redis.get(self.keys.worker(n)))
+                (alive if self._process_alive(self._hosts[n]) else dead).add(n)
         return alive, dead
 
     def _process_alive(self, info: dict[str, Any]) -> bool:
-        if info.get("host") != self.host or info.get("pidns", "") != self.pidns or not self.pidns:
-            return True  # cannot tell from here; the heartbeat decides
-        try:
-            p = psutil.Process(int(info["pid"]))
-            return abs(p.create_time() - float(info["create_time"])) < 1 and p.status() != psutil.STATUS_ZOMBIE
-        except (psutil.Error, KeyError, ValueError, TypeError):
-            return False
+        """False only when this machine shows that the process that sent `info` is gone (no
+        process has its PID). Anything it cannot check here (another machine or namespace,
+        a field missing or of the wrong type) is left to the heartbeat; other fields, such
+        as create_time, are never compared: a live consumer is never dead by a guess."""
+        if not self.pidns or not self.boot_id or info.get("pidns") != self.pidns or info.get("boot_id") != self.boot_id:
+            return True
+        pid = info.get("pid")
+        return isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0 or not process_gone(pid)
 
     def harvest(self, queues: list[str]) -> dict[str, int]:
         """Return the running jobs of every worker that is not alive to their queues now
@@ -272,6 +270,15 @@ class Dispatcher:
                "next": nxt, "last_fired_at": now if tick is not None else state.get("last_fired_at")}
         self.redis.hset(self.keys.schedules, s.name, codec.dumps(new))
         return fired
+
+
+def _info(raw: str | None) -> dict[str, Any]:
+    """A worker's heartbeat info; {} when there is none or it is not a JSON object."""
+    try:
+        info = codec.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def holding(raw: str) -> tuple[str, str] | None:

@@ -7,6 +7,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from . import codec, scripts
 
 if TYPE_CHECKING:
@@ -21,6 +23,34 @@ def pid_namespace() -> str:
         return ""
 
 
+def boot_id() -> str:
+    """Identifies this machine's running kernel (a new one at each boot): unlike the host
+    name, two machines never share it, and unlike the PID namespace's id (the first
+    namespace has the same one everywhere), it tells machines apart."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def process_gone(pid: int) -> bool:
+    """No process has this PID on this machine (in our PID namespace), or only its zombie."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # e.g. access denied: it exists
+        return False
+
+
+def identity() -> dict[str, str]:
+    """The fields of a heartbeat's info that let a dispatcher on the same machine (same
+    boot, same PID namespace) see at once that the process is gone (docs/PROTOCOL.md,
+    Liveness)."""
+    return {"pidns": pid_namespace(), "boot_id": boot_id()}
+
+
 def lose(app: TaskRunner, queue: str, values: list[Any]) -> list[tuple[str, str]]:
     """lose.lua on deliveries (id, attempt, reason, owner per job; fenced); returns
     (id, new state) for each it acted on."""
@@ -30,23 +60,29 @@ def lose(app: TaskRunner, queue: str, values: list[Any]) -> list[tuple[str, str]
     return [(job_id, state) for job_id, state in zip(values[::4], states) if state]
 
 
+def held(app: TaskRunner, queues: list[str]) -> list[tuple[str, str, str, str]]:
+    """(queue, id, worker, attempt) of every delivery in the queues' holding hashes (one
+    round trip); entries that are not holding entries are left out."""
+    pipe = app.redis.pipeline(transaction=False)
+    for q in queues:
+        pipe.hgetall(app.keys.q(q) + "running")
+    out = []
+    for q, running in zip(queues, pipe.execute()):
+        for job_id, raw in running.items():
+            try:
+                entry = codec.loads(raw)
+                out.append((q, job_id, entry["worker"], str(entry["attempt"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
 def lose_held(app: TaskRunner, queues: list[str], gone: Callable[[str, str], bool],
               why: str) -> list[tuple[str, str, str]]:
     """Lose, fenced by owner and delivery, every running job for which gone(worker, id) is
     true; `why` is formatted with the worker's name. Returns (queue, id, new state)."""
-    pipe = app.redis.pipeline(transaction=False)
-    for q in queues:
-        pipe.hgetall(app.keys.q(q) + "running")
-    acted = []
-    for q, running in zip(queues, pipe.execute()):
-        values: list[Any] = []
-        for job_id, raw in running.items():
-            try:
-                entry = codec.loads(raw)
-                worker, attempt = entry["worker"], str(entry["attempt"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            if gone(worker, job_id):
-                values += [job_id, attempt, why.format(worker), worker]
-        acted += [(q, job_id, state) for job_id, state in lose(app, q, values)]
-    return acted
+    by_queue: dict[str, list[Any]] = {q: [] for q in queues}
+    for q, job_id, worker, attempt in held(app, queues):
+        if gone(worker, job_id):
+            by_queue[q] += [job_id, attempt, why.format(worker), worker]
+    return [(q, job_id, state) for q, values in by_queue.items() for job_id, state in lose(app, q, values)]

@@ -31,7 +31,7 @@ from .app import TaskRunner
 from .child import child_main
 from .connection import Blocker, Channel, is_cluster
 from .consumer import claim_args, claim_keys, claim_rest
-from .holders import lose_held, pid_namespace
+from .holders import identity, lose_held
 from .listing import server_time
 
 log = logging.getLogger("taskrunner.worker")
@@ -793,7 +793,7 @@ class Worker:
             except psutil.Error:
                 pass
         return {"name": self.name, "host": self.host, "ip": self.ip, "pid": os.getpid(),
-                "create_time": self.proc.create_time(), "pidns": pid_namespace(),
+                "create_time": self.proc.create_time(), **identity(),
                 "children": [c.pid for c in self.children],
                 "queues": self.queues, "concurrency": self.concurrency, "prefetch": self.prefetch,
                 "busy": sum(1 for c in self.children if c.jobs),

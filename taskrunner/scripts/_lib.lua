@@ -183,3 +183,16 @@ local function holder_check(p, id, r, attempt, take)
   end
   return 1
 end
+
+-- Queue, task and worker names (docs/PROTOCOL.md, Names): 1-200 of [A-Za-z0-9_.:@-], the
+-- first a letter or digit.
+local function is_name(s)
+  return type(s) == 'string' and #s <= 200 and string.find(s, '^%w[%w_.:@%-]*$') ~= nil
+end
+
+-- A decimal number as JSON writes it ("30", "0.5"; not "5.", "05", "1e3", "-1", "nan"),
+-- so that it can be copied into a JSON entry as it is.
+local function json_decimal(s)
+  return type(s) == 'string' and (string.find(s, '^%d+$') or string.find(s, '^%d+%.%d+$')) ~= nil
+    and string.find(s, '^0%d') == nil
+end

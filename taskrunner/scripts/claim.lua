@@ -18,9 +18,41 @@
 -- An exclusive queue (meta exclusive = 1) gives a job only while none of it runs.
 -- Counts meta consumed_messages/consumed_bytes; a bounded queue signals room (notfull).
 -- Returns {queue index, id, attempt, task, args, kwargs, max_duration, timeout_policy}*.
+-- Refuses (an error, nothing changed) arguments that would write a holding entry the
+-- dispatcher cannot read or a holder it cannot judge: the job would then come back only
+-- at its deadline. ARGV[1] must decode (with "}" added) to a JSON object whose "worker" is
+-- ARGV[2], a valid name; PIDs are decimal integers > 0; "ahead" is "" or seconds >= 0.
+if #ARGV < 6 or (#ARGV - 6) % 2 ~= 0 then
+  return redis.error_reply('ERR claim: ARGV is 6 values, then a (pid, ahead) pair per job wanted; got '
+    .. #ARGV .. ' values')
+end
+if not is_name(ARGV[2]) then
+  return redis.error_reply('ERR claim: invalid worker name (ARGV[2]): use 1-200 of A-Z a-z 0-9 _.:@-, '
+    .. 'starting with a letter or digit')
+end
+local head_ok, head = pcall(cjson.decode, ARGV[1] .. '}')
+if not head_ok or type(head) ~= 'table' or head.worker ~= ARGV[2] then
+  return redis.error_reply('ERR claim: ARGV[1] must be a JSON object without its closing brace, '
+    .. 'with "worker" equal to ARGV[2], e.g. {"worker":"w1","host":"h","ip":"10.0.0.1"')
+end
+local width, default_md = tonumber(ARGV[5]), tonumber(ARGV[6])
+if not width or width < 1 or width ~= math.floor(width) then
+  return redis.error_reply('ERR claim: bucket width (ARGV[5]) must be an integer >= 1')
+end
+if not json_decimal(ARGV[6]) then
+  return redis.error_reply('ERR claim: default max duration (ARGV[6]) must be seconds written like 300 or 0.5')
+end
+for i = 7, #ARGV, 2 do
+  if not string.find(ARGV[i], '^[1-9]%d?%d?%d?%d?%d?%d?%d?%d?%d?$') then
+    return redis.error_reply('ERR claim: pid (ARGV[' .. i .. ']) must be a decimal integer > 0, not "'
+      .. string.sub(ARGV[i], 1, 40) .. '"')
+  end
+  if ARGV[i + 1] ~= '' and not amount(ARGV[i + 1], nil) then
+    return redis.error_reply('ERR claim: ahead (ARGV[' .. i + 1 .. ']) must be "" or seconds >= 0')
+  end
+end
 local t = now()
 local ts = fmt(t)
-local width, default_md = tonumber(ARGV[5]), tonumber(ARGV[6])
 local want = (#ARGV - 6) / 2
 local queued = {}  -- pid -> seconds of work ahead of its next job
 local bucket_names = {}
@@ -68,13 +100,14 @@ for qi = 1, #KEYS do
         local pid, base = ARGV[5 + 2 * n], ARGV[6 + 2 * n]
         local attempt_n = (tonumber(f[6]) or 0) + 1
         local attempt = tostring(attempt_n)  -- as text once, not at each use
-        local md, md_s = tonumber(f[4]), f[4]
-        if not md or not string.find(md_s, '^%d+%.?%d*$') then  -- not "nan", "0x10", "-1"
+        local md_s = f[4]
+        local md = tonumber(md_s)
+        if not json_decimal(md_s) then  -- not "nan", "0x10", "-1", "5.": it is copied into JSON
           md, md_s = default_md, ARGV[6]
         end
         local ahead, first = 0, 0
         if base ~= '' then
-          first = tonumber(base) or 0
+          first = tonumber(base)
           ahead = queued[pid] or first
           queued[pid] = ahead + md
         end

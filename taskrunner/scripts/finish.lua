@@ -16,11 +16,29 @@
 -- The fence and the release are batched: one HMGET of the holding hash for all jobs, one
 -- HDEL/SREM each for those released; the finished sets get one ZADD per state.
 -- An exclusive queue with jobs waiting gets a wake token (its next job may run now).
+-- Arguments that are not so are refused (an error, nothing changed): a bad TTL used to fail
+-- in the middle, after some jobs had changed, and an unknown outcome failed the job.
 local p = KEYS[1]
-local ttl, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
+local ttl, cap = tonumber(ARGV[1]), amount(ARGV[2], nil)
+if not ttl or ttl < 1 or ttl ~= math.floor(ttl) then
+  return redis.error_reply('ERR finish: the result TTL (ARGV[1]) must be an integer >= 1 (seconds)')
+end
+if not cap or (#ARGV - 2) % 8 ~= 0 then
+  return redis.error_reply('ERR finish: ARGV is the result TTL, the backoff cap (seconds >= 0), then 8 values '
+    .. 'per job (id, attempt, outcome, began, v1, v2, v3, v4); got ' .. #ARGV .. ' values')
+end
+local OUTCOMES = {completed = true, failed = true, error = true, killed = true, requeue = true, lost = true,
+  ['return'] = true}
 local t = now()
 local ids = {}
 for i = 3, #ARGV, 8 do
+  if not OUTCOMES[ARGV[i + 2]] then
+    return redis.error_reply('ERR finish: unknown outcome "' .. string.sub(ARGV[i + 2], 1, 40) .. '" (ARGV['
+      .. i + 2 .. ']): completed, failed, error, killed, requeue, lost or return')
+  end
+  if ARGV[i + 3] ~= '' and not amount(ARGV[i + 3], nil) then
+    return redis.error_reply('ERR finish: began (ARGV[' .. i + 3 .. ']) must be "" or seconds >= 0')
+  end
   ids[#ids + 1] = ARGV[i]
 end
 if #ids == 0 then

@@ -1,0 +1,327 @@
+'use strict';
+// A minimal taskrunner client for Node.js, written from docs/PROTOCOL.md alone: a producer
+// (enqueue, wait) and a consumer (heartbeat, claim, run a JS handler, finish, kill requests,
+// max duration, a clean leave). Section names in comments are those of PROTOCOL.md.
+const crypto = require('crypto');
+const fs = require('fs');
+const os = require('os');
+const path = require('path');
+const Redis = require('ioredis');
+
+const NAME = /^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}$/;
+const ID = /^[A-Za-z0-9_.:@-]{1,200}$/;
+const FINAL = new Set(['completed', 'failed', 'killed']);
+
+function setting(name, fallback) {
+  const v = process.env[name];
+  return v === undefined || v === '' ? fallback : v;
+}
+
+function checkName(kind, s) {
+  if (typeof s !== 'string' || !NAME.test(s)) throw new Error(`invalid ${kind} name ${JSON.stringify(s)}`);
+  return s;
+}
+
+// Names: a ULID, 26 Crockford base-32 characters that sort by creation time.
+function ulid() {
+  const abc = '0123456789ABCDEFGHJKMNPQRSTVWXYZ';
+  let t = Date.now();
+  let out = '';
+  for (let i = 0; i < 10; i++, t = Math.floor(t / 32)) out = abc[t % 32] + out;
+  for (const b of crypto.randomBytes(16)) out += abc[b % 32];
+  return out;
+}
+
+// Loading a script: the text of _lib.lua, a newline, then <name>.lua; SCRIPT LOAD, EVALSHA,
+// and load it again after a NOSCRIPT reply (Redis restarted, a promoted replica).
+class Scripts {
+  constructor(redis, dir) {
+    this.redis = redis;
+    this.dir = dir;
+    this.source = {};
+  }
+
+  async call(name, keys, args) {
+    if (!this.source[name]) {
+      const lib = fs.readFileSync(path.join(this.dir, '_lib.lua'), 'utf8');
+      const src = lib + '\n' + fs.readFileSync(path.join(this.dir, `${name}.lua`), 'utf8');
+      this.source[name] = { src, sha: crypto.createHash('sha1').update(src).digest('hex') };
+    }
+    const { src, sha } = this.source[name];
+    try {
+      return await this.redis.evalsha(sha, keys.length, ...keys, ...args);
+    } catch (e) {
+      if (!String(e.message).startsWith('NOSCRIPT')) throw e;
+      await this.redis.script('LOAD', src);
+      return this.redis.evalsha(sha, keys.length, ...keys, ...args);
+    }
+  }
+}
+
+class TaskRunner {
+  constructor({ url = setting('REDIS_URL', 'redis://127.0.0.1:6379/0'), prefix = setting('TASKRUNNER_PREFIX', 'tr'),
+    scriptsDir = setting('TASKRUNNER_SCRIPTS', path.join(__dirname, '..', '..', 'taskrunner', 'scripts')) } = {}) {
+    this.url = url;
+    this.prefix = prefix;
+    this.redis = new Redis(url, { lazyConnect: true });
+    this.scripts = new Scripts(this.redis, scriptsDir);
+    this.g = `${prefix}:{_}:`;
+  }
+
+  q(queue) { return `${this.prefix}:{${queue}}:`; }
+
+  connection() { return this.redis.duplicate(); } // for blocking commands (BRPOP)
+
+  // Enqueue: one job; answers {id, created}. Throws when the queue is closed or full.
+  async enqueue(task, args = [], kwargs = {}, opts = {}) {
+    const queue = checkName('queue', opts.queue || 'default');
+    const id = opts.id || ulid();
+    if (!ID.test(id)) throw new Error(`invalid job id ${JSON.stringify(id)}`);
+    const fields = ['task', checkName('task', task), 'queue', queue, 'args', JSON.stringify(args),
+      'kwargs', JSON.stringify(kwargs), 'producer', `${os.hostname()}:${process.pid}:node`];
+    const optional = { maxDuration: 'max_duration', retries: 'retries', retryBackoff: 'retry_backoff',
+      timeoutPolicy: 'timeout_policy', maxLost: 'max_lost' };
+    for (const [k, field] of Object.entries(optional)) if (opts[k] !== undefined) fields.push(field, String(opts[k]));
+    const [answer] = await this.scripts.call('enqueue', [this.q(queue)],
+      [1, id, opts.delay || 0, fields.length / 2, ...fields]);
+    await this.redis.sadd(this.g + 'queues', queue);
+    if (answer === -2) throw new Error(`queue ${queue} is closed`);
+    if (answer === -1) throw new Error(`queue ${queue} is full`);
+    return { id, created: answer === 1 };
+  }
+
+  // Wait: watch.lua counts us in as a waiter, then BLPOP notify:<id>, looking again every
+  // 5 s at most (a token may be lost with a Redis restart). Answers the job record.
+  async wait(id, queue = 'default', timeout = 60) {
+    const p = this.q(queue);
+    const deadline = Date.now() + timeout * 1000;
+    const blocker = this.connection();
+    try {
+      for (;;) {
+        const state = await this.scripts.call('watch', [p], [id]);
+        if (state === '') throw new Error(`no job ${id} in queue ${queue}`);
+        if (FINAL.has(state)) return this.redis.hgetall(p + 'job:' + id);
+        const left = (deadline - Date.now()) / 1000;
+        if (left <= 0) throw new Error(`job ${id} is still ${state} after ${timeout}s`);
+        await blocker.blpop(p + 'notify:' + id, Math.max(0.01, Math.min(left, 5)));
+      }
+    } finally {
+      blocker.disconnect();
+    }
+  }
+
+  async close() { await this.redis.quit(); }
+}
+
+// Why a handler was stopped: the client finishes the delivery accordingly.
+class Stop extends Error {
+  constructor(reason) {
+    super(reason);
+    this.reason = reason; // 'killed' | 'timeout' | 'lost' | 'shutdown'
+  }
+}
+
+const sleep = (s) => new Promise((resolve) => setTimeout(resolve, s * 1000));
+
+// A consumer runs one job at a time with `handlers[task](args, kwargs, ctx)`; ctx.signal is an
+// AbortSignal that fires when the job must stop (kill request, max duration, lost, shutdown).
+// JavaScript cannot preempt a function: the delivery is finished at once and whatever the
+// handler returns later is dropped, so handlers should honour the signal.
+class Consumer {
+  constructor(tr, handlers, { queues = ['default'], name } = {}) {
+    this.tr = tr;
+    this.handlers = handlers;
+    this.queues = queues.map((q) => checkName('queue', q));
+    this.host = os.hostname();
+    this.name = checkName('worker', name || `node.${this.host}.${process.pid}`);
+    this.beatEvery = Number(setting('TASKRUNNER_HEARTBEAT', 2));
+    this.deadAfter = Number(setting('TASKRUNNER_DEAD_AFTER', 10));
+    this.defaultMaxDuration = setting('TASKRUNNER_MAX_DURATION', '300');
+    this.idleBlock = Number(setting('TASKRUNNER_IDLE_BLOCK', 5));
+    this.resultTtl = setting('TASKRUNNER_RESULT_TTL', '86400');
+    this.backoffCap = setting('TASKRUNNER_RETRY_BACKOFF_MAX', '600');
+    this.shutdownGrace = Number(setting('TASKRUNNER_SHUTDOWN_GRACE', 20));
+    this.current = null; // the delivery running: {queue, id, attempt, task, ..., controller}
+    this.orphans = false; // a claim's answer may have been lost: we may hold jobs we do not run
+    this.reconnects = 0;
+    tr.redis.on('reconnecting', () => { this.reconnects += 1; });
+    this.processed = 0;
+    this.stopping = false;
+    this.startedAt = Date.now() / 1000;
+  }
+
+  // Heartbeat: the info fields of PROTOCOL.md; pidns and boot_id let a dispatcher on this
+  // machine see at once that our PID is gone (Linux; left out where /proc has neither).
+  info() {
+    const info = { name: this.name, host: this.host, ip: '127.0.0.1', pid: process.pid, queues: this.queues,
+      concurrency: 1, busy: this.current ? 1 : 0, processed: this.processed, started_at: this.startedAt, kind: 'node' };
+    try { info.pidns = fs.readlinkSync('/proc/self/ns/pid'); } catch { /* not Linux */ }
+    try { info.boot_id = fs.readFileSync('/proc/sys/kernel/random/boot_id', 'utf8').trim(); } catch { /* idem */ }
+    return info;
+  }
+
+  // Beat, then look at the job we run: no longer ours (requeued by the dispatcher or an
+  // operator) -> stop it without finishing; kill requested (its message may be lost) -> stop.
+  async heartbeat() {
+    const ttl = Math.floor(this.deadAfter * 3 + 60);
+    await this.tr.scripts.call('heartbeat', [this.tr.g], [this.name, JSON.stringify(this.info()), ttl]);
+    const d = this.current;
+    if (!d) return;
+    const p = this.tr.q(d.queue);
+    const [[attempts, killRequested], mine] = await Promise.all([
+      this.tr.redis.hmget(p + 'job:' + d.id, 'attempts', 'kill_requested'), this.tr.redis.hexists(p + 'running', d.id)]);
+    if (attempts !== String(d.attempt) || !mine) this.abort(d, 'lost');
+    else if (killRequested) this.abort(d, 'killed');
+  }
+
+  abort(d, reason) {
+    if (this.current === d && !d.controller.signal.aborted) d.controller.abort(new Stop(reason));
+  }
+
+  // Claim one job (claim.lua), queues in priority order, for this process; [] when none.
+  async claim() {
+    const head = JSON.stringify({ worker: this.name, host: this.host, ip: '127.0.0.1' }).slice(0, -1);
+    const got = await this.tr.scripts.call('claim', this.queues.map((q) => this.tr.q(q)),
+      [head, this.name, this.host, '127.0.0.1', 1, this.defaultMaxDuration, process.pid, '']);
+    if (got.length === 0) return null;
+    const [qi, id, attempt, task, args, kwargs, maxDuration, policy] = got;
+    return { queue: this.queues[qi - 1], id, attempt, task, args, kwargs, maxDuration: Number(maxDuration), policy };
+  }
+
+  // Finish one delivery: outcome and v1..v4 as in PROTOCOL.md (Finish). Answers 1, 0 or 2.
+  // Sent again until Redis answers: a finish that ran twice answers 2 and changes nothing.
+  async finish(d, outcome, v1 = '', v2 = '', v3 = '', v4 = '') {
+    for (;;) {
+      try {
+        const [answer] = await this.tr.scripts.call('finish', [this.tr.q(d.queue)],
+          [this.resultTtl, this.backoffCap, d.id, d.attempt, outcome, '', v1, v2, v3, v4]);
+        return answer;
+      } catch (e) {
+        console.error(`finish ${d.id}: ${e.message}; again in 1s`);
+        await sleep(1);
+      }
+    }
+  }
+
+  // After a claim whose answer may be lost, hand back (outcome "return": it never began)
+  // every delivery the holding hashes give us that we do not run.
+  async releaseOrphans(keep) {
+    for (const queue of this.queues) {
+      const running = await this.tr.redis.hgetall(this.tr.q(queue) + 'running');
+      for (const [id, raw] of Object.entries(running)) {
+        let entry;
+        try { entry = JSON.parse(raw); } catch { continue; }
+        const mine = [keep, this.current].some((d) => d && d.id === id && d.queue === queue);
+        if (entry.worker === this.name && !mine) {
+          await this.finish({ queue, id, attempt: entry.attempt }, 'return', `${this.name} never got it`);
+        }
+      }
+    }
+    this.orphans = false;
+  }
+
+  async run(d) {
+    d.controller = new AbortController();
+    this.current = d;
+    const stopped = new Promise((resolve) => d.controller.signal.addEventListener('abort', () => resolve()));
+    // Max duration: past it, a job of policy "kill" is stopped; "flag" runs on (the
+    // dispatcher flags it stuck).
+    const timer = d.policy === 'kill' ? setTimeout(() => this.abort(d, 'timeout'), d.maxDuration * 1000) : null;
+    let outcome;
+    try {
+      const handler = this.handlers[d.task];
+      if (!handler) throw Object.assign(new Error(`no handler for task ${d.task}`), { name: 'NotRegistered' });
+      const ctx = { id: d.id, queue: d.queue, attempt: d.attempt, signal: d.controller.signal };
+      const result = await Promise.race([handler(JSON.parse(d.args), JSON.parse(d.kwargs), ctx), stopped]);
+      outcome = d.controller.signal.aborted ? null : ['completed', JSON.stringify(result === undefined ? null : result)];
+    } catch (e) {
+      outcome = ['error', e.name || 'Error', String(e.message), String(e.stack || ''), String(0.5 + Math.random() / 2)];
+    } finally {
+      clearTimeout(timer);
+    }
+    if (d.controller.signal.aborted) {
+      const reason = d.controller.signal.reason.reason;
+      outcome = {
+        killed: ['killed', '', 'killed on request'],
+        timeout: ['error', 'TimeLimitExceeded', `ran past its max duration (${d.maxDuration}s)`, '', '1'],
+        shutdown: ['requeue', '0', 'front', `${this.name} shutting down`],
+        lost: null, // no longer ours: its new holder's record stays
+      }[reason];
+    }
+    if (outcome) await this.finish(d, ...outcome);
+    this.current = null;
+    this.processed += 1;
+  }
+
+  // Kill messages: {"kill": id, "attempt": n, "reason": "killed"|"timeout"} on control:<name>.
+  // One for a delivery we do not run just ended, or never reached us: look for orphans.
+  async listen() {
+    const conn = this.tr.connection();
+    try {
+      while (!this.stopping) {
+        const got = await conn.brpop(this.tr.g + 'control:' + this.name, 1);
+        if (!got) continue;
+        let msg;
+        try { msg = JSON.parse(got[1]); } catch { continue; }
+        const d = this.current;
+        if (d && msg && msg.kill === d.id && String(msg.attempt) === String(d.attempt)) {
+          this.abort(d, msg.reason === 'timeout' ? 'timeout' : 'killed');
+        } else {
+          this.orphans = true; // we may hold it without knowing (a lost claim answer)
+        }
+      }
+    } finally {
+      conn.disconnect();
+    }
+  }
+
+  // The main loop: claim, run, and when there is nothing, block on the queues' wake lists.
+  async start() {
+    await this.tr.redis.connect();
+    await this.heartbeat();
+    await this.tr.redis.sadd(this.tr.g + 'queues', ...this.queues);
+    const beats = setInterval(() => this.heartbeat().catch((e) => console.error(`heartbeat: ${e.message}`)),
+      this.beatEvery * 1000);
+    const control = this.listen();
+    const blocker = this.tr.connection();
+    try {
+      while (!this.stopping) {
+        const before = this.reconnects;
+        try {
+          const d = await this.claim();
+          if (this.orphans || this.reconnects !== before) await this.releaseOrphans(d);
+          if (d) await this.run(d);
+          else await blocker.brpop(...this.queues.map((q) => this.tr.q(q) + 'wake'), this.idleBlock);
+        } catch (e) {
+          console.error(`${this.name}: ${e.message}; again in 1s`);
+          this.orphans = true;
+          await sleep(1);
+        }
+      }
+    } finally {
+      clearInterval(beats);
+      blocker.disconnect();
+      await control;
+      await this.leave();
+    }
+  }
+
+  // Stop: no more claims; the running job has shutdownGrace seconds, then goes back to its
+  // queue next in line. start() then leaves.
+  stop() {
+    if (this.stopping) return;
+    this.stopping = true;
+    const d = this.current;
+    if (d) setTimeout(() => this.abort(d, 'shutdown'), this.shutdownGrace * 1000).unref();
+  }
+
+  // Leaving cleanly: nothing held any more (run() finished it), so leave the worker list;
+  // a holder that left without finishing its jobs would have them requeued only at their
+  // deadline.
+  async leave() {
+    await this.tr.redis.zrem(this.tr.g + 'workers', this.name);
+    await this.tr.redis.del(this.tr.g + 'worker:' + this.name, this.tr.g + 'control:' + this.name);
+  }
+}
+
+module.exports = { TaskRunner, Consumer, Scripts, ulid, sleep };
