@@ -15,7 +15,7 @@ from typing import Any
 import click
 import redis
 
-from . import listing
+from . import codec, listing
 from .app import TaskRunner
 from .errors import JobFailed, TaskRunnerError, Timeout
 from .loader import load_app
@@ -84,11 +84,26 @@ def main() -> None:
     """
 
 
+def _check_declared(app: TaskRunner, app_spec: str | None, task: str, into: str) -> None:
+    """With -A, a task the app does not declare is an error (exit 2): it could only fail
+    later, NotRegistered. Without, the task's declaration comes from the workers; a name
+    none declared is enqueued all the same (producers may be deployed first), with a
+    warning; `into` says where."""
+    codec.check_name("task", task)
+    if app_spec and task not in app.tasks:
+        click.echo(f"Error: task {task!r} is not declared by app {app_spec} (its tasks: "
+                   f"{', '.join(sorted(app.tasks)) or 'none'})", err=True)
+        sys.exit(2)
+    if not app_spec and app.declared(task) is None:
+        click.echo(f"warning: no worker has declared task {task!r} (a typo, or none of its workers started "
+                   f"yet): enqueued with default settings into {into}", err=True)
+
+
 @main.command()
 @click.argument("task", required=False)
 @click.option("--args", "args_json", metavar="JSON_ARRAY", help='Positional arguments, e.g. \'[1, "a"]\'.')
 @click.option("--kwargs", "kwargs_json", metavar="JSON_OBJECT", help='Keyword arguments, e.g. \'{"n": 2}\'.')
-@click.option("-q", "--queue", help="Queue (default: the task's, else 'default').")
+@click.option("-q", "--queue", help="Queue (default: the task's, as its workers declared it, else 'default').")
 @click.option("--delay", type=float, help="Seconds before it may run.")
 @click.option("--max-duration", type=float, help="Seconds it may run before it is stopped.")
 @click.option("--retries", type=int, help="Retries after failures (exponential backoff).")
@@ -103,14 +118,22 @@ def main() -> None:
 def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, queue: str | None,
             delay: float | None, max_duration: float | None, retries: int | None, job_id: str | None,
             block_timeout: float | None, from_file: Any, app_spec: str | None, redis_url: str | None) -> None:
-    """Enqueue TASK by name; prints the job id alone."""
+    """Enqueue TASK by name; prints the job id alone.
+
+    \b
+    Settings not given here (queue, max duration, retries, backoff, timeout policy, max
+    lost) are the task's: from -A APP, else as the workers that run it declared them in
+    Redis. With -A, a task APP does not declare is an error (exit 2); without, a name no
+    worker declared is enqueued with a warning on stderr (default settings, queue
+    'default' unless -q)."""
     app = _app(app_spec, redis_url)
     if from_file is not None:
-        return _enqueue_file(app, from_file)
+        return _enqueue_file(app, app_spec, from_file)
     if not task:
         raise click.UsageError("give a TASK, or --from-file")
     args = _json_arg(args_json, list, "--args")
     kwargs = _json_arg(kwargs_json, dict, "--kwargs")
+    _check_declared(app, app_spec, task, f"queue {queue or 'default'}")
     job = app.enqueue(task, args, kwargs, queue=queue, delay=delay, max_duration=max_duration,
                       retries=retries, job_id=job_id, block_timeout=block_timeout)
     if not job.created:
@@ -118,7 +141,7 @@ def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, qu
     click.echo(job.id)
 
 
-def _enqueue_file(app: TaskRunner, f: Any) -> None:
+def _enqueue_file(app: TaskRunner, app_spec: str | None, f: Any) -> None:
     specs = []
     for n, line in enumerate(f, 1):
         if not line.strip():
@@ -127,6 +150,9 @@ def _enqueue_file(app: TaskRunner, f: Any) -> None:
             specs.append(json.loads(line))
         except (ValueError, RecursionError) as e:
             raise click.ClickException(f"line {n}: not valid JSON ({e})") from None
+    for task in dict.fromkeys(s.get("task") for s in specs if isinstance(s, dict)):
+        if isinstance(task, str):
+            _check_declared(app, app_spec, task, "the queue each line names, else 'default'")
     with click.progressbar(length=len(specs), label="enqueueing", file=sys.stderr) as bar:
         jobs = app.enqueue_many(specs, progress=bar.update)
     click.echo("\n".join(j.id for j in jobs))
@@ -484,7 +510,7 @@ def recover(queue_name: str, older_than: str, count: int, app_spec: str | None, 
     their next delivery is counted. Prints the ids."""
     import socket
 
-    from . import codec, scripts
+    from . import scripts
 
     app = _app(app_spec, redis_url)
     codec.check_name("queue", queue_name)
