@@ -84,19 +84,23 @@ def main() -> None:
     """
 
 
-def _check_declared(app: TaskRunner, app_spec: str | None, task: str, into: str) -> None:
+def _undeclared(app: TaskRunner, app_spec: str | None, tasks: list[str]) -> list[str]:
     """With -A, a task the app does not declare is an error (exit 2): it could only fail
-    later, NotRegistered. Without, the task's declaration comes from the workers; a name
-    none declared is enqueued all the same (producers may be deployed first), with a
-    warning; `into` says where."""
-    codec.check_name("task", task)
-    if app_spec and task not in app.tasks:
-        click.echo(f"Error: task {task!r} is not declared by app {app_spec} (its tasks: "
-                   f"{', '.join(sorted(app.tasks)) or 'none'})", err=True)
-        sys.exit(2)
-    if not app_spec and app.declared(task) is None:
-        click.echo(f"warning: no worker has declared task {task!r} (a typo, or none of its workers started "
-                   f"yet): enqueued with default settings into {into}", err=True)
+    later, NotRegistered. Without, the tasks' declarations come from the workers: returns
+    the names none declared, which are enqueued all the same (producers may be deployed
+    first), then warned about."""
+    for task in tasks:
+        codec.check_name("task", task)
+        if app_spec and task not in app.tasks:
+            click.echo(f"Error: task {task!r} is not declared by app {app_spec} (its tasks: "
+                       f"{', '.join(sorted(app.tasks)) or 'none'})", err=True)
+            sys.exit(2)
+    return [] if app_spec else [t for t in dict.fromkeys(tasks) if app.declared(t) is None]
+
+
+def _warn_undeclared(task: str, queues: list[str]) -> None:
+    click.echo(f"warning: no worker has declared task {task!r} (a typo, or none of its workers started yet): "
+               f"enqueued into {', '.join(sorted(set(queues)))} with default settings", err=True)
 
 
 @main.command()
@@ -133,11 +137,13 @@ def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, qu
         raise click.UsageError("give a TASK, or --from-file")
     args = _json_arg(args_json, list, "--args")
     kwargs = _json_arg(kwargs_json, dict, "--kwargs")
-    _check_declared(app, app_spec, task, f"queue {queue or 'default'}")
+    undeclared = _undeclared(app, app_spec, [task])
     job = app.enqueue(task, args, kwargs, queue=queue, delay=delay, max_duration=max_duration,
                       retries=retries, job_id=job_id, block_timeout=block_timeout)
     if not job.created:
         click.echo(f"job {job.id} exists already; not enqueued again", err=True)
+    elif undeclared:
+        _warn_undeclared(task, [job.queue])
     click.echo(job.id)
 
 
@@ -150,11 +156,12 @@ def _enqueue_file(app: TaskRunner, app_spec: str | None, f: Any) -> None:
             specs.append(json.loads(line))
         except (ValueError, RecursionError) as e:
             raise click.ClickException(f"line {n}: not valid JSON ({e})") from None
-    for task in dict.fromkeys(s.get("task") for s in specs if isinstance(s, dict)):
-        if isinstance(task, str):
-            _check_declared(app, app_spec, task, "the queue each line names, else 'default'")
+    tasks = [s["task"] for s in specs if isinstance(s, dict) and isinstance(s.get("task"), str)]
+    undeclared = _undeclared(app, app_spec, tasks)
     with click.progressbar(length=len(specs), label="enqueueing", file=sys.stderr) as bar:
         jobs = app.enqueue_many(specs, progress=bar.update)
+    for task in undeclared:
+        _warn_undeclared(task, [j.queue for j, t in zip(jobs, tasks) if t == task])
     click.echo("\n".join(j.id for j in jobs))
 
 

@@ -194,12 +194,12 @@ def test_cli_without_app_gets_the_declared_settings_from_a_running_worker(app, s
     assert (d["max_duration"], d["retries"], d["retry_backoff"], d["timeout_policy"], d["max_lost"]) == \
         ("10", "3", "0.05", "flag", "2")
     wait_for(lambda: job.refresh().state not in ("pending", "delayed", "running"), what="the job to end")
-    assert (job.state, job.data["result"]) == ("completed", '"ok on try 3"')  # the declared retries were used
+    assert (job.data["state"], job.data.get("result")) == ("completed", '"ok on try 3"')  # retried as declared
     # What the producer sets is kept; the rest is still the declaration's.
     r = stack.cli("enqueue", "tests.declared_app.quick", "--args", "[1]", "--max-duration", "7", "-q", "lane",
                   check=True)
     job = app.job(r.stdout.strip())
-    assert (job.queue, job.data["max_duration"], job.data["retries"]) == ("lane", "7", "0")
+    assert (job.queue, job.data["max_duration"], job.data["retries"]) == ("lane", "7.0", "0")
     assert job.wait(30) == 1
     declared = declarations.lookup(app, "tests.declared_app.flaky")
     assert {k: declared[k] for k in ("queue", "max_duration", "retries", "retry_backoff", "timeout_policy",
@@ -228,6 +228,14 @@ def test_cli_warns_about_a_task_no_worker_declared_and_still_enqueues_it(app, st
     [line] = r.stderr.splitlines()
     assert line.startswith("warning: no worker has declared task 'nobody.declares.this'") and "default" in line
     assert app.job(r.stdout.strip()).queue == "default"
+    lines = '{"task": "nobody.x", "queue": "q1"}\n{"task": "nobody.x", "queue": "q2"}\n{"task": "nobody.y"}\n'
+    r = subprocess_input(stack, lines, "enqueue", "--from-file", "-")
+    assert r.returncode == 0 and len(r.stdout.split()) == 3
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning")]
+    assert warnings == ["warning: no worker has declared task 'nobody.x' (a typo, or none of its workers started "
+                        "yet): enqueued into q1, q2 with default settings",
+                        "warning: no worker has declared task 'nobody.y' (a typo, or none of its workers started "
+                        "yet): enqueued into default with default settings"]
 
 
 def test_cli_with_app_refuses_a_task_the_app_does_not_declare(app, stack):
