@@ -5,13 +5,13 @@
 --          "<P>:{_}:queues"; Q is added to it (the dispatcher sweeps the queues listed there)
 -- ARGV[1]  number of jobs N; then per job: id, delay (s, 0 = now), K, then K field/value
 --          pairs; then, optionally, the payload limit in bytes (default 1048576)
--- Fields a producer may send (any other is refused): task (required), queue (if sent, Q),
--- args (JSON array, default []), kwargs (JSON object, default {}), max_duration (s > 0),
--- retries (0 to 2^31-1), retry_backoff (s >= 0), timeout_policy (kill|flag), max_lost
--- (1 to 2^31-1), producer (text). Those of max_duration, retries, retry_backoff,
--- timeout_policy and max_lost a producer did not send come from the task's declaration,
--- <p>tasks[task] (JSON, written by workers), when there is one; numbers are written back
--- in plain decimal notation.
+-- Fields a producer may send (any other is refused): task (required), queue (if sent, Q;
+-- the record gets queue Q either way), args (JSON array, default []), kwargs (JSON object,
+-- default {}), max_duration (s > 0), retries (0 to 2^31-1), retry_backoff (s >= 0),
+-- timeout_policy (kill|flag), max_lost (1 to 2^31-1), producer (text). Those of
+-- max_duration, retries, retry_backoff, timeout_policy and max_lost a producer did not send
+-- come from the task's declaration, <p>tasks[task] (JSON, written by workers), when there
+-- is one; numbers not in plain decimal notation are written back in it.
 -- Returns one integer per job: 1 added, 0 an id that already exists (nothing changed),
 -- -1 the queue is full (its bound is reached; delayed jobs do not count), -2 it is closed.
 -- Errors: "ERR taskrunner: <Kind>: <message>", Kind one of InvalidName, NotJSON,
@@ -157,11 +157,12 @@ for n = 1, n_jobs do
     return refuse('BadCall', 'job ' .. n .. ': expected id, delay, K and K field/value pairs')
   end
   if #id > 200 or not string.find(id, '^[A-Za-z0-9_.:@%-]+$') then
-    return refuse('InvalidName', 'job ' .. n .. ': invalid job id ' .. quote(id) .. ': use 1-200 letters, digits and _.:@-')
+    return refuse('InvalidName', 'job ' .. n .. ': invalid job id ' .. quote(id)
+      .. ': use 1-200 letters, digits and _.:@-')
   end
   local delay = tonumber(delay_s)
   if not delay or delay ~= delay or delay < 0 or delay >= SECONDS_MAX then
-    return refuse('BadValue', 'job ' .. id .. ': ' .. 'delay must be a number of seconds >= 0 and < 2^53')
+    return refuse('BadValue', 'job ' .. id .. ': delay must be a number of seconds >= 0 and < 2^53')
   end
   -- Fields in locals, not a table: this loop is most of the script's cost.
   local task, queue_f, args, kwargs, producer, md, rt, rb, tp, ml
@@ -182,7 +183,7 @@ for n = 1, n_jobs do
       elseif name == 'timeout_policy' then seen = tp; tp = v
       elseif name == 'max_lost' then seen = ml; ml = v
       else
-        return refuse('BadCall', 'job ' .. id .. ': ' .. 'unknown field ' .. string.format('%q', string.sub(name, 1, 50)))
+        return refuse('BadCall', 'job ' .. id .. ': unknown field ' .. string.format('%q', string.sub(name, 1, 50)))
       end
       if not v then
         return refuse('BadValue', 'job ' .. id .. ': ' .. name .. ' must be ' .. rule(name) .. ', not '
@@ -191,24 +192,25 @@ for n = 1, n_jobs do
       changed = changed or v ~= value
     end
     if seen then
-      return refuse('BadCall', 'job ' .. id .. ': ' .. 'field ' .. name .. ' given twice')
+      return refuse('BadCall', 'job ' .. id .. ': field ' .. name .. ' given twice')
     end
   end
   if not task then
-    return refuse('BadCall', 'job ' .. id .. ': ' .. 'the task field is required')
+    return refuse('BadCall', 'job ' .. id .. ': the task field is required')
   elseif not tasks_ok[task] and not is_name(task) then
-    return refuse('InvalidName', 'job ' .. id .. ': ' .. 'invalid task name ' .. quote(task)
+    return refuse('InvalidName', 'job ' .. id .. ': invalid task name ' .. quote(task)
       .. ': use letters, digits and _.:@- (at most 200, starting with a letter or digit)')
   elseif queue_f and queue_f ~= queue then
-    return refuse('BadValue', 'job ' .. id .. ': ' .. 'field queue is ' .. quote(queue_f) .. ' but KEYS[1] is queue ' .. queue)
+    return refuse('BadValue', 'job ' .. id .. ': field queue is ' .. quote(queue_f)
+      .. ' but KEYS[1] is queue ' .. queue)
   end
   tasks_ok[task] = true
   changed = changed or not (args and kwargs and queue_f)  -- the record gets them all
   args, kwargs = args or '[]', kwargs or '{}'
   local why = args ~= '[]' and bad_json(args, '[')
-  if why then return refuse('NotJSON', 'job ' .. id .. ': ' .. 'args ' .. why) end
+  if why then return refuse('NotJSON', 'job ' .. id .. ': args ' .. why) end
   why = kwargs ~= '{}' and bad_json(kwargs, '{')
-  if why then return refuse('NotJSON', 'job ' .. id .. ': ' .. 'kwargs ' .. why) end
+  if why then return refuse('NotJSON', 'job ' .. id .. ': kwargs ' .. why) end
   if not (md and rt and rb and tp and ml) then  -- what the producer left to the declaration
     local decl = declarations[task]
     if decl == nil then
