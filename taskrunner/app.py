@@ -286,7 +286,9 @@ class TaskRunner:
                 delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
                 **options: Any) -> Job:
         """Enqueue by task name (the task need not be importable here). Options are those
-        of JobSpec (queue, max_duration, retries, ...). With a job_id that exists already
+        of JobSpec (queue, max_duration, retries, ...); for a task not declared in this app,
+        those not given (the queue too) are the ones its workers declared in Redis, as the
+        enqueue script fills them in. With a job_id that exists already
         nothing is enqueued and the existing job is returned, with .created False.
         Into a full bounded queue it waits up to `block_timeout` seconds (default: the
         block_timeout setting; 0: not at all) for room, then raises QueueFull."""

@@ -211,6 +211,20 @@ def test_cli_without_app_gets_the_declared_settings_from_a_running_worker(app, s
     assert raw.enqueue([raw.q("lane"), app.keys.queues], *raw.job("raw-1", "task", "tests.declared_app.flaky",
                                                                         "args", '["raw", 1]')) == [1]
     assert raw.r.hget(raw.q("lane") + "job:raw-1", "retries") == "3"
+    # The asyncio client and the Python API, for a task they do not import: the same.
+    import asyncio
+
+    from taskrunner.aio import AsyncClient
+
+    async def enqueue() -> str:
+        client = AsyncClient(app)
+        try:
+            return await client.enqueue("tests.declared_app.flaky", ["aio", 1])
+        finally:
+            await client.redis.aclose()
+
+    for job in (app.job(asyncio.run(enqueue())), app.enqueue("tests.declared_app.flaky", ["api", 1])):
+        assert (job.queue, job.refresh().data["retries"], job.data["max_duration"]) == ("lane", "3", "10")
     # Known tasks are listed by the dashboard.
     from dashboard import create_app
 
