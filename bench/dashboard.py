@@ -24,7 +24,7 @@ PAGES = ["/", "/running", "/api/jobs?state=running", "/stuck", "/queues/default"
 
 
 def fill(app: TaskRunner, pending: int, running: int) -> None:
-    fields = app._fields("bench.noop", [1, "two", {"three": 3}], {"k": "v"}, app._spec_for("bench.noop"))
+    fields = app._fields("bench.noop", [1, "two", {"three": 3}], {"k": "v"}, *app._job_spec("bench.noop", {}))
     batch = 1000
     with click.progressbar(length=pending + running, label="enqueueing", file=sys.stderr) as bar:
         for start in range(0, pending + running, batch):

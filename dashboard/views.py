@@ -21,7 +21,7 @@ from flask import (
     url_for,
 )
 
-from taskrunner import codec, listing
+from taskrunner import codec, declarations, listing
 from taskrunner import queue as taskqueue
 from taskrunner.errors import InvalidName, JobNotFound
 from taskrunner.job import Job
@@ -193,6 +193,11 @@ def schedules() -> str:
                            now=listing.server_time(runner()))
 
 
+@pages.get("/tasks")
+def tasks() -> str:
+    return render_template("tasks.html", tasks=declarations.known(runner()), now=listing.server_time(runner()))
+
+
 @pages.get("/history")
 def history() -> str:
     from taskrunner import analyze
@@ -279,6 +284,11 @@ def api_workers() -> Any:
 @api.get("/schedules")
 def api_schedules() -> Any:
     return jsonify(listing.schedules(runner()))
+
+
+@api.get("/tasks")
+def api_tasks() -> Any:
+    return jsonify(declarations.known(runner()))
 
 
 @api.get("/history")

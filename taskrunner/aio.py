@@ -16,11 +16,11 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
-from . import codec, scripts
-from .app import TaskRunner
-from .connection import Backoff, connect_async, slack
+from . import codec, declarations, scripts
+from .app import TaskRunner, _enqueue_args
+from .connection import Backoff, connect_async, is_cluster, slack
 from .errors import JobFailed, JobNotFound, QueueClosed, QueueFull, Timeout
 from .job import FINAL, LOOK_AGAIN, Job
 
@@ -32,25 +32,36 @@ class AsyncClient:
 
     async def _script(self, script: scripts.Script, keys: list[str], args: list[Any]) -> Any:
         try:
-            return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            await self.redis.script_load(script.source)
-            return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+            try:
+                return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                await self.redis.script_load(script.source)
+                return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+        except ResponseError as e:
+            raise scripts.refusal(e) from None
 
     async def enqueue(self, task: str, args: list | tuple = (), kwargs: dict | None = None, *,
                       delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
                       **options: Any) -> str:
         """Enqueue by task name; returns the job id. Same options and errors as
         TaskRunner.enqueue (QueueFull after block_timeout, QueueClosed, NotJSONError...)."""
-        spec = self.app._spec_for(task).merged(**options)
+        if task not in self.app.tasks and options.get("queue") is None:  # the queue workers declared
+            found, declared = self.app._declared.get(codec.check_name("task", task))
+            if not found:
+                raw = await self.redis.hget(self.keys.tasks, task)
+                declared = self.app._declared.put(task, declarations.parse(task, raw))
+            options["queue"] = declared.get("queue", "default") if declared else "default"
+        spec, sent = self.app._job_spec(task, options)
         job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
-        fields = self.app._fields(task, args, kwargs, spec)
+        fields = self.app._fields(task, args, kwargs, spec, sent)
         prefix = self.keys.q(spec.queue)
+        cluster = is_cluster(self.redis)
+        keys = [prefix] if cluster else [prefix, self.keys.queues]
         wait = self.app.settings.block_timeout if block_timeout is None else block_timeout
         deadline = time.monotonic() + wait
         while True:
-            [created] = await self._script(scripts.ENQUEUE, [prefix],
-                                           [1, job_id, delay or 0, len(fields) // 2, *fields])
+            [created] = await self._script(scripts.ENQUEUE, keys, _enqueue_args([(job_id, delay or 0, fields)],
+                                                                               self.app.settings.max_payload))
             if created == -2:
                 raise QueueClosed(f"queue {spec.queue} is closed")
             if created != -1:
@@ -59,7 +70,8 @@ class AsyncClient:
             if left <= 0:
                 raise QueueFull(f"queue {spec.queue} is full")
             await self._pop("BRPOP", prefix + "notfull", max(0.01, min(left, 1.0)))
-        await self.redis.sadd(self.keys.queues, spec.queue)
+        if cluster:  # elsewhere the script registered the queue
+            await self.redis.sadd(self.keys.queues, spec.queue)
         return job_id
 
     async def _pop(self, command: str, key: str, timeout: float) -> Any:

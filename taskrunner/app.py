@@ -16,9 +16,9 @@ from typing import Any
 import redis
 from croniter import croniter
 
-from . import codec, scripts
+from . import codec, declarations, scripts
 from .config import Settings
-from .connection import Direct, connect, pop_any
+from .connection import Direct, connect, is_cluster, pop_any
 from .errors import JobNotFound, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from .job import Job
 from .keys import Keys
@@ -77,12 +77,17 @@ def count(name: str, value: Any, minimum: int = 0) -> int:
     return value
 
 
-def _enqueue_args(jobs: list[tuple[str, float, list[Any]]]) -> list[Any]:
-    """ARGV of enqueue.lua: N, then per job id, delay, K and K field/value pairs."""
+#: Fields of a job that a producer may leave to the task's declaration (enqueue.lua).
+DECLARED = ("max_duration", "retries", "retry_backoff", "timeout_policy", "max_lost")
+
+
+def _enqueue_args(jobs: list[tuple[str, float, list[Any]]], limit: int | None = None) -> list[Any]:
+    """ARGV of enqueue.lua: N, then per job id, delay, K and K field/value pairs, then the
+    payload limit (bytes; the script's default when None)."""
     args: list[Any] = [len(jobs)]
     for job_id, delay, fields in jobs:
         args += [job_id, delay, len(fields) // 2, *fields]
-    return args
+    return args if limit is None else [*args, limit]
 
 
 @dataclass
@@ -153,6 +158,7 @@ class TaskRunner:
         self._direct: Direct | None = None  # the lone enqueue's fast path (None: not available)
         self._redis_pid = 0
         self._known_queues: set[str] = set()
+        self._declared = declarations.Cache()
         self._producer = f"{socket.gethostname()}:{os.getpid()}"
         if self.settings.analyze_cron:
             self._schedule_analysis(self.settings.analyze_cron)
@@ -171,6 +177,7 @@ class TaskRunner:
             self._direct = Direct.of(self._redis, self.settings.enqueue_spin)
             self._redis_pid = os.getpid()
             self._known_queues = set()
+            self._declared = declarations.Cache()
         return self._redis
 
     def wait_for_redis(self, who: str) -> redis.Redis:
@@ -232,7 +239,7 @@ class TaskRunner:
             sname = codec.check_name("schedule", name or t.name)
             # What the dispatcher will enqueue at each tick, checked now rather than there.
             codec.check_id(cron_job_id(sname, 2**40))
-            self._fields(t.name, args, kwargs, t.spec)
+            self._fields(t.name, args, kwargs, t.spec, None)
             self.schedules[sname] = Schedule(sname, cron, t.name, list(args), dict(kwargs or {}),
                                              t.spec.queue, missed)
             return t
@@ -241,7 +248,11 @@ class TaskRunner:
 
     # -- enqueueing ------------------------------------------------------------------
 
-    def _fields(self, task: str, args: Iterable, kwargs: dict | None, spec: JobSpec) -> list[Any]:
+    def _fields(self, task: str, args: Iterable, kwargs: dict | None, spec: JobSpec,
+                sent: list[str] | None) -> list[Any]:
+        """The fields of a job for enqueue.lua: with `sent` None (a task declared here) all
+        of the spec's settings, else only those named (the script fills in the rest from
+        the task's declaration in Redis)."""
         codec.check_name("task", task)
         if isinstance(args, (str, bytes, dict)) or not isinstance(args, Iterable):
             raise TypeError(f"args must be a list or tuple of arguments, not {type(args).__name__}")
@@ -252,27 +263,53 @@ class TaskRunner:
         if len(a) + len(k) > self.settings.max_payload:
             raise PayloadTooLarge(f"arguments of {task} take {len(a) + len(k)} bytes; the limit "
                                   f"is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
-        return ["task", task, "queue", spec.queue, "args", a, "kwargs", k,
-                "max_duration", spec.max_duration or self.settings.max_duration, "retries", spec.retries,
-                "retry_backoff", spec.retry_backoff, "timeout_policy", spec.timeout_policy,
-                "max_lost", spec.max_lost or self.settings.max_lost,
-                "producer", f"{self._producer}:{threading.get_ident()}"]
+        fields = ["task", task, "queue", spec.queue, "args", a, "kwargs", k]
+        if sent is None:
+            fields += ["max_duration", spec.max_duration or self.settings.max_duration, "retries", spec.retries,
+                       "retry_backoff", spec.retry_backoff, "timeout_policy", spec.timeout_policy,
+                       "max_lost", spec.max_lost or self.settings.max_lost]
+        else:
+            for name in sent:
+                fields += [name, getattr(spec, name)]
+        return [*fields, "producer", f"{self._producer}:{threading.get_ident()}"]
 
-    def _spec_for(self, task: str) -> JobSpec:
+    def _job_spec(self, task: str, options: dict[str, Any]) -> tuple[JobSpec, list[str] | None]:
+        """The spec of a job of `task` with `options` (JobSpec fields; None: not set) and
+        the settings to send (_fields' `sent`). A task declared here: its spec, all sent.
+        Else only the options set are sent, and the queue, unless set, is the one workers
+        declared for the task (else "default")."""
+        codec.check_name("task", task)
         t = self.tasks.get(task)
-        return t.spec if t else JobSpec()
+        if t is not None:
+            return t.spec.merged(**options), None
+        queue = options.get("queue")
+        if queue is None:
+            declared = self.declared(task)
+            queue = declared.get("queue", "default") if declared else "default"
+        sent = [k for k in DECLARED if options.get(k) is not None]
+        return JobSpec(queue=queue).merged(**options), sent
+
+    def declared(self, task: str) -> dict[str, Any] | None:
+        """The task's declaration as workers published it (None: no worker declared it),
+        looked up in Redis at most once every few seconds per task."""
+        found, d = self._declared.get(task)
+        if not found:
+            d = self._declared.put(task, declarations.lookup(self, task))
+        return d
 
     def enqueue(self, task: str, args: Iterable = (), kwargs: dict | None = None, *, spec: JobSpec | None = None,
                 delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
                 **options: Any) -> Job:
         """Enqueue by task name (the task need not be importable here). Options are those
-        of JobSpec (queue, max_duration, retries, ...). With a job_id that exists already
+        of JobSpec (queue, max_duration, retries, ...); for a task not declared in this app,
+        those not given (the queue too) are the ones its workers declared in Redis, as the
+        enqueue script fills them in. With a job_id that exists already
         nothing is enqueued and the existing job is returned, with .created False.
         Into a full bounded queue it waits up to `block_timeout` seconds (default: the
         block_timeout setting; 0: not at all) for room, then raises QueueFull."""
-        spec = (spec or self._spec_for(task)).merged(**options)
+        spec, sent = (spec.merged(**options), None) if spec is not None else self._job_spec(task, options)
         job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
-        fields = self._fields(task, args, kwargs, spec)
+        fields = self._fields(task, args, kwargs, spec, sent)
         delay = seconds("delay", delay) if delay is not None else None
         wait = seconds("block_timeout", self.settings.block_timeout if block_timeout is None else block_timeout)
         deadline = None
@@ -311,7 +348,8 @@ class TaskRunner:
             batch = scripts.Batch(self.redis, self._direct)
             for queue, items in by_queue.items():
                 self._queue_enqueue(batch, queue, items)
-            batch.pipe.sadd(self.keys.queues, *by_queue)
+            if is_cluster(self.redis):  # elsewhere the script registers the queue
+                batch.pipe.sadd(self.keys.queues, *by_queue)
             batch.send()
             sent = batch, by_queue, len(pending)
             pending.clear()
@@ -364,21 +402,27 @@ class TaskRunner:
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)}")
         task = codec.check_name("task", spec["task"])
-        job = self._spec_for(task).merged(queue=spec.get("queue"), retries=spec.get("retries"),
-                                          max_duration=spec.get("max_duration"))
+        job, sent = self._job_spec(task, {k: spec.get(k) for k in ("queue", "retries", "max_duration")})
         job_id = codec.check_id(spec["id"]) if spec.get("id") is not None else codec.new_id()
         delay = seconds("delay", spec.get("delay") or 0)
-        return job.queue, job_id, delay, self._fields(task, spec.get("args") or [], spec.get("kwargs"), job)
+        return job.queue, job_id, delay, self._fields(task, spec.get("args") or [], spec.get("kwargs"), job, sent)
+
+    def enqueue_keys(self, queue: str) -> list[str]:
+        """KEYS of enqueue.lua: the queue's prefix, and the global queue set where one script
+        may touch both (not on a Redis Cluster: there the producer registers the queue)."""
+        q = self.keys.q(queue)
+        return [q] if is_cluster(self.redis) else [q, self.keys.queues]
 
     def _queue_enqueue(self, batch: scripts.Batch, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> None:
-        batch.call(scripts.ENQUEUE, [self.keys.q(queue)], _enqueue_args(jobs))
+        batch.call(scripts.ENQUEUE, self.enqueue_keys(queue), _enqueue_args(jobs, self.settings.max_payload))
 
     def _enqueue_batch(self, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> list[int]:
         client = self.redis  # first: a new client (new process or settings) knows no queue yet
-        if queue not in self._known_queues:  # once per process and queue
+        keys = self.enqueue_keys(queue)
+        if len(keys) == 1 and queue not in self._known_queues:  # a cluster: once per process and queue
             client.sadd(self.keys.queues, queue)
             self._known_queues.add(queue)
-        return scripts.ENQUEUE(self._direct or client, [self.keys.q(queue)], _enqueue_args(jobs))
+        return scripts.ENQUEUE(self._direct or client, keys, _enqueue_args(jobs, self.settings.max_payload))
 
     # -- looking up ------------------------------------------------------------------
 

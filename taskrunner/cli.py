@@ -16,7 +16,7 @@ import click
 import redis
 from click.core import ParameterSource
 
-from . import listing
+from . import codec, listing
 from .app import TaskRunner
 from .diagnose import explain
 from .errors import AppNotFound, BadURL, JobFailed, TaskRunnerError, Timeout, require_extra
@@ -147,11 +147,30 @@ def main(app_spec: str | None, redis_url: str | None) -> None:
     """
 
 
+def _undeclared(app: TaskRunner, app_spec: str | None, tasks: list[str]) -> list[str]:
+    """With -A, a task the app does not declare is an error (exit 2): it could only fail
+    later, NotRegistered. Without, the tasks' declarations come from the workers: returns
+    the names none declared, which are enqueued all the same (producers may be deployed
+    first), then warned about."""
+    for task in tasks:
+        codec.check_name("task", task)
+        if app_spec and task not in app.tasks:
+            click.echo(f"Error: task {task!r} is not declared by app {app_spec} (its tasks: "
+                       f"{', '.join(sorted(app.tasks)) or 'none'})", err=True)
+            sys.exit(2)
+    return [] if app_spec else [t for t in dict.fromkeys(tasks) if app.declared(t) is None]
+
+
+def _warn_undeclared(task: str, queues: list[str]) -> None:
+    click.echo(f"warning: no worker has declared task {task!r} (a typo, or none of its workers started yet): "
+               f"enqueued into {', '.join(sorted(set(queues)))} with default settings", err=True)
+
+
 @main.command()
 @click.argument("task", required=False)
 @click.option("--args", "args_json", metavar="JSON_ARRAY", help='Positional arguments, e.g. \'[1, "a"]\'.')
 @click.option("--kwargs", "kwargs_json", metavar="JSON_OBJECT", help='Keyword arguments, e.g. \'{"n": 2}\'.')
-@click.option("-q", "--queue", help="Queue (default: the task's, else 'default').")
+@click.option("-q", "--queue", help="Queue (default: the task's, as its workers declared it, else 'default').")
 @click.option("--delay", type=float, help="Seconds before it may run.")
 @click.option("--max-duration", type=float, help="Seconds it may run before it is stopped.")
 @click.option("--retries", type=int, help="Retries after failures (exponential backoff).")
@@ -166,22 +185,32 @@ def main(app_spec: str | None, redis_url: str | None) -> None:
 def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, queue: str | None,
             delay: float | None, max_duration: float | None, retries: int | None, job_id: str | None,
             block_timeout: float | None, from_file: Any, app_spec: str | None, redis_url: str | None) -> None:
-    """Enqueue TASK by name; prints the job id alone."""
+    """Enqueue TASK by name; prints the job id alone.
+
+    \b
+    Settings not given here (queue, max duration, retries, backoff, timeout policy, max
+    lost) are the task's: from -A APP, else as the workers that run it declared them in
+    Redis. With -A, a task APP does not declare is an error (exit 2); without, a name no
+    worker declared is enqueued with a warning on stderr (default settings, queue
+    'default' unless -q)."""
     app = _app(app_spec, redis_url)
     if from_file is not None:
-        return _enqueue_file(app, from_file)
+        return _enqueue_file(app, app_spec, from_file)
     if not task:
         raise click.UsageError("give a TASK, or --from-file")
     args = _json_arg(args_json, list, "--args")
     kwargs = _json_arg(kwargs_json, dict, "--kwargs")
+    undeclared = _undeclared(app, app_spec, [task])
     job = app.enqueue(task, args, kwargs, queue=queue, delay=delay, max_duration=max_duration,
                       retries=retries, job_id=job_id, block_timeout=block_timeout)
     if not job.created:
         click.echo(f"job {job.id} exists already; not enqueued again", err=True)
+    elif undeclared:
+        _warn_undeclared(task, [job.queue])
     click.echo(job.id)
 
 
-def _enqueue_file(app: TaskRunner, f: Any) -> None:
+def _enqueue_file(app: TaskRunner, app_spec: str | None, f: Any) -> None:
     specs = []
     for n, line in enumerate(f, 1):
         if not line.strip():
@@ -190,8 +219,12 @@ def _enqueue_file(app: TaskRunner, f: Any) -> None:
             specs.append(json.loads(line))
         except (ValueError, RecursionError) as e:
             raise click.ClickException(f"line {n}: not valid JSON ({e})") from None
+    tasks = [s["task"] for s in specs if isinstance(s, dict) and isinstance(s.get("task"), str)]
+    undeclared = _undeclared(app, app_spec, tasks)
     with click.progressbar(length=len(specs), label="enqueueing", file=sys.stderr) as bar:
         jobs = app.enqueue_many(specs, progress=bar.update)
+    for task in undeclared:
+        _warn_undeclared(task, [j.queue for j, t in zip(jobs, tasks) if t == task])
     click.echo("\n".join(j.id for j in jobs))
 
 

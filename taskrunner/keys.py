@@ -14,6 +14,7 @@ class Keys:
         self.workers_dead = self.g + "workers:dead"
         self.schedules = self.g + "schedules"
         self.dispatchers = self.g + "dispatchers"
+        self.tasks = self.g + "tasks"
 
     def q(self, queue: str) -> str:
         """The key prefix of a queue: every key of the queue starts with it."""

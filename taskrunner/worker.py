@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import redis
 
-from . import codec, frames, scripts
+from . import codec, declarations, frames, scripts
 from .app import TaskRunner
 from .child import child_main
 from .connection import Blocker, Channel, is_cluster
@@ -235,6 +235,7 @@ class Worker:
         self.stop_at = 0.0
         self.reconcile = True  # release what Redis says we hold but we do not run
         self.next_beat = 0.0
+        self.next_declare = 0.0  # when to put back declarations that went missing
         self.redis_ok_at = 0.0  # after a Redis error, talk to it again from this time
         self.backoff = 0.0
         wakes = [p + "wake" for p in self.prefixes]
@@ -295,6 +296,8 @@ class Worker:
             raise SystemExit(f"worker name {self.name!r} is in use by a live worker (heartbeat "
                              f"{now - last:.1f}s ago); pick another with -n")
         self.redis.sadd(self.keys.queues, *self.queues)
+        declarations.publish(self.app, self.queues, self.name, now)
+        self.next_declare = time.monotonic() + declarations.REFRESH
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
@@ -768,6 +771,9 @@ class Worker:
             batch.pipe.hexists(self.keys.q(d.queue) + "running", d.id)
         results = batch.execute()
         self.next_beat = time.monotonic() + self.s.heartbeat
+        if self.next_beat >= self.next_declare:
+            declarations.publish(self.app, self.queues, self.name, float(results[0]), overwrite=False)
+            self.next_declare = self.next_beat + declarations.REFRESH
         for i, (c, d) in enumerate(held):
             (attempts, kill_requested), mine = results[1 + 2 * i], results[2 + 2 * i]
             lost = attempts != d.attempt or not mine

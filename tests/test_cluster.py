@@ -245,3 +245,23 @@ def test_worker_and_dispatcher_wait_for_an_unreachable_cluster(app):
 def test_cli_says_when_no_cluster_node_answers(app):
     r = Stack(app, "redis+cluster://127.0.0.1:1").cli("queues")
     assert r.returncode == 1 and "cannot reach Redis" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_declared_settings_and_queue_registration_on_a_cluster(capp, stack, cluster, queues):
+    """Declarations live in each queue's slot, where enqueue.lua reads them; the global
+    queue set is in another slot, so there the producer registers the queue (a script
+    given both keys is refused by the cluster) and the dispatcher still promotes."""
+    lane = capp.keys.q("lane")
+    stack.worker(app="tests.declared_app", concurrency=1, name="declarer")
+    stack.dispatcher()
+    wait_for(lambda: capp.redis.zscore(capp.keys.workers, "declarer"), what="the worker's first heartbeat")
+    job_id = stack.cli("enqueue", "tests.declared_app.flaky", "--args", '["c", 1]', check=True).stdout.strip()
+    job = capp.job(job_id)
+    assert (job.queue, job.data["max_duration"], job.data["retries"], job.data["timeout_policy"]) == \
+        ("lane", "10", "3", "flag")
+    assert job.wait(30) == "ok on try 1"
+    with pytest.raises(Exception, match="CROSSSLOT|same key slot"):
+        scripts.ENQUEUE(capp.redis, [lane, capp.keys.queues], [1, "x", 0, 1, "task", "t"])
+    late = capp.enqueue("tests.nobody.declares", [1], queue=queues[1], delay=0.3)  # no worker serves it
+    assert queues[1] in capp.queue_names()
+    wait_for(lambda: late.refresh().state == "pending", what="the delayed job promoted")

@@ -151,6 +151,8 @@ def hostile_data(app, stack) -> dict[str, str]:
     r.set(app.keys.worker(X), codec.dumps({"name": X, "host": X, "ip": X, "queues": [X], "pid": 1}))
     r.hset(app.keys.dispatchers, X, codec.dumps({"name": X, "host": X, "pid": 1, "last_pass": now, "passes": 1}))
     r.hset(app.keys.schedules, X, codec.dumps({"name": X, "cron": X, "task": X, "queue": X, "last": now}))
+    r.hset(app.keys.tasks, X, codec.dumps({k: X for k in ("queue", "max_duration", "retries", "retry_backoff",
+                                                           "timeout_policy", "max_lost", "worker", "declared_at")}))
     row = {"count": 1, **{k: 0 for k in ("completed", "failed", "killed", "requeued", "runtime_p50", "runtime_p95",
                                          "runtime_p99", "wait_p50", "wait_p95")},
            **{f"{k}_rate": 0.0 for k in ("completed", "failed", "killed", "requeued")},
@@ -166,7 +168,7 @@ def test_job_data_is_escaped_on_every_page_and_plain_json_in_the_api(app, stack,
     ids = hostile_data(app, stack)
     login(web)  # so that action forms (with their hidden fields) render too
     pages = ["/", "/?fragment=1", "/running", "/running?fragment=1", "/stuck", "/stuck?fragment=1", "/failed",
-             "/failed?state=killed", "/schedules", "/history",
+             "/failed?state=killed", "/schedules", "/tasks", "/history",
              *(f"/jobs/{i}" for i in ("named", "killed", "done", "running")),
              *(f"/queues/q?state={s}" for s in ("pending", "delayed", "completed", "failed", "killed")),
              *(f"/jobs/{i}" for i in ids.values())]
@@ -182,7 +184,7 @@ def test_job_data_is_escaped_on_every_page_and_plain_json_in_the_api(app, stack,
                  f"/queues/q?state={quote(X)}", f"/nope{quote(X)}"]:
         r = web.get(path)  # error pages quote what was asked for
         assert r.status_code in (400, 404, 405) and "<script>x()" not in r.get_data(as_text=True), path
-    api = ["/api/overview", "/api/queues", "/api/workers", "/api/schedules", "/api/history",
+    api = ["/api/overview", "/api/queues", "/api/workers", "/api/schedules", "/api/tasks", "/api/history",
            "/api/jobs?state=running", "/api/jobs?state=stuck", "/api/jobs?state=failed", "/api/jobs?state=killed",
            "/api/jobs/named", "/api/jobs/done", f"/api/jobs/{ids['failed']}"]
     for path in api:

@@ -5,13 +5,27 @@ Redis restarted without its script cache)."""
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
 
+from ..errors import InvalidName, NotJSONError, PayloadTooLarge
+
 _DIR = Path(__file__).parent
 _LIB = (_DIR / "_lib.lua").read_text()
+_REFUSAL = re.compile(r"taskrunner: (\w+): (.*)", re.S)
+_KINDS: dict[str, type[Exception]] = {"InvalidName": InvalidName, "NotJSON": NotJSONError,
+                                      "PayloadTooLarge": PayloadTooLarge}
+
+
+def refusal(e: Exception) -> Exception:
+    """A script's refusal of bad input ("ERR taskrunner: <Kind>: message") as the exception
+    the Python checks raise for the same input (ValueError for BadValue and BadCall), so
+    that a caller sees one kind of error whichever side found it; other errors unchanged."""
+    m = _REFUSAL.match(str(e)) if isinstance(e, ResponseError) else None
+    return _KINDS.get(m[1], ValueError)(m[2]) if m else e
 
 
 class Script:
@@ -24,10 +38,13 @@ class Script:
 
     def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
         try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            client.script_load(self.source)
-            return client.evalsha(self.sha, len(keys), *keys, *args)
+            try:
+                return client.evalsha(self.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                client.script_load(self.source)
+                return client.evalsha(self.sha, len(keys), *keys, *args)
+        except ResponseError as e:
+            raise refusal(e) from None
 
 
 class Batch:
@@ -87,7 +104,7 @@ class Batch:
         self._scripts = []
         for r in results:
             if isinstance(r, (ResponseError, ConnectionError)):
-                raise r
+                raise refusal(r)
         return results
 
 

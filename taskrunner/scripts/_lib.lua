@@ -1,7 +1,8 @@
 -- Shared helpers, prepended to every per-queue script when it is loaded.
 --
 -- Every per-queue script gets KEYS[1] = the queue's key prefix, e.g. "tr:{emails}:",
--- and touches only keys that start with it (one hash slot, see docs/PROTOCOL.md):
+-- and touches only keys that start with it (one hash slot, see docs/PROTOCOL.md; enqueue.lua
+-- may also get the global queue set, off a cluster):
 --   <p>pending      LIST  ids waiting; producers LPUSH, claims take from the right
 --   <p>items        SET   ids that are in `pending` and may be claimed
 --   <p>processing   SET   ids claimed and not yet released
@@ -16,6 +17,7 @@
 --   <p>job:<id>     HASH  the job record; its timeline: run:<n> (the holding entry of
 --                          delivery n) and end:<n> ("<time> <how it ended>")
 --   <p>notify:<id>  LIST  one token per waiter when the job ends
+--   <p>tasks        HASH  task -> its declaration (JSON), written by workers; enqueue reads it
 --   <p>history      STREAM one entry per finished or requeued delivery, for the archiver
 
 local function now()

@@ -1,19 +1,283 @@
--- Add jobs to one queue, all in one call.
--- KEYS[1]  queue key prefix
--- ARGV[1]  number of jobs N; then per job: id, delay (s, 0 = now), K, then K field/value pairs
+-- Add jobs to one queue, all in one call. Every job is checked before any is written: a
+-- call with one bad job changes nothing and answers an error (below).
+-- KEYS[1]  queue key prefix "<P>:{<Q>}:"; Q must be a valid queue name
+-- KEYS[2]  optional, never on a Redis Cluster (another slot): the global queue set
+--          "<P>:{_}:queues"; Q is added to it (the dispatcher sweeps the queues listed there)
+-- ARGV[1]  number of jobs N; then per job: id, delay (s, 0 = now), K, then K field/value
+--          pairs; then, optionally, the payload limit in bytes (default 1048576)
+-- Fields a producer may send (any other is refused): task (required), queue (if sent, Q;
+-- the record gets queue Q either way), args (JSON array, default []), kwargs (JSON object,
+-- default {}), max_duration (s > 0), retries (0 to 2^31-1), retry_backoff (s >= 0),
+-- timeout_policy (kill|flag), max_lost (1 to 2^31-1), producer (text). Those of
+-- max_duration, retries, retry_backoff, timeout_policy and max_lost a producer did not send
+-- come from the task's declaration, <p>tasks[task] (JSON, written by workers), when there
+-- is one; numbers not in plain decimal notation are written back in it.
 -- Returns one integer per job: 1 added, 0 an id that already exists (nothing changed),
 -- -1 the queue is full (its bound is reached; delayed jobs do not count), -2 it is closed.
+-- Errors: "ERR taskrunner: <Kind>: <message>", Kind one of InvalidName, NotJSON,
+-- PayloadTooLarge, BadValue, BadCall.
 -- Sets: job:<id> (fields + state, enqueued_at), then pending+items (+wake) or delayed;
 -- meta produced_messages/produced_bytes (bytes = length of args + kwargs).
 local p = KEYS[1]
+local n_jobs = tonumber(ARGV[1])
+local WHOLE_MAX = 2147483647
+local SECONDS_MAX = 9007199254740992  -- 2^53: whole seconds up to here are exact doubles
+
+local function refuse(kind, message)
+  return redis.error_reply('ERR taskrunner: ' .. kind .. ': ' .. message)
+end
+
+local function quote(s)
+  return string.format('%q', string.sub(s, 1, 250))
+end
+
+-- A number as plain decimal text, as every reader parses it (the claim reads max_duration
+-- only in this form): whole numbers without a point, others with the fewest digits that
+-- give the same double, never an exponent (below 0.0001: to the microsecond).
+local function decimal(x)
+  if x == math.floor(x) then
+    return string.format('%d', x)
+  end
+  if x < 0.0001 then
+    local s = string.gsub(string.format('%.6f', x), '%.?0+$', '')
+    return s
+  end
+  local s = string.format('%.15g', x)
+  if tonumber(s) ~= x then
+    s = string.format('%.17g', x)
+  end
+  return s
+end
+
+-- The setting `name` (text, or a number from a declaration) as the text to store, or nil
+-- when it is not acceptable. Text already in plain decimal is kept as it is.
+local function setting(name, v)
+  if name == 'timeout_policy' then
+    if v == 'kill' or v == 'flag' then return v end
+    return nil
+  end
+  local x = tonumber(v)
+  if not x or x ~= x then return nil end
+  local plain = type(v) == 'string' and string.find(v, '^%d+%.?%d*$')
+  if name == 'retries' or name == 'max_lost' then
+    if x ~= math.floor(x) or x < (name == 'max_lost' and 1 or 0) or x > WHOLE_MAX then return nil end
+    return plain and not string.find(v, '%.') and v or string.format('%d', x)
+  end
+  if x < 0 or x >= SECONDS_MAX then return nil end  -- max_duration, retry_backoff: seconds
+  local s = plain and v or decimal(x)
+  if name == 'max_duration' and tonumber(s) <= 0 then return nil end
+  return s
+end
+
+-- setting() of a producer's text, remembered for the call: a batch repeats its values.
+local checked = {}
+local function setting_of(name, text)
+  if n_jobs == 1 then return setting(name, text) end
+  local known = checked[name]
+  if not known then
+    known = {}
+    checked[name] = known
+  end
+  local v = known[text]
+  if v == nil then
+    v = setting(name, text) or false
+    known[text] = v
+  end
+  return v
+end
+
+local function rule(name)
+  if name == 'max_duration' then return 'a number of seconds > 0 and < 2^53'
+  elseif name == 'retry_backoff' then return 'a number of seconds >= 0 and < 2^53'
+  elseif name == 'retries' then return 'a whole number from 0 to 2147483647'
+  elseif name == 'max_lost' then return 'a whole number from 1 to 2147483647'
+  end
+  return 'kill or flag'
+end
+
+local strict  -- a JSON decoder that refuses NaN, Infinity, hex and leading zeros, made when needed
+
+-- Every number of a decoded value is finite (1e999 parses, as infinity, which no JSON
+-- reader gives back).
+local function finite(v)
+  if type(v) == 'number' then
+    return v == v and v ~= math.huge and v ~= -math.huge
+  elseif type(v) == 'table' then
+    for _, x in pairs(v) do
+      if not finite(x) then return false end
+    end
+  end
+  return true
+end
+
+-- args (opening '[') or kwargs ('{'): nil when it is JSON of that kind, else why not.
+local function bad_json(v, opening)
+  if string.sub(v, 1, 1) ~= opening and string.match(v, '^%s*(.)') ~= opening then
+    return opening == '[' and 'is not a JSON array' or 'is not a JSON object'
+  end
+  if not strict then
+    strict = cjson.new()
+    strict.decode_invalid_numbers(false)
+  end
+  local ok, decoded = pcall(strict.decode, v)
+  if not ok then
+    return 'is not JSON (' .. tostring(decoded) .. ')'
+  end
+  if string.find(v, '[eE]%+?%d%d%d') and not finite(decoded) then
+    return 'holds a number too large for a double'
+  end
+end
+
+local queue = string.match(p, '{([^{}]*)}:$')
+if not queue or not is_name(queue) then
+  return refuse('InvalidName', 'KEYS[1] must be "<prefix>:{<queue>}:" with a queue name of letters, digits and '
+    .. '_.:@- (at most 200, starting with a letter or digit), not ' .. quote(p))
+end
+local registry = KEYS[2]
+if registry and registry ~= string.sub(p, 1, #p - #queue - 3) .. '{_}:queues' then
+  return refuse('BadCall', 'KEYS[2] must be the global queue set "<prefix>:{_}:queues" of KEYS[1]\'s prefix')
+end
+if not n_jobs or n_jobs < 0 or n_jobs ~= math.floor(n_jobs) then
+  return refuse('BadCall', 'ARGV[1] must be the number of jobs')
+end
+
+-- Pass 1: check every job, and build what each one writes: the producer's fields as they
+-- are (ARGV from..to) when they need no change, which is the common case, else a record.
+local declarations = {}  -- task -> its declaration (false: none), read once per call
+local tasks_ok = {}  -- task names found valid in this call
+local ids, delays, records, froms, sizes = {}, {}, {}, {}, {}
+local i = 2
+for n = 1, n_jobs do
+  local id, delay_s, k = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  if not k or k < 0 or k ~= math.floor(k) or i + 2 + 2 * k > #ARGV then
+    return refuse('BadCall', 'job ' .. n .. ': expected id, delay, K and K field/value pairs')
+  end
+  if #id > 200 or not string.find(id, '^[A-Za-z0-9_.:@%-]+$') then
+    return refuse('InvalidName', 'job ' .. n .. ': invalid job id ' .. quote(id)
+      .. ': use 1-200 letters, digits and _.:@-')
+  end
+  local delay = tonumber(delay_s)
+  if not delay or delay ~= delay or delay < 0 or delay >= SECONDS_MAX then
+    return refuse('BadValue', 'job ' .. id .. ': delay must be a number of seconds >= 0 and < 2^53')
+  end
+  -- Fields in locals, not a table: this loop is most of the script's cost.
+  local task, queue_f, args, kwargs, producer, md, rt, rb, tp, ml
+  local changed = false  -- a setting written otherwise than sent
+  for a = i + 3, i + 1 + 2 * k, 2 do
+    local name, value = ARGV[a], ARGV[a + 1]
+    local seen
+    if name == 'task' then seen = task; task = value
+    elseif name == 'args' then seen = args; args = value
+    elseif name == 'kwargs' then seen = kwargs; kwargs = value
+    elseif name == 'queue' then seen = queue_f; queue_f = value
+    elseif name == 'producer' then seen = producer; producer = value
+    else
+      local v = setting_of(name, value)
+      if name == 'max_duration' then seen = md; md = v
+      elseif name == 'retries' then seen = rt; rt = v
+      elseif name == 'retry_backoff' then seen = rb; rb = v
+      elseif name == 'timeout_policy' then seen = tp; tp = v
+      elseif name == 'max_lost' then seen = ml; ml = v
+      else
+        return refuse('BadCall', 'job ' .. id .. ': unknown field ' .. string.format('%q', string.sub(name, 1, 50)))
+      end
+      if not v then
+        return refuse('BadValue', 'job ' .. id .. ': ' .. name .. ' must be ' .. rule(name) .. ', not '
+          .. string.format('%q', string.sub(value, 1, 50)))
+      end
+      changed = changed or v ~= value
+    end
+    if seen then
+      return refuse('BadCall', 'job ' .. id .. ': field ' .. name .. ' given twice')
+    end
+  end
+  if not task then
+    return refuse('BadCall', 'job ' .. id .. ': the task field is required')
+  elseif not tasks_ok[task] and not is_name(task) then
+    return refuse('InvalidName', 'job ' .. id .. ': invalid task name ' .. quote(task)
+      .. ': use letters, digits and _.:@- (at most 200, starting with a letter or digit)')
+  elseif queue_f and queue_f ~= queue then
+    return refuse('BadValue', 'job ' .. id .. ': field queue is ' .. quote(queue_f)
+      .. ' but KEYS[1] is queue ' .. queue)
+  end
+  tasks_ok[task] = true
+  changed = changed or not (args and kwargs and queue_f)  -- the record gets them all
+  args, kwargs = args or '[]', kwargs or '{}'
+  local why = args ~= '[]' and bad_json(args, '[')
+  if why then return refuse('NotJSON', 'job ' .. id .. ': args ' .. why) end
+  why = kwargs ~= '{}' and bad_json(kwargs, '{')
+  if why then return refuse('NotJSON', 'job ' .. id .. ': kwargs ' .. why) end
+  if not (md and rt and rb and tp and ml) then  -- what the producer left to the declaration
+    local decl = declarations[task]
+    if decl == nil then
+      local raw = redis.call('HGET', p .. 'tasks', task)
+      decl = false
+      if raw then
+        local ok, d = pcall(cjson.decode, raw)
+        if not ok or type(d) ~= 'table' then
+          return refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. p .. 'tasks is not a JSON object')
+        end
+        decl = d
+      end
+      declarations[task] = decl
+    end
+    if decl then
+      local given = {max_duration = md, retries = rt, retry_backoff = rb, timeout_policy = tp, max_lost = ml}
+      for _, name in ipairs({'max_duration', 'retries', 'retry_backoff', 'timeout_policy', 'max_lost'}) do
+        local d = decl[name]
+        if not given[name] and d ~= nil and d ~= cjson.null then
+          local v = setting(name, d)
+          if not v then
+            return refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. p .. 'tasks: ' .. name
+              .. ' must be ' .. rule(name))
+          end
+          given[name] = v
+        end
+      end
+      md, rt, rb, tp, ml = given.max_duration, given.retries, given.retry_backoff, given.timeout_policy, given.max_lost
+      changed = true
+    end
+  end
+  if changed then
+    local record = {'queue', queue, 'task', task, 'args', args, 'kwargs', kwargs}
+    if md then record[#record + 1] = 'max_duration'; record[#record + 1] = md end
+    if rt then record[#record + 1] = 'retries'; record[#record + 1] = rt end
+    if rb then record[#record + 1] = 'retry_backoff'; record[#record + 1] = rb end
+    if tp then record[#record + 1] = 'timeout_policy'; record[#record + 1] = tp end
+    if ml then record[#record + 1] = 'max_lost'; record[#record + 1] = ml end
+    if producer then record[#record + 1] = 'producer'; record[#record + 1] = producer end
+    records[n] = record
+  else
+    froms[n] = i + 3
+  end
+  ids[n], delays[n], sizes[n] = id, delay, #args + #kwargs
+  i = i + 3 + 2 * k
+end
+local limit = 1048576
+if i <= #ARGV then
+  limit = tonumber(ARGV[i])
+  if i < #ARGV or not limit or limit < 0 or limit ~= math.floor(limit) then
+    return refuse('BadCall', 'after the ' .. n_jobs .. ' jobs only the payload limit (bytes) may follow')
+  end
+end
+for n = 1, n_jobs do
+  if sizes[n] > limit then
+    return refuse('PayloadTooLarge', 'job ' .. ids[n] .. ': args and kwargs take ' .. sizes[n]
+      .. ' bytes; the limit is ' .. limit)
+  end
+end
+
+-- Pass 2: write.
+if registry then
+  redis.call('SADD', registry, queue)
+end
 local t = now()
 local meta = redis.call('HMGET', p .. 'meta', 'bound', 'closed')
 local bound, closed = tonumber(meta[1]) or 0, meta[2] == '1'
 local out = {}
-local i = 2
 local added, bytes = 0, 0
-for n = 1, tonumber(ARGV[1]) do
-  local id, delay, k = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+for n = 1, n_jobs do
+  local id, delay = ids[n], delays[n]
   local job = p .. 'job:' .. id
   if closed then
     out[n] = -2
@@ -22,12 +286,14 @@ for n = 1, tonumber(ARGV[1]) do
   elseif delay <= 0 and bound > 0 and redis.call('LLEN', p .. 'pending') >= bound then
     out[n] = -1
   else
-    local state = delay > 0 and 'delayed' or 'pending'
-    redis.call('HSET', job, 'id', id, 'enqueued_at', fmt(t), 'attempts', '0', 'state', state,
-      unpack(ARGV, i + 3, i + 2 + 2 * k))
-    for f = i + 3, i + 1 + 2 * k, 2 do
-      if ARGV[f] == 'args' or ARGV[f] == 'kwargs' then bytes = bytes + #ARGV[f + 1] end
+    local state, from = delay > 0 and 'delayed' or 'pending', froms[n]
+    if from then  -- the producer's fields as sent
+      redis.call('HSET', job, 'id', id, 'enqueued_at', fmt(t), 'attempts', '0', 'state', state,
+        unpack(ARGV, from, from + 2 * tonumber(ARGV[from - 1]) - 1))
+    else
+      redis.call('HSET', job, 'id', id, 'enqueued_at', fmt(t), 'attempts', '0', 'state', state, unpack(records[n]))
     end
+    bytes = bytes + sizes[n]
     if delay > 0 then
       to_delayed(p, id, job, t + delay)
     else  -- to_pending() without its HSET, done above
@@ -38,7 +304,6 @@ for n = 1, tonumber(ARGV[1]) do
     added = added + 1
     out[n] = 1
   end
-  i = i + 3 + 2 * k
 end
 if added > 0 then
   redis.call('HINCRBY', p .. 'meta', 'produced_messages', added)
