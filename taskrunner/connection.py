@@ -300,6 +300,7 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis | redis.clust
     if "://" not in url:
         raise BadURL(f"bad Redis URL {redact(url)!r}: expected {FORMS}")
     _check_db(url)
+    _tls(url, options)
     if not url.startswith("unix:"):
         options.setdefault("socket_keepalive", True)
     options.setdefault("socket_timeout", SOCKET_TIMEOUT)  # the URL's own wins
@@ -315,6 +316,21 @@ def _check_db(url: str) -> None:
     db = "" if url.startswith("unix:") else urlsplit(url).path.strip("/")
     if db and not db.isdigit():
         raise BadURL(f"bad Redis URL {redact(url)!r}: the database {db!r} is not a number; expected {FORMS}")
+
+
+CERT_REQS = ("none", "optional", "required")
+
+
+def _tls(url: str, options: dict[str, Any]) -> None:
+    """TASKRUNNER_REDIS_SSL_CERT_REQS for a rediss:// URL the platform sets and the user
+    cannot add `?ssl_cert_reqs=none` to: Heroku Redis serves TLS with a self-signed
+    certificate, which redis-py's default (required) refuses. The URL's own setting wins."""
+    reqs = os.environ.get("TASKRUNNER_REDIS_SSL_CERT_REQS", "").strip().lower()
+    if not reqs or not url.startswith("rediss:"):
+        return
+    if reqs not in CERT_REQS:
+        raise BadURL(f"TASKRUNNER_REDIS_SSL_CERT_REQS={reqs!r}: expected one of {', '.join(CERT_REQS)}")
+    options.setdefault("ssl_cert_reqs", reqs)
 
 
 PENDING = object()  # a reply not (all) come yet
@@ -583,6 +599,7 @@ def connect_async(url: str | None = None, **options: Any) -> redis.asyncio.Redis
     if url.startswith(CLUSTER_SCHEME + ":"):
         return ClusterURL.parse(url).client_async(**options)
     _check_db(url)
+    _tls(url, options)
     options.setdefault("socket_timeout", SOCKET_TIMEOUT)  # the URL's own wins
     try:
         return redis.asyncio.Redis.from_url(url, **options)

@@ -47,6 +47,10 @@ def explain(error: BaseException, url: str | None) -> Problem | None:
         return _sentinels(SentinelURL.parse(url), url)
     if not isinstance(error, (redis.ConnectionError, redis.TimeoutError, redis.cluster.RedisClusterException)):
         return None
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return Problem(f"the TLS certificate of {redact(url)} is not trusted: {text} (a self-signed one, as Heroku "
+                       "Redis has: set TASKRUNNER_REDIS_SSL_CERT_REQS=none, or add ?ssl_cert_reqs=none to the URL)",
+                       True)
     parts = urlsplit(url)
     if parts.scheme == "rediss" and _plain_server(parts.hostname or "localhost", parts.port or 6379):
         return Problem(f"{parts.hostname}:{parts.port or 6379} is a plain Redis, not TLS: use redis:// for it "

@@ -41,3 +41,37 @@ def test_cli_shows_a_bad_url_in_one_line_without_the_password():
     assert result.exit_code != 0 and "Traceback" not in result.output
     [line] = result.output.splitlines()
     assert "percent-encoded" in line and "secret" not in line
+
+
+def test_rediss_with_a_self_signed_certificate(app, tmp_path):
+    """Heroku Redis serves rediss:// with a self-signed certificate, in a REDIS_URL the
+    platform sets: redis-py refuses it, and a one-click deploy never ran a job. Now the
+    refusal is one line naming the way out, TASKRUNNER_REDIS_SSL_CERT_REQS=none, with
+    which the CLI, a worker and the wait of a job all work over TLS."""
+    import subprocess
+
+    from tests.conftest import Stack
+    from tests.topologies import DATA_NODE, Topology, free_port
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    with Topology(tmp_path / "nodes") as topology:
+        tls = free_port()
+        topology.start(*DATA_NODE, "--tls-port", str(tls), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                       "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")
+        stack = Stack(app, f"rediss://127.0.0.1:{tls}/0")
+        try:
+            r = stack.cli("jobs")
+            assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+            assert "certificate" in r.stderr and "TASKRUNNER_REDIS_SSL_CERT_REQS=none" in r.stderr, r.stderr
+            stack.env["TASKRUNNER_REDIS_SSL_CERT_REQS"] = "bogus"
+            r = stack.cli("jobs")
+            assert r.returncode == 2 and "expected one of none, optional, required" in r.stderr, r.stderr
+            stack.env["TASKRUNNER_REDIS_SSL_CERT_REQS"] = "none"
+            stack.worker()
+            job_id = stack.cli("enqueue", "tests.apps.add", "--args", "[2, 3]", check=True).stdout.strip()
+            r = stack.cli("wait", job_id, "--timeout", "60", check=True)
+            assert r.stdout.strip() == "5", r.stdout
+        finally:
+            stack.stop()
