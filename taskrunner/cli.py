@@ -535,8 +535,10 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec:
     """Take one job from the shell. With `-- CMD ...`, CMD gets the job as JSON on stdin;
     exit 0 acks it (CMD's stdout, JSON if it parses, is the result), anything else fails
     it. Without CMD the job's JSON is printed and acked. Exit: CMD's code, 2 if no job."""
+    import math
     import subprocess
     import threading
+    import time
 
     from .connection import Backoff
     from .consumer import Consumer
@@ -552,41 +554,76 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec:
         click.echo(payload)
         c.ack([delivery])
         return c.close()
-    done = threading.Event()
-
-    def beat() -> None:  # keep the job ours while CMD runs, through a Redis outage too
-        backoff = Backoff(f"consumer {c.name}", None)
-        pause = app.settings.heartbeat
-        while not done.wait(pause):
-            try:
-                c.heartbeat(busy=1)
-                backoff.ok()
-                pause = app.settings.heartbeat
-            except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
-                pause = min(backoff.after(e), app.settings.heartbeat)
-
-    threading.Thread(target=beat, daemon=True).start()
     try:
-        proc = subprocess.run(list(command), input=payload, capture_output=True, text=True)
+        proc = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
     except OSError as e:
-        proc = subprocess.CompletedProcess(command, 127, "", str(e))
+        click.echo(f"Error: cannot run {command[0]}: {e}", err=True)
+        c.fail(delivery, "CommandFailed", f"{' '.join(command)}: {e}")
+        c.close()
+        sys.exit(127)
+    done, stopped = threading.Event(), []
+
+    def watch() -> None:
+        """Keep the job ours while CMD runs (heartbeats, through a Redis outage too) and
+        stop CMD as a worker stops a job: on a kill request, or at its max duration when
+        its policy is kill (SIGTERM, SIGKILL after kill_grace)."""
+        s = app.settings
+        backoff = Backoff(f"consumer {c.name}", None)
+        deadline = time.monotonic() + delivery.max_duration if delivery.timeout_policy == "kill" else math.inf
+        beat_at, reason = 0.0, None
+        while not done.is_set() and reason is None:
+            now = time.monotonic()
+            if now >= deadline:
+                reason = "timeout"
+                break
+            try:
+                if now >= beat_at:
+                    c.heartbeat(busy=1)
+                    beat_at = now + s.heartbeat
+                reason = c.kill_request(delivery, max(0.01, min(beat_at, deadline) - now))
+                backoff.ok()
+            except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+                done.wait(min(backoff.after(e), s.heartbeat))
+        if reason is None or done.is_set():
+            return
+        stopped.append(reason)
+        proc.terminate()
+        try:
+            proc.wait(s.kill_grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        out, err = proc.communicate(payload)
+    except KeyboardInterrupt:  # Ctrl-C reached CMD too: the job goes back, next in line
+        proc.kill()
+        proc.wait()
+        c.close()
+        click.echo(f"interrupted: job {delivery.id} is back in its queue", err=True)
+        sys.exit(130)
     finally:
         done.set()
-    sys.stdout.write(proc.stdout)
-    sys.stderr.write(proc.stderr)
-    if proc.returncode == 0:
+    sys.stdout.write(out)
+    sys.stderr.write(err)
+    code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode  # as a shell says it
+    if stopped:
+        why = {"killed": "killed on request", "timeout": f"past its max duration ({delivery.max_duration:g} s)"}
+        click.echo(f"job {delivery.id} stopped: {why[stopped[0]]}", err=True)
+        acked = c.stopped(delivery, stopped[0])
+    elif code == 0:
         try:
-            result = json.loads(proc.stdout) if proc.stdout.strip() else None
+            result = json.loads(out) if out.strip() else None
         except ValueError:
-            result = proc.stdout
+            result = out
         acked = c.ack([delivery], [result])[0]
     else:
-        acked = c.fail(delivery, "CommandFailed", f"{' '.join(command)} exited {proc.returncode}",
-                       proc.stderr[-4000:])
+        acked = c.fail(delivery, "CommandFailed", f"{' '.join(command)} exited {code}", err[-4000:])
     if not acked:
         click.echo(f"job {delivery.id} was requeued or killed meanwhile: this outcome was not recorded", err=True)
     c.close()
-    sys.exit(proc.returncode)
+    sys.exit(code)
 
 
 @main.command()

@@ -27,10 +27,12 @@ class Delivery:
     args: list
     kwargs: dict
     max_duration: float
+    timeout_policy: str = "kill"
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "queue": self.queue, "attempt": int(self.attempt), "task": self.task,
-                "args": self.args, "kwargs": self.kwargs, "max_duration": self.max_duration}
+                "args": self.args, "kwargs": self.kwargs, "max_duration": self.max_duration,
+                "timeout_policy": self.timeout_policy}
 
 
 def claim_args(app: TaskRunner, name: str, host: str, ip: str, slots: list[Any]) -> list[Any]:
@@ -96,12 +98,12 @@ class Consumer:
             raw = claim_rest(self.app, prefixes, argv, raw)
             out = []
             for i in range(0, len(raw), 8):
-                qi, job_id, attempt, task, args, kwargs, md, _ = raw[i:i + 8]
+                qi, job_id, attempt, task, args, kwargs, md, policy = raw[i:i + 8]
                 try:
                     a, k = codec.loads(args), codec.loads(kwargs)
                 except ValueError:
                     a, k = args, kwargs  # the consumer sees the record as it is
-                out.append(Delivery(job_id, self.queues[int(qi) - 1], str(attempt), task, a, k, float(md)))
+                out.append(Delivery(job_id, self.queues[int(qi) - 1], str(attempt), task, a, k, float(md), policy))
             left = deadline - time.monotonic()
             if out or left <= 0:
                 return out
@@ -119,6 +121,31 @@ class Consumer:
         """Mark a job failed; retried with backoff while its retries last (unless retry=False)."""
         outcome = ["error" if retry else "failed", error_type, message, traceback, "1"]
         return self._finish([(delivery, outcome)])[0]
+
+    def stopped(self, delivery: Delivery, reason: str) -> bool:
+        """Record a job we stopped: `reason` "killed" (a kill request: ends killed) or
+        "timeout" (past its max duration: TimeLimitExceeded, retried while retries last),
+        as a worker does (docs/PROTOCOL.md, Kill)."""
+        if reason == "timeout":
+            outcome = ["error", "TimeLimitExceeded", "ran past its max duration; stopped", "", "1"]
+        else:
+            outcome = ["killed", "", "killed on request", "", ""]
+        return self._finish([(delivery, outcome)])[0]
+
+    def kill_request(self, delivery: Delivery, timeout: float) -> str | None:
+        """Wait up to `timeout` seconds on our control list for a kill of `delivery`: its
+        reason ("killed" or "timeout"), or None. Messages about other deliveries (one that
+        ended) are dropped."""
+        reply = pop_any(self.app.redis, [self.keys.control(self.name)], timeout)
+        if reply is None:
+            return None
+        try:
+            msg = codec.loads(reply[1])
+            if str(msg["kill"]) != delivery.id or str(msg["attempt"]) != delivery.attempt:
+                return None
+        except (ValueError, KeyError, TypeError):
+            return None
+        return "timeout" if msg.get("reason") == "timeout" else "killed"
 
     def _finish(self, items: list[tuple[Delivery, list[Any]]]) -> list[bool]:
         by_queue: dict[str, list[Any]] = {}

@@ -135,6 +135,27 @@ def test_consume_from_the_shell(app, stack):
     assert stack.cli("consume", "-q", "default", "--timeout", "0.2").returncode == 2
 
 
+def test_consume_stops_its_command_on_a_kill_and_at_the_max_duration(app, stack):
+    """`taskrunner consume -- CMD` honours what docs/PROTOCOL.md asks of every consumer, as
+    a worker does: a kill request stops CMD and the job ends killed; a job of policy kill
+    is stopped at its max duration and fails with TimeLimitExceeded. It ignored both: CMD
+    ran on, and the kill button did nothing. No dispatcher runs here: consume does it."""
+    victim = apps.add.apply_async((1, 1), max_duration=120)
+    p = stack.spawn("consume", "-q", "default", "--", "sleep", "100")
+    wait_for(lambda: victim.refresh().data.get("state") == "running", what="the consumer to take it")
+    victim.kill()
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM and f"job {victim.id} stopped: killed on request" in out, out
+    assert victim.refresh().state == "killed"
+    late = apps.add.apply_async((1, 1), max_duration=1)
+    p = stack.spawn("consume", "-q", "default", "--", "sleep", "100")
+    out, _ = p.communicate(timeout=60)
+    assert f"job {late.id} stopped: past its max duration (1 s)" in out, out
+    d = late.refresh().to_dict()
+    assert d["state"] == "failed" and d["error_type"] == "TimeLimitExceeded", d
+    assert [w for w in json.loads(stack.cli("workers", "--json", check=True).stdout) if w["state"] == "alive"] == []
+
+
 def test_harvest_returns_dead_consumers_jobs(app, stack):
     job = apps.add.delay(1, 1)
     p = stack.spawn("consume", "-q", "default", "--", "sleep", "60")
