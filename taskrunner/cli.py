@@ -19,7 +19,17 @@ from click.core import ParameterSource
 from . import codec, listing
 from .app import TaskRunner
 from .diagnose import explain
-from .errors import AppNotFound, BadURL, JobFailed, TaskRunnerError, Timeout, require_extra
+from .errors import (
+    AppNotFound,
+    BadURL,
+    InvalidName,
+    JobFailed,
+    NotJSONError,
+    PayloadTooLarge,
+    TaskRunnerError,
+    Timeout,
+    require_extra,
+)
 from .loader import load_app
 
 APP_HELP = "Module with your TaskRunner (module or module:attr). Env: TASKRUNNER_APP."
@@ -113,12 +123,13 @@ class Misconfigured(click.ClickException):
 class Main(click.Group):
     """Turns taskrunner and Redis errors into one clear line: exit 2 for a mistake in the
     configuration (bad URL, wrong database, TLS or Sentinel mismatch, refused password, an
-    app that cannot be imported), 1 for the rest (Redis down, no such job, ...)."""
+    app that cannot be imported) or in what was given (a bad name, arguments that are not
+    JSON or too large), 1 for the rest (Redis down, no such job, ...)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (BadURL, AppNotFound) as e:
+        except (BadURL, AppNotFound, InvalidName, NotJSONError, PayloadTooLarge) as e:
             raise Misconfigured(str(e)) from None
         except (TaskRunnerError, ValueError, TypeError) as e:
             raise click.ClickException(str(e)) from None
@@ -746,8 +757,11 @@ def analyze(since: str, master: str | None, history_dir: str | None, as_json: bo
     require_extra("spark", "analyze (PySpark)", "pyspark")
     from . import analyze as analysis
 
+    try:
+        seconds = analysis.parse_since(since)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--since") from None
     app = _app(app_spec, redis_url)
-    seconds = analysis.parse_since(since)
     summary = analysis.analyze(history_dir, seconds, master,
                                progress=lambda stage: click.echo(f"analyze: {stage}...", err=True))
     analysis.publish(app, summary)

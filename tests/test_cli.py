@@ -257,3 +257,18 @@ def test_commands_on_a_queue_refuse_a_name_no_queue_has(app, stack):
         r = stack.cli(*args)
         assert r.returncode == 2 and "Invalid value" in r.stderr, args
     assert app.redis.llen(app.keys.q("default") + "pending") == 1
+
+
+def test_a_bad_name_or_value_in_the_arguments_exits_2(app, stack):
+    """Exit 2 is "a mistake in what the command was given" (README): a queue name with a
+    space, arguments over the payload limit and a bad --since exited 1, as an outage does."""
+    r = stack.cli("queue", "create", "bad name")
+    assert r.returncode == 2 and "invalid queue name 'bad name'" in one_line_error(r)
+    r = stack.cli("enqueue", "tests.apps.add", "-q", "bad name")
+    assert r.returncode == 2 and "invalid queue name" in one_line_error(r)
+    stack.env["TASKRUNNER_MAX_PAYLOAD"] = "100"
+    r = stack.cli("enqueue", "tests.apps.add", "--args", json.dumps(["x" * 200]))
+    assert r.returncode == 2 and "bytes" in one_line_error(r), r.stderr
+    r = stack.cli("analyze", "--since", "7x")
+    assert r.returncode == 2 and "bad duration '7x'" in r.stderr, r.stderr
+    assert app.redis.keys(app.settings.prefix + ":{bad name}*") == []

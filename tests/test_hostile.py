@@ -146,7 +146,7 @@ def test_cli_enqueue_refuses_odd_input_in_one_line(app, queue, task, args):
 @pytest.mark.parametrize("name", ["{x}", "a b", "é"])
 def test_worker_refuses_an_odd_name_in_one_line(stack, name):
     r = stack.cli("worker", "-A", "tests.apps", "-n", name, "-c", "1")
-    assert r.returncode == 1 and "invalid worker name" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "invalid worker name" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_payload_limit_is_exact_and_named_in_api_cli_and_files(app, stack, tmp_path):
@@ -166,13 +166,13 @@ def test_payload_limit_is_exact_and_named_in_api_cli_and_files(app, stack, tmp_p
     assert app.redis.llen(app.keys.q("default") + "pending") == 1  # the batch wrote nothing
     stack.env["TASKRUNNER_MAX_PAYLOAD"] = str(limit)
     r = stack.cli("enqueue", "tests.apps.add", "--args", json.dumps([fits + "y"]))
-    assert r.returncode == 1 and f"the limit is {limit} (TASKRUNNER_MAX_PAYLOAD)" in r.stderr
+    assert r.returncode == 2 and f"the limit is {limit} (TASKRUNNER_MAX_PAYLOAD)" in r.stderr
     big = app.settings.max_payload + 1  # the default limit (1 MiB), through a file: no argv limit
     del stack.env["TASKRUNNER_MAX_PAYLOAD"]
     path = tmp_path / "jobs.jsonl"
     path.write_text(json.dumps({"task": "tests.apps.add", "args": ["x" * big, 1]}) + "\n")
     r = stack.cli("enqueue", "--from-file", str(path))
-    assert r.returncode == 1 and f"the limit is {1 << 20} (TASKRUNNER_MAX_PAYLOAD)" in r.stderr
+    assert r.returncode == 2 and f"the limit is {1 << 20} (TASKRUNNER_MAX_PAYLOAD)" in r.stderr
     assert app.redis.llen(app.keys.q("default") + "pending") == 1
 
 
