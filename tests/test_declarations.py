@@ -149,6 +149,50 @@ def test_python_sees_a_script_refusal_as_its_usual_exception(app):
             batch.execute()
 
 
+NOT_STRICT = ["[+1]", "[ +1]", "[0x10]", "[-0X10]", "[01]", "[-01]", "[1, 00]", "[Infinity]", "[-Infinity]", "[inf]",
+              "[-inF]", "[NaN]", "[nan]", "[-nan]", '{"a": +1}', '{"a":0x1}', '{"a":\n\tInf}', "[1e999]", "[1E+400]",
+              "[-1e999]", '["x", 1, 0x1]']
+STRICT = ['["+1", "0x10", "Infinity", "nan", "01", "inf"]', "[0, -0, 0.5, -0.5, 0e1, null, 1e308, 10, 100, -1]",
+          '{"inf": "NaN", "n": null, "z": 0}', '[{"a": 0}, [0], true, false]', '["a,+1", "b:0x1", "[nan"]']
+
+
+@pytest.mark.parametrize("text", NOT_STRICT)
+def test_args_and_kwargs_must_be_strict_json_wherever_a_number_may_start(raw, text):
+    """cjson's shared decoder takes +1, hex, leading zeros, inf and nan; the script uses it
+    only for text where none of those can be, and the strict decoder for the rest: each of
+    these is refused, as args and as kwargs."""
+    field, value = ("kwargs", text) if text.startswith("{") else ("args", text)
+    with pytest.raises(redis.ResponseError, match=f"NotJSON: job j: {field} (is not JSON|holds a number too large)"):
+        raw.enqueue([raw.q("default")], *raw.job("j", "task", "t", field, value))
+    assert raw.snapshot() == {}
+
+
+def test_strict_json_with_those_characters_elsewhere_is_taken_as_sent(raw):
+    for n, text in enumerate(STRICT):
+        field = "kwargs" if text.startswith("{") else "args"
+        assert raw.enqueue([raw.q("default")], *raw.job(f"j{n}", "task", "t", field, text)) == [1]
+        assert raw.r.hget(raw.q("default") + f"job:j{n}", field) == text
+
+
+def test_a_batch_past_a_chunk_keeps_order_bound_and_counts(raw):
+    """The script pushes the ids of a batch's pending jobs a chunk (1000) at a time: what a
+    call of 2500 jobs leaves is what 2500 lone enqueues would, bound and duplicates included."""
+    q = raw.q("default")
+    raw.r.hset(q + "meta", "bound", 2200)
+    argv = [2502]
+    for n in range(2500):
+        argv += [f"j{n}", 0, 2, "task", "t", "args", f"[{n}]"]
+    argv += ["j5", 0, 1, "task", "t", "late", 60, 1, "task", "t"]  # a duplicate id; a delayed job
+    answer = raw.enqueue([q], *argv)
+    assert answer == [1] * 2200 + [-1] * 300 + [0, 1]
+    assert raw.r.lrange(q + "pending", 0, -1) == [f"j{n}" for n in reversed(range(2200))]
+    assert raw.r.scard(q + "items") == 2200 and raw.r.lrange(q + "wake", 0, -1) == ["1"]
+    assert raw.r.zrange(q + "delayed", 0, -1) == ["late"] and raw.r.hget(q + "job:late", "state") == "delayed"
+    assert raw.r.hmget(q + "meta", "produced_messages", "produced_bytes") == ["2201", str(
+        sum(len(f"[{n}]") + 2 for n in range(2200)) + 4)]
+    assert not raw.r.exists(q + "job:j2200")
+
+
 def test_numbers_survive_the_round_trip(app, raw):
     """args and kwargs are stored as sent, digit for digit (the script checks them, never
     re-encodes them); number fields are written in plain decimal, as the claim reads them."""

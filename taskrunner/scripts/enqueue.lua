@@ -60,19 +60,23 @@ local function setting(name, v)
   if not x or x ~= x then return nil end
   local plain = type(v) == 'string' and string.find(v, '^%d+%.?%d*$')
   if name == 'retries' or name == 'max_lost' then
-    if x ~= math.floor(x) or x < (name == 'max_lost' and 1 or 0) or x > WHOLE_MAX then return nil end
-    return plain and not string.find(v, '%.') and v or string.format('%d', x)
+    if x % 1 ~= 0 or x < (name == 'max_lost' and 1 or 0) or x > WHOLE_MAX then return nil end
+    return plain and not string.find(v, '.', 1, true) and v or string.format('%d', x)
   end
   if x < 0 or x >= SECONDS_MAX then return nil end  -- max_duration, retry_backoff: seconds
-  local s = plain and v or decimal(x)
+  if plain then
+    if x == 0 and name == 'max_duration' then return nil end
+    return v
+  end
+  local s = decimal(x)
   if name == 'max_duration' and tonumber(s) <= 0 then return nil end
   return s
 end
 
 -- setting() of a producer's text, remembered for the call: a batch repeats its values.
-local checked = {}
+local checked = n_jobs ~= 1 and {}
 local function setting_of(name, text)
-  if n_jobs == 1 then return setting(name, text) end
+  if not checked then return setting(name, text) end
   local known = checked[name]
   if not known then
     known = {}
@@ -111,19 +115,28 @@ local function finite(v)
 end
 
 -- args (opening '[') or kwargs ('{'): nil when it is JSON of that kind, else why not.
+-- cjson's shared decoder takes more than the strict one only where a number is expected:
+-- text starting with '+', inf or nan (any case), or 0 and a digit or x. Text with none of
+-- +, inf, nan, 0x, 0<digit> anywhere decodes alike with both, and the strict decoder
+-- (costly to make: a good part of a lone job's cost) is made only for the rest.
 local function bad_json(v, opening)
   if string.sub(v, 1, 1) ~= opening and string.match(v, '^%s*(.)') ~= opening then
     return opening == '[' and 'is not a JSON array' or 'is not a JSON object'
   end
-  if not strict then
-    strict = cjson.new()
-    strict.decode_invalid_numbers(false)
+  local decoder, lower = cjson, string.lower(v)
+  if string.find(lower, '+', 1, true) or string.find(lower, 'inf', 1, true) or string.find(lower, 'nan', 1, true)
+      or string.find(lower, '0', 1, true) and string.find(lower, '0[%dx]') then
+    if not strict then
+      strict = cjson.new()
+      strict.decode_invalid_numbers(false)
+    end
+    decoder = strict
   end
-  local ok, decoded = pcall(strict.decode, v)
+  local ok, decoded = pcall(decoder.decode, v)
   if not ok then
     return 'is not JSON (' .. tostring(decoded) .. ')'
   end
-  if string.find(v, '[eE]%+?%d%d%d') and not finite(decoded) then
+  if string.find(lower, 'e%+?%d%d%d') and not finite(decoded) then
     return 'holds a number too large for a double'
   end
 end
@@ -137,19 +150,47 @@ local registry = KEYS[2]
 if registry and registry ~= string.sub(p, 1, #p - #queue - 3) .. '{_}:queues' then
   return refuse('BadCall', 'KEYS[2] must be the global queue set "<prefix>:{_}:queues" of KEYS[1]\'s prefix')
 end
-if not n_jobs or n_jobs < 0 or n_jobs ~= math.floor(n_jobs) then
+if not n_jobs or n_jobs < 0 or n_jobs % 1 ~= 0 then
   return refuse('BadCall', 'ARGV[1] must be the number of jobs')
+end
+
+-- What the task's declaration gives for max_duration, retries, retry_backoff, timeout_policy
+-- and max_lost, in that order: the text to store, false (none) or true (not acceptable,
+-- refused for a job that needs it); false when there is no declaration. Read and checked
+-- once per task and call; nil and the refusal when it is not a JSON object.
+local DECLARED = {'max_duration', 'retries', 'retry_backoff', 'timeout_policy', 'max_lost'}
+local declarations  -- task -> fill, made when needed
+local function declared(task)
+  declarations = declarations or {}
+  local fill = declarations[task]
+  if fill ~= nil then return fill end
+  fill = false
+  local raw = redis.call('HGET', p .. 'tasks', task)
+  if raw then
+    local ok, d = pcall(cjson.decode, raw)
+    if not ok or type(d) ~= 'table' then
+      return nil, refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. p .. 'tasks is not a JSON object')
+    end
+    fill = {}
+    for k, name in ipairs(DECLARED) do
+      local v = d[name]
+      fill[k] = v ~= nil and v ~= cjson.null and (setting(name, v) or true)
+    end
+  end
+  declarations[task] = fill
+  return fill
 end
 
 -- Pass 1: check every job, and build what each one writes: the producer's fields as they
 -- are (ARGV from..to) when they need no change, which is the common case, else a record.
-local declarations = {}  -- task -> its declaration (false: none), read once per call
-local tasks_ok = {}  -- task names found valid in this call
-local ids, delays, records, froms, sizes = {}, {}, {}, {}, {}
-local i = 2
+-- plan: four entries a job (one table, not four: a lone job's tables are a good part of
+-- its cost): id, delay, the index in ARGV of its first field or its record, size.
+local tasks_ok = n_jobs ~= 1 and {}  -- task names found valid in this call (a batch's)
+local plan = {}
+local largest, i = 0, 2
 for n = 1, n_jobs do
   local id, delay_s, k = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
-  if not k or k < 0 or k ~= math.floor(k) or i + 2 + 2 * k > #ARGV then
+  if not k or k < 0 or k % 1 ~= 0 or i + 2 + 2 * k > #ARGV then
     return refuse('BadCall', 'job ' .. n .. ': expected id, delay, K and K field/value pairs')
   end
   if #id > 200 or not string.find(id, '^[A-Za-z0-9_.:@%-]+$') then
@@ -193,14 +234,14 @@ for n = 1, n_jobs do
   end
   if not task then
     return refuse('BadCall', 'job ' .. id .. ': the task field is required')
-  elseif not tasks_ok[task] and not is_name(task) then
+  elseif not (tasks_ok and tasks_ok[task]) and not is_name(task) then
     return refuse('InvalidName', 'job ' .. id .. ': invalid task name ' .. quote(task)
       .. ': use letters, digits and _.:@- (at most 200, starting with a letter or digit)')
   elseif queue_f and queue_f ~= queue then
     return refuse('BadValue', 'job ' .. id .. ': field queue is ' .. quote(queue_f)
       .. ' but KEYS[1] is queue ' .. queue)
   end
-  tasks_ok[task] = true
+  if tasks_ok then tasks_ok[task] = true end
   changed = changed or not (args and kwargs and queue_f)  -- the record gets them all
   args, kwargs = args or '[]', kwargs or '{}'
   local why = args ~= '[]' and bad_json(args, '[')
@@ -208,33 +249,15 @@ for n = 1, n_jobs do
   why = kwargs ~= '{}' and bad_json(kwargs, '{')
   if why then return refuse('NotJSON', 'job ' .. id .. ': kwargs ' .. why) end
   if not (md and rt and rb and tp and ml) then  -- what the producer left to the declaration
-    local decl = declarations[task]
-    if decl == nil then
-      local raw = redis.call('HGET', p .. 'tasks', task)
-      decl = false
-      if raw then
-        local ok, d = pcall(cjson.decode, raw)
-        if not ok or type(d) ~= 'table' then
-          return refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. p .. 'tasks is not a JSON object')
-        end
-        decl = d
+    local fill, refusal = declared(task)
+    if refusal then return refusal end
+    if fill then
+      md, rt, rb, tp, ml = md or fill[1], rt or fill[2], rb or fill[3], tp or fill[4], ml or fill[5]
+      local bad = md == true and 1 or rt == true and 2 or rb == true and 3 or tp == true and 4 or ml == true and 5
+      if bad then
+        return refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. p .. 'tasks: ' .. DECLARED[bad]
+          .. ' must be ' .. rule(DECLARED[bad]))
       end
-      declarations[task] = decl
-    end
-    if decl then
-      local given = {max_duration = md, retries = rt, retry_backoff = rb, timeout_policy = tp, max_lost = ml}
-      for _, name in ipairs({'max_duration', 'retries', 'retry_backoff', 'timeout_policy', 'max_lost'}) do
-        local d = decl[name]
-        if not given[name] and d ~= nil and d ~= cjson.null then
-          local v = setting(name, d)
-          if not v then
-            return refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. p .. 'tasks: ' .. name
-              .. ' must be ' .. rule(name))
-          end
-          given[name] = v
-        end
-      end
-      md, rt, rb, tp, ml = given.max_duration, given.retries, given.retry_backoff, given.timeout_policy, given.max_lost
       changed = true
     end
   end
@@ -246,64 +269,85 @@ for n = 1, n_jobs do
     if tp then record[#record + 1] = 'timeout_policy'; record[#record + 1] = tp end
     if ml then record[#record + 1] = 'max_lost'; record[#record + 1] = ml end
     if producer then record[#record + 1] = 'producer'; record[#record + 1] = producer end
-    records[n] = record
+    plan[4 * n - 1] = record
   else
-    froms[n] = i + 3
+    plan[4 * n - 1] = i + 3
   end
-  ids[n], delays[n], sizes[n] = id, delay, #args + #kwargs
+  local size = #args + #kwargs
+  if size > largest then largest = size end
+  plan[4 * n - 3], plan[4 * n - 2], plan[4 * n] = id, delay, size
   i = i + 3 + 2 * k
 end
 local limit = 1048576
 if i <= #ARGV then
   limit = tonumber(ARGV[i])
-  if i < #ARGV or not limit or limit < 0 or limit ~= math.floor(limit) then
+  if i < #ARGV or not limit or limit < 0 or limit % 1 ~= 0 then
     return refuse('BadCall', 'after the ' .. n_jobs .. ' jobs only the payload limit (bytes) may follow')
   end
 end
-for n = 1, n_jobs do
-  if sizes[n] > limit then
-    return refuse('PayloadTooLarge', 'job ' .. ids[n] .. ': args and kwargs take ' .. sizes[n]
-      .. ' bytes; the limit is ' .. limit)
+if largest > limit then
+  for n = 1, n_jobs do
+    if plan[4 * n] > limit then
+      return refuse('PayloadTooLarge', 'job ' .. plan[4 * n - 3] .. ': args and kwargs take ' .. plan[4 * n]
+        .. ' bytes; the limit is ' .. limit)
+    end
   end
 end
 
--- Pass 2: write.
+-- Pass 2: write. The ids of the jobs made pending go to items and pending in one SADD and
+-- one LPUSH per CHUNK jobs, and one wake token is left at the end: the same end state as
+-- making each job pending on its own, for a fraction of the commands.
 if registry then
   redis.call('SADD', registry, queue)
 end
+local CHUNK = 1000
 local t = now()
+local enqueued_at = fmt(t)
 local meta = redis.call('HMGET', p .. 'meta', 'bound', 'closed')
 local bound, closed = tonumber(meta[1]) or 0, meta[2] == '1'
-local out = {}
-local added, bytes = 0, 0
+local items, pending = p .. 'items', p .. 'pending'
+local waiting = bound > 0 and not closed and redis.call('LLEN', pending)  -- counted here on
+local out, fresh = {}, {}
+local added, bytes, pushed = 0, 0, 0
+local function push()
+  redis.call('SADD', items, unpack(fresh))
+  redis.call('LPUSH', pending, unpack(fresh))
+  pushed = pushed + #fresh
+  fresh = {}
+end
 for n = 1, n_jobs do
-  local id, delay = ids[n], delays[n]
+  local id, delay, fields, size = plan[4 * n - 3], plan[4 * n - 2], plan[4 * n - 1], plan[4 * n]
   local job = p .. 'job:' .. id
   if closed then
     out[n] = -2
   elseif redis.call('EXISTS', job) == 1 then
     out[n] = 0
-  elseif delay <= 0 and bound > 0 and redis.call('LLEN', p .. 'pending') >= bound then
+  elseif delay <= 0 and waiting and waiting >= bound then
     out[n] = -1
   else
-    local state, from = delay > 0 and 'delayed' or 'pending', froms[n]
-    if from then  -- the producer's fields as sent
-      redis.call('HSET', job, 'id', id, 'enqueued_at', fmt(t), 'attempts', '0', 'state', state,
-        unpack(ARGV, from, from + 2 * tonumber(ARGV[from - 1]) - 1))
+    local state = delay > 0 and 'delayed' or 'pending'
+    if type(fields) == 'number' then  -- the producer's fields as sent
+      redis.call('HSET', job, 'id', id, 'enqueued_at', enqueued_at, 'attempts', '0', 'state', state,
+        unpack(ARGV, fields, fields + 2 * tonumber(ARGV[fields - 1]) - 1))
     else
-      redis.call('HSET', job, 'id', id, 'enqueued_at', fmt(t), 'attempts', '0', 'state', state, unpack(records[n]))
+      redis.call('HSET', job, 'id', id, 'enqueued_at', enqueued_at, 'attempts', '0', 'state', state,
+        unpack(fields))
     end
-    bytes = bytes + sizes[n]
+    bytes = bytes + size
     if delay > 0 then
       to_delayed(p, id, job, t + delay)
-    else  -- to_pending() without its HSET, done above
-      redis.call('SADD', p .. 'items', id)
-      redis.call('LPUSH', p .. 'pending', id)
-      wake(p)
+    else
+      fresh[#fresh + 1] = id
+      if #fresh == CHUNK then push() end
+      if waiting then waiting = waiting + 1 end
     end
     added = added + 1
     out[n] = 1
   end
+end
+if #fresh > 0 then push() end
+if pushed > 0 then
+  wake(p)
 end
 if added > 0 then
   redis.call('HINCRBY', p .. 'meta', 'produced_messages', added)
