@@ -44,7 +44,8 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
     for other in inherited:
         other.close()
     signal.set_wakeup_fd(-1)  # the worker's, inherited: our signals are not its business
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C (and Ctrl-\) are for the worker to handle
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
     sending = killed = False
 
     def on_term(signum: int, frame: Any) -> None:

@@ -80,7 +80,7 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
             try:
                 p.wait(30)
             except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGQUIT)  # a worker: stop now (a second SIGTERM is the same stop)
                 try:
                     p.wait(10)
                 except subprocess.TimeoutExpired:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -208,6 +209,31 @@ def test_platform_sigterm_to_every_process_is_graceful(app, stack):
     assert w.wait(30) == 0
     assert job.refresh().data["state"] == "completed"
     assert job.refresh().to_dict()["pid"] == child
+
+
+def test_a_repeated_sigterm_keeps_the_grace_and_sigquit_stops_now(app, stack):
+    """One stop often arrives as several SIGTERMs (the platform signals every process, and
+    honcho, `timeout` or `taskrunner up` pass it on too): the second cut the grace short
+    and requeued a job about to finish. Only SIGQUIT (or Ctrl-C twice) means "now"."""
+    w = stack.worker(concurrency=1)
+    job = apps.hold.delay("g4", 30)
+    started_pid(app, "g4")
+    w.send_signal(signal.SIGTERM)
+    w.send_signal(signal.SIGTERM)
+    time.sleep(1.2)  # the scenario: a repeat a little later too (not waiting for anything)
+    w.send_signal(signal.SIGTERM)
+    release(app, "g4")
+    assert w.wait(30) == 0
+    d = job.refresh().to_dict()
+    assert d["state"] == "completed" and d.get("requeues", 0) == 0, d
+    w = stack.worker(concurrency=1)
+    job = apps.hold.delay("g5", 60)
+    started_pid(app, "g5")
+    w.send_signal(signal.SIGTERM)
+    w.send_signal(signal.SIGQUIT)
+    assert w.wait(30) == 0
+    d = job.refresh().to_dict()
+    assert d["state"] == "pending" and d["requeues"] == 1, d
 
 
 def test_dispatcher_on_same_host_sees_dead_pid_before_heartbeat_expires(app, stack):

@@ -336,7 +336,7 @@ def test_procfile_under_honcho_serves_runs_a_job_and_stops_cleanly_on_sigterm(
         assert not alive, f"still running 30 s after SIGTERM: {alive}\n{log()}"
         assert honcho.wait(5) is not None and not ours(), "orphans"
         assert running.state == "completed" and running.refresh().result == 3, log()
-        assert "Traceback" not in log() and "second signal" not in log(), log()
+        assert "Traceback" not in log() and "stop now" not in log(), log()
         for stopped in (r"worker \S+: stopped after", r"dispatcher \S+: stopped after", r"Shutting down: Master"):
             assert re.search(stopped, log()), log()
     finally:
