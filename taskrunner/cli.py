@@ -24,6 +24,7 @@ from .errors import (
     BadURL,
     InvalidName,
     JobFailed,
+    NameInUse,
     NotJSONError,
     PayloadTooLarge,
     TaskRunnerError,
@@ -129,7 +130,7 @@ class Main(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (BadURL, AppNotFound, InvalidName, NotJSONError, PayloadTooLarge) as e:
+        except (BadURL, AppNotFound, InvalidName, NameInUse, NotJSONError, PayloadTooLarge) as e:
             raise Misconfigured(str(e)) from None
         except (TaskRunnerError, ValueError, TypeError) as e:
             raise click.ClickException(str(e)) from None

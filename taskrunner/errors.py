@@ -21,6 +21,10 @@ class InvalidName(TaskRunnerError, ValueError):
     """A queue, task or job id that cannot be used as one."""
 
 
+class NameInUse(TaskRunnerError):
+    """A worker name that a live worker has (heartbeat younger than dead_after)."""
+
+
 class BadURL(TaskRunnerError, ValueError):
     """A Redis URL that cannot be read: a wrong scheme, host, port, database or option."""
 

@@ -31,6 +31,7 @@ from .app import TaskRunner
 from .child import child_main
 from .connection import Blocker, Channel, is_cluster
 from .consumer import claim_args, claim_keys, claim_rest
+from .errors import NameInUse
 from .holders import identity, lose_held
 from .listing import server_time
 
@@ -295,8 +296,8 @@ class Worker:
         last = self.redis.zscore(self.keys.workers, self.name)
         now = server_time(self.app)
         if last is not None and now - last < self.s.dead_after:
-            raise SystemExit(f"worker name {self.name!r} is in use by a live worker (heartbeat "
-                             f"{now - last:.1f}s ago); pick another with -n")
+            raise NameInUse(f"worker name {self.name!r} is in use by a live worker (heartbeat "
+                            f"{now - last:.1f}s ago); pick another with -n")
         self.redis.sadd(self.keys.queues, *self.queues)
         declarations.publish(self.app, self.queues, self.name, now)
         self.next_declare = time.monotonic() + declarations.REFRESH

@@ -265,6 +265,9 @@ def test_worker_restarted_under_its_name_releases_what_its_previous_life_held(ap
     w1 = stack.worker(name="again", concurrency=1)
     job = apps.hold.delay("o1")
     started_pid(app, "o1")
+    twin = stack.cli("worker", "-A", "tests.apps", "-n", "again", "-c", "1")
+    assert twin.returncode == 2 and twin.stderr.startswith("Error: worker name 'again' is in use by a live worker")
+    assert twin.stderr.count("\n") == 1 and "Traceback" not in twin.stderr, twin.stderr
     os.killpg(w1.pid, signal.SIGKILL)
     beat = app.redis.zscore(app.keys.workers, "again")
     # the name is free again once its heartbeat is older than dead_after
