@@ -35,6 +35,10 @@ def _probe(socket: Path) -> redis.Redis:
     return redis.Redis(unix_socket_path=str(socket), socket_timeout=1, retry=Retry(NoBackoff(), 0))
 
 
+class AlreadyServed(RuntimeError):
+    """The socket is another live server's (a second `taskrunner up` in one folder)."""
+
+
 class RedisServer:
     """redis-server on a unix socket in `directory` (TCP off unless port is given)."""
 
@@ -57,7 +61,7 @@ class RedisServer:
         if self.socket.exists():  # left by a crash, or a live server's
             try:
                 _probe(self.socket).ping()
-                raise RuntimeError(f"a redis-server already serves {self.socket}")
+                raise AlreadyServed(f"a redis-server already serves {self.socket}")
             except redis.ConnectionError:
                 self.socket.unlink()
         # Its own session: Ctrl-C in a terminal must not stop Redis before its clients.

@@ -16,7 +16,7 @@ from .app import TaskRunner
 from .connection import EMBEDDED_DIR
 from .job import FINAL, Job
 from .loader import load_app
-from .redis_server import RedisServer
+from .redis_server import AlreadyServed, RedisServer
 
 
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -35,7 +35,14 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
               exit_after: bool) -> int:
     server = None
     if not redis_url:
-        server = RedisServer(EMBEDDED_DIR, appendonly=True).start()
+        try:
+            server = RedisServer(EMBEDDED_DIR, appendonly=True).start()
+        except AlreadyServed:
+            raise click.ClickException(
+                f"a taskrunner stack already runs from this folder (its Redis serves {EMBEDDED_DIR}/redis.sock): "
+                "commands run here use it; stop it (Ctrl-C in its terminal) to start another") from None
+        except RuntimeError as e:  # redis-server would not start
+            raise click.ClickException(str(e)) from None
         redis_url = server.url
         click.echo(f"redis-server: {redis_url} (AOF on, data in {Path(EMBEDDED_DIR).resolve()})")
     env = {**os.environ, "REDIS_URL": redis_url, "TASKRUNNER_APP": app_spec}

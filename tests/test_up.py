@@ -85,7 +85,7 @@ def test_up_demo_runs_teaches_and_stops_cleanly(tmp_path):
 def test_up_stops_everything_on_sigterm(tmp_path):
     """SIGTERM to `taskrunner up` alone (a supervisor, `kill`): it stops its dispatcher,
     worker, dashboard and Redis, as Ctrl-C does, and exits 0. It died at once and left them
-    all running."""
+    all running. A second `up` in its folder said so with a traceback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_URL", "TASKRUNNER_"))}
     env["PYTHONPATH"] = str(ROOT)
     p = subprocess.Popen([sys.executable, "-m", "taskrunner", "up", "-A", "tests.apps", "--port", str(free_port())],
@@ -97,6 +97,12 @@ def test_up_stops_everything_on_sigterm(tmp_path):
         wait_for(lambda: len(up.children()) == 4, what="Redis, dispatcher, worker and dashboard")
         wait_for(lambda: "queues default" in p.stdout.readline(), what="the worker to start")
         family = up.children(recursive=True)
+        # A second `up` in the same folder: one line, and the first one goes on.
+        twin = subprocess.run([sys.executable, "-m", "taskrunner", "up", "-A", "tests.apps", "--port",
+                               str(free_port())], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert twin.returncode == 1 and twin.stderr.count("\n") == 1, twin.stderr
+        assert twin.stderr.startswith("Error: a taskrunner stack already runs from this folder"), twin.stderr
+        assert p.poll() is None and all(q.is_running() for q in family)
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=60)
         _, alive = psutil.wait_procs(family, timeout=10)
