@@ -25,7 +25,7 @@ from .app import Schedule, TaskRunner, cron_job_id
 from .errors import MissingExtra, TaskRunnerError
 from .history import WARN_BACKLOG, Archiver, backlog
 from .holders import boot_id, lose, lose_held, pid_namespace, process_gone
-from .listing import server_time
+from .listing import DISPATCHER_FORGET, server_time
 
 log = logging.getLogger("taskrunner.dispatcher")
 # Back off and retry (every action is fenced); on a cluster also when no node is reachable.
@@ -47,6 +47,7 @@ class Dispatcher:
         self._hosts: dict[str, dict[str, Any]] = {}  # worker name -> info (host, pid, ...)
         self.passes = 0
         self.next_archive = 0.0
+        self.next_forget = 0.0
         self.history_backlog: dict[str, int] = {}
         # Redis time of our first pass since we last failed to reach Redis (None: not yet).
         # Heartbeats are counted from then at the earliest: after a Redis outage no worker
@@ -129,9 +130,24 @@ class Dispatcher:
             "name": self.name, "host": self.host, "pid": os.getpid(), "last_pass": now,
             "lag": round(time.time() - now, 3), "passes": self.passes,
             "history_backlog": {q: n for q, n in self.history_backlog.items() if n >= WARN_BACKLOG}}))
+        if time.monotonic() >= self.next_forget:
+            self.forget_gone(now)
         if any(stats.values()):
             log.info("dispatcher %s: %s", self.name, " ".join(f"{k}={v}" for k, v in stats.items() if v))
         return stats
+
+    def forget_gone(self, now: float) -> None:
+        """Take dispatchers silent for DISPATCHER_FORGET off the list (a SIGKILLed one
+        never says goodbye); once a minute."""
+        self.next_forget = time.monotonic() + 60
+        gone = []
+        for name, raw in self.redis.hgetall(self.keys.dispatchers).items():
+            last = _info(raw).get("last_pass")
+            if not isinstance(last, (int, float)) or now - last >= DISPATCHER_FORGET:  # or not one at all
+                gone.append(name)
+        if gone:
+            self.redis.hdel(self.keys.dispatchers, *gone)
+            log.info("dispatcher %s: forgot %s, silent for over %.0f s", self.name, ", ".join(gone), DISPATCHER_FORGET)
 
     def archive_history(self, queues: list[str]) -> int:
         """Move job history to Parquet (a few batches a pass); warn loudly when a stream

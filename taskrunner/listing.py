@@ -221,6 +221,13 @@ def finished(app: TaskRunner, state: str, offset: int = 0, limit: int = 50) -> t
     return total, _fill(app, rows, fields)
 
 
+#: A dispatcher silent this long (seconds) is shown gone, not late: it was killed or lost
+#: its host (a clean stop removes its entry at once); a live dispatcher removes the entry
+#: after DISPATCHER_FORGET.
+DISPATCHER_GONE = 60.0
+DISPATCHER_FORGET = 3600.0
+
+
 def overview(app: TaskRunner) -> dict[str, Any]:
     """Per queue counts (and finished in the last 5 minutes), workers, dispatchers."""
     now = server_time(app)
@@ -243,6 +250,7 @@ def overview(app: TaskRunner) -> dict[str, Any]:
         if not isinstance(d.get("history_backlog"), dict):
             d["history_backlog"] = {}
         d["healthy"] = d["age"] < max(5 * app.settings.dispatch_interval, 5)
+        d["health"] = "ok" if d["healthy"] else "late" if d["age"] < DISPATCHER_GONE else "gone"
         dispatchers.append(d)
     ws = workers(app)
     consumed = {q for w in ws if w["state"] == "alive" for q in w.get("queues", [])}

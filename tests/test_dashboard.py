@@ -4,6 +4,7 @@ CSRF, brute force, headers, binding) are in test_security.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import pytest
 from dashboard import create_app
 from taskrunner import queue
 from taskrunner.errors import QueueClosed
+from taskrunner.listing import DISPATCHER_FORGET, DISPATCHER_GONE
 from tests import apps
 from tests.conftest import wait_for
 
@@ -196,6 +198,30 @@ def test_overview_tells_the_truth(app, stack, web):
     assert dispatcher.wait(30) == 0
     assert web.get("/api/overview").get_json()["dispatchers"] == []
     assert "no dispatcher has run" in web.get("/").get_data(as_text=True)
+
+    # A SIGKILLed dispatcher never says goodbye. It showed "late" forever; now it is "gone"
+    # once silent for DISPATCHER_GONE, and a live dispatcher forgets it after
+    # DISPATCHER_FORGET. Its entry is aged by hand (as time would), with one older still.
+    killed = stack.dispatcher()
+    [d] = wait_for(lambda: web.get("/api/overview").get_json()["dispatchers"], what="a dispatcher pass")
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    entry = json.loads(app.redis.hget(app.keys.dispatchers, d["name"]))
+    entry["last_pass"] -= DISPATCHER_GONE + 1
+    app.redis.hset(app.keys.dispatchers, d["name"], json.dumps(entry))
+    app.redis.hset(app.keys.dispatchers, "ancient", json.dumps({**entry, "name": "ancient",
+                                                               "last_pass": entry["last_pass"] - DISPATCHER_FORGET}))
+    shown = web.get("/api/overview").get_json()["dispatchers"]
+    assert [x["health"] for x in shown] == ["gone", "gone"]
+    assert "no dispatcher is running now" in web.get("/").get_data(as_text=True)
+    live = stack.dispatcher()
+    wait_for(lambda: [x["name"] for x in web.get("/api/overview").get_json()["dispatchers"]
+                      if x["health"] == "ok"], what="the new dispatcher's pass")
+    shown = web.get("/api/overview").get_json()["dispatchers"]
+    assert sorted(x["health"] for x in shown) == ["gone", "ok"] and "ancient" not in [x["name"] for x in shown]
+    assert "no dispatcher is running now" not in web.get("/").get_data(as_text=True)
+    live.send_signal(signal.SIGTERM)
+    assert live.wait(30) == 0
 
     worker = stack.worker(concurrency=2, name="doomed")
     apps.hold.delay("truth", 60)
