@@ -53,7 +53,7 @@ fi
 rm -f "$root.log"
 # The environment of every command in the root: nothing of this machine's but its network's
 # settings, as a fresh machine on this network would have them: DNS, proxy variables, and
-# the CA bundle that pip must trust here (with a TLS-inspecting proxy's CA; a fresh
+# the CA bundle that pip and npm must trust here (with a TLS-inspecting proxy's CA; a fresh
 # machine's pip trusts the public CAs it carries itself, which this bundle holds too).
 cp /etc/resolv.conf "$root/etc/resolv.conf"
 chroot_env=(HOME=/root LANG=C.UTF-8 CI=true TERM=dumb DEBIAN_FRONTEND=noninteractive
@@ -61,7 +61,7 @@ chroot_env=(HOME=/root LANG=C.UTF-8 CI=true TERM=dumb DEBIAN_FRONTEND=noninterac
 host_ca=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}
 if [ -f "$host_ca" ]; then
   cp "$host_ca" "$root/etc/host-ca.crt"
-  chroot_env+=(PIP_CERT=/etc/host-ca.crt)
+  chroot_env+=(PIP_CERT=/etc/host-ca.crt NODE_EXTRA_CA_CERTS=/etc/host-ca.crt npm_config_cafile=/etc/host-ca.crt)
 fi
 for v in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY; do
   if [ -n "${!v:-}" ]; then chroot_env+=("$v=${!v}"); fi
