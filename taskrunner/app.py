@@ -122,12 +122,32 @@ def cron_job_id(schedule: str, tick: float) -> str:
     return f"cron.{schedule}.{int(tick)}"
 
 
+def _exception_classes(what: str, value: Any) -> tuple[type[BaseException], ...]:
+    """An exception class or a tuple of them, as `except` takes it, checked at declaration
+    (a typo would otherwise surface only when a job fails)."""
+    classes = value if isinstance(value, tuple) else (value,)
+    for c in classes:
+        if not (isinstance(c, type) and issubclass(c, BaseException)):
+            raise TypeError(f"{what} takes exception classes (one, or a tuple), not {c!r}")
+    return classes
+
+
 class Task:
     """A function that can run as a job. Calling it runs it here and now."""
 
-    def __init__(self, app: TaskRunner, fn: Callable, name: str, spec: JobSpec):
+    def __init__(self, app: TaskRunner, fn: Callable, name: str, spec: JobSpec,
+                 retry_on: tuple[type[BaseException], ...] | None = None,
+                 no_retry_on: tuple[type[BaseException], ...] = ()):
         self.app, self.fn, self.name, self.spec = app, fn, name, spec
+        self.retry_on, self.no_retry_on = retry_on, no_retry_on
         functools.update_wrapper(self, fn)
+
+    def retryable(self, error: BaseException) -> bool:
+        """May a job that raised `error` run again (while its retries last)? Not for a
+        class of no_retry_on; with retry_on, only for its classes; else for any."""
+        if isinstance(error, self.no_retry_on):
+            return False
+        return self.retry_on is None or isinstance(error, self.retry_on)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -210,10 +230,17 @@ class TaskRunner:
 
     def task(self, fn: Callable | None = None, *, name: str | None = None, queue: str = "default",
              max_duration: float | None = None, retries: int = 0, retry_backoff: float = 1.0,
-             timeout_policy: str = "kill", max_lost: int | None = None) -> Any:
+             timeout_policy: str = "kill", max_lost: int | None = None,
+             retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
+             no_retry_on: type[BaseException] | tuple[type[BaseException], ...] = ()) -> Any:
         """Declare a task: `@app.task` or `@app.task(queue=..., max_duration=..., retries=...)`.
         The name defaults to module.function. timeout_policy: "kill" ends a job that passes
-        its max duration (failed, TimeLimitExceeded); "flag" only flags it stuck."""
+        its max duration (failed, TimeLimitExceeded); "flag" only flags it stuck. A job that
+        raises is retried while `retries` last, unless the exception is of a class in
+        `no_retry_on`, or `retry_on` is given and it is of none of its classes: then it
+        fails at once (a ValueError from bad input will not pass on a second try)."""
+        retry_classes = None if retry_on is None else _exception_classes("retry_on", retry_on)
+        no_retry_classes = _exception_classes("no_retry_on", no_retry_on)
 
         def register(f: Callable) -> Task:
             spec = JobSpec().merged(queue=queue, max_duration=max_duration, retries=retries,
@@ -221,7 +248,7 @@ class TaskRunner:
             task_name = codec.check_name("task", name or f"{f.__module__}.{f.__qualname__}")
             if task_name in self.tasks and self.tasks[task_name].fn is not f:
                 raise TaskRunnerError(f"two tasks named {task_name!r}: pass name= to one of them")
-            t = self.tasks[task_name] = Task(self, f, task_name, spec)
+            t = self.tasks[task_name] = Task(self, f, task_name, spec, retry_classes, no_retry_classes)
             return t
 
         return register(fn) if fn is not None else register

@@ -101,10 +101,15 @@ def _failed(kind: str, message: str, tb: str = "") -> list:
     return ["failed", kind, message, tb, ""]
 
 
-def _error(e: BaseException) -> list:
+def _error(e: BaseException, task: Any) -> list:
+    """The outcome of a task that raised: "error" (retried while retries last, after a
+    backoff with this jitter factor), or "failed" at once when the task's retry_on /
+    no_retry_on say that this exception is not worth another try."""
     kind = type(e).__qualname__
     if type(e).__module__ != "builtins":
         kind = f"{type(e).__module__}.{kind}"
+    if not task.retryable(e):
+        return _failed(kind, str(e), traceback.format_exc())
     return ["error", kind, str(e), traceback.format_exc(), str(random.uniform(0.5, 1.0))]
 
 
@@ -143,13 +148,13 @@ def run(app: Any, message: bytes) -> list:
         mismatch = _mismatch(task.fn, args, kwargs)
         if mismatch:
             return _failed("BadArguments", f"{name}{mismatch}")
-        return _error(e)
+        return _error(e, task)
     except Retry as r:
         return ["requeue", str(r.delay), "", "", ""]
     except Reject as r:
         return _failed("Rejected", str(r))
     except (Exception, SystemExit) as e:
-        return _error(e)
+        return _error(e, task)
     try:
         return ["completed", codec.dumps(result, "result").decode(), "", "", ""]
     except NotJSONError as e:

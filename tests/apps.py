@@ -66,6 +66,14 @@ def flaky(key: str, succeed_on: int) -> str:
     return f"ok on try {n}"
 
 
+@app.task(retries=3, retry_backoff=0.05, retry_on=(ConnectionError, TimeoutError), no_retry_on=ConnectionRefusedError)
+def picky(key: str, error: str) -> None:
+    """Raises the builtin exception named `error`, counting its tries under `key`."""
+    mark(key)
+    raise {"ConnectionError": ConnectionError, "ConnectionRefusedError": ConnectionRefusedError,
+           "ValueError": ValueError}[error](error)
+
+
 @app.task(max_lost=2)
 def crash(key: str) -> None:
     mark(key)

@@ -136,6 +136,24 @@ def test_retries_with_backoff(app, stack):
     assert bad.refresh().to_dict()["attempts"] == 3
 
 
+def test_retry_on_and_no_retry_on_decide_which_errors_run_again(app, stack):
+    """retry_on=(ConnectionError, TimeoutError), no_retry_on=ConnectionRefusedError: only
+    the first is tried again (1 + 3 tries); a ValueError (not in retry_on) and a
+    ConnectionRefusedError (a ConnectionError, but in no_retry_on) fail at once."""
+    stack.worker()
+    stack.dispatcher()
+    jobs = {error: apps.picky.delay(error, error) for error in ("ConnectionError", "ValueError",
+                                                                 "ConnectionRefusedError")}
+    for error, job in jobs.items():
+        with pytest.raises(JobFailed, match=error):
+            job.wait(30)
+    tries = {error: int(app.redis.get(f"{app.settings.prefix}:ledger:{error}")) for error in jobs}
+    assert tries == {"ConnectionError": 4, "ValueError": 1, "ConnectionRefusedError": 1}
+    assert jobs["ValueError"].refresh().to_dict()["error_type"] == "ValueError"
+    with pytest.raises(TypeError, match="retry_on takes exception classes"):
+        app.task(retry_on=("ValueError",))(lambda: None)
+
+
 def test_task_requeues_itself_with_delay(app, stack):
     stack.worker()
     stack.dispatcher()
