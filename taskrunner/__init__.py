@@ -1,6 +1,7 @@
 """taskrunner: a reliable task runner on Redis."""
 
 from .app import JobSpec, Schedule, Task, TaskRunner
+from .context import JobContext, current_job
 from .errors import (
     InvalidName,
     JobFailed,
@@ -17,6 +18,7 @@ from .errors import (
 )
 from .job import Job
 
-__all__ = ["TaskRunner", "Task", "Job", "JobSpec", "Schedule", "Retry", "Reject", "TaskRunnerError", "JobFailed",
+__all__ = ["TaskRunner", "Task", "Job", "current_job", "JobContext",
+           "JobSpec", "Schedule", "Retry", "Reject", "TaskRunnerError", "JobFailed",
            "JobNotFound", "NotJSONError", "PayloadTooLarge", "InvalidName", "Timeout", "QueueFull", "QueueClosed",
            "QueueNotFound"]

@@ -2,8 +2,9 @@
 they were sent.
 
 Protocol with the worker (one pipe; the worker may send several jobs ahead, its prefetch):
-it sends b"seq\\0id\\0attempt\\0task\\0args\\0kwargs" (args, kwargs: the JSON text stored in
-Redis; seq counts the jobs sent to this child); the child answers each job it ran with a
+it sends b"seq\\0id\\0attempt\\0task\\0queue\\0max_duration\\0args\\0kwargs" (args, kwargs: the
+JSON text stored in Redis; seq counts the jobs sent to this child; queue, max duration and
+attempt are what current_job() tells the task); the child answers each job it ran with a
 JSON list [id, runtime, outcome, v1, v2, v3, v4] (outcome, v1..v4 as finish.lua takes them).
 
 Jobs sent ahead can be taken back while the child is busy, without its help: under a lock
@@ -25,6 +26,7 @@ from typing import Any
 import orjson
 
 from . import codec, frames
+from .context import JobContext, _current
 from .errors import NotJSONError, Reject, Retry
 
 
@@ -130,18 +132,21 @@ def _mismatch(fn: Any, args: list, kwargs: dict) -> str | None:
 def run(app: Any, message: bytes) -> list:
     """Run one job; every outcome, including bad input, becomes a reply."""
     parts = message.split(b"\0")
-    if len(parts) != 5:
+    if len(parts) != 7:
         return _failed("CorruptJob", "job record has a malformed field (NUL byte)")
-    name = parts[2].decode("utf-8", "replace")
+    job_id, attempt, raw_name, queue, max_duration, raw_args, raw_kwargs = parts
+    name = raw_name.decode("utf-8", "replace")
     task = app.tasks.get(name)
     if task is None:
         return _failed("NotRegistered", f"unknown task {name!r}: no task of that name in app {app.name!r}")
     try:
-        args, kwargs = codec.loads(parts[3]), codec.loads(parts[4])  # UTF-8 checked there
+        args, kwargs = codec.loads(raw_args), codec.loads(raw_kwargs)  # UTF-8 checked there
     except ValueError as e:
         return _failed("BadArguments", f"args/kwargs are not valid JSON: {e}")
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         return _failed("BadArguments", "args must be a JSON array and kwargs a JSON object")
+    token = _current.set(JobContext(job_id.decode(), name, queue.decode(), int(attempt),
+                                    time.time() + float(max_duration)))
     try:
         result = task.fn(*args, **kwargs)
     except TypeError as e:
@@ -155,6 +160,8 @@ def run(app: Any, message: bytes) -> list:
         return _failed("Rejected", str(r))
     except (Exception, SystemExit) as e:
         return _error(e, task)
+    finally:
+        _current.reset(token)
     try:
         return ["completed", codec.dumps(result, "result").decode(), "", "", ""]
     except NotJSONError as e:

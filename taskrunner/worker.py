@@ -755,7 +755,8 @@ class Worker:
             c = slots[i // 8][0]
             d = Delivery(job_id, str(attempt), self.queues[int(qi) - 1], float(md), policy)
             if c in alive:
-                c.send(d, b"\0".join(s.encode() for s in (job_id, str(attempt), task, args, kwargs)), now)
+                c.send(d, b"\0".join(s.encode() for s in (job_id, str(attempt), task, d.queue, md, args, kwargs)),
+                       now)
             else:
                 self._report(d, ["return", f"its process died on {self.host} before it got it", "", "", ""])
         for c in {c for c, _ in slots}:

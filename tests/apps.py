@@ -6,7 +6,7 @@ import os
 import signal
 import time
 
-from taskrunner import Reject, Retry, TaskRunner
+from taskrunner import Reject, Retry, TaskRunner, current_job
 
 app = TaskRunner("tests")
 
@@ -72,6 +72,16 @@ def picky(key: str, error: str) -> None:
     mark(key)
     raise {"ConnectionError": ConnectionError, "ConnectionRefusedError": ConnectionRefusedError,
            "ValueError": ValueError}[error](error)
+
+
+@app.task(retries=1, retry_backoff=0.05, max_duration=60)
+def whoami() -> dict:
+    """Its own delivery, as current_job() tells it; fails its first try to show attempt 2."""
+    job = current_job()
+    if job.attempt == 1:
+        raise RuntimeError("first try")
+    return {"id": job.id, "task": job.task, "queue": job.queue, "attempt": job.attempt, "deadline": job.deadline,
+            "headers": job.headers}
 
 
 @app.task(max_lost=2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from taskrunner import (
@@ -11,7 +13,9 @@ from taskrunner import (
     NotJSONError,
     PayloadTooLarge,
     TaskRunner,
+    TaskRunnerError,
     Timeout,
+    current_job,
 )
 from tests import apps
 from tests.conftest import wait_for
@@ -152,6 +156,19 @@ def test_retry_on_and_no_retry_on_decide_which_errors_run_again(app, stack):
     assert jobs["ValueError"].refresh().to_dict()["error_type"] == "ValueError"
     with pytest.raises(TypeError, match="retry_on takes exception classes"):
         app.task(retry_on=("ValueError",))(lambda: None)
+
+
+def test_current_job_tells_a_task_its_own_delivery(app, stack):
+    stack.worker()
+    stack.dispatcher()
+    before = time.time()
+    job = apps.whoami.delay()
+    seen = job.wait(30)
+    assert {k: seen[k] for k in ("id", "task", "queue", "attempt", "headers")} == \
+        {"id": job.id, "task": "tests.apps.whoami", "queue": "default", "attempt": 2, "headers": {}}
+    assert before + 60 < seen["deadline"] < time.time() + 60  # its second try's start + max duration
+    with pytest.raises(TaskRunnerError, match="only available inside a task"):
+        current_job()
 
 
 def test_task_requeues_itself_with_delay(app, stack):
