@@ -16,7 +16,7 @@ from typing import Any
 import redis
 from croniter import croniter
 
-from . import codec, declarations, scripts
+from . import codec, declarations, eager, scripts
 from .config import Settings
 from .connection import Direct, connect, is_cluster, pop_any
 from .errors import JobNotFound, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
@@ -318,7 +318,10 @@ class TaskRunner:
 
     def declared(self, task: str) -> dict[str, Any] | None:
         """The task's declaration as workers published it (None: no worker declared it),
-        looked up in Redis at most once every few seconds per task."""
+        looked up in Redis at most once every few seconds per task. In eager mode, None:
+        only this app's tasks run, and Redis is never asked."""
+        if self.settings.eager:
+            return None
         found, d = self._declared.get(task)
         if not found:
             d = self._declared.put(task, declarations.lookup(self, task))
@@ -333,11 +336,14 @@ class TaskRunner:
         enqueue script fills them in. With a job_id that exists already
         nothing is enqueued and the existing job is returned, with .created False.
         Into a full bounded queue it waits up to `block_timeout` seconds (default: the
-        block_timeout setting; 0: not at all) for room, then raises QueueFull."""
+        block_timeout setting; 0: not at all) for room, then raises QueueFull.
+        In eager mode the job runs here before this returns (taskrunner/eager.py)."""
         spec, sent = (spec.merged(**options), None) if spec is not None else self._job_spec(task, options)
         job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
         fields = self._fields(task, args, kwargs, spec, sent)
         delay = seconds("delay", delay) if delay is not None else None
+        if self.settings.eager:
+            return eager.enqueue(self, job_id, fields)
         wait = seconds("block_timeout", self.settings.block_timeout if block_timeout is None else block_timeout)
         deadline = None
         while True:
@@ -362,7 +368,7 @@ class TaskRunner:
         and optionally args, kwargs, queue, delay, max_duration, retries, id. Never blocks:
         jobs refused by a full or closed queue raise QueueFull/QueueClosed after the chunk
         (the jobs before them are enqueued). While Redis runs a chunk, the next one is built;
-        it is sent once the answers came."""
+        it is sent once the answers came. In eager mode each job runs here, in order."""
         out: list[Job] = []
         pending: list[tuple[str, str, float, list[Any]]] = []
         sent: tuple[scripts.Batch, dict[str, list[Any]], int] | None = None  # what Redis runs meanwhile
@@ -412,6 +418,10 @@ class TaskRunner:
             except (TaskRunnerError, ValueError, TypeError) as e:
                 settle()
                 raise type(e)(f"job {n}: {e}") from None
+            if self.settings.eager:
+                out.append(eager.enqueue(self, pending[-1][1], pending.pop()[3]))
+                if progress:
+                    progress(1)
             if len(pending) >= chunk:
                 settle()
                 send()

@@ -58,6 +58,9 @@ class Settings:
     #: longer than Redis's work, on VMs most. Costs up to this much CPU per enqueue; 0 turns
     #: it off. Never with a remote Redis or a single CPU.
     enqueue_spin: float = 0.0001  # TASKRUNNER_ENQUEUE_SPIN
+    #: For tests of users' own tasks: enqueue runs the task in the calling process, at
+    #: once, and never connects to Redis (taskrunner/eager.py says what differs).
+    eager: bool = False  # TASKRUNNER_EAGER
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:
@@ -66,10 +69,19 @@ class Settings:
             env = "REDIS_URL" if f.name == "redis_url" else "TASKRUNNER_" + f.name.upper()
             raw = os.environ.get(env)
             if raw not in (None, ""):
-                kind = type(f.default) if f.default is not None else str
+                kind = _flag if isinstance(f.default, bool) else type(f.default) if f.default is not None else str
                 try:
                     values[f.name] = kind(raw)
                 except ValueError:
-                    raise ValueError(f"{env}={raw!r} is not a valid {kind.__name__}") from None
+                    what = "yes/no (1, true, yes, on / 0, false, no, off)" if kind is _flag else kind.__name__
+                    raise ValueError(f"{env}={raw!r} is not a valid {what}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)
+
+
+def _flag(raw: str) -> bool:
+    """A yes/no setting: bool("0") is True, so the words are read here."""
+    word = raw.strip().lower()
+    if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(raw)
+    return word in ("1", "true", "yes", "on")

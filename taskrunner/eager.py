@@ -1,0 +1,111 @@
+"""Eager mode (`TaskRunner(..., eager=True)` or TASKRUNNER_EAGER=1), for users' own tests:
+an enqueue runs the task here and now, in the calling process, and returns a Job that holds
+its record in memory. No Redis is needed and no connection is made.
+
+What a job sees is what a worker's child would give it: the task runs through the child's
+own `run` (the JSON round-tripped arguments, the same outcomes: NotRegistered,
+BadArguments, Rejected, a result that is not JSON), and the record ends as finish.lua would
+end it. Differences, on purpose: retries (an exception while retries remain, or
+`raise Retry(...)`) run again at once, without sleeping the backoff or the Retry's delay,
+and a `delay` given at enqueue is not waited either; `Retry` counts against the task's
+retries (else a task that always retries would never return), and past them the job fails
+with MaxRetriesExceeded."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from .child import run as run_in_child
+from .errors import JobNotFound
+from .job import Job
+
+if TYPE_CHECKING:
+    from .app import TaskRunner
+
+
+class EagerJob(Job):
+    """A job that ran already: its record lives in memory, never in Redis."""
+
+    def refresh(self) -> Job:
+        if not self.data:
+            raise JobNotFound(f"no job {self.id} in queue {self.queue} (deleted)")
+        return self
+
+    @property
+    def state(self) -> str:
+        return self.refresh().data["state"]
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The result, or JobFailed, at once: the job ended before enqueue returned."""
+        if self.state == "completed":
+            return self.result
+        raise self._failure()
+
+    def kill(self, who: str | None = None) -> str:
+        """Nothing to kill: the job ended already (as a kill of an ended job does)."""
+        return self.state
+
+    def retry(self, who: str | None = None) -> bool:
+        """Run a failed or killed job again, here and now."""
+        if self.state not in ("failed", "killed"):
+            return False
+        for k in ("finished_at", "result"):
+            self.data.pop(k, None)
+        self.data.update({"failures": "0", "requeues": "0", f"action:{_now()}": f"retried by {who or 'eager'}"})
+        _run(self.app, self)
+        return True
+
+    def requeue(self, who: str | None = None) -> bool:
+        self.refresh()
+        return False  # never delayed nor running
+
+    def delete(self) -> bool:
+        self.refresh()
+        self.data = {}
+        return True
+
+
+def enqueue(app: TaskRunner, job_id: str, fields: list[Any]) -> EagerJob:
+    """Run the job that enqueue.lua would have stored with `fields` (app._fields's list);
+    returns it ended."""
+    data = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in zip(fields[::2], fields[1::2])}
+    data.update(enqueued_at=_now(), attempts="0", failures="0", requeues="0")
+    job = EagerJob(app, job_id, data["queue"], data)
+    _run(app, job)
+    return job
+
+
+def _run(app: TaskRunner, job: EagerJob) -> None:
+    """Deliveries of the job until it ends, each recorded as finish.lua records it."""
+    d = job.data
+    d.update(worker="eager", host=socket.gethostname(), pid=str(os.getpid()))
+    while True:
+        attempt, t = int(d["attempts"]) + 1, _now()
+        d.update(state="running", attempts=str(attempt), started_at=t)
+        message = "\0".join([job.id, str(attempt), d["task"], d["args"], d["kwargs"]]).encode()
+        outcome, v1, v2, v3, _ = run_in_child(app, message)
+        counter = {"requeue": "requeues", "error": "failures"}.get(outcome)
+        if counter:
+            d[counter] = str(int(d[counter]) + 1)
+            if int(d["failures"]) + int(d["requeues"]) <= int(d["retries"]):
+                if outcome == "error":  # kept until the next end, as finish.lua does
+                    d.update(error_type=v1, error=v2, traceback=v3)
+                why = "requeued itself (Retry)" if outcome == "requeue" else f"failed {v1}"
+                d[f"end:{attempt}"] = f"{_now()} {why}, run again at once (eager)"
+                continue
+        if outcome == "completed":
+            d["result"] = v1
+        else:
+            if outcome == "requeue":
+                v1, v2, v3 = "MaxRetriesExceeded", f"{d['task']} raised Retry with its {d['retries']} retries used", ""
+            d.update(error_type=v1, error=v2, traceback=v3)
+        d.update(state="completed" if outcome == "completed" else "failed", finished_at=_now())
+        d[f"end:{attempt}"] = f"{d['finished_at']} {'completed' if outcome == 'completed' else 'failed ' + v1}"
+        return
+
+
+def _now() -> str:
+    return f"{time.time():.6f}"
