@@ -85,7 +85,9 @@ def _run(app: TaskRunner, job: EagerJob) -> None:
     while True:
         attempt, t = int(d["attempts"]) + 1, _now()
         d.update(state="running", attempts=str(attempt), started_at=t)
-        message = "\0".join([job.id, str(attempt), d["task"], d["args"], d["kwargs"]]).encode()
+        max_duration = d.get("max_duration") or str(app.settings.max_duration)
+        message = "\0".join([job.id, str(attempt), d["task"], d["queue"], max_duration, d["args"],
+                             d["kwargs"]]).encode()
         outcome, v1, v2, v3, _ = run_in_child(app, message)
         counter = {"requeue": "requeues", "error": "failures"}.get(outcome)
         if counter:

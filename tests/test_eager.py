@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
 import redis
 
-from taskrunner import JobFailed, JobNotFound, NotJSONError, PayloadTooLarge, Reject, Retry, TaskRunner
+from taskrunner import JobFailed, JobNotFound, NotJSONError, PayloadTooLarge, Reject, Retry, TaskRunner, current_job
 
 NOWHERE = "redis://127.0.0.1:1/0"
 
@@ -128,6 +129,27 @@ def test_retry_reruns_inline_and_is_capped_by_retries() -> None:
     with pytest.raises(JobFailed) as e:
         job.wait()
     assert e.value.error_type == "MaxRetriesExceeded" and "3 retries" in e.value.message
+
+
+def test_current_job_and_retry_on_work_inline() -> None:
+    """The task sees its delivery (current_job) and its retry policy as in a worker."""
+    app = TaskRunner("eager-ctx", eager=True)
+    seen: list = []
+
+    @app.task(name="ctx", queue="q1", retries=2, max_duration=30, no_retry_on=ValueError)
+    def ctx(fail):
+        seen.append(current_job())
+        if len(seen) == 1:
+            raise ValueError("no retry") if fail else ConnectionError("retried")
+        return seen[-1].attempt
+
+    assert ctx.delay(False).wait() == 2
+    assert [(j.task, j.queue, j.attempt) for j in seen] == [("ctx", "q1", 1), ("ctx", "q1", 2)]
+    assert seen[-1].deadline > time.time() + 25
+    seen.clear()
+    with pytest.raises(JobFailed, match="no retry"):
+        ctx.delay(True).wait()
+    assert len(seen) == 1
 
 
 def test_reject_fails_without_retries() -> None:
