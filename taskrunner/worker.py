@@ -29,8 +29,8 @@ import redis
 from . import codec, declarations, frames, scripts
 from .app import TaskRunner
 from .child import child_main
+from .claims import Claim, claim_args, claim_keys, claim_rest
 from .connection import Blocker, Channel, is_cluster
-from .consumer import claim_args, claim_keys, claim_rest
 from .errors import NameInUse
 from .holders import identity, lose_held
 from .listing import server_time
@@ -740,23 +740,21 @@ class Worker:
                     log.warning("worker %s: job %s was requeued and taken by another worker while it ran "
                                 "here; this result was discarded", self.name, e[0])
         if f.slots:
-            claimed = claim_rest(self.app, self.prefixes, f.claim, results[-1])
+            claimed = claim_rest(self.app, self.queues, f.claim, results[-1])
             self._start(f.slots, claimed)
-            if len(claimed) < 8 * len(f.slots):
+            if len(claimed) < len(f.slots):
                 self.may_claim = False
 
-    def _start(self, slots: list[tuple[Child, float]], claimed: list[Any]) -> None:
+    def _start(self, slots: list[tuple[Child, float]], claimed: list[Claim]) -> None:
         """Send claimed jobs to the children they were claimed for; a child that died while
         the claim was in flight never got its jobs, so they go back, next in line."""
         now = time.monotonic()
         alive = set(self.children)
-        for i in range(0, len(claimed), 8):
-            qi, job_id, attempt, task, args, kwargs, md, policy = claimed[i:i + 8]
-            c = slots[i // 8][0]
-            d = Delivery(job_id, str(attempt), self.queues[int(qi) - 1], float(md), policy)
+        for (c, _), job in zip(slots, claimed):
+            d = Delivery(job.id, job.attempt, job.queue, job.max_duration, job.timeout_policy)
             if c in alive:
-                c.send(d, b"\0".join(s.encode() for s in (job_id, str(attempt), task, d.queue, md, args, kwargs)),
-                       now)
+                message = (job.id, job.attempt, job.task, job.queue, str(job.max_duration), job.args, job.kwargs)
+                c.send(d, b"\0".join(s.encode() for s in message), now)
             else:
                 self._report(d, ["return", f"its process died on {self.host} before it got it", "", "", ""])
         for c in {c for c, _ in slots}:
