@@ -4,7 +4,9 @@ claim.lua, its answer decoded into records, and the per-queue calls a Redis Clus
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 from . import codec, scripts
 from .app import TaskRunner
@@ -14,24 +16,54 @@ from .connection import is_cluster
 STRIDE = 8
 
 
-class Claim(NamedTuple):
-    """One job a claim handed over, as claim.lua answers it; args and kwargs are the JSON
-    text stored (a worker passes it to its child without decoding it)."""
+@dataclass(eq=False)
+class Delivery:
+    """One claimed job: what claim.lua answered for it (docs/PROTOCOL.md, Answers) and, in
+    a worker, what became of it in the child it was sent to. args_json and kwargs_json are
+    the JSON text stored: a worker passes it to its child undecoded; a consumer reads args
+    and kwargs. Two deliveries of one job are two objects (eq is identity)."""
 
     queue: str
     id: str
     attempt: str  # the fencing token finish.lua needs
     task: str
-    args: str
-    kwargs: str
+    args_json: str
+    kwargs_json: str
     max_duration: float
-    timeout_policy: str
+    timeout_policy: str = "kill"
+    began: float | None = None  # worker: monotonic; when its child began it (None: still queued there)
+    stuck: bool = False  # worker: flagged stuck (past its max duration)
+    seq: int = 0  # worker: its number among the jobs sent to its child
+
+    @property
+    def deadline(self) -> float:
+        return self.began + self.max_duration if self.began is not None else float("inf")
+
+    @cached_property
+    def _payload(self) -> tuple[Any, Any]:
+        try:
+            return codec.loads(self.args_json), codec.loads(self.kwargs_json)
+        except ValueError:
+            return self.args_json, self.kwargs_json  # the consumer sees the record as it is
+
+    @property
+    def args(self) -> Any:
+        return self._payload[0]
+
+    @property
+    def kwargs(self) -> Any:
+        return self._payload[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "queue": self.queue, "attempt": int(self.attempt), "task": self.task,
+                "args": self.args, "kwargs": self.kwargs, "max_duration": self.max_duration,
+                "timeout_policy": self.timeout_policy}
 
 
-def decode(answer: list[Any], queues: list[str]) -> list[Claim]:
+def decode(answer: list[Any], queues: list[str]) -> list[Delivery]:
     """claim.lua's answer, 8 values per job, as records; `queues`: the call's queues in
     KEYS order (the answer numbers them from 1)."""
-    return [Claim(queues[int(answer[i]) - 1], answer[i + 1], str(answer[i + 2]), *answer[i + 3:i + 6],
+    return [Delivery(queues[int(answer[i]) - 1], answer[i + 1], str(answer[i + 2]), *answer[i + 3:i + 6],
                   float(answer[i + 6]), answer[i + 7]) for i in range(0, len(answer), STRIDE)]
 
 
@@ -47,7 +79,7 @@ def claim_keys(app: TaskRunner, prefixes: list[str]) -> list[str]:
     return prefixes[:1] if is_cluster(app.redis) else prefixes
 
 
-def claim_rest(app: TaskRunner, queues: list[str], args: list[Any], answer: list[Any]) -> list[Claim]:
+def claim_rest(app: TaskRunner, queues: list[str], args: list[Any], answer: list[Any]) -> list[Delivery]:
     """The jobs claimed, from the first call's `answer` (KEYS: claim_keys()); on a cluster
     the later queues go on, one call each, in priority order, while jobs are still wanted
     (strict priority, as in one call), each pair's seconds ahead counting the jobs claimed

@@ -7,33 +7,13 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from . import codec, scripts
 from .app import TaskRunner
-from .claims import claim_args, claim_keys, claim_rest
+from .claims import Delivery, claim_args, claim_keys, claim_rest
 from .connection import pop_any
 from .holders import held, identity
-
-
-@dataclass
-class Delivery:
-    """One claimed job: what a consumer needs to do it and to ack it."""
-
-    id: str
-    queue: str
-    attempt: str
-    task: str
-    args: list
-    kwargs: dict
-    max_duration: float
-    timeout_policy: str = "kill"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "queue": self.queue, "attempt": int(self.attempt), "task": self.task,
-                "args": self.args, "kwargs": self.kwargs, "max_duration": self.max_duration,
-                "timeout_policy": self.timeout_policy}
 
 
 class Consumer:
@@ -59,13 +39,7 @@ class Consumer:
         argv = claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid(), ""] * count)
         while True:
             raw = scripts.CLAIM(self.app.redis, claim_keys(self.app, prefixes), argv)
-            out = []
-            for c in claim_rest(self.app, self.queues, argv, raw):
-                try:
-                    a, k = codec.loads(c.args), codec.loads(c.kwargs)
-                except ValueError:
-                    a, k = c.args, c.kwargs  # the consumer sees the record as it is
-                out.append(Delivery(c.id, c.queue, c.attempt, c.task, a, k, c.max_duration, c.timeout_policy))
+            out = claim_rest(self.app, self.queues, argv, raw)
             left = deadline - time.monotonic()
             if out or left <= 0:
                 return out

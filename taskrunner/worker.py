@@ -29,7 +29,7 @@ import redis
 from . import codec, declarations, frames, scripts
 from .app import TaskRunner
 from .child import child_main
-from .claims import Claim, claim_args, claim_keys, claim_rest
+from .claims import Delivery, claim_args, claim_keys, claim_rest
 from .connection import Blocker, Channel, is_cluster
 from .errors import NameInUse
 from .holders import identity, lose_held
@@ -54,24 +54,6 @@ FLIGHTS = 2
 #: While children run short jobs with more queued, we look at their answers this often
 #: instead of waking for each one.
 GLANCE = 0.0005
-
-
-@dataclass
-class Delivery:
-    """A job sent to a child: what the claim handed us, and what became of it."""
-
-    id: str
-    attempt: str
-    queue: str
-    max_duration: float
-    policy: str
-    began: float | None = None  # monotonic; when the child began it (None: still queued there)
-    stuck: bool = False
-    seq: int = 0  # its number among the jobs sent to the child
-
-    @property
-    def deadline(self) -> float:
-        return self.began + self.max_duration if self.began is not None else float("inf")
 
 
 @dataclass
@@ -653,7 +635,7 @@ class Worker:
             if now >= head.deadline and not head.stuck:
                 head.stuck = True
                 self.stuck_marks.append((head.queue, head.id, head.attempt))
-                if head.policy == "kill":
+                if head.timeout_policy == "kill":
                     log.warning("worker %s: job %s passed its max duration; stopping it", self.name, head.id)
                     c.kill(head, "timeout", self.s.kill_grace)
             if len(c.jobs) > 1 and (self.stopping or now - head.began >= min(HOLD, head.max_duration)):
@@ -745,15 +727,14 @@ class Worker:
             if len(claimed) < len(f.slots):
                 self.may_claim = False
 
-    def _start(self, slots: list[tuple[Child, float]], claimed: list[Claim]) -> None:
+    def _start(self, slots: list[tuple[Child, float]], claimed: list[Delivery]) -> None:
         """Send claimed jobs to the children they were claimed for; a child that died while
         the claim was in flight never got its jobs, so they go back, next in line."""
         now = time.monotonic()
         alive = set(self.children)
-        for (c, _), job in zip(slots, claimed):
-            d = Delivery(job.id, job.attempt, job.queue, job.max_duration, job.timeout_policy)
+        for (c, _), d in zip(slots, claimed):
             if c in alive:
-                message = (job.id, job.attempt, job.task, job.queue, str(job.max_duration), job.args, job.kwargs)
+                message = (d.id, d.attempt, d.task, d.queue, str(d.max_duration), d.args_json, d.kwargs_json)
                 c.send(d, b"\0".join(s.encode() for s in message), now)
             else:
                 self._report(d, ["return", f"its process died on {self.host} before it got it", "", "", ""])
