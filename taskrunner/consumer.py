@@ -7,69 +7,13 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from . import codec, scripts
 from .app import TaskRunner
-from .connection import is_cluster, pop_any
+from .claims import Delivery, claim_args, claim_keys, claim_rest
+from .connection import pop_any
 from .holders import held, identity
-
-
-@dataclass
-class Delivery:
-    """One claimed job: what a consumer needs to do it and to ack it."""
-
-    id: str
-    queue: str
-    attempt: str
-    task: str
-    args: list
-    kwargs: dict
-    max_duration: float
-    timeout_policy: str = "kill"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "queue": self.queue, "attempt": int(self.attempt), "task": self.task,
-                "args": self.args, "kwargs": self.kwargs, "max_duration": self.max_duration,
-                "timeout_policy": self.timeout_policy}
-
-
-def claim_args(app: TaskRunner, name: str, host: str, ip: str, slots: list[Any]) -> list[Any]:
-    """ARGV of claim.lua for a claimer; `slots`: a (PID, seconds ahead) pair per job wanted."""
-    head = codec.dumps({"worker": name, "host": host, "ip": ip}).decode()[:-1]
-    return [head, name, host, ip, app.settings.bucket_width, app.settings.max_duration, *slots]
-
-
-def claim_keys(app: TaskRunner, prefixes: list[str]) -> list[str]:
-    """KEYS of the first claim.lua call: every queue, in priority order; on a Redis Cluster,
-    whose scripts must touch one slot, the first queue alone (claim_rest() goes on)."""
-    return prefixes[:1] if is_cluster(app.redis) else prefixes
-
-
-def claim_rest(app: TaskRunner, prefixes: list[str], args: list[Any], claimed: list[Any]) -> list[Any]:
-    """The claim after the first call's answer `claimed`: on a cluster, the later queues
-    one call each, in priority order, while jobs are still wanted (strict priority, as in
-    one call); answers as one call over every queue gives them (queue numbers, and the
-    seconds ahead of each process's jobs, counting the jobs claimed for it before)."""
-    if not is_cluster(app.redis):
-        return claimed
-    head, pairs = args[:6], args[6:]
-    claimed = list(claimed)
-    for qi, prefix in enumerate(prefixes[1:], 2):
-        n = len(claimed) // 8  # job k went to pair k
-        if 2 * n == len(pairs):
-            break
-        ahead: dict[Any, float] = {}  # pid -> max durations of the jobs claimed for it so far
-        for pid, md in zip(pairs[0:2 * n:2], claimed[6::8]):
-            ahead[pid] = ahead.get(pid, 0.0) + float(md)
-        rest: list[Any] = []
-        for pid, base in zip(pairs[2 * n::2], pairs[2 * n + 1::2]):
-            rest += [pid, base if base == "" else f"{float(base) + ahead.get(pid, 0.0):.3f}"]
-        got = scripts.CLAIM(app.redis, [prefix], head + rest)
-        got[0::8] = [qi] * (len(got) // 8)
-        claimed += got
-    return claimed
 
 
 class Consumer:
@@ -95,15 +39,7 @@ class Consumer:
         argv = claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid(), ""] * count)
         while True:
             raw = scripts.CLAIM(self.app.redis, claim_keys(self.app, prefixes), argv)
-            raw = claim_rest(self.app, prefixes, argv, raw)
-            out = []
-            for i in range(0, len(raw), 8):
-                qi, job_id, attempt, task, args, kwargs, md, policy = raw[i:i + 8]
-                try:
-                    a, k = codec.loads(args), codec.loads(kwargs)
-                except ValueError:
-                    a, k = args, kwargs  # the consumer sees the record as it is
-                out.append(Delivery(job_id, self.queues[int(qi) - 1], str(attempt), task, a, k, float(md), policy))
+            out = claim_rest(self.app, self.queues, argv, raw)
             left = deadline - time.monotonic()
             if out or left <= 0:
                 return out

@@ -24,7 +24,7 @@ from . import codec, scripts
 from .app import Schedule, TaskRunner, cron_job_id
 from .errors import MissingExtra, TaskRunnerError
 from .history import WARN_BACKLOG, Archiver, backlog
-from .holders import boot_id, lose, lose_held, pid_namespace, process_gone
+from .holders import Holding, boot_id, lose, lose_held, pid_namespace, process_gone
 from .listing import DISPATCHER_FORGET, server_time
 
 log = logging.getLogger("taskrunner.dispatcher")
@@ -107,14 +107,14 @@ class Dispatcher:
             stats["promoted"] += int(res[0])
             lost: list[Any] = []
             for job_id, raw in zip(res[1::2], res[2::2]):
-                holder = holding(raw)
+                holder = Holding.parse(raw)
                 if holder is None:
                     # Nobody can be told to stop it: requeue it (fenced by the record's attempt).
                     log.error("dispatcher: corrupt holding entry for job %s in %s: %r", job_id, q, raw[:200])
                     attempt = self.redis.hget(self.keys.job(q, job_id), "attempts") or ""
                     lost += [job_id, attempt, f"its holding entry was corrupt: {raw[:200]!r}", ""]
                     continue
-                worker, attempt = holder
+                worker, attempt = holder.worker, str(holder.attempt)
                 if worker not in alive:
                     lost += [job_id, attempt, f"worker {worker} is dead", ""]
                 else:
@@ -295,15 +295,3 @@ def _info(raw: str | None) -> dict[str, Any]:
     except ValueError:
         return {}
     return info if isinstance(info, dict) else {}
-
-
-def holding(raw: str) -> tuple[str, str] | None:
-    """(worker, attempt) of a holding entry; None when it is not one."""
-    try:
-        entry = codec.loads(raw)
-        worker, attempt = entry["worker"], entry["attempt"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    if not isinstance(worker, str) or isinstance(attempt, bool) or not isinstance(attempt, int):
-        return None
-    return worker, str(attempt)

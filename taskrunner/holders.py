@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -13,6 +14,45 @@ from . import codec, scripts
 
 if TYPE_CHECKING:
     from .app import TaskRunner
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A holding entry (docs/PROTOCOL.md, `p running`): who runs a job, and since when. Any
+    client may have written it, so it is read defensively: one that is not an entry is
+    None (never an exception: it must not stop a dispatcher or a page)."""
+
+    worker: str
+    attempt: int
+    host: str | None = None
+    ip: str | None = None
+    pid: float | None = None
+    started_at: float = 0
+    max_duration: float = 0
+    ahead: float = 0  # seconds of work before it in a worker's prefetch
+
+    @classmethod
+    def parse(cls, raw: str) -> Holding | None:
+        """The entry; None when it is not one (not a JSON object, or no worker name and
+        integer attempt: nobody could be told to stop the job). Other fields of the wrong
+        type read as absent."""
+        try:
+            e = codec.loads(raw)
+        except ValueError:
+            return None
+        if not isinstance(e, dict):
+            return None
+        worker, attempt = e.get("worker"), e.get("attempt")
+        if not isinstance(worker, str) or isinstance(attempt, bool) or not isinstance(attempt, int):
+            return None
+        host, ip = (v if isinstance(v, str) else None for v in (e.get("host"), e.get("ip")))
+        return cls(worker, attempt, host, ip, number(e.get("pid")), number(e.get("started_at")) or 0,
+                   number(e.get("max_duration")) or 0, number(e.get("ahead")) or 0)
+
+
+def number(value: Any) -> float | int | None:
+    """value when it is a JSON number, else None (a bool is not one)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def pid_namespace() -> str:
@@ -62,18 +102,16 @@ def lose(app: TaskRunner, queue: str, values: list[Any]) -> list[tuple[str, str]
 
 def held(app: TaskRunner, queues: list[str]) -> list[tuple[str, str, str, str]]:
     """(queue, id, worker, attempt) of every delivery in the queues' holding hashes (one
-    round trip); entries that are not holding entries are left out."""
+    round trip); entries that are not holding entries are left out (the dispatcher
+    requeues those at their deadline)."""
     pipe = app.redis.pipeline(transaction=False)
     for q in queues:
         pipe.hgetall(app.keys.q(q) + "running")
     out = []
     for q, running in zip(queues, pipe.execute()):
         for job_id, raw in running.items():
-            try:
-                entry = codec.loads(raw)
-                out.append((q, job_id, entry["worker"], str(entry["attempt"])))
-            except (ValueError, KeyError, TypeError):
-                continue
+            if (h := Holding.parse(raw)) is not None:
+                out.append((q, job_id, h.worker, str(h.attempt)))
     return out
 
 

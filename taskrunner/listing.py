@@ -4,10 +4,12 @@ or SCAN."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from . import codec, queue
 from .app import TaskRunner
+from .holders import Holding, number
 from .job import Job, typed
 
 LIST_STATES = ("pending", "delayed", "running", "stuck", "completed", "failed", "killed")
@@ -92,18 +94,14 @@ def _worker_info(raw: str | None) -> dict[str, Any]:
         info = {}
     if not isinstance(info, dict):
         return {}
-    wrong = [k for k, v in info.items() if (k in _WORKER_NUMBERS and _number(v) is None)
+    wrong = [k for k, v in info.items() if (k in _WORKER_NUMBERS and number(v) is None)
              or (k in _WORKER_TEXT and not isinstance(v, str))
              or (k == "queues" and not (isinstance(v, list) and all(isinstance(q, str) for q in v)))]
     return {k: v for k, v in info.items() if k not in wrong}
 
 
-def _number(value: Any) -> float | int | None:
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 def _entry(raw: str) -> dict[str, Any] | None:
-    """A JSON object kept in Redis (holding entry, dispatcher, schedule), or None when it is not one."""
+    """A JSON object kept in Redis (dispatcher, schedule), or None when it is not one."""
     try:
         e = codec.loads(raw)
     except ValueError:
@@ -111,16 +109,9 @@ def _entry(raw: str) -> dict[str, Any] | None:
     return e if isinstance(e, dict) else None
 
 
-def _holder(e: dict[str, Any]) -> dict[str, Any]:
-    """Who holds a running job, from its holding entry, each value of the type readers expect."""
-    return {"worker": _text(e.get("worker")), "host": _text(e.get("host")), "ip": _text(e.get("ip")),
-            "pid": _number(e.get("pid")), "started_at": _number(e.get("started_at")) or 0,
-            "max_duration": _number(e.get("max_duration")) or 0, "attempt": _number(e.get("attempt")),
-            "ahead": _number(e.get("ahead")) or 0}  # seconds of work before it in a worker's prefetch
-
-
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
+#: A row's holder fields when its holding entry is not one.
+_NO_HOLDER = {"worker": None, "attempt": None, "host": None, "ip": None, "pid": None, "started_at": 0,
+              "max_duration": 0, "ahead": 0}
 
 
 def server_time(app: TaskRunner) -> float:
@@ -145,8 +136,9 @@ def running(app: TaskRunner, queue: str | None = None, offset: int = 0, limit: i
     rows: list[dict[str, Any]] = []
     for q, entries in zip(queues, pipe.execute()):
         for job_id, raw in entries.items():
-            e = _entry(raw)
-            rows.append({"id": job_id, "queue": q, **_holder(e or {}), "corrupt": None if e else raw[:200]})
+            h = Holding.parse(raw)
+            rows.append({"id": job_id, "queue": q, **(asdict(h) if h else _NO_HOLDER),
+                         "corrupt": None if h else raw[:200]})
     rows.sort(key=lambda r: (r["started_at"], r["id"]))  # ids sort by creation too
     alive = live_workers(app, now)
     if only_stuck:
@@ -246,7 +238,7 @@ def overview(app: TaskRunner) -> dict[str, Any]:
         d = _entry(raw)
         if d is None:
             continue
-        d["age"] = now - (_number(d.get("last_pass")) or 0)
+        d["age"] = now - (number(d.get("last_pass")) or 0)
         if not isinstance(d.get("history_backlog"), dict):
             d["history_backlog"] = {}
         d["healthy"] = d["age"] < max(5 * app.settings.dispatch_interval, 5)

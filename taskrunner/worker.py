@@ -29,8 +29,8 @@ import redis
 from . import codec, declarations, frames, scripts
 from .app import TaskRunner
 from .child import child_main
+from .claims import Delivery, claim_args, claim_keys, claim_rest
 from .connection import Blocker, Channel, is_cluster
-from .consumer import claim_args, claim_keys, claim_rest
 from .errors import NameInUse
 from .holders import identity, lose_held
 from .listing import server_time
@@ -54,24 +54,6 @@ FLIGHTS = 2
 #: While children run short jobs with more queued, we look at their answers this often
 #: instead of waking for each one.
 GLANCE = 0.0005
-
-
-@dataclass
-class Delivery:
-    """A job sent to a child: what the claim handed us, and what became of it."""
-
-    id: str
-    attempt: str
-    queue: str
-    max_duration: float
-    policy: str
-    began: float | None = None  # monotonic; when the child began it (None: still queued there)
-    stuck: bool = False
-    seq: int = 0  # its number among the jobs sent to the child
-
-    @property
-    def deadline(self) -> float:
-        return self.began + self.max_duration if self.began is not None else float("inf")
 
 
 @dataclass
@@ -653,7 +635,7 @@ class Worker:
             if now >= head.deadline and not head.stuck:
                 head.stuck = True
                 self.stuck_marks.append((head.queue, head.id, head.attempt))
-                if head.policy == "kill":
+                if head.timeout_policy == "kill":
                     log.warning("worker %s: job %s passed its max duration; stopping it", self.name, head.id)
                     c.kill(head, "timeout", self.s.kill_grace)
             if len(c.jobs) > 1 and (self.stopping or now - head.began >= min(HOLD, head.max_duration)):
@@ -740,23 +722,20 @@ class Worker:
                     log.warning("worker %s: job %s was requeued and taken by another worker while it ran "
                                 "here; this result was discarded", self.name, e[0])
         if f.slots:
-            claimed = claim_rest(self.app, self.prefixes, f.claim, results[-1])
+            claimed = claim_rest(self.app, self.queues, f.claim, results[-1])
             self._start(f.slots, claimed)
-            if len(claimed) < 8 * len(f.slots):
+            if len(claimed) < len(f.slots):
                 self.may_claim = False
 
-    def _start(self, slots: list[tuple[Child, float]], claimed: list[Any]) -> None:
+    def _start(self, slots: list[tuple[Child, float]], claimed: list[Delivery]) -> None:
         """Send claimed jobs to the children they were claimed for; a child that died while
         the claim was in flight never got its jobs, so they go back, next in line."""
         now = time.monotonic()
         alive = set(self.children)
-        for i in range(0, len(claimed), 8):
-            qi, job_id, attempt, task, args, kwargs, md, policy = claimed[i:i + 8]
-            c = slots[i // 8][0]
-            d = Delivery(job_id, str(attempt), self.queues[int(qi) - 1], float(md), policy)
+        for (c, _), d in zip(slots, claimed):
             if c in alive:
-                c.send(d, b"\0".join(s.encode() for s in (job_id, str(attempt), task, d.queue, md, args, kwargs)),
-                       now)
+                message = (d.id, d.attempt, d.task, d.queue, str(d.max_duration), d.args_json, d.kwargs_json)
+                c.send(d, b"\0".join(s.encode() for s in message), now)
             else:
                 self._report(d, ["return", f"its process died on {self.host} before it got it", "", "", ""])
         for c in {c for c, _ in slots}:

@@ -230,6 +230,21 @@ def test_a_schedule_that_cannot_fire_does_not_stop_the_others(app):
     assert codec.loads(runner.redis.hget(runner.keys.schedules, "corrupt"))["cron"] == "* * * * *"
 
 
+@pytest.mark.parametrize("worker", [["w"], {"w": 1}, None])
+def test_a_holding_entry_whose_worker_is_not_a_name_stops_no_harvest(app, worker):
+    """held() used to hand an entry's "worker" on as it was: a list or an object there raised
+    TypeError (unhashable) in every harvest and every pass that reaped a dead worker. Such
+    an entry is not one: left to the deadline sweep, which requeues it."""
+    p = app.keys.q("default")
+    app.redis.hset(p + "running", "odd", json.dumps({"worker": worker, "attempt": 1}))
+    app.redis.hset(p + "running", "fine", json.dumps({"worker": "gone-w", "attempt": 1}))
+    app.redis.hset(p + "job:fine", mapping={"state": "running", "attempts": 1, "worker": "gone-w",
+                                             "task": "tests.apps.add"})
+    app.redis.sadd(p + "processing", "fine")
+    assert Dispatcher(app).harvest(["default"]) == {"requeued": 1, "failed": 0, "killed": 0}
+    assert app.redis.hkeys(p + "running") == ["odd"]
+
+
 def wait_failed(app, job_id: str, queue: str = "default") -> JobFailed:
     with pytest.raises(JobFailed) as e:
         app.job(job_id, queue).wait(30)
