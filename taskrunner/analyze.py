@@ -12,6 +12,7 @@ logs); a cluster with --master / TASKRUNNER_SPARK_MASTER, same code."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -51,15 +52,22 @@ def parse_since(value: str) -> float:
 
 
 def spark_session(master: str | None = None) -> Any:
+    """A SparkSession on `master` (default TASKRUNNER_SPARK_MASTER, else local[2]). In local
+    mode its Python workers run our interpreter (PYSPARK_PYTHON, unless set): Spark's default
+    is the first python3 on PATH, another Python than a virtualenv's, without its packages.
+    On a cluster the executors' Python is theirs: set PYSPARK_PYTHON if python3 is not it."""
     from pyspark.sql import SparkSession
 
+    master = master or os.environ.get("TASKRUNNER_SPARK_MASTER") or "local[2]"
+    if master.startswith("local"):
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     log4j = os.path.join(tempfile.gettempdir(), "taskrunner-log4j2.properties")
     with open(log4j, "w") as f:
         f.write(_LOG4J)
     java_opts = f"-Dlog4j2.configurationFile=file:{log4j}"
     return (SparkSession.builder.appName("taskrunner-analyze")
-            .master(master or os.environ.get("TASKRUNNER_SPARK_MASTER") or "local[2]")
+            .master(master)
             .config("spark.sql.shuffle.partitions", "4")
             .config("spark.ui.enabled", "false")
             .config("spark.ui.showConsoleProgress", "false")

@@ -187,3 +187,21 @@ def test_same_figures_on_a_standalone_cluster(app, stack, tmp_path, spark):
         for p in procs:
             os.killpg(p.pid, 9)
             p.wait()
+
+
+def test_local_spark_runs_our_python(tmp_path):
+    """In local mode Spark's Python workers run the interpreter of the process that started
+    it (the virtualenv's), not the first python3 on PATH. They ran /usr/bin/python3."""
+    import subprocess
+    import sys
+
+    code = ("from taskrunner import analyze; s = analyze.spark_session('local[1]'); "
+            "print(s.sparkContext.parallelize([0], 1).map(lambda _: __import__('sys').executable).collect()[0]); "
+            "s.stop()")
+    env = {k: v for k, v in os.environ.items() if k != "PYSPARK_PYTHON"}
+    here = os.path.dirname(sys.executable)  # as when a venv's command runs without activating it
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != here)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == sys.executable
