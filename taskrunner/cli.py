@@ -267,7 +267,8 @@ def status(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | No
 
 @main.command()
 @click.argument("job_id")
-@click.option("--timeout", type=float, help="Give up after this many seconds (exit 2); default: as long as it takes.")
+@click.option("--timeout", type=click.FloatRange(min=0), help="Give up after this many seconds (exit 2); default: as "
+              "long as it takes.")
 @common
 def wait(job_id: str, timeout: float | None, app_spec: str | None, redis_url: str | None) -> None:
     """Wait for a job; print its result as JSON. Rides out a Redis restart or failover
@@ -368,6 +369,9 @@ def workers(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
                    f"{','.join(w.get('queues', []))}")
 
 
+LOG_LEVELS = click.Choice(["debug", "info", "warning", "error"], case_sensitive=False)
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
@@ -376,12 +380,12 @@ def _setup_logging(level: str) -> None:
 @main.command()
 @click.option("-Q", "--queues", "queue_list", help="Queues in priority order, comma-separated "
               "(default: 'default' then the queues of the app's tasks).")
-@click.option("-c", "--concurrency", type=int, default=os.cpu_count() or 2, show_default=True,
+@click.option("-c", "--concurrency", type=click.IntRange(min=1), default=os.cpu_count() or 2, show_default=True,
               help="Child processes running jobs.")
 @click.option("-n", "--name", help="Worker name (default host.pid); must be unique among live workers.")
 @click.option("--prefetch", type=click.IntRange(min=1), help="Most jobs sent ahead to one child, so that short "
               "jobs run back to back (default 128, TASKRUNNER_PREFETCH; adapts to ~10 ms of work; 1: off).")
-@click.option("--log-level", default="info", show_default=True)
+@click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True)
 @common
 def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch: int | None, log_level: str,
            app_spec: str | None, redis_url: str | None) -> None:
@@ -400,7 +404,7 @@ def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch:
 
 @main.command()
 @click.option("-n", "--name", help="Dispatcher name (default host.pid).")
-@click.option("--log-level", default="info", show_default=True)
+@click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True)
 @common
 def dispatcher(name: str | None, log_level: str, app_spec: str | None, redis_url: str | None) -> None:
     """Requeue jobs of dead workers, stop stuck jobs, promote delayed jobs, fire cron
@@ -416,7 +420,8 @@ def dispatcher(name: str | None, log_level: str, app_spec: str | None, redis_url
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to serve on; beyond loopback only with a password.")
-@click.option("--port", type=int, default=5000, show_default=True, envvar="PORT")
+@click.option("--port", type=click.IntRange(0, 65535), default=5000, show_default=True, envvar="PORT",
+              help="0: any free port.")
 @common
 def dashboard(host: str, port: int, app_spec: str | None, redis_url: str | None) -> None:
     """Serve the web dashboard (development server; the Procfile runs it under gunicorn).
@@ -436,8 +441,8 @@ def dashboard(host: str, port: int, app_spec: str | None, redis_url: str | None)
 
 @main.command()
 @click.option("--demo", is_flag=True, help="Use the demo app and enqueue a demo workload.")
-@click.option("-c", "--concurrency", type=int, default=2, show_default=True)
-@click.option("--port", type=int, default=5000, show_default=True, help="Dashboard port.")
+@click.option("-c", "--concurrency", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=5000, show_default=True, help="Dashboard port.")
 @click.option("--exit", "exit_after", is_flag=True, help="With --demo: stop when the demo workload is done.")
 @common
 def up(demo: bool, concurrency: int, port: int, exit_after: bool, app_spec: str | None,
@@ -460,7 +465,7 @@ def queue() -> None:
 
 @queue.command("create")
 @click.argument("name")
-@click.option("--bound", type=int, default=0, show_default=True,
+@click.option("--bound", type=click.IntRange(min=0), default=0, show_default=True,
               help="Most pending jobs; producers then wait for room (0: no bound).")
 @click.option("--exclusive", is_flag=True, help="At most one job of the queue runs at a time, in order.")
 @common
@@ -512,10 +517,10 @@ def queue_delete(name: str, force: bool, yes: bool, app_spec: str | None, redis_
 def queue_info(name: str, as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
     """Whether queue NAME exists, its length, settings and counters (exit 1 if it does not exist)."""
     app = _app(app_spec, redis_url)
+    _known(app, name)
     found = [s for s in listing.queue_stats(app) if s["name"] == name]
     if not found:
-        click.echo(f"no queue {name}", err=True)
-        sys.exit(1)
+        raise click.ClickException(f"queue {name!r} was deleted meanwhile")
     if as_json:
         return _emit(found[0])
     for k, v in found[0].items():
@@ -539,7 +544,8 @@ def purge(queue_name: str, yes: bool, app_spec: str | None, redis_url: str | Non
 
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("-q", "--queue", "queue_list", required=True, help="Queues in priority order, comma-separated.")
-@click.option("--timeout", type=float, default=0, show_default=True, help="Wait this long for a job (exit 2 if none).")
+@click.option("--timeout", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="Wait this long for a job (exit 2 if none).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @common
 def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec: str | None,
@@ -715,7 +721,7 @@ def history() -> None:
 @history.command("archive")
 @click.option("--history-dir", envvar="TASKRUNNER_HISTORY_DIR", help="Where (default ./var/history; any "
               "pyarrow filesystem URI, e.g. s3://bucket/path). Env: TASKRUNNER_HISTORY_DIR.")
-@click.option("--batch", type=int, default=10_000, show_default=True, help="Records per file.")
+@click.option("--batch", type=click.IntRange(min=1), default=10_000, show_default=True, help="Records per file.")
 @common
 def history_archive(history_dir: str | None, batch: int, app_spec: str | None, redis_url: str | None) -> None:
     """Move every history record now; safe to interrupt and run again (exactly once)."""

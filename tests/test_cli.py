@@ -249,7 +249,8 @@ def test_commands_on_a_queue_refuse_a_name_no_queue_has(app, stack):
     """A typo in -q must not look like an empty queue ("0 pending jobs deleted")."""
     apps.add.delay(1, 2)
     for args in (["purge", "-q", "defualt", "--yes"], ["inspect", "-q", "defualt"], ["jobs", "-q", "defualt"],
-                 ["recover", "-q", "defualt", "--older-than", "5m"], ["harvest", "-q", "default,defualt"]):
+                 ["recover", "-q", "defualt", "--older-than", "5m"], ["harvest", "-q", "default,defualt"],
+                 ["queue", "info", "defualt"]):
         r = stack.cli(*args)
         assert r.returncode == 1 and "no queue 'defualt' (see `taskrunner queues`)" in one_line_error(r), args
     for args in (["jobs", "--limit", "-1"], ["jobs", "--offset", "-5"], ["inspect", "-q", "default", "--limit", "0"],
@@ -272,3 +273,21 @@ def test_a_bad_name_or_value_in_the_arguments_exits_2(app, stack):
     r = stack.cli("analyze", "--since", "7x")
     assert r.returncode == 2 and "bad duration '7x'" in r.stderr, r.stderr
     assert app.redis.keys(app.settings.prefix + ":{bad name}*") == []
+
+
+@pytest.mark.parametrize("args", [
+    ["worker", "-A", "tests.apps", "--log-level", "loud"], ["dispatcher", "--log-level", "verbose"],
+    ["worker", "-A", "tests.apps", "-c", "0"], ["up", "-A", "tests.apps", "-c", "0"],
+    ["dashboard", "--port", "99999"], ["up", "-A", "tests.apps", "--port", "0"],
+    ["history", "archive", "--batch", "0"], ["queue", "create", "q", "--bound", "-1"],
+    ["consume", "-q", "default", "--timeout", "-1"], ["wait", "someid", "--timeout", "-1"]])
+def test_option_out_of_range_is_a_usage_error(stack, args):
+    """A value an option cannot take is refused before anything runs: exit 2, one Error line,
+    the option named. `--log-level loud` printed a traceback, `dashboard --port 99999` served
+    on port 34463 and said so, `history archive --batch 0` printed Redis's XRANGE complaint,
+    `-c 0`, `--bound -1` and the negative timeouts were taken (exit 1, or "no job")."""
+    r = stack.cli(*args, timeout=60)
+    assert r.returncode == 2, (args, r)
+    assert "Traceback" not in r.stderr and r.stdout == "", r
+    [error] = [line for line in r.stderr.splitlines() if line.startswith("Error: ")]
+    assert "Invalid value for" in error and args[-2] in error, error
