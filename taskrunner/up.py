@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -13,14 +14,52 @@ from pathlib import Path
 import click
 
 from .app import TaskRunner
+from .child import dies_with_us
+from .cli import Misconfigured
 from .connection import EMBEDDED_DIR
 from .job import FINAL, Job
 from .loader import load_app
-from .redis_server import AlreadyServed, RedisServer
+from .redis_server import RedisServer, RedisServerError, SocketInUse
 
 
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", *args], env=env)
+    """A process of the stack; on Linux it gets SIGTERM if `up` dies (SIGKILL, OOM), where
+    it would have run on, orphaned, holding the dashboard's port and Redis's socket."""
+    return subprocess.Popen([sys.executable, "-m", *args], env=env, preexec_fn=dies_with_us())
+
+
+def _claim(directory: Path) -> int:
+    """One `up` at a time per directory (a second would steal the first's Redis socket): a
+    lock the kernel releases however `up` ends, SIGKILL included, so a lock file left
+    behind never stops the next one. Holds our PID, to name us to a second `up`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / "up.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.read(fd, 20).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        sock = (directory / "redis.sock").resolve()
+        raise Misconfigured(f"a taskrunner stack already runs from this directory (`taskrunner up`, pid {pid}, "
+                            f"its Redis on unix://{sock}): use it (taskrunner commands run here connect to it), "
+                            f"stop it (Ctrl-C in its terminal, or kill {pid}), or start another from another "
+                            "directory") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd  # open (not inherited by our children) until we exit
+
+
+def _embedded_redis() -> RedisServer:
+    _claim(EMBEDDED_DIR)
+    try:
+        return RedisServer(EMBEDDED_DIR, appendonly=True, die_with_parent=True).start()
+    except SocketInUse as e:  # no `up` runs here, yet something serves the socket
+        stop = f"kill {e.pid}" if e.pid else f"redis-cli -s {e.socket} shutdown"
+        raise Misconfigured(f"{e}, and no `taskrunner up` runs here (it was started by hand, or left by an older "
+                            f"`up` that was killed): stop it ({stop}), or use it: REDIS_URL=unix://{e.socket} "
+                            "taskrunner up ...") from None
+    except RedisServerError as e:
+        raise click.ClickException(str(e)) from None
 
 
 class _Terminated(Exception):
@@ -35,14 +74,7 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
               exit_after: bool) -> int:
     server = None
     if not redis_url:
-        try:
-            server = RedisServer(EMBEDDED_DIR, appendonly=True).start()
-        except AlreadyServed:
-            raise click.ClickException(
-                f"a taskrunner stack already runs from this folder (its Redis serves {EMBEDDED_DIR}/redis.sock): "
-                "commands run here use it; stop it (Ctrl-C in its terminal) to start another") from None
-        except RuntimeError as e:  # redis-server would not start
-            raise click.ClickException(str(e)) from None
+        server = _embedded_redis()
         redis_url = server.url
         click.echo(f"redis-server: {redis_url} (AOF on, data in {Path(EMBEDDED_DIR).resolve()})")
     env = {**os.environ, "REDIS_URL": redis_url, "TASKRUNNER_APP": app_spec}

@@ -10,6 +10,7 @@ import sys
 import threading
 
 import psutil
+import redis
 
 from tests.conftest import ROOT, wait_for
 
@@ -82,39 +83,107 @@ def test_up_demo_runs_teaches_and_stops_cleanly(tmp_path):
     assert "/running" in shown and "stuck past its 5 s max duration" in shown and "/stuck" in shown
 
 
+def start_up(cwd, *args: str) -> subprocess.Popen:
+    """`taskrunner up -A tests.apps` in cwd, its own session; returned once its Redis,
+    dispatcher, worker and dashboard run and the worker has started."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_URL", "TASKRUNNER_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    p = subprocess.Popen([sys.executable, "-m", "taskrunner", "up", "-A", "tests.apps", "--port", str(free_port()),
+                          *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    up = psutil.Process(p.pid)
+    try:
+        wait_for(lambda: len(up.children()) == 4, what="Redis, dispatcher, worker and dashboard")
+        wait_for(lambda: "queues default" in p.stdout.readline(), what="the worker to start")
+    except BaseException:
+        stop_up(p, up.children(recursive=True))
+        raise
+    return p
+
+
+def stop_up(p: subprocess.Popen, family: list[psutil.Process]) -> None:
+    """Whatever a test left running of an `up`: killed."""
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+    for q in family:
+        try:
+            q.kill()  # Redis has its own session: killpg would miss it
+        except psutil.NoSuchProcess:
+            pass
+
+
 def test_up_stops_everything_on_sigterm(tmp_path):
     """SIGTERM to `taskrunner up` alone (a supervisor, `kill`): it stops its dispatcher,
     worker, dashboard and Redis, as Ctrl-C does, and exits 0. It died at once and left them
-    all running. A second `up` in its folder said so with a traceback."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_URL", "TASKRUNNER_"))}
-    env["PYTHONPATH"] = str(ROOT)
-    p = subprocess.Popen([sys.executable, "-m", "taskrunner", "up", "-A", "tests.apps", "--port", str(free_port())],
-                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    family: list[psutil.Process] = []
+    all running."""
+    p = start_up(tmp_path)
+    family = psutil.Process(p.pid).children(recursive=True)
     try:
-        up = psutil.Process(p.pid)
-        wait_for(lambda: len(up.children()) == 4, what="Redis, dispatcher, worker and dashboard")
-        wait_for(lambda: "queues default" in p.stdout.readline(), what="the worker to start")
-        family = up.children(recursive=True)
-        # A second `up` in the same folder: one line, and the first one goes on.
-        twin = subprocess.run([sys.executable, "-m", "taskrunner", "up", "-A", "tests.apps", "--port",
-                               str(free_port())], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-        assert twin.returncode == 1 and twin.stderr.count("\n") == 1, twin.stderr
-        assert twin.stderr.startswith("Error: a taskrunner stack already runs from this folder"), twin.stderr
-        assert p.poll() is None and all(q.is_running() for q in family)
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=60)
         _, alive = psutil.wait_procs(family, timeout=10)
     finally:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-        for q in family:
-            try:
-                q.kill()  # Redis has its own session: killpg would miss it
-            except psutil.NoSuchProcess:
-                pass
+        stop_up(p, family)
     assert p.returncode == 0, out
     assert "redis-server stopped" in out, out
     assert alive == [], [q.cmdline() for q in alive]
+
+
+def test_second_up_in_the_same_directory_says_so_and_leaves_the_first_alone(tmp_path):
+    """A second `taskrunner up` (or `make demo`) where one runs: one line naming the running
+    one, its Redis and how to stop or use it, exit 2. It printed a traceback (RuntimeError)."""
+    p = start_up(tmp_path)
+    family = psutil.Process(p.pid).children(recursive=True)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_URL", "TASKRUNNER_"))}
+        second = subprocess.run([sys.executable, "-m", "taskrunner", "up", "-A", "tests.apps", "--port",
+                                 str(free_port())], cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)},
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second
+        assert second.stdout == "" and len(second.stderr.splitlines()) == 1, second.stderr
+        sock = tmp_path.resolve() / "var" / "redis.sock"
+        assert second.stderr.startswith("Error: a taskrunner stack already runs from this directory "
+                                        f"(`taskrunner up`, pid {p.pid}, its Redis on unix://{sock}): "), second.stderr
+        assert f"kill {p.pid}" in second.stderr
+        assert all(q.is_running() for q in family) and p.poll() is None  # the first one: undisturbed
+        assert redis.Redis(unix_socket_path=str(sock)).ping()
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0 and "redis-server stopped" in out, out
+    finally:
+        stop_up(p, family)
+
+
+def test_sigkilled_up_takes_its_stack_along_and_the_next_up_starts(tmp_path):
+    """`taskrunner up` SIGKILLed (OOM killer, kill -9): its Redis, dispatcher, worker and
+    dashboard stop too; they ran on, orphaned, holding the socket and the port. Then a new
+    `up` starts as usual, also over a socket file left by a SIGKILLed redis-server."""
+    p = start_up(tmp_path)
+    family = psutil.Process(p.pid).children(recursive=True)
+    try:
+        p.kill()
+        p.wait()
+        _, alive = psutil.wait_procs(family, timeout=60)
+        assert alive == [], [q.cmdline() for q in alive]
+    finally:
+        stop_up(p, family)
+    p = start_up(tmp_path)
+    family = psutil.Process(p.pid).children(recursive=True)
+    try:
+        [server] = [q for q in family if q.name() == "redis-server"]
+        os.killpg(p.pid, signal.SIGKILL)  # everything but Redis, which has its own session
+        server.kill()
+        _, alive = psutil.wait_procs([server, *family], timeout=60)
+        assert alive == []
+        assert (tmp_path / "var" / "redis.sock").exists()  # stale: nothing serves it
+    finally:
+        stop_up(p, family)
+    p = start_up(tmp_path)
+    family = psutil.Process(p.pid).children(recursive=True)
+    try:
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0 and "redis-server stopped" in out, out
+    finally:
+        stop_up(p, family)
