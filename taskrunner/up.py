@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,8 +50,19 @@ def _claim(directory: Path) -> int:
     return fd  # open (not inherited by our children) until we exit
 
 
+def _check_port(port: int) -> None:
+    """The dashboard's port must be free before anything starts: gunicorn would retry for
+    seconds, then exit, and `up` would have shown another program's address as ours."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn: TIME_WAIT is no conflict
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise Misconfigured(f"port {port} of 127.0.0.1 is taken ({e.strerror}): another program serves there, "
+                                "maybe another `taskrunner up`; give the dashboard another with --port") from None
+
+
 def _embedded_redis() -> RedisServer:
-    _claim(EMBEDDED_DIR)
     try:
         return RedisServer(EMBEDDED_DIR, appendonly=True, die_with_parent=True).start()
     except SocketInUse as e:  # no `up` runs here, yet something serves the socket
@@ -73,6 +85,9 @@ def _terminated(signum: int, frame: object) -> None:
 def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int, demo: bool,
               exit_after: bool) -> int:
     server = None
+    if not redis_url:
+        _claim(EMBEDDED_DIR)
+    _check_port(port)
     if not redis_url:
         server = _embedded_redis()
         redis_url = server.url

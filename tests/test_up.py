@@ -187,3 +187,20 @@ def test_sigkilled_up_takes_its_stack_along_and_the_next_up_starts(tmp_path):
         assert p.returncode == 0 and "redis-server stopped" in out, out
     finally:
         stop_up(p, family)
+
+
+def test_up_on_a_taken_port_says_so_before_starting_anything(tmp_path):
+    """The dashboard's port taken by another program: one line naming it, exit 2, and no
+    Redis started. Gunicorn retried for 5 s, then `up` stopped everything, exit 1, after
+    printing the other program's address as its dashboard."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_URL", "TASKRUNNER_"))}
+        r = subprocess.run([sys.executable, "-m", "taskrunner", "up", "-A", "tests.apps", "--port", str(port)],
+                           cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                           timeout=60)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.startswith(f"Error: port {port} of 127.0.0.1 is taken") and len(r.stderr.splitlines()) == 1, r
+    assert not (tmp_path / "var" / "redis.sock").exists()
