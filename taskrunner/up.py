@@ -126,24 +126,48 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
         click.echo("stopping (SIGTERM)...")
         code = 0
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the stopping short
-        for p in procs.values():
-            if p.poll() is None and not interrupted:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGQUIT)  # a worker: stop now (a second SIGTERM is the same stop)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        _stop(list(procs.values()), signalled=interrupted)
         if server:
             server.stop()
             click.echo("redis-server stopped")
     return code
+
+
+def _stop(procs: list[subprocess.Popen], signalled: bool) -> None:
+    """Stop the stack's processes (SIGTERM, unless the terminal's Ctrl-C reached them
+    already) and wait for them, Redis kept until they are gone: running jobs have their
+    grace. Meanwhile SIGTERM again is ignored, as the worker ignores it, and Ctrl-C again
+    stops running jobs now (SIGINT to each process: the worker requeues them). Past 30 s
+    they get SIGINT, past 40 s SIGKILL."""
+    caught: list[int] = []  # told here, not in the handler: a handler writing could cut a line
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: caught.append(signum))
+    if not signalled:
+        _send(procs, signal.SIGTERM)
+    began, hurried = time.monotonic(), False
+    while True:
+        while caught:  # also when all are gone already: what the user did is acknowledged
+            if caught.pop(0) == signal.SIGINT:
+                click.echo("stopping now: running jobs are stopped and requeued")
+                _send(procs, signal.SIGINT)
+            else:
+                click.echo("already stopping (SIGTERM again, ignored): running jobs have their grace; "
+                           "Ctrl-C stops them now")
+        if all(p.poll() is not None for p in procs):
+            break
+        waited = time.monotonic() - began
+        if waited > 30 and not hurried:
+            _send(procs, signal.SIGINT)
+            hurried = True
+        if waited > 40:
+            _send(procs, signal.SIGKILL)
+        time.sleep(0.1)
+
+
+def _send(procs: list[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
 
 
 def _demo(app_spec: str, redis_url: str, exit_after: bool) -> int:

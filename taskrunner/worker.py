@@ -216,7 +216,6 @@ class Worker:
         self.may_claim = True
         self.stopping = False
         self.stop_at = 0.0
-        self.stopping_since = 0.0
         self.reconcile = True  # release what Redis says we hold but we do not run
         self.next_beat = 0.0
         self.next_declare = 0.0  # when to put back declarations that went missing
@@ -286,21 +285,21 @@ class Worker:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         """SIGTERM or SIGINT: stop claiming and let running jobs finish for shutdown_grace.
-        Stop now (requeue them at once) only on SIGQUIT, or on a second SIGINT a second or
-        more after the first (Ctrl-C twice). A repeated SIGTERM changes nothing: platforms
-        signal every process and supervisors (honcho, `timeout`, `taskrunner up`) pass it
-        on as well, so one stop arrives several times, and cutting the grace short would
-        rerun jobs that were about to finish."""
+        Stop now (requeue them at once) on SIGINT while stopping (Ctrl-C twice) or SIGQUIT.
+        A repeated SIGTERM changes nothing: platforms signal every process and supervisors
+        (honcho, `timeout`, `taskrunner up`) pass it on as well, so one stop arrives several
+        times, and cutting the grace short would rerun jobs that were about to finish."""
         now = time.monotonic()
         if not self.stopping:
             log.info("worker %s: stopping; running jobs have %.0fs to finish (SIGQUIT or Ctrl-C again: "
                      "requeue them now)", self.name, self.s.shutdown_grace)
             self.stopping = True
             self.stop_at = now + self.s.shutdown_grace
-            self.stopping_since = now
-        elif signum == signal.SIGQUIT or (signum == signal.SIGINT and now - self.stopping_since >= 1.0):
+        elif signum in (signal.SIGQUIT, signal.SIGINT):
             log.warning("worker %s: stop now: requeueing running jobs", self.name)
             self.stop_at = min(self.stop_at, now)
+        else:
+            log.info("worker %s: SIGTERM again: already stopping, running jobs keep their grace", self.name)
 
     def _give_back_wake(self) -> None:
         """We may have taken a wake token we will not use: leave one for others."""

@@ -45,6 +45,12 @@ def wait_for(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condit
         time.sleep(0.02)
 
 
+def until_logged(p: subprocess.Popen, text: str) -> None:
+    """Read a process's output until a line has `text` (each signal must be seen before
+    the next is sent: two pending at once are handled as one)."""
+    wait_for(lambda: text in p.stdout.readline(), what=repr(text))
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory):
     server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=False).start()

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import psutil
 import redis
 
-from tests.conftest import ROOT, wait_for
+from taskrunner import TaskRunner
+from tests.conftest import ROOT, until_logged, wait_for
 
 
 def free_port() -> int:
@@ -83,22 +86,39 @@ def test_up_demo_runs_teaches_and_stops_cleanly(tmp_path):
     assert "/running" in shown and "stuck past its 5 s max duration" in shown and "/stuck" in shown
 
 
-def start_up(cwd, *args: str) -> subprocess.Popen:
+def start_up(cwd, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`taskrunner up -A tests.apps` in cwd, its own session; returned once its Redis,
     dispatcher, worker and dashboard run and the worker has started."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_URL", "TASKRUNNER_"))}
-    env["PYTHONPATH"] = str(ROOT)
-    p = subprocess.Popen([sys.executable, "-m", "taskrunner", "up", "-A", "tests.apps", "--port", str(free_port()),
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("REDIS_URL", "TASKRUNNER_"))},
+           "PYTHONPATH": str(ROOT), **(env or {})}
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "taskrunner", "up", "-A", "tests.apps", "--port", str(port),
                           *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     up = psutil.Process(p.pid)
     try:
         wait_for(lambda: len(up.children()) == 4, what="Redis, dispatcher, worker and dashboard")
         wait_for(lambda: "queues default" in p.stdout.readline(), what="the worker to start")
+        # Both dashboard processes serve (a Ctrl-C while gunicorn imports is a traceback of its own).
+        wait_for(lambda: len(psutil.Process(_dashboard(up).pid).children()) == 2 and _serves(port),
+                 what="the dashboard")
     except BaseException:
         stop_up(p, up.children(recursive=True))
         raise
     return p
+
+
+def _dashboard(up: psutil.Process) -> psutil.Process:
+    [gunicorn] = [q for q in up.children() if "gunicorn" in " ".join(q.cmdline())]
+    return gunicorn
+
+
+def _serves(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
 def stop_up(p: subprocess.Popen, family: list[psutil.Process]) -> None:
@@ -204,3 +224,25 @@ def test_up_on_a_taken_port_says_so_before_starting_anything(tmp_path):
     assert r.returncode == 2 and r.stdout == "", r
     assert r.stderr.startswith(f"Error: port {port} of 127.0.0.1 is taken") and len(r.stderr.splitlines()) == 1, r
     assert not (tmp_path / "var" / "redis.sock").exists()
+
+
+def test_ctrl_c_twice_stops_up_now_and_cleanly(tmp_path):
+    """Ctrl-C, then Ctrl-C again while a job runs in the worker's grace: the job is stopped
+    and requeued now, Redis stays until the worker has said so, no traceback. The second
+    Ctrl-C raised KeyboardInterrupt in `up` (a traceback) while it waited for its processes."""
+    p = start_up(tmp_path, env={"TASKRUNNER_SHUTDOWN_GRACE": "600"})
+    family = psutil.Process(p.pid).children(recursive=True)
+    try:
+        client = TaskRunner("probe", redis_url=f"unix://{tmp_path.resolve()}/var/redis.sock")
+        job = client.enqueue("tests.apps.hold", ["u1", 300])
+        wait_for(lambda: job.refresh().state == "running", what="the job to run")
+        os.killpg(p.pid, signal.SIGINT)  # as a terminal does: to up, its worker, dispatcher and dashboard
+        until_logged(p, "running jobs have 600s to finish")
+        os.killpg(p.pid, signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        stop_up(p, family)
+    assert p.returncode == 0, out
+    assert "Traceback" not in out and "stopping now: running jobs are stopped and requeued" in out, out
+    assert re.search(r"worker \S+: stopped after 0 jobs", out) and "could not say goodbye" not in out, out
+    assert out.rstrip().endswith("redis-server stopped"), out
