@@ -22,11 +22,8 @@ from .diagnose import explain
 from .errors import (
     AppNotFound,
     BadURL,
-    InvalidName,
     JobFailed,
     NameInUse,
-    NotJSONError,
-    PayloadTooLarge,
     TaskRunnerError,
     Timeout,
     require_extra,
@@ -122,17 +119,20 @@ class Misconfigured(click.ClickException):
 
 
 class Main(click.Group):
-    """Turns taskrunner and Redis errors into one clear line: exit 2 for a mistake in the
-    configuration (bad URL, wrong database, TLS or Sentinel mismatch, refused password, an
-    app that cannot be imported) or in what was given (a bad name, arguments that are not
-    JSON or too large), 1 for the rest (Redis down, no such job, ...)."""
+    """Turns taskrunner and Redis errors into one clear line: exit 2 for a mistake in what
+    the command was given (a value taskrunner refuses: an invalid name, a negative delay,
+    arguments that are not JSON or too large; a bad URL, wrong database, TLS or Sentinel
+    mismatch, refused password, an app that cannot be imported), 1 for the rest (Redis
+    down, no such job or queue, a full or closed queue, ...)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (BadURL, AppNotFound, InvalidName, NameInUse, NotJSONError, PayloadTooLarge) as e:
+        except UnicodeError as e:  # a ValueError, but from what Redis holds (bytes that are not UTF-8)
+            raise click.ClickException(str(e)) from None
+        except (BadURL, AppNotFound, NameInUse, ValueError, TypeError) as e:
             raise Misconfigured(str(e)) from None
-        except (TaskRunnerError, ValueError, TypeError) as e:
+        except TaskRunnerError as e:
             raise click.ClickException(str(e)) from None
         except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
             problem = explain(e, ctx.meta.get("taskrunner.url"))
@@ -230,7 +230,7 @@ def _enqueue_file(app: TaskRunner, app_spec: str | None, f: Any) -> None:
         try:
             specs.append(json.loads(line))
         except (ValueError, RecursionError) as e:
-            raise click.ClickException(f"line {n}: not valid JSON ({e})") from None
+            raise Misconfigured(f"line {n}: not valid JSON ({e})") from None
     tasks = [s["task"] for s in specs if isinstance(s, dict) and isinstance(s.get("task"), str)]
     undeclared = _undeclared(app, app_spec, tasks)
     with click.progressbar(length=len(specs), label="enqueueing", file=sys.stderr) as bar:

@@ -291,3 +291,15 @@ def test_option_out_of_range_is_a_usage_error(stack, args):
     assert "Traceback" not in r.stderr and r.stdout == "", r
     [error] = [line for line in r.stderr.splitlines() if line.startswith("Error: ")]
     assert "Invalid value for" in error and args[-2] in error, error
+
+
+def test_values_taskrunner_refuses_are_usage_errors(app, stack):
+    """README: exit 2 is a mistake in what the command was given. An invalid queue name or
+    job id, a negative delay or retries exited 1, as if Redis had failed."""
+    add = ["enqueue", "tests.apps.add", "--args", "[1, 2]"]
+    for args, said in ([*add, "-q", ""], "invalid queue name ''"), ([*add, "--id", "a b"], "invalid job id"), \
+            ([*add, "--delay", "-5"], "delay must be"), ([*add, "--retries", "-1"], "retries must be"), \
+            ([*add, "--max-duration", "0"], "max_duration must be"), (["queue", "create", "a b"], "invalid queue"):
+        r = stack.cli(*args)
+        assert r.returncode == 2 and one_line_error(r).startswith(f"Error: {said}"), (args, r)
+    assert app.queue_names() == []

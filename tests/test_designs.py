@@ -184,7 +184,7 @@ def test_enqueue_many_and_from_file(app, stack, tmp_path):
     assert app.job("file-7").to_dict()["max_duration"] == 5
     path.write_text(lines[0] + "\n{oops\n")
     r = stack.cli("enqueue", "--from-file", str(path))
-    assert r.returncode == 1 and "line 2" in r.stderr
+    assert r.returncode == 2 and "line 2" in r.stderr
     with pytest.raises(ValueError, match="job 1: unknown fields"):
         app.enqueue_many([{"task": "tests.apps.add", "priority": 1}])
 
