@@ -250,7 +250,8 @@ def status(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | No
     d = job.to_dict()
     if as_json:
         return _emit(d)
-    state = d["state"] + (" (stuck)" if d["stuck"] else "")
+    state = d["state"] + ((" (stuck)" if d["state"] == "running" else " (ran past its max duration)") if d["stuck"]
+                          else "")
     rows = [("id", d["id"]), ("task", d.get("task")), ("queue", d["queue"]), ("state", state),
             ("attempts", d["attempts"]), ("enqueued", _ts(d.get("enqueued_at"))),
             ("started", _ts(d.get("started_at"))), ("finished", _ts(d.get("finished_at"))),

@@ -236,13 +236,20 @@ def test_times_say_utc_jobs_explains_stuck_workers_show_cpu(app, stack):
     wait_for(lambda: job.refresh().data.get("stuck") == "1", what="the job flagged stuck")
     out = stack.cli("jobs", "--state", "running", check=True).stdout
     assert "running*" in out and "* stuck: ran past its max duration" in out, out
-    assert re.search(r"started  \S+ \S+ UTC$", stack.cli("status", job.id, check=True).stdout, re.M)
+    status = stack.cli("status", job.id, check=True).stdout
+    assert re.search(r"started  \S+ \S+ UTC$", status, re.M) and "    state  running (stuck)\n" in status, status
     workers = stack.cli("workers", check=True).stdout.splitlines()
     assert "CPU %" in workers[0]
     [row] = [line for line in workers if line.startswith("cpu-w")]
     assert re.search(r" \d+\.\d +default,", row), row
     app.redis.set(f"{app.settings.prefix}:release:flagged", 1)
     job.wait(30)
+    # Finished, it is stuck no more: it ran past its max duration (it said "completed (stuck)").
+    assert "    state  completed (ran past its max duration)\n" in stack.cli("status", job.id, check=True).stdout
+    from dashboard import create_app
+
+    page = create_app(app).test_client().get(f"/jobs/{job.id}").get_data(as_text=True)
+    assert ">overran</span>" in page and ">stuck</span>" not in page
 
 
 def test_commands_on_a_queue_refuse_a_name_no_queue_has(app, stack):
