@@ -564,8 +564,13 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec:
 
     app = _app(app_spec, redis_url)
     c = Consumer(app, [q.strip() for q in queue_list.split(",") if q.strip()])
-    [delivery] = c.claim(1, block=timeout) or [None]
+    try:
+        [delivery] = c.claim(1, block=timeout) or [None]
+    except KeyboardInterrupt:
+        c.close()
+        raise
     if delivery is None:
+        c.close()  # else listed among the workers, then as a dead one for an hour
         click.echo("no job", err=True)
         sys.exit(2)
     payload = json.dumps(delivery.to_dict())

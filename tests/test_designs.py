@@ -156,6 +156,15 @@ def test_consume_stops_its_command_on_a_kill_and_at_the_max_duration(app, stack)
     assert [w for w in json.loads(stack.cli("workers", "--json", check=True).stdout) if w["state"] == "alive"] == []
 
 
+def test_consume_with_no_job_leaves_no_worker_behind(app, stack):
+    """`consume` that finds no job leaves the list of workers as it entered it: it stayed
+    there, found dead by the dispatcher, then listed as a dead worker for an hour."""
+    queue.create(app, "quiet", 0, False)
+    r = stack.cli("consume", "-q", "quiet", "--timeout", "0.2")
+    assert r.returncode == 2 and r.stderr == "no job\n", r
+    assert app.redis.zrange(app.keys.workers, 0, -1) == [] and list(app.redis.scan_iter(app.keys.g + "worker:*")) == []
+
+
 def test_harvest_returns_dead_consumers_jobs(app, stack):
     job = apps.add.delay(1, 1)
     p = stack.spawn("consume", "-q", "default", "--", "sleep", "60")
