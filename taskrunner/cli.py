@@ -769,12 +769,18 @@ def analyze(since: str, master: str | None, history_dir: str | None, as_json: bo
     next to the archive and into Redis for the dashboard's History page."""
     require_extra("spark", "analyze (PySpark)", "pyspark")
     from . import analyze as analysis
+    from .history import default_dir
 
     try:
         seconds = analysis.parse_since(since)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--since") from None
     app = _app(app_spec, redis_url)
+    where = history_dir or default_dir()
+    if "://" not in where and not os.path.isdir(where):  # a typo, or another directory than the dispatcher's
+        raise TaskRunnerError(f"no job history at {os.path.abspath(where)}: the dispatcher archives finished jobs "
+                              "into ./var/history of its directory (or TASKRUNNER_HISTORY_DIR) every 5 s; "
+                              "`taskrunner history archive` does it now; or give --history-dir")
     summary = analysis.analyze(history_dir, seconds, master,
                                progress=lambda stage: click.echo(f"analyze: {stage}...", err=True))
     analysis.publish(app, summary)

@@ -205,3 +205,16 @@ def test_local_spark_runs_our_python(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == sys.executable
+
+
+def test_cli_analyze_of_no_archive_says_so_and_publishes_nothing(app, stack, tmp_path):
+    """A --history-dir that does not exist (a typo, another directory than the
+    dispatcher's): one line, exit 1, before Spark starts, and the dashboard's last analysis
+    stays. It said "0 records" and replaced that analysis with an empty one."""
+    analyze.publish(app, {"records": 5, "tasks": []})
+    r = stack.cli("analyze", "--history-dir", str(tmp_path / "typo"), timeout=300)
+    assert r.returncode == 1 and r.stdout == "", r
+    assert r.stderr == f"Error: no job history at {tmp_path / 'typo'}: the dispatcher archives finished jobs " \
+                       "into ./var/history of its directory (or TASKRUNNER_HISTORY_DIR) every 5 s; `taskrunner " \
+                       "history archive` does it now; or give --history-dir\n", r.stderr
+    assert analyze.latest(app)["records"] == 5
