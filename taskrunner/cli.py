@@ -88,6 +88,12 @@ def _ts(t: Any) -> str:
         return str(t)  # a corrupt record, shown as it is
 
 
+def _width(least: int, values: list[str]) -> int:
+    """A table column as wide as its widest value: ids (a cron tick's, one given with --id)
+    and queue names may be longer than the usual, and must not push the next columns."""
+    return max([least, *map(len, values)])
+
+
 def _emit(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
@@ -320,12 +326,14 @@ def jobs(queue: str | None, state: str | None, limit: int, offset: int, as_json:
     found = listing.list_jobs(app, queue, state, limit, offset)
     if as_json:
         return _emit([j.to_dict() for j in found])
-    click.echo(f"{'ID':26}  {'QUEUE':12} {'STATE':10} {'TASK':30} {'TRIES':>5}  WHERE")
+    iw, qw = _width(26, [j.id for j in found]), _width(12, [j.queue for j in found])
+    click.echo(f"{'ID':{iw}}  {'QUEUE':{qw}} {'STATE':10} {'TASK':30} {'TRIES':>5}  WHERE")
     for j in found:
         d = j.data
         st = d.get("state", "?") + ("*" if d.get("stuck") == "1" else "")
         where = f"{d.get('worker', '')} pid {d.get('pid')}" if d.get("state") == "running" else d.get("error_type", "")
-        click.echo(f"{j.id:26}  {j.queue:12} {st:10} {d.get('task', '?')[:30]:30} {d.get('attempts', 0):>5}  {where}")
+        click.echo(f"{j.id:{iw}}  {j.queue:{qw}} {st:10} {d.get('task', '?')[:30]:30} {d.get('attempts', 0):>5}  "
+                   f"{where}")
     if any(j.data.get("stuck") == "1" for j in found):
         click.echo("* stuck: ran past its max duration (`taskrunner status ID` says more; "
                    "`jobs --state stuck` lists them)")
@@ -713,9 +721,10 @@ def inspect(queue_name: str, running: bool, limit: int, as_json: bool, app_spec:
                 "last_delivery": r["started_at"], "age": round(now - (r["enqueued_at"] or now), 3)} for r in rows]
     if as_json:
         return _emit(out)
-    click.echo(f"{'ID':26}  {'TASK':30} {'DELIVERIES':>10}  {'LAST DELIVERY':23}  {'AGE':>9}")
+    iw = _width(26, [r["id"] for r in out])
+    click.echo(f"{'ID':{iw}}  {'TASK':30} {'DELIVERIES':>10}  {'LAST DELIVERY':23}  {'AGE':>9}")
     for r in out:
-        click.echo(f"{r['id']:26}  {(r['task'] or '?')[:30]:30} {r['deliveries']:>10}  {_ts(r['last_delivery']):23}  "
+        click.echo(f"{r['id']:{iw}}  {(r['task'] or '?')[:30]:30} {r['deliveries']:>10}  {_ts(r['last_delivery']):23}  "
                    f"{r['age']:>8.1f}s")
 
 

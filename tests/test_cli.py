@@ -310,3 +310,16 @@ def test_values_taskrunner_refuses_are_usage_errors(app, stack):
         r = stack.cli(*args)
         assert r.returncode == 2 and one_line_error(r).startswith(f"Error: {said}"), (args, r)
     assert app.queue_names() == []
+
+
+def test_tables_stay_aligned_with_long_ids_and_queue_names(app, stack):
+    """A cron tick's id (cron.<task>.<tick>) or a queue name longer than the usual pushed
+    the next columns of `jobs` and `inspect` out of line with their headings."""
+    apps.add.delay(1, 1)
+    apps.add.apply_async((1, 2), job_id="cron.tests.apps.add.1795539420", queue="a-rather-long-queue-name")
+    head, *rows = stack.cli("jobs", check=True).stdout.splitlines()
+    at = head.index("STATE")
+    assert len(rows) == 2 and all(row[at:].split()[0] == "pending" for row in rows), (head, rows)
+    head, *rows = stack.cli("inspect", "-q", "a-rather-long-queue-name", check=True).stdout.splitlines()
+    at = head.index("DELIVERIES")  # right-aligned, 10 wide
+    assert len(rows) == 1 and rows[0][at:at + 10] == " " * 9 + "0", (head, rows)
