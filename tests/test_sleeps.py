@@ -1,7 +1,7 @@
 """What waits must sleep: a worker whose job is flagged stuck, a worker and a dispatcher
 backing off while Redis is down, a stopping worker that cannot reach Redis. Each is
 measured by the CPU time its process uses over a few seconds (a generous margin: a spin
-uses a whole core), and a stopping worker must exit within its documented bound."""
+uses a whole core), and a stopping worker must exit by itself, giving up on Redis."""
 
 from __future__ import annotations
 
@@ -89,13 +89,14 @@ def test_stopping_worker_with_redis_down_exits_in_time(app, own_redis, down):
         else:
             os.kill(own_redis.proc.pid, signal.SIGSTOP)
         _says(w, "Redis unavailable")
-        stopped = time.monotonic()
         w.send_signal(signal.SIGTERM)
         share = cpu_share(w.pid)
         bound = float(FAST["TASKRUNNER_SHUTDOWN_GRACE"]) + float(FAST["TASKRUNNER_KILL_GRACE"]) + 10
-        w.wait(bound + 30)
-        took = time.monotonic() - stopped
-        assert share < BUSY and took < bound + 5, (share, took)
+        assert w.wait(bound + 60) == 0  # a generous deadline for "it exits", not a speed
+        rest = w.stdout.read()
+        # It left because its own bound passed (it gave up reporting), not because Redis came back.
+        assert "could not report every job" in rest or "without saying goodbye" in rest, rest
+        assert share < BUSY, share
     finally:
         stack.stop()
         if down == "hung":

@@ -121,6 +121,12 @@ def _serves(port: int) -> bool:
         return False
 
 
+def stops_cleanly_on_sigterm(p: subprocess.Popen) -> None:
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0 and "redis-server stopped" in out, out
+
+
 def stop_up(p: subprocess.Popen, family: list[psutil.Process]) -> None:
     """Whatever a test left running of an `up`: killed."""
     if p.poll() is None:
@@ -168,9 +174,7 @@ def test_second_up_in_the_same_directory_says_so_and_leaves_the_first_alone(tmp_
         assert f"kill {p.pid}" in second.stderr
         assert all(q.is_running() for q in family) and p.poll() is None  # the first one: undisturbed
         assert redis.Redis(unix_socket_path=str(sock)).ping()
-        p.send_signal(signal.SIGTERM)
-        out, _ = p.communicate(timeout=60)
-        assert p.returncode == 0 and "redis-server stopped" in out, out
+        stops_cleanly_on_sigterm(p)
     finally:
         stop_up(p, family)
 
@@ -202,9 +206,7 @@ def test_sigkilled_up_takes_its_stack_along_and_the_next_up_starts(tmp_path):
     p = start_up(tmp_path)
     family = psutil.Process(p.pid).children(recursive=True)
     try:
-        p.send_signal(signal.SIGTERM)
-        out, _ = p.communicate(timeout=60)
-        assert p.returncode == 0 and "redis-server stopped" in out, out
+        stops_cleanly_on_sigterm(p)
     finally:
         stop_up(p, family)
 
