@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -120,6 +121,19 @@ def check_cron(cron: Any) -> str:
 def cron_job_id(schedule: str, tick: float) -> str:
     """The job id of a schedule's tick: the same for every dispatcher that fires it."""
     return f"cron.{schedule}.{int(tick)}"
+
+
+def _module_name(module: str) -> str:
+    """A task's module as a worker's `-A` imports it: a script run as `python shop.py` (or
+    `python -m shop`) is `__main__` here, which is no task name, and `shop` there."""
+    if module != "__main__":
+        return module
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return spec.name
+    path = getattr(main, "__file__", None)
+    return os.path.splitext(os.path.basename(path))[0] if path else module
 
 
 def _exception_classes(what: str, value: Any) -> tuple[type[BaseException], ...]:
@@ -245,7 +259,7 @@ class TaskRunner:
         def register(f: Callable) -> Task:
             spec = JobSpec().merged(queue=queue, max_duration=max_duration, retries=retries,
                                     retry_backoff=retry_backoff, timeout_policy=timeout_policy, max_lost=max_lost)
-            task_name = codec.check_name("task", name or f"{f.__module__}.{f.__qualname__}")
+            task_name = codec.check_name("task", name or f"{_module_name(f.__module__)}.{f.__qualname__}")
             if task_name in self.tasks and self.tasks[task_name].fn is not f:
                 raise TaskRunnerError(f"two tasks named {task_name!r}: pass name= to one of them")
             t = self.tasks[task_name] = Task(self, f, task_name, spec, retry_classes, no_retry_classes)

@@ -285,3 +285,19 @@ def test_no_connection_is_attempted(listener: socket.socket) -> None:
     with pytest.raises(redis.RedisError):
         real.enqueue("add", [1, 2])
     assert accepted(listener)
+
+
+def test_a_task_in_a_script_run_directly_is_named_after_the_script(tmp_path) -> None:
+    """`python shop.py` defining tasks: their module is `__main__`, which no task name may
+    start with, so the first @app.task raised InvalidName. They are named as a worker's
+    `-A shop` names them: shop.add."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "shop.py"
+    script.write_text("from taskrunner import TaskRunner\napp = TaskRunner('shop', eager=True)\n"
+                      "@app.task\ndef add(a, b):\n    return a + b\n"
+                      "print(sorted(app.tasks), add.delay(1, 2).wait())\n")
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "REDIS_URL": NOWHERE})
+    assert r.returncode == 0 and r.stdout.strip() == "['shop.add'] 3", r
