@@ -29,6 +29,7 @@ import orjson
 from . import codec, frames
 from .context import JobContext, _current
 from .errors import NotJSONError, Reject, Retry
+from .outcome import Outcome
 
 
 class _Killed(BaseException):
@@ -102,7 +103,7 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
             began = time.perf_counter()
             outcome = run(app, message)
             reply = frames.frame(orjson.dumps([message[:message.find(b"\0")].decode(), time.perf_counter() - began,
-                                               *outcome]))
+                                               *outcome.wire()]))
             sending = True
             try:
                 while reply:  # a signal may cut a big write short
@@ -115,11 +116,7 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
         os._exit(143)  # the job's finally blocks have run
 
 
-def _failed(kind: str, message: str, tb: str = "") -> list:
-    return ["failed", kind, message, tb, ""]
-
-
-def _error(e: BaseException, task: Any) -> list:
+def _error(e: BaseException, task: Any) -> Outcome:
     """The outcome of a task that raised: "error" (retried while retries last, after a
     backoff with this jitter factor), or "failed" at once when the task's retry_on /
     no_retry_on say that this exception is not worth another try."""
@@ -127,8 +124,8 @@ def _error(e: BaseException, task: Any) -> list:
     if type(e).__module__ != "builtins":
         kind = f"{type(e).__module__}.{kind}"
     if not task.retryable(e):
-        return _failed(kind, str(e), traceback.format_exc())
-    return ["error", kind, str(e), traceback.format_exc(), str(random.uniform(0.5, 1.0))]
+        return Outcome.failed(kind, str(e), traceback.format_exc())
+    return Outcome.error(kind, str(e), traceback.format_exc(), random.uniform(0.5, 1.0))
 
 
 def _mismatch(fn: Any, args: list, kwargs: dict) -> str | None:
@@ -145,22 +142,22 @@ def _mismatch(fn: Any, args: list, kwargs: dict) -> str | None:
     return None
 
 
-def run(app: Any, message: bytes) -> list:
+def run(app: Any, message: bytes) -> Outcome:
     """Run one job; every outcome, including bad input, becomes a reply."""
     parts = message.split(b"\0")
     if len(parts) != 7:
-        return _failed("CorruptJob", "job record has a malformed field (NUL byte)")
+        return Outcome.failed("CorruptJob", "job record has a malformed field (NUL byte)")
     job_id, attempt, raw_name, queue, max_duration, raw_args, raw_kwargs = parts
     name = raw_name.decode("utf-8", "replace")
     task = app.tasks.get(name)
     if task is None:
-        return _failed("NotRegistered", f"unknown task {name!r}: no task of that name in app {app.name!r}")
+        return Outcome.failed("NotRegistered", f"unknown task {name!r}: no task of that name in app {app.name!r}")
     try:
         args, kwargs = codec.loads(raw_args), codec.loads(raw_kwargs)  # UTF-8 checked there
     except ValueError as e:
-        return _failed("BadArguments", f"args/kwargs are not valid JSON: {e}")
+        return Outcome.failed("BadArguments", f"args/kwargs are not valid JSON: {e}")
     if not isinstance(args, list) or not isinstance(kwargs, dict):
-        return _failed("BadArguments", "args must be a JSON array and kwargs a JSON object")
+        return Outcome.failed("BadArguments", "args must be a JSON array and kwargs a JSON object")
     token = _current.set(JobContext(job_id.decode(), name, queue.decode(), int(attempt),
                                     time.time() + float(max_duration)))
     try:
@@ -168,17 +165,17 @@ def run(app: Any, message: bytes) -> list:
     except TypeError as e:
         mismatch = _mismatch(task.fn, args, kwargs)
         if mismatch:
-            return _failed("BadArguments", f"{name}{mismatch}")
+            return Outcome.failed("BadArguments", f"{name}{mismatch}")
         return _error(e, task)
     except Retry as r:
-        return ["requeue", str(r.delay), "", "", ""]
+        return Outcome.requeue(r.delay)
     except Reject as r:
-        return _failed("Rejected", str(r))
+        return Outcome.failed("Rejected", str(r))
     except (Exception, SystemExit) as e:
         return _error(e, task)
     finally:
         _current.reset(token)
     try:
-        return ["completed", codec.dumps(result, "result").decode(), "", "", ""]
+        return Outcome.completed(codec.dumps(result, "result").decode())
     except NotJSONError as e:
-        return _failed("NotJSONError", str(e))
+        return Outcome.failed("NotJSONError", str(e))

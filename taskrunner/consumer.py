@@ -14,6 +14,7 @@ from .app import TaskRunner
 from .claims import Delivery, claim_args, claim_keys, claim_rest
 from .connection import pop_any
 from .holders import held, identity
+from .outcome import Ended, Outcome, finish_values
 
 
 class Consumer:
@@ -49,24 +50,24 @@ class Consumer:
         """Mark jobs completed, all in one round trip; says which were really acked (a job
         requeued or killed meanwhile is not: its new owner's record stays)."""
         results = results if results is not None else [None] * len(deliveries)
-        return self._finish([(d, ["completed", codec.dumps(r, "result").decode(), "", "", ""])
+        return self._finish([_ended(d, Outcome.completed(codec.dumps(r, "result").decode()))
                              for d, r in zip(deliveries, results)])
 
     def fail(self, delivery: Delivery, error_type: str, message: str, traceback: str = "",
              retry: bool = True) -> bool:
         """Mark a job failed; retried with backoff while its retries last (unless retry=False)."""
-        outcome = ["error" if retry else "failed", error_type, message, traceback, "1"]
-        return self._finish([(delivery, outcome)])[0]
+        outcome = (Outcome.error if retry else Outcome.failed)(error_type, message, traceback)
+        return self._finish([_ended(delivery, outcome)])[0]
 
     def stopped(self, delivery: Delivery, reason: str) -> bool:
         """Record a job we stopped: `reason` "killed" (a kill request: ends killed) or
         "timeout" (past its max duration: TimeLimitExceeded, retried while retries last),
         as a worker does (docs/PROTOCOL.md, Kill)."""
         if reason == "timeout":
-            outcome = ["error", "TimeLimitExceeded", "ran past its max duration; stopped", "", "1"]
+            outcome = Outcome.error("TimeLimitExceeded", "ran past its max duration; stopped")
         else:
-            outcome = ["killed", "", "killed on request", "", ""]
-        return self._finish([(delivery, outcome)])[0]
+            outcome = Outcome.killed("killed on request")
+        return self._finish([_ended(delivery, outcome)])[0]
 
     def kill_request(self, delivery: Delivery, timeout: float) -> str | None:
         """Wait up to `timeout` seconds on our control list for a kill of `delivery`: its
@@ -83,17 +84,18 @@ class Consumer:
             return None
         return "timeout" if msg.get("reason") == "timeout" else "killed"
 
-    def _finish(self, items: list[tuple[Delivery, list[Any]]]) -> list[bool]:
-        by_queue: dict[str, list[Any]] = {}
+    def _finish(self, items: list[tuple[str, Ended]]) -> list[bool]:
+        """Report (queue, ended) pairs, one finish.lua call per queue: which were applied."""
+        by_queue: dict[str, list[Ended]] = {}
         order: list[tuple[str, int]] = []
-        for d, outcome in items:
-            values = by_queue.setdefault(d.queue, [])
-            order.append((d.queue, len(values) // 8))
-            values += [d.id, d.attempt, outcome[0], "", *outcome[1:]]
+        for q, e in items:
+            ended = by_queue.setdefault(q, [])
+            order.append((q, len(ended)))
+            ended.append(e)
         batch = scripts.Batch(self.app.redis)
         s = self.app.settings
-        for q, values in by_queue.items():
-            batch.call(scripts.FINISH, [self.keys.q(q)], [s.result_ttl, s.retry_backoff_max, *values])
+        for q, ended in by_queue.items():
+            batch.call(scripts.FINISH, [self.keys.q(q)], [s.result_ttl, s.retry_backoff_max, *finish_values(ended, 0)])
         answers = dict(zip(by_queue, batch.execute()))
         return [answers[q][i] == 1 for q, i in order]
 
@@ -101,11 +103,14 @@ class Consumer:
         """Leave cleanly: what we still hold goes back to its queue now, next in line (left
         to the dispatcher it would wait for its deadline: a holder that left is not dead),
         then we leave the list of workers."""
-        batch = scripts.Batch(self.app.redis)
-        for q, job_id, worker, attempt in held(self.app, self.queues):
-            if worker == self.name:
-                batch.call(scripts.FINISH, [self.keys.q(q)], [self.app.settings.result_ttl, 0, job_id, attempt,
-                                                             "requeue", "", "0", "front", f"{self.name} left", ""])
-        batch.execute()
+        back = Outcome.requeue(front=True, why=f"{self.name} left")
+        mine = [(q, Ended(job_id, attempt, back)) for q, job_id, worker, attempt in held(self.app, self.queues)
+                if worker == self.name]
+        if mine:
+            self._finish(mine)
         self.app.redis.zrem(self.keys.workers, self.name)
         self.app.redis.delete(self.keys.worker(self.name), self.keys.control(self.name))
+
+
+def _ended(d: Delivery, outcome: Outcome) -> tuple[str, Ended]:
+    return d.queue, Ended(d.id, d.attempt, outcome)

@@ -88,7 +88,7 @@ def _run(app: TaskRunner, job: EagerJob) -> None:
         max_duration = d.get("max_duration") or str(app.settings.max_duration)
         message = "\0".join([job.id, str(attempt), d["task"], d["queue"], max_duration, d["args"],
                              d["kwargs"]]).encode()
-        outcome, v1, v2, v3, _ = run_in_child(app, message)
+        outcome, v1, v2, v3, _ = run_in_child(app, message).wire()
         counter = {"requeue": "requeues", "error": "failures"}.get(outcome)
         if counter:
             d[counter] = str(int(d[counter]) + 1)

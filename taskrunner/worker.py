@@ -34,6 +34,7 @@ from .connection import Blocker, Channel, is_cluster
 from .errors import NameInUse
 from .holders import identity, lose_held
 from .listing import server_time
+from .outcome import Ended, Outcome, finish_values
 
 log = logging.getLogger("taskrunner.worker")
 _ctx = multiprocessing.get_context("fork")
@@ -62,7 +63,7 @@ class Flight:
     it claims for."""
 
     batch: scripts.Batch
-    outbox: dict[str, list[list[Any]]]
+    outbox: dict[str, list[Ended]]
     marks: list[tuple[str, str, str]]
     slots: list[tuple[Child, float]]
     claim: list[Any]
@@ -209,7 +210,7 @@ class Worker:
         self.redis = app.redis
         self.ip = local_ip(self.redis)
         self.children: list[Child] = []
-        self.outbox: dict[str, list[list[Any]]] = {}  # queue -> [id, attempt, outcome, began, v1..v4]
+        self.outbox: dict[str, list[Ended]] = {}  # queue -> outcomes to report
         self.outbox_since = 0.0
         self.stuck_marks: list[tuple[str, str, str]] = []  # (queue, id, attempt)
         self.runtime: float | None = None  # moving average of job runtimes, s
@@ -398,7 +399,7 @@ class Worker:
         if self.flights:
             if self.channel is not None:
                 self.channel.close()
-            outbox: dict[str, list[list[Any]]] = {}
+            outbox: dict[str, list[Ended]] = {}
             marks: list[tuple[str, str, str]] = []
             for box, their_marks in [*((f.outbox, f.marks) for f in self.flights), (self.outbox, self.stuck_marks)]:
                 for q, entries in box.items():
@@ -557,7 +558,7 @@ class Worker:
         for raw in replies:
             try:
                 reply = codec.loads(raw)
-                job_id, runtime, outcome = reply[0], float(reply[1]), reply[2:]
+                job_id, runtime, outcome = str(reply[0]), float(reply[1]), Outcome.from_wire(reply[2:])
             except (ValueError, TypeError, IndexError):
                 log.warning("worker %s: child %d wrote a malformed answer: %r", self.name, c.pid, raw[:200])
                 continue
@@ -574,19 +575,19 @@ class Worker:
                 c.jobs[0].began = now
         return True
 
-    def _report(self, d: Delivery, outcome: list[Any], began: float | None = None) -> None:
+    def _report(self, d: Delivery, outcome: Outcome, began: float | None = None) -> None:
         if not self.outbox:
             self.outbox_since = time.monotonic()
-        self.outbox.setdefault(d.queue, []).append([d.id, d.attempt, outcome[0], began, *outcome[1:5]])
+        self.outbox.setdefault(d.queue, []).append(Ended(d.id, d.attempt, outcome, began))
 
     def _hand_back(self, c: Child, why: str, killed: Delivery | None = None, lost: Delivery | None = None) -> None:
         """Take back what the child has not begun: to the queue, next in line (a job to
         kill ends killed; one no longer ours is not ours to report)."""
         for d in c.take_back():
             if d is killed:
-                self._report(d, ["killed", "", "killed on request (before it began)", "", ""])
+                self._report(d, Outcome.killed("killed on request (before it began)"))
             elif d is not lost:
-                self._report(d, ["return", why, "", "", ""])
+                self._report(d, Outcome.returned(why))
 
     def _on_exit(self, c: Child) -> None:
         while c.conn.poll() and self._read(c):  # what it wrote before it died (poll: a process
@@ -597,22 +598,22 @@ class Worker:
         began = c.state[0]  # it is gone: no lock needed
         for d in c.jobs:
             if d.seq > began:
-                self._report(d, ["return", f"its process died ({why}) on {self.host}", "", "", ""])
+                self._report(d, Outcome.returned(f"its process died ({why}) on {self.host}"))
             elif d is c.kill_target:
                 if c.kill_reason == "killed":
-                    self._report(d, ["killed", "", "killed on request", "", ""], d.began)
+                    self._report(d, Outcome.killed("killed on request"), d.began)
                 elif c.kill_reason == "timeout":
-                    self._report(d, ["error", "TimeLimitExceeded", f"ran past its max duration; stopped by {why}",
-                                     "", "1"], d.began)
+                    self._report(d, Outcome.error("TimeLimitExceeded", f"ran past its max duration; stopped by {why}"),
+                                 d.began)
                 elif c.kill_reason == "shutdown":
-                    self._report(d, ["requeue", "0", "front", "", ""], d.began)
+                    self._report(d, Outcome.requeue(front=True), d.began)
             elif c.kill_reason is not None:
                 # It began after the job we stopped had ended: requeued, nothing counted.
-                self._report(d, ["requeue", "0", "front", f"its process was stopped ({c.kill_reason}) on "
-                                 f"{self.host}", ""], d.began)
+                self._report(d, Outcome.requeue(front=True, why=f"its process was stopped ({c.kill_reason}) on "
+                                                            f"{self.host}"), d.began)
             else:
                 log.warning("worker %s: child %d died (%s) running job %s", self.name, c.pid, why, d.id)
-                self._report(d, ["lost", f"child process died ({why}) on {self.host}", "", "", ""], d.began)
+                self._report(d, Outcome.lost(f"child process died ({why}) on {self.host}"), d.began)
         c.jobs.clear()
         self.children.remove(c)
         c.conn.close()
@@ -665,7 +666,7 @@ class Worker:
     def _reported(self, job_id: str) -> bool:
         """Is the job's outcome waiting in the outbox, or on its way?"""
         boxes = [self.outbox, *(f.outbox for f in self.flights)]
-        return any(v[0] == job_id for box in boxes for values in box.values() for v in values)
+        return any(e.id == job_id for box in boxes for ended in box.values() for e in ended)
 
     # -- Redis -------------------------------------------------------------------------
 
@@ -679,11 +680,8 @@ class Worker:
         outbox = self.outbox
         now = time.monotonic()
         for q, entries in outbox.items():
-            values: list[Any] = [self.s.result_ttl, self.s.retry_backoff_max]
-            for e in entries:
-                values += e
-                values[-5] = "" if e[3] is None else f"{now - e[3]:.6f}"  # began: seconds ago
-            batch.call(scripts.FINISH, [self.keys.q(q)], values)
+            batch.call(scripts.FINISH, [self.keys.q(q)],
+                       [self.s.result_ttl, self.s.retry_backoff_max, *finish_values(entries, now)])
         marks = self.stuck_marks
         for q, job_id, attempt in marks:
             batch.call(scripts.STUCK, [self.keys.q(q)],
@@ -719,7 +717,7 @@ class Worker:
             for e, ack in zip(entries, acks):
                 if ack == 0:
                     log.warning("worker %s: job %s was requeued and taken by another worker while it ran "
-                                "here; this result was discarded", self.name, e[0])
+                                "here; this result was discarded", self.name, e.id)
         if f.slots:
             claimed = claim_rest(self.app, self.queues, f.claim, results[-1])
             self._start(f.slots, claimed)
@@ -736,7 +734,7 @@ class Worker:
                 message = (d.id, d.attempt, d.task, d.queue, str(d.max_duration), d.args_json, d.kwargs_json)
                 c.send(d, b"\0".join(s.encode() for s in message), now)
             else:
-                self._report(d, ["return", f"its process died on {self.host} before it got it", "", "", ""])
+                self._report(d, Outcome.returned(f"its process died on {self.host} before it got it"))
         for c in {c for c, _ in slots}:
             c.flush()
 
@@ -744,7 +742,7 @@ class Worker:
         """Deliveries the holding lists give to us that no child of ours has (a claim whose
         answer never came, or a previous life under the same name): requeue them."""
         mine = {d.id for c in self.children for d in c.jobs}
-        mine.update(v[0] for values in self.outbox.values() for v in values)
+        mine.update(e.id for ended in self.outbox.values() for e in ended)
         acted = lose_held(self.app, self.queues, lambda w, job_id: w == self.name and job_id not in mine,
                           "worker {} no longer ran it")
         if acted:
