@@ -184,7 +184,8 @@ def queue(name: str) -> str:
 @pages.get("/jobs/<job_id>")
 def job(job_id: str) -> str:
     j = find_job(job_id)
-    return render_template("job.html", job=j.to_dict(), now=listing.server_time(runner()))
+    return render_template("_job.html" if request.args.get("fragment") else "job.html", job=j.to_dict(),
+                           now=listing.server_time(runner()))
 
 
 @pages.get("/schedules")

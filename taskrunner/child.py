@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import logging
 import os
 import random
 import signal
@@ -27,7 +28,7 @@ from typing import Any
 import orjson
 
 from . import codec, frames
-from .context import JobContext, _current
+from .context import JobContext, JobLogHandler, Reporter, _current, log_line
 from .errors import NotJSONError, Reject, Retry
 from .outcome import Outcome
 
@@ -59,30 +60,57 @@ def dies_with_us(sig: int = signal.SIGTERM) -> Callable[[], None]:
     return arm
 
 
+class _Link:
+    """Our end of the pipe to the worker, written in whole frames only: a kill (SIGTERM
+    with the kill flag set) that arrives while a frame is being written waits for it, as
+    half a frame would corrupt every later one."""
+
+    def __init__(self, fd: int, kill_flag: Any) -> None:
+        self.fd, self.kill_flag = fd, kill_flag
+        self.sending = self.killed = False
+
+    def on_term(self, signum: int, frame: Any) -> None:
+        # SIGTERM from anyone but our worker (e.g. a platform stopping every process) is
+        # ignored: the worker decides when a job stops.
+        if self.kill_flag.value:
+            if self.sending:
+                self.killed = True
+            else:
+                raise _Killed()
+
+    def send(self, payload: bytes) -> None:
+        data = frames.frame(payload)
+        self.sending = True
+        try:
+            while data:  # a signal may cut a big write short
+                data = data[os.write(self.fd, data):]
+        finally:
+            self.sending = False
+        if self.killed:
+            raise _Killed()
+
+    # A job's progress and log lines (context.Reporter): one frame each, a JSON object,
+    # where a job's answer is a JSON array; the worker batches them into its syncs.
+    def progress(self, job: JobContext, fraction: float, note: str) -> None:
+        self.send(orjson.dumps({"progress": [job.id, str(job.attempt), fraction, note]}))
+
+    def log(self, job: JobContext, line: str) -> None:
+        self.send(b'{"log":[%s,"%d",%s]}' % (orjson.dumps(job.id), job.attempt, log_line(job, line)))
+
+
 def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, parent: int, inherited: list) -> None:
     for other in inherited:
         other.close()
     signal.set_wakeup_fd(-1)  # the worker's, inherited: our signals are not its business
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C (and Ctrl-\) are for the worker to handle
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
-    sending = killed = False
-
-    def on_term(signum: int, frame: Any) -> None:
-        # SIGTERM from anyone but our worker (e.g. a platform stopping every process)
-        # is ignored: the worker decides when a job stops. Never half a reply: while one
-        # is being written, the kill waits for it.
-        nonlocal killed
-        if kill_flag.value:
-            if sending:
-                killed = True
-            else:
-                raise _Killed()
-
-    signal.signal(signal.SIGTERM, on_term)
+    fd = conn.fileno()
+    link = _Link(fd, kill_flag)
+    signal.signal(signal.SIGTERM, link.on_term)
     die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
-    fd = conn.fileno()
+    logging.getLogger().addHandler(JobLogHandler())
     reader, jobs = frames.Reader(fd), deque()
     try:
         while True:
@@ -101,17 +129,9 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
                     continue  # taken back before it began
                 state[0] = n
             began = time.perf_counter()
-            outcome = run(app, message)
-            reply = frames.frame(orjson.dumps([message[:message.find(b"\0")].decode(), time.perf_counter() - began,
-                                               *outcome.wire()]))
-            sending = True
-            try:
-                while reply:  # a signal may cut a big write short
-                    reply = reply[os.write(fd, reply):]
-            finally:
-                sending = False
-            if killed:
-                raise _Killed()
+            outcome = run(app, message, link)
+            link.send(orjson.dumps([message[:message.find(b"\0")].decode(), time.perf_counter() - began,
+                                    *outcome.wire()]))
     except _Killed:
         os._exit(143)  # the job's finally blocks have run
 
@@ -142,8 +162,9 @@ def _mismatch(fn: Any, args: list, kwargs: dict) -> str | None:
     return None
 
 
-def run(app: Any, message: bytes) -> Outcome:
-    """Run one job; every outcome, including bad input, becomes a reply."""
+def run(app: Any, message: bytes, reporter: Reporter | None = None) -> Outcome:
+    """Run one job; every outcome, including bad input, becomes a reply. Its progress and
+    log lines go to `reporter`."""
     parts = message.split(b"\0")
     if len(parts) != 7:
         return Outcome.failed("CorruptJob", "job record has a malformed field (NUL byte)")
@@ -159,7 +180,7 @@ def run(app: Any, message: bytes) -> Outcome:
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         return Outcome.failed("BadArguments", "args must be a JSON array and kwargs a JSON object")
     token = _current.set(JobContext(job_id.decode(), name, queue.decode(), int(attempt),
-                                    time.time() + float(max_duration)))
+                                    time.time() + float(max_duration), reporter=reporter))
     try:
         result = task.fn(*args, **kwargs)
     except TypeError as e:

@@ -262,12 +262,19 @@ def status(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | No
             ("attempts", d["attempts"]), ("enqueued", _ts(d.get("enqueued_at"))),
             ("started", _ts(d.get("started_at"))), ("finished", _ts(d.get("finished_at"))),
             ("worker", d.get("worker") or "-"), ("host", d.get("host") or "-"), ("pid", d.get("pid") or "-")]
+    if isinstance(d.get("progress"), float):
+        rows.append(("progress", f"{d['progress']:.0%}  {d.get('progress_note') or ''}".rstrip()))
     if d.get("result") is not None:
         rows.append(("result", json.dumps(d["result"])))
     if d.get("error_type"):
         rows.append(("error", f"{d['error_type']}: {d.get('error')}"))
     for k, v in rows:
         click.echo(f"{k:>9}  {v}")
+    if d["logs"]:
+        dropped = f", {d['logs_dropped']} older dropped" if d.get("logs_dropped") else ""
+        click.echo(f"      log  (last {len(d['logs'])} lines{dropped})")
+        for line in d["logs"]:
+            click.echo(f"           {_ts(line['t'])}  #{line['attempt']}  {line['line']}")
     if d.get("traceback") and d["state"] == "failed":
         click.echo(d["traceback"].rstrip())
 

@@ -13,12 +13,14 @@ with MaxRetriesExceeded."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 from typing import TYPE_CHECKING, Any
 
 from .child import run as run_in_child
+from .context import LOG_LINES, JobContext, JobLogHandler, log_line
 from .errors import JobNotFound
 from .job import Job
 
@@ -88,7 +90,7 @@ def _run(app: TaskRunner, job: EagerJob) -> None:
         max_duration = d.get("max_duration") or str(app.settings.max_duration)
         message = "\0".join([job.id, str(attempt), d["task"], d["queue"], max_duration, d["args"],
                              d["kwargs"]]).encode()
-        outcome, v1, v2, v3, _ = run_in_child(app, message).wire()
+        outcome, v1, v2, v3, _ = run_in_child(app, message, _Record(d)).wire()
         counter = {"requeue": "requeues", "error": "failures"}.get(outcome)
         if counter:
             d[counter] = str(int(d[counter]) + 1)
@@ -111,3 +113,23 @@ def _run(app: TaskRunner, job: EagerJob) -> None:
 
 def _now() -> str:
     return f"{time.time():.6f}"
+
+
+class _Record:
+    """Eager mode's context.Reporter: progress and log lines go straight into the record,
+    as progress.lua would write them."""
+
+    def __init__(self, data: dict[str, str]) -> None:
+        self.data = data
+        root = logging.getLogger()
+        if not any(isinstance(h, JobLogHandler) for h in root.handlers):
+            root.addHandler(JobLogHandler())  # `logging` in a task goes to its log too
+
+    def progress(self, job: JobContext, fraction: float, note: str) -> None:
+        self.data.update(progress=repr(fraction), progress_note=note, progress_at=_now())
+
+    def log(self, job: JobContext, line: str) -> None:
+        lines = [*filter(None, self.data.get("logs", "").split("\n")), log_line(job, line).decode()]
+        if len(lines) > LOG_LINES:
+            self.data["logs_dropped"] = str(int(self.data.get("logs_dropped", 0)) + len(lines) - LOG_LINES)
+        self.data["logs"] = "\n".join(lines[-LOG_LINES:])

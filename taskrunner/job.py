@@ -20,8 +20,8 @@ STATES = ("pending", "delayed", "running", "completed", "failed", "killed")
 FINAL = frozenset(("completed", "failed", "killed"))
 # Fields holding numbers; everything else in the record is text.
 _FLOATS = ("enqueued_at", "started_at", "finished_at", "due_at", "stuck_at", "kill_requested",
-           "last_requeued_at", "max_duration", "retry_backoff")
-_INTS = ("attempts", "requeues", "failures", "lost", "retries", "max_lost", "pid")
+           "last_requeued_at", "max_duration", "retry_backoff", "progress", "progress_at")
+_INTS = ("attempts", "requeues", "failures", "lost", "retries", "max_lost", "pid", "logs_dropped")
 #: Seconds between a waiter's looks at the job's state while no notification came: one
 #: lost with a Redis restart or failover would otherwise leave it waiting forever.
 LOOK_AGAIN = 5.0
@@ -177,13 +177,31 @@ class Job:
             else:
                 out[k] = typed(k, v)
         out["stuck"] = self.data.get("stuck") == "1"
+        out["logs"] = log_lines(self.data.get("logs"))
         out.setdefault("attempts", 0)
+        out.setdefault("progress", None)
+        out.setdefault("progress_note", None)
         for k in ("result", "error", "error_type", "worker", "host", "pid", "started_at", "finished_at"):
             out.setdefault(k, None)
         out.pop("bucket", None)
         out.pop("waiters", None)
         out["timeline"] = self.timeline()
         return out
+
+
+def log_lines(text: str | None) -> list[dict[str, Any]]:
+    """The record's `logs` field as [{"t": time, "attempt": n, "line": text}], oldest first;
+    a line another client wrote badly is shown as it is."""
+    out = []
+    for raw in (text or "").split("\n"):
+        if not raw:
+            continue
+        try:
+            t, attempt, line = codec.loads(raw)
+            out.append({"t": t, "attempt": attempt, "line": line})
+        except (ValueError, TypeError):
+            out.append({"t": None, "attempt": None, "line": raw})
+    return out
 
 
 def typed(field: str, value: str | None) -> Any:

@@ -34,6 +34,7 @@ from .connection import Blocker, Channel, is_cluster
 from .errors import NameInUse
 from .holders import identity, lose_held
 from .listing import server_time
+from .notes import Notes, Reports, progress_values
 from .outcome import Ended, Outcome, finish_values
 
 log = logging.getLogger("taskrunner.worker")
@@ -64,6 +65,7 @@ class Flight:
 
     batch: scripts.Batch
     outbox: dict[str, list[Ended]]
+    notes: Reports
     marks: list[tuple[str, str, str]]
     slots: list[tuple[Child, float]]
     claim: list[Any]
@@ -213,6 +215,7 @@ class Worker:
         self.outbox: dict[str, list[Ended]] = {}  # queue -> outcomes to report
         self.outbox_since = 0.0
         self.stuck_marks: list[tuple[str, str, str]] = []  # (queue, id, attempt)
+        self.notes = Notes()  # jobs' progress and log lines for the next sync
         self.runtime: float | None = None  # moving average of job runtimes, s
         self.may_claim = True
         self.stopping = False
@@ -313,7 +316,8 @@ class Worker:
             pass
 
     def _drained(self) -> bool:
-        return not any(c.jobs for c in self.children) and not self.outbox and not self.flights
+        return (not any(c.jobs for c in self.children) and not self.outbox and not self.flights
+                and not self.notes.pending)
 
     def _shutdown(self) -> None:
         signal.set_wakeup_fd(-1)
@@ -405,6 +409,8 @@ class Worker:
                 for q, entries in box.items():
                     outbox.setdefault(q, []).extend(entries)
                 marks += their_marks
+            for f in reversed(self.flights):
+                self.notes.put_back(f.notes)
             self.flights.clear()
             self.outbox, self.stuck_marks = outbox, marks
             if outbox:
@@ -456,10 +462,10 @@ class Worker:
             return float("inf")
         if self.stuck_marks or self.reconcile:
             return now
-        due = float("inf")
+        due = self.notes.due()
         if self.outbox:
             queued = any(len(c.jobs) > 1 for c in self.children)
-            due = self.outbox_since + FLUSH_AFTER if queued and self.flights and not self.stopping else now
+            due = min(due, self.outbox_since + FLUSH_AFTER if queued and self.flights and not self.stopping else now)
         if self.may_claim and not self.stopping and not self._claiming():
             depth = self._depth()
             if any(len(c.jobs) <= depth // 2 and c.kill_reason is None for c in self.children) and self._slots(now):
@@ -558,8 +564,11 @@ class Worker:
         for raw in replies:
             try:
                 reply = codec.loads(raw)
+                if isinstance(reply, dict):  # a running job's progress or log line
+                    self._note(c, reply, now)
+                    continue
                 job_id, runtime, outcome = str(reply[0]), float(reply[1]), Outcome.from_wire(reply[2:])
-            except (ValueError, TypeError, IndexError):
+            except (ValueError, TypeError, IndexError, KeyError):
                 log.warning("worker %s: child %d wrote a malformed answer: %r", self.name, c.pid, raw[:200])
                 continue
             d = c.jobs[0] if c.jobs and c.jobs[0].id == job_id else next((d for d in c.jobs if d.id == job_id), None)
@@ -574,6 +583,13 @@ class Worker:
             if c.jobs and c.jobs[0].began is None:
                 c.jobs[0].began = now
         return True
+
+    def _note(self, c: Child, message: dict[str, Any], now: float) -> None:
+        """Keep a report about a job the child runs, for the next sync."""
+        job_id, attempt = next(iter(message.values()))[:2]
+        d = next((d for d in c.jobs if d.id == job_id and d.attempt == attempt), None)
+        if d is None or not self.notes.add(d.queue, d.id, d.attempt, message, now):
+            log.warning("worker %s: child %d wrote a malformed report: %.200r", self.name, c.pid, message)
 
     def _report(self, d: Delivery, outcome: Outcome, began: float | None = None) -> None:
         if not self.outbox:
@@ -679,6 +695,10 @@ class Worker:
         batch = scripts.Batch(self.redis)
         outbox = self.outbox
         now = time.monotonic()
+        # Progress first: a job's last lines are recorded while it is still running.
+        notes = self.notes.take()
+        for q, jobs in notes.items():
+            batch.call(scripts.PROGRESS, [self.keys.q(q)], progress_values(jobs))
         for q, entries in outbox.items():
             batch.call(scripts.FINISH, [self.keys.q(q)],
                        [self.s.result_ttl, self.s.retry_backoff_max, *finish_values(entries, now)])
@@ -693,7 +713,7 @@ class Worker:
             claim = claim_args(self.app, self.name, self.host, self.ip, pairs)
             batch.call(scripts.CLAIM, claim_keys(self.app, self.prefixes), claim)
         if len(batch):
-            self.flights.append(Flight(batch, outbox, marks, slots, claim))
+            self.flights.append(Flight(batch, outbox, notes, marks, slots, claim))
             self.outbox, self.stuck_marks = {}, []
             if self.channel is not None:
                 self.channel.send(batch.commands())
@@ -713,7 +733,7 @@ class Worker:
             self._landed(f, results)
 
     def _landed(self, f: Flight, results: list[Any]) -> None:
-        for entries, acks in zip(f.outbox.values(), results):
+        for entries, acks in zip(f.outbox.values(), results[len(f.notes):]):
             for e, ack in zip(entries, acks):
                 if ack == 0:
                     log.warning("worker %s: job %s was requeued and taken by another worker while it ran "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -130,3 +131,18 @@ def exclusive_probe(i: int) -> int:
 def nap(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
+
+
+@app.task(max_duration=60)
+def chatty(key: str, lines: int) -> int:
+    """Reports progress and log lines (through job.log and `logging`), then waits to be
+    released, as `hold` does."""
+    job = current_job()
+    for i in range(1, lines + 1):
+        job.log("line %d of %d", i, lines)
+        job.progress(i / lines, f"wrote {i}")
+    logging.getLogger("tests.chatty").warning("through logging: %s", key)
+    deadline = time.time() + 50
+    while not app.redis.get(f"{app.settings.prefix}:release:{key}") and time.time() < deadline:
+        time.sleep(0.02)
+    return lines
