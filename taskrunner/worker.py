@@ -12,23 +12,20 @@ on a Redis Cluster one per queue, as one command's keys must share a slot). No t
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
-import select
 import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
 import redis
 
-from . import codec, declarations, frames, scripts
+from . import codec, declarations, policy, scripts
 from .app import TaskRunner
-from .child import child_main
+from .children import Child, send_signal, wait_ready
 from .claims import Delivery, claim_args, claim_keys, claim_rest
 from .connection import Blocker, Channel, is_cluster
 from .errors import NameInUse
@@ -38,24 +35,10 @@ from .notes import Notes, Reports, progress_values
 from .outcome import Ended, Outcome, finish_values
 
 log = logging.getLogger("taskrunner.worker")
-_ctx = multiprocessing.get_context("fork")
 # Any Redis failure (down, OOM, READONLY after a failover, BUSY; a cluster with no node
 # reachable, or a slot no node serves) means: back off, retry. Retrying is safe: finishes
 # are idempotent and a claim without an answer is reconciled.
 _REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
-#: Seconds of work, by the runtimes seen so far, that a child is sent ahead (its prefetch).
-PREFETCH_WINDOW = 0.01
-#: A job that runs longer than this (or than its max duration) hands the jobs sent ahead
-#: of it back to the queue, for other workers.
-HOLD = 1.0
-#: Seconds results may wait to go to Redis together while children have jobs queued and
-#: a sync is in flight (with none, Redis has nothing to do: they go at once).
-FLUSH_AFTER = 0.002
-#: Syncs in flight at most: Redis runs one while we act on another's answers.
-FLIGHTS = 2
-#: While children run short jobs with more queued, we look at their answers this often
-#: instead of waking for each one.
-GLANCE = 0.0005
 
 
 @dataclass
@@ -69,111 +52,6 @@ class Flight:
     marks: list[tuple[str, str, str]]
     slots: list[tuple[Child, float]]
     claim: list[Any]
-
-
-class Child:
-    def __init__(self, worker: Worker) -> None:
-        self.conn, theirs = _ctx.Pipe()
-        self.kill_flag = _ctx.Value("b", 0, lock=False)
-        self.state = _ctx.RawArray("q", [0, 1, 0])  # seq it began last; taken-back range (child.py)
-        self.lock = _ctx.Lock()
-        # The child closes the pipe ends of ours it inherits (its siblings' and its own), so
-        # that it sees EOF when we close ours.
-        inherited = [c.conn for c in worker.children] + [self.conn]
-        self.proc = _ctx.Process(target=child_main, name="taskrunner-child", args=(
-            theirs, worker.app, self.kill_flag, self.state, self.lock, os.getpid(), inherited))
-        self.proc.start()
-        theirs.close()
-        # Ours never blocks: a child busy in a long job reads nothing, and jobs sent ahead with
-        # big arguments must not stop our heartbeats until it is done (flush() keeps the rest).
-        os.set_blocking(self.conn.fileno(), False)
-        self.pid: int = self.proc.pid  # type: ignore[assignment]
-        self.jobs: deque[Delivery] = deque()  # sent to it, in order; jobs[0] runs
-        self.seq = 0
-        self.outgoing = bytearray()  # frames for it that flush() could not write yet
-        self.reader = frames.Reader(self.conn.fileno())
-        self.kill_target: Delivery | None = None
-        self.kill_reason: str | None = None
-        self.kill_at: float | None = None
-
-    def send(self, d: Delivery, message: bytes, now: float) -> None:
-        """Queue a job for the child (flush() writes what is queued, in one go)."""
-        self.seq += 1
-        d.seq = self.seq
-        if not self.jobs:
-            d.began = now
-        self.jobs.append(d)
-        self.outgoing += frames.frame(b"%d\0%s" % (d.seq, message))
-
-    def flush(self) -> None:
-        """Write what the pipe takes now; the rest waits for the next call."""
-        try:
-            while self.outgoing:
-                del self.outgoing[:os.write(self.conn.fileno(), self.outgoing)]
-        except BlockingIOError:
-            pass  # the pipe is full: the child is busy
-        except OSError:
-            self.outgoing.clear()  # it died; its sentinel tells us
-
-    def replies(self) -> list[bytes] | None:
-        """The answers that have arrived whole (call when the pipe is readable); None once
-        the child's end is closed."""
-        try:
-            return self.reader.read()
-        except BlockingIOError:
-            return []
-        except OSError:
-            return None
-
-    def take_back(self) -> list[Delivery]:
-        """The jobs sent ahead that the child has not begun: it will skip them, and they
-        are ours to hand back. Works while the child is busy in a job."""
-        if not self.lock.acquire(timeout=0.05):
-            return []  # it was SIGKILLed holding the lock; its exit is handled next
-        try:
-            state = self.state
-            rest = [d for d in self.jobs if d.seq > state[0]]
-            if rest:
-                # A range it has not skipped through yet stays in (it is contiguous with ours).
-                state[1] = state[1] if state[2] > state[0] else rest[0].seq
-                state[2] = rest[-1].seq
-        finally:
-            self.lock.release()
-        for d in rest:
-            self.jobs.remove(d)
-        return rest
-
-    def kill(self, target: Delivery, reason: str, grace: float) -> None:
-        """SIGTERM now (the child honours it because the flag is set), SIGKILL at kill_at.
-        The child is our unreaped child, so its PID cannot have been recycled."""
-        if self.kill_reason is None:
-            self.kill_target, self.kill_reason = target, reason
-            self.kill_flag.value = 1
-            self.kill_at = time.monotonic() + grace
-            _signal(self.pid, signal.SIGTERM)
-
-
-def _wait(objects: list[Any], timeout: float, writers: Iterable[Any] = ()) -> list[Any]:
-    """The objects (file descriptors, or with a fileno()) that are readable or closed, and
-    the `writers` that can be written to, waiting up to timeout seconds: multiprocessing's
-    wait() builds a selector each call."""
-    fds: dict[int, Any] = {}
-    masks: dict[int, int] = {}
-    for o, mask in [*((o, select.POLLIN) for o in objects), *((o, select.POLLOUT) for o in writers)]:
-        fd = o if isinstance(o, int) else o.fileno()
-        fds[fd] = o
-        masks[fd] = masks.get(fd, 0) | mask
-    poll = select.poll()
-    for fd, mask in masks.items():
-        poll.register(fd, mask)
-    return [fds[fd] for fd, _ in poll.poll(timeout * 1000)]
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def local_ip(client: redis.Redis | redis.cluster.RedisCluster) -> str:
@@ -258,7 +136,7 @@ class Worker:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGQUIT, self._on_signal)
-        self.children = [Child(self) for _ in range(self.concurrency)]
+        self.children = [Child(self.app, self.children) for _ in range(self.concurrency)]
         log.info("worker %s: queues %s, %d children, prefetch %d, pid %d", self.name, ",".join(self.queues),
                  self.concurrency, self.prefetch, os.getpid())
         try:
@@ -389,7 +267,7 @@ class Worker:
                 waitables.append(b)
         timeout = self._timeout()
         writers = [c.conn for c in self.children if c.outgoing]  # flushed by the next step
-        for ready in _wait(waitables, min(timeout, GLANCE) if quiet else timeout, writers):
+        for ready in wait_ready(waitables, min(timeout, policy.GLANCE) if quiet else timeout, writers):
             self._on_ready(ready)
 
     def _redis_failed(self, e: Exception) -> None:
@@ -420,62 +298,27 @@ class Worker:
         log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, self.backoff)
 
     def _quiet(self) -> list[Child]:
-        """Children busy with short jobs and with enough of them queued that their answers
-        can wait for our next glance: we read them GLANCE apart, many at a time, instead of
-        waking for each one."""
-        if self.runtime is None or self.runtime > GLANCE or self.stopping:
-            return []
-        half = self._depth() // 2
-        return [c for c in self.children if len(c.jobs) > half and c.kill_reason is None]
+        return policy.quiet(self.children, self.runtime, self._depth(), self.stopping)
 
     def _timeout(self) -> float:
-        """Seconds until the next thing to do. Only what is still ahead counts: a deadline
-        that passed and was acted on (a job flagged stuck, the end of the shutdown grace) is
-        not waited for again, and while we back off from a Redis failure nothing that talks
-        to Redis is due before redis_ok_at: either would keep the timeout at 0, a spin."""
         now = time.monotonic()
-        if now < self.redis_ok_at:
-            t = [self.redis_ok_at]
-        else:
-            t = [self.next_beat, now + 5, self._sync_due(now)]
-            if self.flights:
-                t.append(self.channel.deadline())
-        for c in self.children:
-            if c.jobs:
-                head = c.jobs[0]
-                if not head.stuck:
-                    t.append(head.deadline)
-                if len(c.jobs) > 1 and head.began is not None:
-                    t.append(head.began + min(HOLD, head.max_duration))
-            if c.kill_at:
-                t.append(c.kill_at)
-        if self.stopping:
-            t.append(self.stop_at if now < self.stop_at else self._give_up_at())
-        return max(0.0, min(t) - now)
+        return policy.wait_timeout(now, self.children, redis_ok_at=self.redis_ok_at, next_beat=self.next_beat,
+                                   sync_at=self._sync_due(now),
+                                   answer_by=self.channel.deadline() if self.flights else None,
+                                   stopping=self.stopping, stop_at=self.stop_at, give_up_at=self._give_up_at())
 
     def _sync_due(self, now: float) -> float:
-        """When to talk to Redis next. At once when a child has run out of jobs or is down to
-        half of what it should have; results wait up to FLUSH_AFTER while children have jobs
-        queued and a sync is in flight (more per round trip: less work for Redis and for
-        us), else they go at once. Up to FLIGHTS syncs are in flight, one with a claim."""
-        if len(self.flights) >= FLIGHTS:
-            return float("inf")
-        if self.stuck_marks or self.reconcile:
-            return now
-        due = self.notes.due()
-        if self.outbox:
-            queued = any(len(c.jobs) > 1 for c in self.children)
-            due = min(due, self.outbox_since + FLUSH_AFTER if queued and self.flights and not self.stopping else now)
-        if self.may_claim and not self.stopping and not self._claiming():
-            depth = self._depth()
-            if any(len(c.jobs) <= depth // 2 and c.kill_reason is None for c in self.children) and self._slots(now):
-                return now
-        return due
+        return policy.sync_due(now, self.children, self._depth(), flights=len(self.flights),
+                               urgent=bool(self.stuck_marks) or self.reconcile,
+                               outbox_since=self.outbox_since if self.outbox else None, notes_due=self.notes.due(),
+                               can_claim=self._can_claim(),
+                               stopping=self.stopping)
 
-    def _claiming(self) -> bool:
-        """Is a claim in flight? Jobs it brings go to children before the next claim counts
-        their room and the work queued ahead of the jobs it claims for them."""
-        return any(f.slots for f in self.flights)
+    def _can_claim(self) -> bool:
+        """May a sync claim now? Not while stopping, nor after the queues were found empty
+        (until a wake token comes), nor while a claim is in flight: jobs it brings go to
+        children before the next claim counts their room and the work queued ahead."""
+        return self.may_claim and not self.stopping and not any(f.slots for f in self.flights)
 
     def _on_ready(self, ready: Any) -> None:
         if ready is self._wakeup:
@@ -515,7 +358,7 @@ class Worker:
         list. One whose answer has come already stays, to be read."""
         armed = [b for b in self.wakes if b.armed]
         if armed:
-            answered = _wait(armed, 0)
+            answered = wait_ready(armed, 0)
             for b in armed:
                 if b not in answered:
                     b.reset()
@@ -529,30 +372,7 @@ class Worker:
     # -- children ----------------------------------------------------------------------
 
     def _depth(self) -> int:
-        """How many jobs to keep sent to each child: as many as it should run in
-        PREFETCH_WINDOW by the jobs seen so far (1 until one has run), so that a child
-        never waits for our round trip to Redis while jobs are short, and a long job
-        holds few others back."""
-        if self.runtime is None or self.prefetch == 1:
-            return 1
-        return max(1, min(self.prefetch, int(PREFETCH_WINDOW / max(self.runtime, 1e-6))))
-
-    def _slots(self, now: float) -> list[tuple[Child, float]]:
-        """Room in the children for more jobs, interleaved so that a short claim is shared
-        out: (child, seconds of max duration ahead of its next job)."""
-        depth = self._depth()
-        wants = []
-        for c in self.children:
-            if c.kill_reason is not None:
-                continue
-            head = c.jobs[0] if c.jobs else None
-            if head is not None and head.began is not None and now - head.began > PREFETCH_WINDOW:
-                continue  # a long job: nothing more waits behind it
-            ahead = sum(d.max_duration for d in c.jobs)
-            if head is not None and head.began is not None:
-                ahead -= min(now - head.began, head.max_duration)
-            wants.append((c, depth - len(c.jobs), ahead))
-        return [(c, ahead) for i in range(depth) for c, n, ahead in wants if n > i]
+        return policy.depth(self.runtime, self.prefetch)
 
     def _read(self, c: Child) -> bool:
         """Every answer the child has written (it may have run several jobs meanwhile);
@@ -634,12 +454,12 @@ class Worker:
         self.children.remove(c)
         c.conn.close()
         if not self.stopping:
-            self.children.append(Child(self))
+            self.children.append(Child(self.app, self.children))
 
     def _enforce(self, now: float) -> None:
         for c in self.children:
             if c.kill_at is not None and now >= c.kill_at:
-                _signal(c.pid, signal.SIGKILL)
+                send_signal(c.pid, signal.SIGKILL)
                 c.kill_at = None
             if not c.jobs:
                 continue
@@ -654,7 +474,7 @@ class Worker:
                 if head.timeout_policy == "kill":
                     log.warning("worker %s: job %s passed its max duration; stopping it", self.name, head.id)
                     c.kill(head, "timeout", self.s.kill_grace)
-            if len(c.jobs) > 1 and (self.stopping or now - head.began >= min(HOLD, head.max_duration)):
+            if now >= policy.hand_back_due(c, self.stopping):
                 self._hand_back(c, "worker shutting down" if self.stopping else f"job {head.id} ahead of it ran long")
 
     def _on_control(self, raw: str) -> None:
@@ -706,7 +526,7 @@ class Worker:
         for q, job_id, attempt in marks:
             batch.call(scripts.STUCK, [self.keys.q(q)],
                        [job_id, attempt, time.time() + self.s.stuck_recheck, self.s.bucket_width])
-        slots = self._slots(now) if self.may_claim and not self.stopping and not self._claiming() else []
+        slots = policy.slots(self.children, self._depth(), now) if self._can_claim() else []
         claim: list[Any] = []
         if slots:
             pairs = [v for c, ahead in slots for v in (c.pid, f"{ahead:.3f}")]

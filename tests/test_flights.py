@@ -12,8 +12,9 @@ import socket
 
 import pytest
 
+from taskrunner.children import Child
 from taskrunner.redis_server import RedisServer
-from taskrunner.worker import Child, Worker
+from taskrunner.worker import Worker
 from tests.conftest import wait_for
 from tests.test_prefetch import events, ledger
 
@@ -23,7 +24,8 @@ def start(app) -> Worker:
     w = Worker(app, ["default"], concurrency=2, name="inflight")
     assert w.channel is not None, "the test Redis is a plain unix socket: syncs go in flight"
     w._wakeup, w._wakeup_w = socket.socketpair()  # what run() sets up for signals
-    w.children = [Child(w) for _ in range(2)]
+    for _ in range(2):
+        w.children.append(Child(app, w.children))
     w._sync()  # the first sync reconciles, and waits
     w._arm()  # its control list's BRPOP
     return w

@@ -1,0 +1,141 @@
+"""The worker's scheduling policy, as pure functions of what it knows (no I/O, no clock:
+`now` is an argument): how many jobs to keep sent to each child, which children have room
+for more, when to talk to Redis next, whose answers may wait, and how long to wait for
+anything. The worker's loop (worker.py) acts on their answers; their tests are in
+tests/test_policy.py.
+
+A child is seen as a `Lane`: the deliveries sent to it, in order (the first runs once its
+`began` is set), and whether it is being stopped."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+from .claims import Delivery
+
+#: Seconds of work, by the runtimes seen so far, that a child is sent ahead (its prefetch).
+PREFETCH_WINDOW = 0.01
+#: A job that runs longer than this (or than its max duration) hands the jobs sent ahead
+#: of it back to the queue, for other workers.
+HOLD = 1.0
+#: Seconds results may wait to go to Redis together while children have jobs queued and
+#: a sync is in flight (with none, Redis has nothing to do: they go at once).
+FLUSH_AFTER = 0.002
+#: Syncs in flight at most: Redis runs one while we act on another's answers.
+FLIGHTS = 2
+#: While children run short jobs with more queued, we look at their answers this often
+#: instead of waking for each one.
+GLANCE = 0.0005
+#: Seconds a worker waits at most without a reason (a bound on any missed wake-up).
+IDLE_MAX = 5.0
+
+INF = float("inf")
+
+
+class Lane(Protocol):
+    @property
+    def jobs(self) -> Sequence[Delivery]: ...
+
+    @property
+    def kill_reason(self) -> str | None: ...
+
+    @property
+    def kill_at(self) -> float | None: ...
+
+
+L = TypeVar("L", bound=Lane)
+
+
+def depth(runtime: float | None, prefetch: int) -> int:
+    """How many jobs to keep sent to each child: as many as it should run in
+    PREFETCH_WINDOW by the runtimes seen so far (`runtime`, a moving average; 1 until one
+    has run), at most `prefetch`, so that a child never waits for our round trip to Redis
+    while jobs are short, and a long job holds few others back."""
+    if runtime is None or prefetch == 1:
+        return 1
+    return max(1, min(prefetch, int(PREFETCH_WINDOW / max(runtime, 1e-6))))
+
+
+def slots(lanes: Sequence[L], depth: int, now: float) -> list[tuple[L, float]]:
+    """Room in the children for more jobs, interleaved so that a short claim is shared
+    out: (child, seconds of max duration ahead of its next job). None behind a job that
+    has run longer than PREFETCH_WINDOW, nor in a child being stopped."""
+    wants = []
+    for lane in lanes:
+        if lane.kill_reason is not None:
+            continue
+        head = lane.jobs[0] if lane.jobs else None
+        if head is not None and head.began is not None and now - head.began > PREFETCH_WINDOW:
+            continue  # a long job: nothing more waits behind it
+        ahead = sum(d.max_duration for d in lane.jobs)
+        if head is not None and head.began is not None:
+            ahead -= min(now - head.began, head.max_duration)
+        wants.append((lane, depth - len(lane.jobs), ahead))
+    return [(lane, ahead) for i in range(depth) for lane, n, ahead in wants if n > i]
+
+
+def quiet(lanes: Sequence[L], runtime: float | None, depth: int, stopping: bool) -> list[L]:
+    """Children busy with short jobs and with enough of them queued that their answers
+    can wait for our next glance: we read them GLANCE apart, many at a time, instead of
+    waking for each one."""
+    if runtime is None or runtime > GLANCE or stopping:
+        return []
+    return [lane for lane in lanes if len(lane.jobs) > depth // 2 and lane.kill_reason is None]
+
+
+def hand_back_due(lane: Lane, stopping: bool) -> float:
+    """When the jobs sent ahead to a child go back to the queue: at once while stopping,
+    else when its running job has run HOLD seconds (or its max duration, if shorter);
+    never with nothing sent ahead, or before the first job began."""
+    if len(lane.jobs) < 2 or lane.jobs[0].began is None:
+        return INF
+    head = lane.jobs[0]
+    return -INF if stopping else head.began + min(HOLD, head.max_duration)
+
+
+def sync_due(now: float, lanes: Sequence[Lane], depth: int, *, flights: int, urgent: bool,
+             outbox_since: float | None, notes_due: float, can_claim: bool, stopping: bool) -> float:
+    """When to talk to Redis next. At once when something is `urgent` (stuck marks, a
+    reconcile) or a child has run out of jobs or is down to half of `depth`; results
+    (waiting since `outbox_since`) wait up to FLUSH_AFTER while children have jobs queued
+    and a sync is in flight (more per round trip: less work for Redis and for us), else
+    they go at once; progress reports at `notes_due`. Never while FLIGHTS syncs are in
+    flight. `can_claim`: claims are allowed now (none in flight, queues not found empty,
+    not stopping)."""
+    if flights >= FLIGHTS:
+        return INF
+    if urgent:
+        return now
+    due = notes_due
+    if outbox_since is not None:
+        queued = any(len(lane.jobs) > 1 for lane in lanes)
+        due = min(due, outbox_since + FLUSH_AFTER if queued and flights and not stopping else now)
+    if can_claim and any(len(lane.jobs) <= depth // 2 and lane.kill_reason is None for lane in lanes) \
+            and slots(lanes, depth, now):
+        return now
+    return due
+
+
+def wait_timeout(now: float, lanes: Sequence[Lane], *, redis_ok_at: float, next_beat: float, sync_at: float,
+                 answer_by: float | None, stopping: bool, stop_at: float, give_up_at: float) -> float:
+    """Seconds until the next thing to do. Only what is still ahead counts: a deadline
+    that passed and was acted on (a job flagged stuck, the end of the shutdown grace) is
+    not waited for again, and while we back off from a Redis failure (until `redis_ok_at`)
+    nothing that talks to Redis is due: either would keep the timeout at 0, a spin.
+    `answer_by`: when the syncs in flight must have been answered (None: none in flight)."""
+    if now < redis_ok_at:
+        t = [redis_ok_at]
+    else:
+        t = [next_beat, now + IDLE_MAX, sync_at]
+        if answer_by is not None:
+            t.append(answer_by)
+    for lane in lanes:
+        if lane.jobs and not lane.jobs[0].stuck:
+            t.append(lane.jobs[0].deadline)
+        t.append(hand_back_due(lane, False))
+        if lane.kill_at:
+            t.append(lane.kill_at)
+    if stopping:
+        t.append(stop_at if now < stop_at else give_up_at)
+    return max(0.0, min(t) - now)

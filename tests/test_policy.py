@@ -1,0 +1,101 @@
+"""The worker's scheduling policy (taskrunner/policy.py): pure functions, tested with plain
+data — no Redis, no processes, no clock."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pytest import approx
+
+from taskrunner import policy
+from taskrunner.claims import Delivery
+from taskrunner.policy import FLUSH_AFTER, HOLD, INF, PREFETCH_WINDOW
+
+NOW = 1000.0
+
+
+def job(max_duration: float = 30.0, began: float | None = None, stuck: bool = False) -> Delivery:
+    return Delivery("q", "id", "1", "t", "[]", "{}", max_duration, began=began, stuck=stuck)
+
+
+@dataclass
+class Lane:
+    jobs: deque = field(default_factory=deque)
+    kill_reason: str | None = None
+    kill_at: float | None = None
+
+
+def lane(*jobs: Delivery, **kw) -> Lane:
+    return Lane(deque(jobs), **kw)
+
+
+def test_depth_is_one_until_a_job_ran_then_what_fills_the_window_up_to_prefetch():
+    assert policy.depth(None, 100) == 1
+    assert policy.depth(0.0001, 1) == 1
+    assert policy.depth(PREFETCH_WINDOW / 10, 100) == 10
+    assert policy.depth(PREFETCH_WINDOW / 1000, 50) == 50
+    assert policy.depth(5.0, 100) == 1
+
+
+def test_slots_are_interleaved_and_skip_long_jobs_and_stopping_children():
+    idle, busy = lane(), lane(job(began=NOW - 0.001))
+    long_job, stopping = lane(job(began=NOW - 2 * PREFETCH_WINDOW)), lane(kill_reason="killed")
+    got = policy.slots([idle, busy, long_job, stopping], 3, NOW)
+    assert [s[0] for s in got] == [idle, busy, idle, busy, idle]
+    assert got[0][1] == 0 and abs(got[1][1] - (30 - 0.001)) < 1e-9  # max duration ahead of the next job
+
+
+def test_quiet_children_are_those_with_short_jobs_queued_beyond_half_depth():
+    full, low = lane(job(), job(), job()), lane(job())
+    assert policy.quiet([full, low], None, 4, False) == []  # nothing ran yet
+    assert policy.quiet([full, low], 0.0001, 4, False) == [full]
+    assert policy.quiet([full, low], 0.0001, 4, True) == []  # stopping: every answer at once
+    assert policy.quiet([full], 1.0, 4, False) == []  # long jobs: wake for each answer
+
+
+def test_hand_back_when_the_running_job_ran_hold_or_its_max_duration_or_at_once_when_stopping():
+    assert policy.hand_back_due(lane(job(began=NOW)), False) == INF  # nothing sent ahead
+    assert policy.hand_back_due(lane(job(), job()), False) == INF  # the first has not begun
+    assert policy.hand_back_due(lane(job(began=NOW), job()), False) == NOW + HOLD
+    assert policy.hand_back_due(lane(job(0.2, began=NOW), job()), False) == NOW + 0.2
+    assert policy.hand_back_due(lane(job(began=NOW), job()), True) == -INF
+
+
+def due(lanes, **kw) -> float:
+    args = dict(flights=0, urgent=False, outbox_since=None, notes_due=INF, can_claim=False, stopping=False)
+    return policy.sync_due(NOW, lanes, 2, **{**args, **kw})
+
+
+def test_sync_due():
+    queued = [lane(job(began=NOW), job())]
+    assert due(queued, flights=policy.FLIGHTS, urgent=True) == INF  # never more in flight
+    assert due(queued, urgent=True) == NOW
+    assert due(queued) == INF  # nothing to say, nothing to claim for
+    assert due(queued, outbox_since=NOW - 1) == NOW  # no sync in flight: results go at once
+    assert due(queued, outbox_since=NOW - 0.001, flights=1) == NOW - 0.001 + FLUSH_AFTER
+    assert due(queued, outbox_since=NOW, flights=1, stopping=True) == NOW
+    assert due(queued, notes_due=NOW + 0.3) == NOW + 0.3
+    assert due([lane()], can_claim=True) == NOW  # an idle child: claim now
+    assert due([lane()], can_claim=False) == INF
+    assert due([lane(kill_reason="timeout")], can_claim=True) == INF  # no room in a child being stopped
+
+
+def timeout(lanes, **kw) -> float:
+    args = dict(redis_ok_at=0.0, next_beat=NOW + 3, sync_at=INF, answer_by=None, stopping=False,
+                stop_at=0.0, give_up_at=0.0)
+    return policy.wait_timeout(NOW, lanes, **{**args, **kw})
+
+
+def test_wait_timeout_only_counts_what_is_still_ahead():
+    assert timeout([]) == approx(3.0)  # the next heartbeat
+    assert timeout([], next_beat=NOW + 60) == approx(policy.IDLE_MAX)
+    assert timeout([], redis_ok_at=NOW + 0.4, sync_at=NOW) == approx(0.4)  # backing off: Redis waits
+    assert timeout([], answer_by=NOW + 1) == approx(1.0)
+    assert timeout([lane(job(2.0, began=NOW - 1))]) == approx(1.0)  # its deadline
+    assert timeout([lane(job(2.0, began=NOW - 3, stuck=True))]) == approx(3.0)  # flagged already: not again
+    assert timeout([lane(job(60, began=NOW - 0.5), job())]) == approx(HOLD - 0.5)  # hand back what waits
+    assert timeout([lane(kill_at=NOW + 0.25)]) == approx(0.25)
+    assert timeout([], stopping=True, stop_at=NOW + 2) == approx(2.0)
+    assert timeout([], stopping=True, stop_at=NOW - 1, give_up_at=NOW + 1.5) == approx(1.5)
+    assert timeout([lane(job(1.0, began=NOW - 5))]) == approx(0.0)  # past due and not acted on yet
