@@ -31,8 +31,8 @@ from .connection import Blocker, Channel, is_cluster
 from .errors import NameInUse
 from .holders import identity, lose_held
 from .listing import server_time
-from .notes import Notes, Reports, progress_values
-from .outcome import Ended, Outcome, finish_values
+from .outbox import Load, Outbox
+from .outcome import Outcome
 
 log = logging.getLogger("taskrunner.worker")
 # Any Redis failure (down, OOM, READONLY after a failover, BUSY; a cluster with no node
@@ -43,13 +43,11 @@ _REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 @dataclass
 class Flight:
-    """A sync sent to Redis whose answers have not come yet: what it reports, and what
-    it claims for."""
+    """A sync sent to Redis whose answers have not come yet: what it reports (its load
+    from the outbox), and what it claims for."""
 
     batch: scripts.Batch
-    outbox: dict[str, list[Ended]]
-    notes: Reports
-    marks: list[tuple[str, str, str]]
+    load: Load
     slots: list[tuple[Child, float]]
     claim: list[Any]
 
@@ -90,10 +88,7 @@ class Worker:
         self.redis = app.redis
         self.ip = local_ip(self.redis)
         self.children: list[Child] = []
-        self.outbox: dict[str, list[Ended]] = {}  # queue -> outcomes to report
-        self.outbox_since = 0.0
-        self.stuck_marks: list[tuple[str, str, str]] = []  # (queue, id, attempt)
-        self.notes = Notes()  # jobs' progress and log lines for the next sync
+        self.outbox = Outbox(app)  # what we have to tell Redis
         self.runtime: float | None = None  # moving average of job runtimes, s
         self.may_claim = True
         self.stopping = False
@@ -194,8 +189,7 @@ class Worker:
             pass
 
     def _drained(self) -> bool:
-        return (not any(c.jobs for c in self.children) and not self.outbox and not self.flights
-                and not self.notes.pending)
+        return not any(c.jobs for c in self.children) and self.outbox.empty()
 
     def _shutdown(self) -> None:
         signal.set_wakeup_fd(-1)
@@ -281,18 +275,8 @@ class Worker:
         if self.flights:
             if self.channel is not None:
                 self.channel.close()
-            outbox: dict[str, list[Ended]] = {}
-            marks: list[tuple[str, str, str]] = []
-            for box, their_marks in [*((f.outbox, f.marks) for f in self.flights), (self.outbox, self.stuck_marks)]:
-                for q, entries in box.items():
-                    outbox.setdefault(q, []).extend(entries)
-                marks += their_marks
-            for f in reversed(self.flights):
-                self.notes.put_back(f.notes)
             self.flights.clear()
-            self.outbox, self.stuck_marks = outbox, marks
-            if outbox:
-                self.outbox_since = time.monotonic()
+            self.outbox.failed()
         for b in (self.ctl, *self.wakes):
             b.reset()
         log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, self.backoff)
@@ -309,8 +293,8 @@ class Worker:
 
     def _sync_due(self, now: float) -> float:
         return policy.sync_due(now, self.children, self._depth(), flights=len(self.flights),
-                               urgent=bool(self.stuck_marks) or self.reconcile,
-                               outbox_since=self.outbox_since if self.outbox else None, notes_due=self.notes.due(),
+                               urgent=bool(self.outbox.load.marks) or self.reconcile,
+                               outbox_since=self.outbox.outcomes_since, notes_due=self.outbox.notes.due(),
                                can_claim=self._can_claim(),
                                stopping=self.stopping)
 
@@ -408,13 +392,11 @@ class Worker:
         """Keep a report about a job the child runs, for the next sync."""
         job_id, attempt = next(iter(message.values()))[:2]
         d = next((d for d in c.jobs if d.id == job_id and d.attempt == attempt), None)
-        if d is None or not self.notes.add(d.queue, d.id, d.attempt, message, now):
+        if d is None or not self.outbox.note(d, message, now):
             log.warning("worker %s: child %d wrote a malformed report: %.200r", self.name, c.pid, message)
 
     def _report(self, d: Delivery, outcome: Outcome, began: float | None = None) -> None:
-        if not self.outbox:
-            self.outbox_since = time.monotonic()
-        self.outbox.setdefault(d.queue, []).append(Ended(d.id, d.attempt, outcome, began))
+        self.outbox.report(d, outcome, began)
 
     def _hand_back(self, c: Child, why: str, killed: Delivery | None = None, lost: Delivery | None = None) -> None:
         """Take back what the child has not begun: to the queue, next in line (a job to
@@ -470,7 +452,7 @@ class Worker:
                 continue
             if now >= head.deadline and not head.stuck:
                 head.stuck = True
-                self.stuck_marks.append((head.queue, head.id, head.attempt))
+                self.outbox.mark_stuck(head)
                 if head.timeout_policy == "kill":
                     log.warning("worker %s: job %s passed its max duration; stopping it", self.name, head.id)
                     c.kill(head, "timeout", self.s.kill_grace)
@@ -493,16 +475,11 @@ class Worker:
                     if d in c.jobs:  # it had begun
                         c.kill(d, reason, self.s.kill_grace)
                     return
-        if self._reported(job_id):
+        if self.outbox.holds(job_id):
             return  # it just ended; its result is on its way
         # Not ours to run, yet Redis may say we hold it (a claim whose answer was lost):
         # release it, fenced by our name and its delivery.
         self.reconcile = True
-
-    def _reported(self, job_id: str) -> bool:
-        """Is the job's outcome waiting in the outbox, or on its way?"""
-        boxes = [self.outbox, *(f.outbox for f in self.flights)]
-        return any(e.id == job_id for box in boxes for ended in box.values() for e in ended)
 
     # -- Redis -------------------------------------------------------------------------
 
@@ -513,19 +490,8 @@ class Worker:
         if self.reconcile:
             self._land(block=True)
         batch = scripts.Batch(self.redis)
-        outbox = self.outbox
         now = time.monotonic()
-        # Progress first: a job's last lines are recorded while it is still running.
-        notes = self.notes.take()
-        for q, jobs in notes.items():
-            batch.call(scripts.PROGRESS, [self.keys.q(q)], progress_values(jobs))
-        for q, entries in outbox.items():
-            batch.call(scripts.FINISH, [self.keys.q(q)],
-                       [self.s.result_ttl, self.s.retry_backoff_max, *finish_values(entries, now)])
-        marks = self.stuck_marks
-        for q, job_id, attempt in marks:
-            batch.call(scripts.STUCK, [self.keys.q(q)],
-                       [job_id, attempt, time.time() + self.s.stuck_recheck, self.s.bucket_width])
+        load = self.outbox.put_into(batch, now)
         slots = policy.slots(self.children, self._depth(), now) if self._can_claim() else []
         claim: list[Any] = []
         if slots:
@@ -533,8 +499,7 @@ class Worker:
             claim = claim_args(self.app, self.name, self.host, self.ip, pairs)
             batch.call(scripts.CLAIM, claim_keys(self.app, self.prefixes), claim)
         if len(batch):
-            self.flights.append(Flight(batch, outbox, notes, marks, slots, claim))
-            self.outbox, self.stuck_marks = {}, []
+            self.flights.append(Flight(batch, load, slots, claim))
             if self.channel is not None:
                 self.channel.send(batch.commands())
             if wait or self.reconcile or self.channel is None:
@@ -553,11 +518,10 @@ class Worker:
             self._landed(f, results)
 
     def _landed(self, f: Flight, results: list[Any]) -> None:
-        for entries, acks in zip(f.outbox.values(), results[len(f.notes):]):
-            for e, ack in zip(entries, acks):
-                if ack == 0:
-                    log.warning("worker %s: job %s was requeued and taken by another worker while it ran "
-                                "here; this result was discarded", self.name, e.id)
+        for e, ack in self.outbox.answered(f.load, results):
+            if ack == 0:
+                log.warning("worker %s: job %s was requeued and taken by another worker while it ran "
+                            "here; this result was discarded", self.name, e.id)
         if f.slots:
             claimed = claim_rest(self.app, self.queues, f.claim, results[-1])
             self._start(f.slots, claimed)
@@ -582,7 +546,7 @@ class Worker:
         """Deliveries the holding lists give to us that no child of ours has (a claim whose
         answer never came, or a previous life under the same name): requeue them."""
         mine = {d.id for c in self.children for d in c.jobs}
-        mine.update(e.id for ended in self.outbox.values() for e in ended)
+        mine.update(self.outbox.waiting_ids())
         acted = lose_held(self.app, self.queues, lambda w, job_id: w == self.name and job_id not in mine,
                           "worker {} no longer ran it")
         if acted:

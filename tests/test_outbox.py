@@ -1,0 +1,42 @@
+"""The worker's outbox (taskrunner/outbox.py): what a sync carries goes back when the sync
+fails, before what came since, and each outcome gets its own finish answer."""
+
+from __future__ import annotations
+
+from taskrunner import scripts
+from taskrunner.claims import Delivery
+from taskrunner.outbox import Outbox
+from taskrunner.outcome import Outcome
+
+
+def delivery(job_id: str, attempt: str = "1") -> Delivery:
+    return Delivery("default", job_id, attempt, "tests.apps.add", "[]", "{}", 30.0)
+
+
+def test_a_failed_sync_puts_its_load_back_first_and_answers_pair_with_outcomes(app):
+    box = Outbox(app)
+    assert box.empty() and box.outcomes_since is None
+    a, b = delivery("a"), delivery("b")
+    box.report(a, Outcome.completed("1"))
+    box.mark_stuck(a)
+    assert box.note(a, {"progress": ["a", "1", 0.5, "half"]}, 0.0)
+    assert not box.note(a, {"progress": ["a", "1", 7, ""]}, 0.0)  # not a fraction: refused
+    first = box.put_into(scripts.Batch(app.redis), 0.0)
+    assert box.load.ended == {} and box.holds("a") and not box.empty()
+    box.report(b, Outcome.failed("E", "m"))
+    box.failed()  # the sync carrying `first` failed
+    assert [e.id for e in box.load.ended["default"]] == ["a", "b"] and box.load.marks == first.marks
+    assert box.notes.pending and not box.on_the_way
+
+    batch = scripts.Batch(app.redis)
+    load = box.put_into(batch, 0.0)
+    answers = box.answered(load, batch.execute())
+    # Neither delivery holds a job in Redis: finish.lua answers 0 (not this delivery) for each.
+    assert [(e.id, ack) for e, ack in answers] == [("a", 0), ("b", 0)]
+    assert box.empty()
+
+
+def test_an_empty_sync_leaves_nothing_on_the_way(app):
+    box = Outbox(app)
+    box.put_into(scripts.Batch(app.redis), 0.0)
+    assert box.empty()
