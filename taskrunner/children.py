@@ -27,7 +27,7 @@ _ctx = multiprocessing.get_context("fork")
 class Child:
     """One long-lived child process (child.py) and what the worker has sent it."""
 
-    def __init__(self, app: TaskRunner, siblings: list[Child]) -> None:
+    def __init__(self, app: TaskRunner, siblings: list[Child], max_jobs: int | None = None) -> None:
         self.conn, theirs = _ctx.Pipe()
         self.kill_flag = _ctx.Value("b", 0, lock=False)
         self.state = _ctx.RawArray("q", [0, 1, 0])  # seq it began last; taken-back range (child.py)
@@ -50,6 +50,24 @@ class Child:
         self.kill_target: Delivery | None = None
         self.kill_reason: str | None = None
         self.kill_at: float | None = None
+        self.done = 0  # jobs it answered
+        self.max_jobs = max_jobs  # then it is replaced (recycling)
+        self.retiring: str | None = None  # why it is being replaced (recycling): it takes no more jobs
+
+    @property
+    def open(self) -> bool:
+        """Takes more jobs: not being stopped nor replaced."""
+        return self.kill_reason is None and self.retiring is None
+
+    @property
+    def left(self) -> float:
+        """Jobs it may still be sent: inf, unless it is replaced after max_jobs."""
+        return float("inf") if self.max_jobs is None else self.max_jobs - self.done - len(self.jobs)
+
+    def retire(self) -> None:
+        """It has no jobs left and is being replaced: close our end; it exits on EOF
+        (after its child_stop hooks), and its exit is handled as any."""
+        self.conn.close()
 
     def send(self, d: Delivery, message: bytes, now: float) -> None:
         """Queue a job for the child (flush() writes what is queued, in one go)."""

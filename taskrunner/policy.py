@@ -5,7 +5,9 @@ anything. The worker's loop (worker.py) acts on their answers; their tests are i
 tests/test_policy.py.
 
 A child is seen as a `Lane`: the deliveries sent to it, in order (the first runs once its
-`began` is set), and whether it is being stopped."""
+`began` is set), whether it takes more (`open`: it is not being stopped or replaced), how
+many more it may be sent (`left`: inf, unless it is replaced after a number of jobs), and
+when it gets SIGKILL if it is being stopped."""
 
 from __future__ import annotations
 
@@ -38,7 +40,10 @@ class Lane(Protocol):
     def jobs(self) -> Sequence[Delivery]: ...
 
     @property
-    def kill_reason(self) -> str | None: ...
+    def open(self) -> bool: ...
+
+    @property
+    def left(self) -> float: ...
 
     @property
     def kill_at(self) -> float | None: ...
@@ -63,7 +68,7 @@ def slots(lanes: Sequence[L], depth: int, now: float) -> list[tuple[L, float]]:
     has run longer than PREFETCH_WINDOW, nor in a child being stopped."""
     wants = []
     for lane in lanes:
-        if lane.kill_reason is not None:
+        if not lane.open:
             continue
         head = lane.jobs[0] if lane.jobs else None
         if head is not None and head.began is not None and now - head.began > PREFETCH_WINDOW:
@@ -71,7 +76,7 @@ def slots(lanes: Sequence[L], depth: int, now: float) -> list[tuple[L, float]]:
         ahead = sum(d.max_duration for d in lane.jobs)
         if head is not None and head.began is not None:
             ahead -= min(now - head.began, head.max_duration)
-        wants.append((lane, depth - len(lane.jobs), ahead))
+        wants.append((lane, min(depth - len(lane.jobs), lane.left), ahead))
     return [(lane, ahead) for i in range(depth) for lane, n, ahead in wants if n > i]
 
 
@@ -81,7 +86,17 @@ def quiet(lanes: Sequence[L], runtime: float | None, depth: int, stopping: bool)
     waking for each one."""
     if runtime is None or runtime > GLANCE or stopping:
         return []
-    return [lane for lane in lanes if len(lane.jobs) > depth // 2 and lane.kill_reason is None]
+    return [lane for lane in lanes if len(lane.jobs) > depth // 2 and lane.open]
+
+
+def retire_reason(done: int, rss: int | None, max_jobs: int | None, max_memory_mb: float | None) -> str | None:
+    """Why a child that has answered `done` jobs and uses `rss` bytes (None: not
+    measured) is to be replaced by a fresh one (recycling), or None."""
+    if max_jobs is not None and done >= max_jobs:
+        return f"it ran {done} jobs (--max-jobs-per-child {max_jobs})"
+    if max_memory_mb is not None and rss is not None and rss > max_memory_mb * 2**20:
+        return f"it uses {rss / 2**20:.0f} MB (--max-memory-per-child {max_memory_mb:g})"
+    return None
 
 
 def hand_back_due(lane: Lane, stopping: bool) -> float:
@@ -111,7 +126,7 @@ def sync_due(now: float, lanes: Sequence[Lane], depth: int, *, flights: int, urg
     if outbox_since is not None:
         queued = any(len(lane.jobs) > 1 for lane in lanes)
         due = min(due, outbox_since + FLUSH_AFTER if queued and flights and not stopping else now)
-    if can_claim and any(len(lane.jobs) <= depth // 2 and lane.kill_reason is None for lane in lanes) \
+    if can_claim and any(len(lane.jobs) <= depth // 2 and lane.open for lane in lanes) \
             and slots(lanes, depth, now):
         return now
     return due

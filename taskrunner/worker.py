@@ -75,7 +75,8 @@ def local_ip(client: redis.Redis | redis.cluster.RedisCluster) -> str:
 
 class Worker:
     def __init__(self, app: TaskRunner, queues: list[str], concurrency: int = 2, name: str | None = None,
-                 prefetch: int | None = None):
+                 prefetch: int | None = None, max_jobs_per_child: int | None = None,
+                 max_memory_per_child: float | None = None):
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         self.app, self.s, self.keys = app, app.settings, app.keys
@@ -83,6 +84,7 @@ class Worker:
         self.prefixes = [self.keys.q(q) for q in self.queues]
         self.concurrency = concurrency
         self.prefetch = max(1, prefetch if prefetch is not None else self.s.prefetch)
+        self.max_jobs_per_child, self.max_memory_per_child = max_jobs_per_child, max_memory_per_child
         self.host = socket.gethostname()
         self.name = codec.check_name("worker", name or f"{self.host}.{os.getpid()}")
         self.redis = app.redis
@@ -131,7 +133,8 @@ class Worker:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGQUIT, self._on_signal)
-        self.children = [Child(self.app, self.children) for _ in range(self.concurrency)]
+        for _ in range(self.concurrency):  # one by one: each closes its elder siblings' pipe ends
+            self.children.append(Child(self.app, self.children, self.max_jobs_per_child))
         log.info("worker %s: queues %s, %d children, prefetch %d, pid %d", self.name, ",".join(self.queues),
                  self.concurrency, self.prefetch, os.getpid())
         try:
@@ -255,7 +258,7 @@ class Worker:
         if self.flights:
             waitables.append(self.channel)
         for c in self.children:
-            waitables += [c.proc.sentinel] if c in quiet else [c.conn, c.proc.sentinel]
+            waitables += [c.proc.sentinel] if c in quiet or c.conn.closed else [c.conn, c.proc.sentinel]
         for b in (self.ctl, *self.wakes):
             if b.armed:
                 waitables.append(b)
@@ -384,9 +387,29 @@ class Worker:
             self.runtime = runtime if self.runtime is None else 0.8 * self.runtime + 0.2 * runtime
             self._report(d, outcome, now - runtime)
             self.processed += 1
+            c.done += 1
             if c.jobs and c.jobs[0].began is None:
                 c.jobs[0].began = now
+        if replies and (self.max_jobs_per_child or self.max_memory_per_child):
+            self._recycle(c)
         return True
+
+    def _recycle(self, c: Child) -> None:
+        """A child past --max-jobs-per-child or --max-memory-per-child (RSS, measured after
+        its jobs) takes no more jobs, finishes those it has, and is then replaced: nothing
+        is lost, handed back or counted."""
+        if c.open:
+            rss = None
+            if self.max_memory_per_child is not None:
+                try:
+                    rss = _proc(c.pid).memory_info().rss  # type: ignore[union-attr]
+                except (psutil.Error, AttributeError):
+                    pass
+            c.retiring = policy.retire_reason(c.done, rss, self.max_jobs_per_child, self.max_memory_per_child)
+            if c.retiring:
+                log.info("worker %s: replacing child %d: %s", self.name, c.pid, c.retiring)
+        if c.retiring is not None and not c.jobs and not c.conn.closed:
+            c.retire()
 
     def _note(self, c: Child, message: dict[str, Any], now: float) -> None:
         """Keep a report about a job the child runs, for the next sync."""
@@ -408,7 +431,7 @@ class Worker:
                 self._report(d, Outcome.returned(why))
 
     def _on_exit(self, c: Child) -> None:
-        while c.conn.poll() and self._read(c):  # what it wrote before it died (poll: a process
+        while not c.conn.closed and c.conn.poll() and self._read(c):  # what it wrote before it died (poll: a process
             pass  # it forked may hold its end of the pipe open)
         c.proc.join()
         code = c.proc.exitcode
@@ -436,10 +459,12 @@ class Worker:
         self.children.remove(c)
         c.conn.close()
         if not self.stopping:
-            self.children.append(Child(self.app, self.children))
+            self.children.append(Child(self.app, self.children, self.max_jobs_per_child))
 
     def _enforce(self, now: float) -> None:
         for c in self.children:
+            if c.retiring is not None and not c.jobs and not c.conn.closed:
+                c.retire()  # what it had left was handed back
             if c.kill_at is not None and now >= c.kill_at:
                 send_signal(c.pid, signal.SIGKILL)
                 c.kill_at = None

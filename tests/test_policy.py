@@ -22,7 +22,8 @@ def job(max_duration: float = 30.0, began: float | None = None, stuck: bool = Fa
 @dataclass
 class Lane:
     jobs: deque = field(default_factory=deque)
-    kill_reason: str | None = None
+    open: bool = True
+    left: float = INF
     kill_at: float | None = None
 
 
@@ -40,10 +41,12 @@ def test_depth_is_one_until_a_job_ran_then_what_fills_the_window_up_to_prefetch(
 
 def test_slots_are_interleaved_and_skip_long_jobs_and_stopping_children():
     idle, busy = lane(), lane(job(began=NOW - 0.001))
-    long_job, stopping = lane(job(began=NOW - 2 * PREFETCH_WINDOW)), lane(kill_reason="killed")
+    long_job, stopping = lane(job(began=NOW - 2 * PREFETCH_WINDOW)), lane(open=False)
     got = policy.slots([idle, busy, long_job, stopping], 3, NOW)
     assert [s[0] for s in got] == [idle, busy, idle, busy, idle]
     assert got[0][1] == 0 and abs(got[1][1] - (30 - 0.001)) < 1e-9  # max duration ahead of the next job
+    capped = Lane(left=2)  # replaced after 2 more jobs: never sent a third
+    assert [s[0] for s in policy.slots([capped], 3, NOW)] == [capped, capped]
 
 
 def test_quiet_children_are_those_with_short_jobs_queued_beyond_half_depth():
@@ -52,6 +55,15 @@ def test_quiet_children_are_those_with_short_jobs_queued_beyond_half_depth():
     assert policy.quiet([full, low], 0.0001, 4, False) == [full]
     assert policy.quiet([full, low], 0.0001, 4, True) == []  # stopping: every answer at once
     assert policy.quiet([full], 1.0, 4, False) == []  # long jobs: wake for each answer
+
+
+def test_a_child_is_retired_past_its_job_count_or_memory():
+    assert policy.retire_reason(99, None, 100, None) is None
+    assert policy.retire_reason(100, None, 100, None) == "it ran 100 jobs (--max-jobs-per-child 100)"
+    assert policy.retire_reason(5, 300 * 2**20, None, 200) == "it uses 300 MB (--max-memory-per-child 200)"
+    assert policy.retire_reason(5, 100 * 2**20, None, 200) is None
+    assert policy.retire_reason(5, None, None, 200) is None  # not measured
+    assert policy.retire_reason(10**6, 10**12, None, None) is None  # recycling off
 
 
 def test_hand_back_when_the_running_job_ran_hold_or_its_max_duration_or_at_once_when_stopping():
@@ -78,7 +90,7 @@ def test_sync_due():
     assert due(queued, notes_due=NOW + 0.3) == NOW + 0.3
     assert due([lane()], can_claim=True) == NOW  # an idle child: claim now
     assert due([lane()], can_claim=False) == INF
-    assert due([lane(kill_reason="timeout")], can_claim=True) == INF  # no room in a child being stopped
+    assert due([lane(open=False)], can_claim=True) == INF  # no room in a child being stopped
 
 
 def timeout(lanes, **kw) -> float:
