@@ -13,16 +13,19 @@ and skips a job whose seq the worker put in the taken-back range (state[1]..stat
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import inspect
 import logging
 import os
 import random
 import signal
+import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -60,14 +63,18 @@ def dies_with_us(sig: int = signal.SIGTERM) -> Callable[[], None]:
     return arm
 
 
-class _Link:
-    """Our end of the pipe to the worker, written in whole frames only: a kill (SIGTERM
-    with the kill flag set) that arrives while a frame is being written waits for it, as
-    half a frame would corrupt every later one."""
+class Link:
+    """Our end of the pipe to the worker, written in whole frames only (by any thread: a
+    lock orders them): a kill (SIGTERM with the kill flag set) that arrives while a frame
+    is being written waits for it, as a job's answer cut short would be lost. The kill
+    raises _Killed in the job (a child running one job at a time: its finally blocks run),
+    or with `hard` (a child running several: a thread cannot be interrupted) ends the
+    process."""
 
-    def __init__(self, fd: int, kill_flag: Any) -> None:
-        self.fd, self.kill_flag = fd, kill_flag
+    def __init__(self, fd: int, kill_flag: Any, hard: bool = False) -> None:
+        self.fd, self.kill_flag, self.hard = fd, kill_flag, hard
         self.sending = self.killed = False
+        self.lock = threading.Lock()
 
     def on_term(self, signum: int, frame: Any) -> None:
         # SIGTERM from anyone but our worker (e.g. a platform stopping every process) is
@@ -76,18 +83,24 @@ class _Link:
             if self.sending:
                 self.killed = True
             else:
-                raise _Killed()
+                self._die()
+
+    def _die(self) -> None:
+        if self.hard:
+            os._exit(143)
+        raise _Killed()
 
     def send(self, payload: bytes) -> None:
         data = frames.frame(payload)
-        self.sending = True
-        try:
-            while data:  # a signal may cut a big write short
-                data = data[os.write(self.fd, data):]
-        finally:
-            self.sending = False
+        with self.lock:
+            self.sending = True
+            try:
+                while data:  # a signal may cut a big write short
+                    data = data[os.write(self.fd, data):]
+            finally:
+                self.sending = False
         if self.killed:
-            raise _Killed()
+            self._die()
 
     # A job's progress and log lines (context.Reporter): one frame each, a JSON object,
     # where a job's answer is a JSON array; the worker batches them into its syncs.
@@ -98,19 +111,32 @@ class _Link:
         self.send(b'{"log":[%s,"%d",%s]}' % (orjson.dumps(job.id), job.attempt, log_line(job, line)))
 
 
-def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, parent: int, inherited: list) -> None:
+def begin_child(conn: Any, kill_flag: Any, parent: int, inherited: list, hard: bool = False) -> Link:
+    """What every child does first: close the pipe ends that are not ours, leave signals
+    to the worker, die with it, capture `logging` in jobs; its link to the worker."""
     for other in inherited:
         other.close()
     signal.set_wakeup_fd(-1)  # the worker's, inherited: our signals are not its business
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C (and Ctrl-\) are for the worker to handle
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
-    fd = conn.fileno()
-    link = _Link(fd, kill_flag)
+    link = Link(conn.fileno(), kill_flag, hard)
     signal.signal(signal.SIGTERM, link.on_term)
     die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
     logging.getLogger().addHandler(JobLogHandler())
+    return link
+
+
+def reply(link: Link, message: bytes, runtime: float, outcome: Outcome) -> None:
+    """Answer the worker for the job `message` (its id comes first)."""
+    link.send(orjson.dumps([message[:message.find(b"\0")].decode(), runtime, *outcome.wire()]))
+
+
+def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, parent: int, inherited: list) -> None:
+    """One job at a time, in the order sent (the worker's classic child)."""
+    link = begin_child(conn, kill_flag, parent, inherited)
+    fd = conn.fileno()
     reader, jobs = frames.Reader(fd), deque()
     try:
         while True:
@@ -130,8 +156,7 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
                 state[0] = n
             began = time.perf_counter()
             outcome = run(app, message, link)
-            link.send(orjson.dumps([message[:message.find(b"\0")].decode(), time.perf_counter() - began,
-                                    *outcome.wire()]))
+            reply(link, message, time.perf_counter() - began, outcome)
     except _Killed:
         os._exit(143)  # the job's finally blocks have run
 
@@ -162,9 +187,25 @@ def _mismatch(fn: Any, args: list, kwargs: dict) -> str | None:
     return None
 
 
-def run(app: Any, message: bytes, reporter: Reporter | None = None) -> Outcome:
-    """Run one job; every outcome, including bad input, becomes a reply. Its progress and
-    log lines go to `reporter`."""
+@dataclass
+class Call:
+    """A job ready to run: its task, its decoded arguments and the context current_job()
+    gives it."""
+
+    task: Any
+    args: list
+    kwargs: dict
+    context: JobContext
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.task.fn)
+
+
+def prepare(app: Any, message: bytes, reporter: Reporter | None = None) -> Call | Outcome:
+    """The job a worker sent (b"id\\0attempt\\0task\\0queue\\0max_duration\\0args\\0kwargs"),
+    ready to run; or, for bad input, the outcome that ends it. Its progress and log lines
+    will go to `reporter`."""
     parts = message.split(b"\0")
     if len(parts) != 7:
         return Outcome.failed("CorruptJob", "job record has a malformed field (NUL byte)")
@@ -179,24 +220,61 @@ def run(app: Any, message: bytes, reporter: Reporter | None = None) -> Outcome:
         return Outcome.failed("BadArguments", f"args/kwargs are not valid JSON: {e}")
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         return Outcome.failed("BadArguments", "args must be a JSON array and kwargs a JSON object")
-    token = _current.set(JobContext(job_id.decode(), name, queue.decode(), int(attempt),
-                                    time.time() + float(max_duration), reporter=reporter))
-    try:
-        result = task.fn(*args, **kwargs)
-    except TypeError as e:
-        mismatch = _mismatch(task.fn, args, kwargs)
+    context = JobContext(job_id.decode(), name, queue.decode(), int(attempt), time.time() + float(max_duration),
+                         reporter=reporter)
+    return Call(task, args, kwargs, context)
+
+
+def raised(e: BaseException, call: Call) -> Outcome:
+    """The outcome of a task that raised `e` (call it in the except block: the traceback
+    is the one being handled)."""
+    if isinstance(e, Retry):
+        return Outcome.requeue(e.delay)
+    if isinstance(e, Reject):
+        return Outcome.failed("Rejected", str(e))
+    if isinstance(e, TypeError):
+        mismatch = _mismatch(call.task.fn, call.args, call.kwargs)
         if mismatch:
-            return Outcome.failed("BadArguments", f"{name}{mismatch}")
-        return _error(e, task)
-    except Retry as r:
-        return Outcome.requeue(r.delay)
-    except Reject as r:
-        return Outcome.failed("Rejected", str(r))
-    except (Exception, SystemExit) as e:
-        return _error(e, task)
-    finally:
-        _current.reset(token)
+            return Outcome.failed("BadArguments", f"{call.context.task}{mismatch}")
+    return _error(e, call.task)
+
+
+def returned(result: Any) -> Outcome:
     try:
         return Outcome.completed(codec.dumps(result, "result").decode())
     except NotJSONError as e:
         return Outcome.failed("NotJSONError", str(e))
+
+
+def run(app: Any, message: bytes, reporter: Reporter | None = None) -> Outcome:
+    """Run one job here and now; every outcome, including bad input, becomes a reply. An
+    `async def` task runs to its end on an event loop of its own (eager mode)."""
+    call = prepare(app, message, reporter)
+    return call if isinstance(call, Outcome) else execute(call)
+
+
+def execute(call: Call) -> Outcome:
+    """Run a prepared job in this thread."""
+    token = _current.set(call.context)
+    try:
+        result = call.task.fn(*call.args, **call.kwargs)
+        if inspect.iscoroutine(result):
+            result = asyncio.run(result)
+    except (Exception, SystemExit) as e:
+        return raised(e, call)
+    finally:
+        _current.reset(token)
+    return returned(result)
+
+
+async def run_async(call: Call) -> Outcome:
+    """Run an `async def` task's job as a coroutine of the running loop. Cancelling it
+    (a kill, its max duration) raises CancelledError out of here: the caller knows why."""
+    token = _current.set(call.context)
+    try:
+        result = await call.task.fn(*call.args, **call.kwargs)
+    except (Exception, SystemExit) as e:
+        return raised(e, call)
+    finally:
+        _current.reset(token)
+    return returned(result)

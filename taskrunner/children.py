@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from . import frames
 from .child import child_main
 from .claims import Delivery
+from .loop_child import loop_child_main
 
 if TYPE_CHECKING:
     from .app import TaskRunner
@@ -25,9 +26,12 @@ _ctx = multiprocessing.get_context("fork")
 
 
 class Child:
-    """One long-lived child process (child.py) and what the worker has sent it."""
+    """One long-lived child process and what the worker has sent it: a classic child
+    (child.py) runs one job at a time; with `threads` > 1 or `async_slots`, a loop child
+    (loop_child.py) runs up to that many at once, and says when it begins each."""
 
-    def __init__(self, app: TaskRunner, siblings: list[Child], max_jobs: int | None = None) -> None:
+    def __init__(self, app: TaskRunner, siblings: list[Child], max_jobs: int | None = None, threads: int = 1,
+                 async_slots: int = 0) -> None:
         self.conn, theirs = _ctx.Pipe()
         self.kill_flag = _ctx.Value("b", 0, lock=False)
         self.state = _ctx.RawArray("q", [0, 1, 0])  # seq it began last; taken-back range (child.py)
@@ -35,15 +39,18 @@ class Child:
         # The child closes the pipe ends of ours it inherits (its siblings' and its own), so
         # that it sees EOF when we close ours.
         inherited = [c.conn for c in siblings] + [self.conn]
-        self.proc = _ctx.Process(target=child_main, name="taskrunner-child", args=(
-            theirs, app, self.kill_flag, self.state, self.lock, os.getpid(), inherited))
+        self.concurrent = threads > 1 or async_slots > 0
+        self.capacity = threads + async_slots if self.concurrent else 1  # jobs it runs at once, at most
+        args = (theirs, app, self.kill_flag, self.state, self.lock, os.getpid(), inherited)
+        self.proc = _ctx.Process(target=loop_child_main if self.concurrent else child_main, name="taskrunner-child",
+                                 args=(*args, threads, async_slots) if self.concurrent else args)
         self.proc.start()
         theirs.close()
         # Ours never blocks: a child busy in a long job reads nothing, and jobs sent ahead with
         # big arguments must not stop our heartbeats until it is done (flush() keeps the rest).
         os.set_blocking(self.conn.fileno(), False)
         self.pid: int = self.proc.pid  # type: ignore[assignment]
-        self.jobs: deque[Delivery] = deque()  # sent to it, in order; jobs[0] runs
+        self.jobs: deque[Delivery] = deque()  # sent to it, in order; jobs[0] runs (a loop child: those begun)
         self.seq = 0
         self.outgoing = bytearray()  # frames for it that flush() could not write yet
         self.reader = frames.Reader(self.conn.fileno())
@@ -73,7 +80,7 @@ class Child:
         """Queue a job for the child (flush() writes what is queued, in one go)."""
         self.seq += 1
         d.seq = self.seq
-        if not self.jobs:
+        if not self.jobs and not self.concurrent:
             d.began = now
         self.jobs.append(d)
         self.outgoing += frames.frame(b"%d\0%s" % (d.seq, message))
@@ -115,6 +122,14 @@ class Child:
         for d in rest:
             self.jobs.remove(d)
         return rest
+
+    def cancel(self, d: Delivery, reason: str, grace: float) -> None:
+        """A loop child: stop one job (a coroutine is cancelled; one not begun is not run);
+        if it has not answered by d.stop_at, the worker stops the child."""
+        if d.stop_reason is None:
+            d.stop_reason, d.stop_at = reason, time.monotonic() + grace
+            self.outgoing += frames.frame(b"c%d\0%s" % (d.seq, reason.encode()))
+            self.flush()
 
     def kill(self, target: Delivery, reason: str, grace: float) -> None:
         """SIGTERM now (the child honours it because the flag is set), SIGKILL at kill_at.

@@ -34,6 +34,8 @@ class Delivery:
     began: float | None = None  # worker: monotonic; when its child began it (None: still queued there)
     stuck: bool = False  # worker: flagged stuck (past its max duration)
     seq: int = 0  # worker: its number among the jobs sent to its child
+    stop_reason: str | None = None  # worker: why it was asked to stop in a loop child (cancel)
+    stop_at: float | None = None  # worker: then its child is stopped if it has not answered
 
     @property
     def deadline(self) -> float:

@@ -401,14 +401,20 @@ def _setup_logging(level: str) -> None:
 @click.option("-n", "--name", help="Worker name (default host.pid); must be unique among live workers.")
 @click.option("--prefetch", type=click.IntRange(min=1), help="Most jobs sent ahead to one child, so that short "
               "jobs run back to back (default 128, TASKRUNNER_PREFETCH; adapts to ~10 ms of work; 1: off).")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Plain (sync) tasks "
+              "each child runs at once, in threads: for I/O-bound jobs. A thread cannot be interrupted: killing "
+              "one of its jobs (or its max duration) stops the whole child, after handing its other jobs back.")
+@click.option("--async-slots", type=click.IntRange(min=0), default=100, show_default=True, help="async def tasks "
+              "each child runs at once, as coroutines on its event loop (only if the app has async tasks); a kill "
+              "or max duration cancels one coroutine, and its siblings go on.")
 @click.option("--max-jobs-per-child", type=click.IntRange(min=1), help="Replace a child process by a fresh one "
               "after it ran this many jobs (recycling: for leaks; nothing is lost or counted). Default: never.")
 @click.option("--max-memory-per-child", type=click.FloatRange(min=1), metavar="MB", help="Replace a child process "
               "once its resident memory (RSS, checked after its jobs) exceeds this many MB. Default: never.")
 @click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True)
 @common
-def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch: int | None,
-           max_jobs_per_child: int | None, max_memory_per_child: float | None, log_level: str,
+def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch: int | None, threads: int,
+           async_slots: int, max_jobs_per_child: int | None, max_memory_per_child: float | None, log_level: str,
            app_spec: str | None, redis_url: str | None) -> None:
     """Run jobs: claim from the queues, run each in a child process, report back."""
     from .worker import Worker
@@ -420,7 +426,8 @@ def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch:
     qs = [q.strip() for q in queue_list.split(",") if q.strip()] if queue_list else \
         list(dict.fromkeys(["default", *(t.spec.queue for t in app.tasks.values())]))
     app.wait_for_redis("worker")
-    sys.exit(Worker(app, qs, concurrency, name, prefetch, max_jobs_per_child, max_memory_per_child).run())
+    sys.exit(Worker(app, qs, concurrency, name, prefetch, max_jobs_per_child, max_memory_per_child, threads,
+                    async_slots).run())
 
 
 @main.command()

@@ -6,11 +6,14 @@ tests/test_policy.py.
 
 A child is seen as a `Lane`: the deliveries sent to it, in order (the first runs once its
 `began` is set), whether it takes more (`open`: it is not being stopped or replaced), how
-many more it may be sent (`left`: inf, unless it is replaced after a number of jobs), and
-when it gets SIGKILL if it is being stopped."""
+many more it may be sent (`left`: inf, unless it is replaced after a number of jobs), how
+many it runs at once (`capacity`: 1, or a loop child's threads and coroutine slots; each
+job's `began` is then set when the child says it began), and when it gets SIGKILL if it is
+being stopped."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
@@ -46,6 +49,9 @@ class Lane(Protocol):
     def left(self) -> float: ...
 
     @property
+    def capacity(self) -> int: ...
+
+    @property
     def kill_at(self) -> float | None: ...
 
 
@@ -65,10 +71,14 @@ def depth(runtime: float | None, prefetch: int) -> int:
 def slots(lanes: Sequence[L], depth: int, now: float) -> list[tuple[L, float]]:
     """Room in the children for more jobs, interleaved so that a short claim is shared
     out: (child, seconds of max duration ahead of its next job). None behind a job that
-    has run longer than PREFETCH_WINDOW, nor in a child being stopped."""
+    has run longer than PREFETCH_WINDOW, nor in a child being stopped. A child that runs
+    several at once is sent up to its capacity, no more: each begins at once."""
     wants = []
     for lane in lanes:
         if not lane.open:
+            continue
+        if lane.capacity > 1:
+            wants.append((lane, min(lane.capacity - len(lane.jobs), lane.left), 0.0))
             continue
         head = lane.jobs[0] if lane.jobs else None
         if head is not None and head.began is not None and now - head.began > PREFETCH_WINDOW:
@@ -99,6 +109,15 @@ def retire_reason(done: int, rss: int | None, max_jobs: int | None, max_memory_m
     return None
 
 
+def running(lane: Lane) -> Sequence[Delivery]:
+    """The jobs of a child that may be running: the first (a classic child), or those that
+    began (a loop child begins them in order: a prefix of what it was sent)."""
+    jobs = lane.jobs
+    if lane.capacity == 1 or not jobs:
+        return (jobs[0],) if jobs else ()
+    return list(itertools.takewhile(lambda d: d.began is not None, jobs))
+
+
 def hand_back_due(lane: Lane, stopping: bool) -> float:
     """When the jobs sent ahead to a child go back to the queue: at once while stopping,
     else when its running job has run HOLD seconds (or its max duration, if shorter);
@@ -106,7 +125,9 @@ def hand_back_due(lane: Lane, stopping: bool) -> float:
     if len(lane.jobs) < 2 or lane.jobs[0].began is None:
         return INF
     head = lane.jobs[0]
-    return -INF if stopping else head.began + min(HOLD, head.max_duration)
+    if stopping:
+        return -INF
+    return INF if lane.capacity > 1 else head.began + min(HOLD, head.max_duration)
 
 
 def sync_due(now: float, lanes: Sequence[Lane], depth: int, *, flights: int, urgent: bool,
@@ -126,10 +147,19 @@ def sync_due(now: float, lanes: Sequence[Lane], depth: int, *, flights: int, urg
     if outbox_since is not None:
         queued = any(len(lane.jobs) > 1 for lane in lanes)
         due = min(due, outbox_since + FLUSH_AFTER if queued and flights and not stopping else now)
-    if can_claim and any(len(lane.jobs) <= depth // 2 and lane.open for lane in lanes) \
-            and slots(lanes, depth, now):
+    if can_claim and any(hungry(lane, depth) for lane in lanes) and slots(lanes, depth, now):
         return now
     return due
+
+
+def hungry(lane: Lane, depth: int) -> bool:
+    """Is it time to claim for this child? A classic one once it is down to half of
+    `depth`; one that runs several at once as soon as it has a free slot."""
+    if not lane.open:
+        return False
+    if lane.capacity > 1:
+        return len(lane.jobs) < lane.capacity
+    return len(lane.jobs) <= depth // 2
 
 
 def wait_timeout(now: float, lanes: Sequence[Lane], *, redis_ok_at: float, next_beat: float, sync_at: float,
@@ -146,8 +176,11 @@ def wait_timeout(now: float, lanes: Sequence[Lane], *, redis_ok_at: float, next_
         if answer_by is not None:
             t.append(answer_by)
     for lane in lanes:
-        if lane.jobs and not lane.jobs[0].stuck:
-            t.append(lane.jobs[0].deadline)
+        for d in running(lane):
+            if not d.stuck:
+                t.append(d.deadline)
+            if d.stop_at is not None:
+                t.append(d.stop_at)
         t.append(hand_back_due(lane, False))
         if lane.kill_at:
             t.append(lane.kill_at)

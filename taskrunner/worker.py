@@ -11,6 +11,7 @@ on a Redis Cluster one per queue, as one command's keys must share a slot). No t
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import signal
@@ -76,7 +77,7 @@ def local_ip(client: redis.Redis | redis.cluster.RedisCluster) -> str:
 class Worker:
     def __init__(self, app: TaskRunner, queues: list[str], concurrency: int = 2, name: str | None = None,
                  prefetch: int | None = None, max_jobs_per_child: int | None = None,
-                 max_memory_per_child: float | None = None):
+                 max_memory_per_child: float | None = None, threads: int = 1, async_slots: int = 100):
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         self.app, self.s, self.keys = app, app.settings, app.keys
@@ -85,6 +86,11 @@ class Worker:
         self.concurrency = concurrency
         self.prefetch = max(1, prefetch if prefetch is not None else self.s.prefetch)
         self.max_jobs_per_child, self.max_memory_per_child = max_jobs_per_child, max_memory_per_child
+        if threads < 1 or async_slots < 0:
+            raise ValueError("threads must be >= 1 and async_slots >= 0")
+        # Coroutine slots only for an app with async def tasks: otherwise children stay classic.
+        self.threads = threads
+        self.async_slots = async_slots if any(inspect.iscoroutinefunction(t.fn) for t in app.tasks.values()) else 0
         self.host = socket.gethostname()
         self.name = codec.check_name("worker", name or f"{self.host}.{os.getpid()}")
         self.redis = app.redis
@@ -134,9 +140,10 @@ class Worker:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGQUIT, self._on_signal)
         for _ in range(self.concurrency):  # one by one: each closes its elder siblings' pipe ends
-            self.children.append(Child(self.app, self.children, self.max_jobs_per_child))
-        log.info("worker %s: queues %s, %d children, prefetch %d, pid %d", self.name, ",".join(self.queues),
-                 self.concurrency, self.prefetch, os.getpid())
+            self.children.append(self._child())
+        log.info("worker %s: queues %s, %d children (%d threads, %d async slots each), prefetch %d, pid %d",
+                 self.name, ",".join(self.queues), self.concurrency, self.threads, self.async_slots, self.prefetch,
+                 os.getpid())
         try:
             while not (self.stopping and self._drained()):
                 if self.stopping and time.monotonic() >= self._give_up_at():
@@ -388,11 +395,14 @@ class Worker:
             self._report(d, outcome, now - runtime)
             self.processed += 1
             c.done += 1
-            if c.jobs and c.jobs[0].began is None:
+            if c.jobs and c.jobs[0].began is None and not c.concurrent:
                 c.jobs[0].began = now
         if replies and (self.max_jobs_per_child or self.max_memory_per_child):
             self._recycle(c)
         return True
+
+    def _child(self) -> Child:
+        return Child(self.app, self.children, self.max_jobs_per_child, self.threads, self.async_slots)
 
     def _recycle(self, c: Child) -> None:
         """A child past --max-jobs-per-child or --max-memory-per-child (RSS, measured after
@@ -412,7 +422,13 @@ class Worker:
             c.retire()
 
     def _note(self, c: Child, message: dict[str, Any], now: float) -> None:
-        """Keep a report about a job the child runs, for the next sync."""
+        """Keep a report about a job the child runs, for the next sync; a loop child's
+        word that it began one."""
+        if "began" in message:
+            d = next((d for d in c.jobs if d.seq == message["began"]), None)
+            if d is not None:
+                d.began = now
+            return
         job_id, attempt = next(iter(message.values()))[:2]
         d = next((d for d in c.jobs if d.id == job_id and d.attempt == attempt), None)
         if d is None or not self.outbox.note(d, message, now):
@@ -440,16 +456,16 @@ class Worker:
         for d in c.jobs:
             if d.seq > began:
                 self._report(d, Outcome.returned(f"its process died ({why}) on {self.host}"))
-            elif d is c.kill_target:
-                if c.kill_reason == "killed":
+            elif (reason := c.kill_reason if d is c.kill_target else d.stop_reason) is not None:
+                if reason == "killed":
                     self._report(d, Outcome.killed("killed on request"), d.began)
-                elif c.kill_reason == "timeout":
+                elif reason == "timeout":
                     self._report(d, Outcome.error("TimeLimitExceeded", f"ran past its max duration; stopped by {why}"),
                                  d.began)
-                elif c.kill_reason == "shutdown":
-                    self._report(d, Outcome.requeue(front=True), d.began)
+                elif reason == "shutdown":
+                    self._report(d, Outcome.requeue(front=True), d.began)  # "lost": no longer ours to report
             elif c.kill_reason is not None:
-                # It began after the job we stopped had ended: requeued, nothing counted.
+                # It ran beside (a loop child) or after the job we stopped: requeued, nothing counted.
                 self._report(d, Outcome.requeue(front=True, why=f"its process was stopped ({c.kill_reason}) on "
                                                             f"{self.host}"), d.began)
             else:
@@ -459,7 +475,7 @@ class Worker:
         self.children.remove(c)
         c.conn.close()
         if not self.stopping:
-            self.children.append(Child(self.app, self.children, self.max_jobs_per_child))
+            self.children.append(self._child())
 
     def _enforce(self, now: float) -> None:
         for c in self.children:
@@ -473,16 +489,38 @@ class Worker:
             head = c.jobs[0]
             if self.stopping and now >= self.stop_at:
                 c.kill(head, "shutdown", self.s.kill_grace)
-            if head.began is None:
-                continue
-            if now >= head.deadline and not head.stuck:
-                head.stuck = True
-                self.outbox.mark_stuck(head)
-                if head.timeout_policy == "kill":
-                    log.warning("worker %s: job %s passed its max duration; stopping it", self.name, head.id)
-                    c.kill(head, "timeout", self.s.kill_grace)
+            for d in policy.running(c):
+                if d.began is None:
+                    continue
+                if now >= d.deadline and not d.stuck:
+                    d.stuck = True
+                    self.outbox.mark_stuck(d)
+                    if d.timeout_policy == "kill":
+                        log.warning("worker %s: job %s passed its max duration; stopping it", self.name, d.id)
+                        self._stop(c, d, "timeout")
+                if d.stop_at is not None and now >= d.stop_at:
+                    log.warning("worker %s: job %s did not stop within kill_grace; stopping child %d", self.name,
+                                d.id, c.pid)
+                    d.stop_at = None
+                    self._stop(c, d, d.stop_reason or "killed", whole=True)
             if now >= policy.hand_back_due(c, self.stopping):
                 self._hand_back(c, "worker shutting down" if self.stopping else f"job {head.id} ahead of it ran long")
+
+    def _stop(self, c: Child, d: Delivery, reason: str, whole: bool = False) -> None:
+        """Stop a job (reason: killed, timeout, or lost: no longer ours). A loop child
+        cancels a coroutine, or a job not begun, and goes on; otherwise (a thread, a classic
+        child, or `whole`) the child is stopped, after what it has not begun is handed back."""
+        if c.concurrent and not whole and (d.began is None or self._is_async(d)):
+            c.cancel(d, reason, self.s.kill_grace)
+            return
+        self._hand_back(c, f"job {d.id} sent with it was " + ("lost" if reason == "lost" else "killed"),
+                        killed=None if reason == "lost" else d, lost=d if reason == "lost" else None)
+        if d in c.jobs:  # it had begun
+            c.kill(d, reason, self.s.kill_grace)
+
+    def _is_async(self, d: Delivery) -> bool:
+        task = self.app.tasks.get(d.task)
+        return task is not None and inspect.iscoroutinefunction(task.fn)
 
     def _on_control(self, raw: str) -> None:
         try:
@@ -496,9 +534,7 @@ class Worker:
             for d in list(c.jobs):
                 if d.id == job_id and d.attempt == attempt:
                     log.info("worker %s: killing job %s in child %d (%s)", self.name, job_id, c.pid, reason)
-                    self._hand_back(c, f"job {d.id} sent with it was killed", killed=d)
-                    if d in c.jobs:  # it had begun
-                        c.kill(d, reason, self.s.kill_grace)
+                    self._stop(c, d, reason)
                     return
         if self.outbox.holds(job_id):
             return  # it just ended; its result is on its way
@@ -594,15 +630,12 @@ class Worker:
         for i, (c, d) in enumerate(held):
             (attempts, kill_requested), mine = results[1 + 2 * i], results[2 + 2 * i]
             lost = attempts != d.attempt or not mine
-            if d not in c.jobs or c.kill_reason or not (lost or kill_requested):
+            if d not in c.jobs or c.kill_reason or d.stop_reason or not (lost or kill_requested):
                 continue
             if lost:
                 log.warning("worker %s: job %s is no longer ours (requeued while we were unreachable); "
                             "stopping it", self.name, d.id)
-            self._hand_back(c, f"job {d.id} sent with it was " + ("lost" if lost else "killed"),
-                            killed=None if lost else d, lost=d if lost else None)
-            if d in c.jobs:  # it had begun
-                c.kill(d, "lost" if lost else "killed", self.s.kill_grace)
+            self._stop(c, d, "lost" if lost else "killed")
 
     def info(self) -> dict[str, Any]:
         rss, cpu = 0, 0.0
@@ -619,6 +652,7 @@ class Worker:
                 "create_time": self.proc.create_time(), **identity(),
                 "children": [c.pid for c in self.children],
                 "queues": self.queues, "concurrency": self.concurrency, "prefetch": self.prefetch,
+                "threads": self.threads, "async_slots": self.async_slots,
                 "busy": sum(1 for c in self.children if c.jobs),
                 "processed": self.processed, "rss": rss, "cpu": round(cpu, 1), "started_at": self.started_at}
 

@@ -157,3 +157,4 @@ def child_pid(grow_mb: int = 0) -> int:
     if grow_mb:
         _ballast.append(b"x" * (grow_mb << 20))
     return os.getpid()
+

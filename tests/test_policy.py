@@ -24,6 +24,7 @@ class Lane:
     jobs: deque = field(default_factory=deque)
     open: bool = True
     left: float = INF
+    capacity: int = 1
     kill_at: float | None = None
 
 

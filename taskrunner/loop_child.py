@@ -1,0 +1,133 @@
+"""A worker's child that runs several jobs at once (`taskrunner worker --threads T`, or an app
+with `async def` tasks: `--async-slots M`): an event loop in the main thread runs
+`async def` tasks as coroutines, up to M at once, and hands plain tasks to a pool of T
+threads.
+
+Protocol with the worker, beyond the classic child's (child.py): the child begins jobs in
+the order sent, each as soon as a slot of its kind is free, and says so with a frame
+{"began": seq} (the worker times its max duration from then); the worker may send
+b"c<seq>\\0<reason>" to stop one job: a coroutine is cancelled (the child goes on and
+answers it killed, or TimeLimitExceeded for reason "timeout"); a job that has not begun is
+answered the same way without running. A thread cannot be stopped: the worker stops the
+whole child for it (SIGTERM with the kill flag set ends the process at once), after
+handing back what it can."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from . import frames
+from .child import Call, Link, begin_child, execute, prepare, reply, run_async
+from .outcome import Outcome
+
+
+def loop_child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, parent: int, inherited: list,
+                    threads: int, async_slots: int) -> None:
+    link = begin_child(conn, kill_flag, parent, inherited, hard=True)
+    asyncio.run(LoopChild(app, link, state, lock, threads, async_slots).serve())
+    os._exit(0)
+
+
+def stopped(reason: str, began: bool) -> Outcome:
+    """How a job the worker stopped ends: TimeLimitExceeded (retried while retries last)
+    for its max duration, else killed."""
+    if reason == "timeout":
+        return Outcome.error("TimeLimitExceeded", "ran past its max duration; cancelled")
+    return Outcome.killed("killed on request" + ("" if began else " (before it began)"))
+
+
+class LoopChild:
+    def __init__(self, app: Any, link: Link, state: Any, lock: Any, threads: int, async_slots: int) -> None:
+        self.app, self.link, self.state, self.lock = app, link, state, lock
+        self.reader = frames.Reader(link.fd)
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="taskrunner-job")
+        self.free = {False: max(1, threads), True: async_slots}  # slots free: threads, coroutines
+        self.waiting: deque[tuple[int, bytes]] = deque()  # sent, not begun
+        self.coroutines: dict[int, asyncio.Task] = {}  # seq -> running async job
+        self.stop: dict[int, str] = {}  # seq -> why the worker asked to stop it
+        self.closed: asyncio.Event | None = None
+
+    async def serve(self) -> None:
+        """Until the worker closes its end of the pipe."""
+        self.loop = asyncio.get_running_loop()
+        self.closed = asyncio.Event()
+        self.loop.add_reader(self.link.fd, self.on_readable)
+        await self.closed.wait()
+
+    def on_readable(self) -> None:
+        try:
+            got = self.reader.read()
+        except BlockingIOError:
+            return
+        except OSError:
+            got = None
+        if got is None:  # the worker closed its end
+            self.loop.remove_reader(self.link.fd)
+            self.closed.set()  # type: ignore[union-attr]
+            return
+        for f in got:
+            if f[:1] == b"c":
+                seq, reason = f[1:].split(b"\0", 1)
+                self.on_stop(int(seq), reason.decode())
+            else:
+                seq, message = f.split(b"\0", 1)
+                self.waiting.append((int(seq), message))
+        self.admit()
+
+    def on_stop(self, seq: int, reason: str) -> None:
+        self.stop[seq] = reason
+        task = self.coroutines.get(seq)
+        if task is not None:
+            task.cancel()
+        # A job still waiting is answered by admit(); a thread's job runs on (the worker
+        # stops the child if it must).
+
+    def admit(self) -> None:
+        """Begin what was sent, in order, while slots of each job's kind are free."""
+        while self.waiting:
+            seq, message = self.waiting[0]
+            call = prepare(self.app, message, self.link)
+            kind = isinstance(call, Call) and call.is_async
+            if isinstance(call, Call) and seq not in self.stop and not self.free[kind]:
+                return  # in order: the next job waits for a slot of its kind
+            self.waiting.popleft()
+            with self.lock:
+                if self.state[1] <= seq <= self.state[2]:
+                    continue  # taken back before it began
+                self.state[0] = seq
+            self.link.send(b'{"began":%d}' % seq)
+            if seq in self.stop:
+                reply(self.link, message, 0.0, stopped(self.stop.pop(seq), False))
+            elif isinstance(call, Outcome):
+                reply(self.link, message, 0.0, call)  # bad input
+            else:
+                self.begin(seq, message, call, kind)
+
+    def begin(self, seq: int, message: bytes, call: Call, is_async: bool) -> None:
+        self.free[is_async] -= 1
+        began = time.perf_counter()
+        fut: asyncio.Future[Outcome] | Future[Outcome]
+        if is_async:
+            fut = self.coroutines[seq] = self.loop.create_task(run_async(call))
+        else:
+            fut = self.loop.run_in_executor(self.pool, execute, call)
+        fut.add_done_callback(lambda f: self.ended(seq, message, is_async, began, f))
+
+    def ended(self, seq: int, message: bytes, is_async: bool, began: float, fut: Any) -> None:
+        self.free[is_async] += 1
+        self.coroutines.pop(seq, None)
+        reason = self.stop.pop(seq, None)
+        if fut.cancelled():
+            outcome = stopped(reason or "killed", True)
+        elif fut.exception() is not None:  # a BaseException the task let out (KeyboardInterrupt...)
+            e = fut.exception()
+            outcome = Outcome.failed(type(e).__qualname__, str(e))
+        else:
+            outcome = fut.result()
+        reply(self.link, message, time.perf_counter() - began, outcome)
+        self.admit()

@@ -1,0 +1,118 @@
+"""Children that run several jobs at once (loop_child.py): async def tasks as coroutines
+(`--async-slots`), plain tasks in threads (`--threads`). Real workers, real Redis; the
+tasks are in tests/async_apps.py. Every job keeps its own holding entry, fencing, kill
+and max duration; a stopped child loses none of its jobs."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from tests.conftest import wait_for
+
+A = "tests.async_apps"
+
+
+def overlap(spans: list[list[float]]) -> int:
+    """The most spans running at one instant."""
+    events = sorted([(t0, 1) for t0, _ in spans] + [(t1, -1) for _, t1 in spans])
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def ledger(app, key: str) -> int:
+    return int(app.redis.get(f"{app.settings.prefix}:ledger:{key}") or 0)
+
+
+def release(app, key: str) -> None:
+    app.redis.set(f"{app.settings.prefix}:release:{key}", 1)
+
+
+def running(app, jobs) -> bool:
+    return all(j.state == "running" for j in jobs)
+
+
+def test_200_async_jobs_run_at_once_in_one_child(app, stack):
+    jobs = app.enqueue_many([{"task": f"{A}.async_span", "args": [1.0]} for _ in range(200)])
+    stack.worker("--async-slots", "200", app=A, concurrency=1)
+    spans = [j.wait(120) for j in jobs]
+    assert overlap(spans) >= 100, overlap(spans)  # not one after another
+    holders = {j.refresh().data["pid"] for j in jobs}
+    assert len(holders) == 1  # one child ran them all, each with its own holding entry
+
+
+def test_plain_tasks_run_in_threads_up_to_the_limit(app, stack):
+    jobs = app.enqueue_many([{"task": f"{A}.thread_span", "args": [0.5]} for _ in range(16)])
+    stack.worker("--threads", "8", app=A, concurrency=1)
+    spans = [j.wait(120) for j in jobs]
+    assert 2 <= overlap(spans) <= 8, overlap(spans)
+
+
+def test_killing_one_async_job_leaves_its_siblings_running(app, stack):
+    jobs = [app.enqueue(f"{A}.async_nap", [f"k{i}", 60]) for i in range(3)]
+    stack.worker(app=A, concurrency=1)
+    wait_for(lambda: running(app, jobs) and all(ledger(app, f"k{i}") for i in range(3)), what="3 async jobs running")
+    pid = jobs[0].refresh().data["pid"]
+    jobs[0].kill()
+    wait_for(lambda: jobs[0].state == "killed", what="the killed job to end")
+    assert running(app, jobs[1:]) and {j.refresh().data["pid"] for j in jobs[1:]} == {pid}
+    release(app, "k1")
+    release(app, "k2")
+    assert [j.wait(30) for j in jobs[1:]] == ["released", "released"]
+    assert ledger(app, "k1") == ledger(app, "k2") == 1  # never rerun
+
+
+def test_an_async_job_past_its_max_duration_is_cancelled_alone(app, stack):
+    slow = app.enqueue(f"{A}.async_too_slow", ["slow"], max_duration=0.5)  # as its declaration says
+    other = app.enqueue(f"{A}.async_nap", ["other", 60])
+    stack.worker(app=A, concurrency=1)
+    wait_for(lambda: slow.state in ("failed", "completed", "killed") and slow, what="the slow job to end")
+    d = slow.refresh().data
+    assert d["state"] == "failed" and d["error_type"] == "TimeLimitExceeded" and d["stuck"] == "1"
+    assert other.state == "running"
+    release(app, "other")
+    assert other.wait(30) == "released" and ledger(app, "other") == 1
+
+
+def test_a_coroutine_that_ignores_cancellation_gets_its_child_stopped_and_siblings_handed_back(app, stack):
+    deaf = app.enqueue(f"{A}.async_deaf", ["deaf"])
+    other = app.enqueue(f"{A}.async_nap", ["sib", 60])
+    w = stack.worker(app=A, concurrency=1)
+    wait_for(lambda: running(app, [deaf, other]) and ledger(app, "sib"), what="both running")
+    child = stack.children_of(w)
+    deaf.kill()
+    wait_for(lambda: deaf.state == "killed", what="the deaf job to end killed")
+    assert ledger(app, "deaf:cancelled") >= 1  # it was cancelled first, and ignored it
+    wait_for(lambda: stack.children_of(w) and stack.children_of(w) != child, what="a new child")
+    release(app, "sib")
+    assert other.wait(30) == "released"
+    d = other.refresh().data
+    assert d.get("failures", "0") == "0" and int(d["requeues"]) == 1  # handed back, not failed
+
+
+def test_a_sigkilled_child_with_50_async_jobs_loses_none(app, stack):
+    jobs = app.enqueue_many([{"task": f"{A}.async_nap", "args": [f"m{i}", 60]} for i in range(50)])
+    w = stack.worker(app=A, concurrency=1)
+    wait_for(lambda: all(ledger(app, f"m{i}") for i in range(50)), what="50 async jobs running")
+    (child,) = stack.children_of(w)
+    os.kill(child, signal.SIGKILL)
+    wait_for(lambda: all(ledger(app, f"m{i}") == 2 for i in range(50)), what="each to run again")
+    for i in range(50):
+        release(app, f"m{i}")
+    assert [j.wait(60) for j in jobs] == ["released"] * 50
+    assert all(j.refresh().data["lost"] == "1" for j in jobs)
+
+
+def test_killing_a_thread_job_stops_its_child_and_requeues_its_siblings(app, stack):
+    a = app.enqueue(f"{A}.thread_span", [30])
+    b = app.enqueue(f"{A}.thread_span", [2])
+    stack.worker("--threads", "2", app=A, concurrency=1)
+    wait_for(lambda: running(app, [a, b]), what="both threads running")
+    a.kill()
+    wait_for(lambda: a.state == "killed", what="the thread job to end killed")
+    t0, t1 = b.wait(60)
+    d = b.refresh().data
+    assert d.get("failures", "0") == "0" and int(d["attempts"]) == 2  # stopped with its child, run again
