@@ -16,11 +16,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import codec
-from .app import TaskRunner
 from .history import default_dir
+
+if TYPE_CHECKING:
+    from .app import TaskRunner
 
 #: percentile_approx accuracy: a percentile's rank is off by at most n / ACCURACY.
 ACCURACY = 10_000

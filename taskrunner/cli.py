@@ -23,6 +23,7 @@ from .errors import (
     AppNotFound,
     BadURL,
     JobFailed,
+    Misconfigured,
     NameInUse,
     TaskRunnerError,
     Timeout,
@@ -115,13 +116,6 @@ def _confirm(question: str, yes: bool) -> None:
     if not sys.stdin.isatty():
         raise click.UsageError(f"{question} Not asked, as stdin is not a terminal: add --yes to go on")
     click.confirm(question, abort=True)
-
-
-class Misconfigured(click.ClickException):
-    """An error in what the command was given (a Redis URL, an app): exit 2, as click's
-    own usage errors."""
-
-    exit_code = 2
 
 
 class Main(click.Group):

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 
+import click
+
 
 class TaskRunnerError(Exception):
     """Base of every taskrunner error."""
+
+
+class Misconfigured(click.ClickException):
+    """A command-line error in what the command was given (a Redis URL, an app, a taken
+    port): exit 2, as click's own usage errors."""
+
+    exit_code = 2
 
 
 class NotJSONError(TaskRunnerError, TypeError):

@@ -16,10 +16,12 @@ import secrets
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .app import TaskRunner
 from .errors import require_extra
+
+if TYPE_CHECKING:
+    from .app import TaskRunner
 
 log = logging.getLogger("taskrunner.history")
 #: Half of HISTORY_MAX in _lib.lua: beyond this backlog the dispatcher warns (the stream

@@ -5,12 +5,14 @@ or SCAN."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import codec, queue
-from .app import TaskRunner
 from .holders import Holding, number
 from .job import Job, typed
+
+if TYPE_CHECKING:
+    from .app import TaskRunner
 
 LIST_STATES = ("pending", "delayed", "running", "stuck", "completed", "failed", "killed")
 

@@ -16,8 +16,8 @@ import click
 
 from .app import TaskRunner
 from .child import dies_with_us
-from .cli import Misconfigured
 from .connection import EMBEDDED_DIR
+from .errors import Misconfigured
 from .job import FINAL, Job
 from .loader import load_app
 from .redis_server import RedisServer, RedisServerError, SocketInUse
