@@ -274,3 +274,20 @@ def test_kill_after_live_refresh_returns_to_the_full_page(app, stack, dashboard,
         expect(page.locator("p.flash")).to_contain_text(f"{job.id}: kill", timeout=2_000)
     finally:
         release(app, "b2")
+
+
+def test_job_page_shows_progress_and_logs_live(app, stack, dashboard, page):
+    job = apps.chatty.delay("pl", 3)
+    page.goto(f"{dashboard}/jobs/{job.id}")
+    expect(page.locator("h1 .badge")).to_have_text("pending")
+    page.evaluate("window.__same_document = true")
+    stack.worker(concurrency=1)  # the job starts after the page was loaded
+    page.mouse.move(0, 0)  # live.js does not refresh under the pointer
+    expect(page.locator("pre.logs")).to_contain_text("line 3 of 3")
+    expect(page.locator("progress").first).to_have_attribute("value", "1.0")
+    expect(page.locator("h1 .badge")).to_have_text("running")
+    screenshot(page, "job-progress-logs.png")
+    release(app, "pl")
+    assert job.wait(30) == 3
+    expect(page.locator("h1 .badge")).to_have_text("completed")
+    assert page.evaluate("window.__same_document") is True
