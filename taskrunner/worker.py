@@ -7,7 +7,12 @@ the connection its syncs with Redis (finish, claim: one round trip) are in fligh
 connections each with a BRPOP outstanding: its control list (kill requests) and, when a
 child is idle and the queues were found empty, the queues' wake lists (one BRPOP on all;
 on a Redis Cluster one per queue, as one command's keys must share a slot). No threads
-(the worker forks replacement children) and no polling."""
+(the worker forks replacement children) and no polling.
+
+Its parts: the crew (crew.py: the children, what is sent to them and comes back, stopping
+jobs), the outbox (outbox.py: what to tell Redis), the policy (policy.py: how many to
+claim, when to sync, how long to wait). The worker itself holds the loop, the syncs with
+Redis, signals and heartbeats."""
 
 from __future__ import annotations
 
@@ -26,14 +31,14 @@ import redis
 
 from . import codec, declarations, policy, scripts
 from .app import TaskRunner
-from .children import Child, send_signal, wait_ready
-from .claims import Delivery, claim_args, claim_keys, claim_rest
+from .children import Child, wait_ready
+from .claims import claim_args, claim_keys, claim_rest
 from .connection import Blocker, Channel, is_cluster
+from .crew import Crew
 from .errors import NameInUse
 from .holders import identity, lose_held
 from .listing import server_time
 from .outbox import Load, Outbox
-from .outcome import Outcome
 
 log = logging.getLogger("taskrunner.worker")
 # Any Redis failure (down, OOM, READONLY after a failover, BUSY; a cluster with no node
@@ -95,9 +100,9 @@ class Worker:
         self.name = codec.check_name("worker", name or f"{self.host}.{os.getpid()}")
         self.redis = app.redis
         self.ip = local_ip(self.redis)
-        self.children: list[Child] = []
         self.outbox = Outbox(app)  # what we have to tell Redis
-        self.runtime: float | None = None  # moving average of job runtimes, s
+        self.crew = Crew(app, self.outbox, self.name, self.host, concurrency, threads, self.async_slots,
+                         max_jobs_per_child, max_memory_per_child)
         self.may_claim = True
         self.stopping = False
         self.stop_at = 0.0
@@ -116,7 +121,6 @@ class Worker:
         self.flights: deque[Flight] = deque()  # oldest first
         self.proc = psutil.Process()
         self.started_at = time.time()
-        self.processed = 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -139,8 +143,7 @@ class Worker:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGQUIT, self._on_signal)
-        for _ in range(self.concurrency):  # one by one: each closes its elder siblings' pipe ends
-            self.children.append(self._child())
+        self.crew.start()
         log.info("worker %s: queues %s, %d children (%d threads, %d async slots each), prefetch %d, pid %d",
                  self.name, ",".join(self.queues), self.concurrency, self.threads, self.async_slots, self.prefetch,
                  os.getpid())
@@ -199,25 +202,19 @@ class Worker:
             pass
 
     def _drained(self) -> bool:
-        return not any(c.jobs for c in self.children) and self.outbox.empty()
+        return not self.crew.busy() and self.outbox.empty()
 
     def _shutdown(self) -> None:
         signal.set_wakeup_fd(-1)
         for b in (self.ctl, *self.wakes):
             b.reset()
-        for c in self.children:
-            c.conn.close()  # the child exits on EOF
-        for c in self.children:
-            c.proc.join(2)
-            if c.proc.is_alive():
-                c.proc.kill()
-                c.proc.join()
+        self.crew.close()
         if self.backoff and self.stopping and time.monotonic() >= self._give_up_at():
             # Redis has been unreachable all along: trying again could hang for the client's
             # timeouts and retries. Our entry lapses after dead_after, and the dispatcher
             # requeues what we held.
             log.info("worker %s: stopped after %d jobs, without saying goodbye to Redis", self.name,
-                     self.processed)
+                     self.crew.processed)
             return
         try:
             self._sync(wait=True)
@@ -231,21 +228,21 @@ class Worker:
         except _REDIS_ERRORS as e:
             log.error("worker %s: could not say goodbye to Redis (%s); the dispatcher will requeue "
                       "anything left", self.name, e)
-        log.info("worker %s: stopped after %d jobs", self.name, self.processed)
+        log.info("worker %s: stopped after %d jobs", self.name, self.crew.processed)
 
     # -- the loop ----------------------------------------------------------------------
 
     def _step(self) -> None:
         quiet = self._quiet()
         for c in quiet:
-            self._read(c)
+            self.crew.read(c)
         now = time.monotonic()
         if self.stopping and any(b.armed for b in self.wakes):
             for b in self.wakes:
                 b.reset()
             self._give_back_wake()
-        self._enforce(now)
-        for c in self.children:
+        self.crew.enforce(now, self.stopping, self.stop_at)
+        for c in self.crew.children:
             if c.outgoing:
                 c.flush()
         if now >= self.redis_ok_at:
@@ -264,13 +261,13 @@ class Worker:
         waitables: list[Any] = [self._wakeup]
         if self.flights:
             waitables.append(self.channel)
-        for c in self.children:
+        for c in self.crew.children:
             waitables += [c.proc.sentinel] if c in quiet or c.conn.closed else [c.conn, c.proc.sentinel]
         for b in (self.ctl, *self.wakes):
             if b.armed:
                 waitables.append(b)
         timeout = self._timeout()
-        writers = [c.conn for c in self.children if c.outgoing]  # flushed by the next step
+        writers = [c.conn for c in self.crew.children if c.outgoing]  # flushed by the next step
         for ready in wait_ready(waitables, min(timeout, policy.GLANCE) if quiet else timeout, writers):
             self._on_ready(ready)
 
@@ -292,17 +289,17 @@ class Worker:
         log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, self.backoff)
 
     def _quiet(self) -> list[Child]:
-        return policy.quiet(self.children, self.runtime, self._depth(), self.stopping)
+        return policy.quiet(self.crew.children, self.crew.runtime, self._depth(), self.stopping)
 
     def _timeout(self) -> float:
         now = time.monotonic()
-        return policy.wait_timeout(now, self.children, redis_ok_at=self.redis_ok_at, next_beat=self.next_beat,
+        return policy.wait_timeout(now, self.crew.children, redis_ok_at=self.redis_ok_at, next_beat=self.next_beat,
                                    sync_at=self._sync_due(now),
                                    answer_by=self.channel.deadline() if self.flights else None,
                                    stopping=self.stopping, stop_at=self.stop_at, give_up_at=self._give_up_at())
 
     def _sync_due(self, now: float) -> float:
-        return policy.sync_due(now, self.children, self._depth(), flights=len(self.flights),
+        return policy.sync_due(now, self.crew.children, self._depth(), flights=len(self.flights),
                                urgent=bool(self.outbox.load.marks) or self.reconcile,
                                outbox_since=self.outbox.outcomes_since, notes_due=self.outbox.notes.due(),
                                can_claim=self._can_claim(),
@@ -340,11 +337,13 @@ class Worker:
             elif reply:
                 self._on_control(reply[1])
             return
-        for c in self.children:
+        for c in self.crew.children:
             if ready is c.conn:
-                return self._read(c)
+                self.crew.read(c)
+                return
             if ready == c.proc.sentinel:
-                return self._on_exit(c)
+                self.crew.exited(c, replace=not self.stopping)
+                return
 
     def _cancel_wakes(self) -> None:
         """Woken: cancel the BRPOPs still out on other wake lists (a cluster's, one per
@@ -359,168 +358,14 @@ class Worker:
 
     def _arm(self) -> None:
         self.ctl.arm(self.s.idle_block)
-        if not self.stopping and not self.may_claim and any(not c.jobs for c in self.children):
+        if not self.stopping and not self.may_claim and any(not c.jobs for c in self.crew.children):
             for b in self.wakes:
                 b.arm(self.s.idle_block)
 
     # -- children ----------------------------------------------------------------------
 
     def _depth(self) -> int:
-        return policy.depth(self.runtime, self.prefetch)
-
-    def _read(self, c: Child) -> bool:
-        """Every answer the child has written (it may have run several jobs meanwhile);
-        False once its pipe is closed."""
-        replies = c.replies()
-        if replies is None:
-            return False
-        now = time.monotonic()
-        for raw in replies:
-            try:
-                reply = codec.loads(raw)
-                if isinstance(reply, dict):  # a running job's progress or log line
-                    self._note(c, reply, now)
-                    continue
-                job_id, runtime, outcome = str(reply[0]), float(reply[1]), Outcome.from_wire(reply[2:])
-            except (ValueError, TypeError, IndexError, KeyError):
-                log.warning("worker %s: child %d wrote a malformed answer: %r", self.name, c.pid, raw[:200])
-                continue
-            d = c.jobs[0] if c.jobs and c.jobs[0].id == job_id else next((d for d in c.jobs if d.id == job_id), None)
-            if d is None:
-                log.warning("worker %s: child %d answered for a job it was not given: %r", self.name, c.pid,
-                            reply[:3])
-                continue
-            c.jobs.remove(d)
-            self.runtime = runtime if self.runtime is None else 0.8 * self.runtime + 0.2 * runtime
-            self._report(d, outcome, now - runtime)
-            self.processed += 1
-            c.done += 1
-            if c.jobs and c.jobs[0].began is None and not c.concurrent:
-                c.jobs[0].began = now
-        if replies and (self.max_jobs_per_child or self.max_memory_per_child):
-            self._recycle(c)
-        return True
-
-    def _child(self) -> Child:
-        return Child(self.app, self.children, self.max_jobs_per_child, self.threads, self.async_slots)
-
-    def _recycle(self, c: Child) -> None:
-        """A child past --max-jobs-per-child or --max-memory-per-child (RSS, measured after
-        its jobs) takes no more jobs, finishes those it has, and is then replaced: nothing
-        is lost, handed back or counted."""
-        if c.open:
-            rss = None
-            if self.max_memory_per_child is not None:
-                try:
-                    rss = _proc(c.pid).memory_info().rss  # type: ignore[union-attr]
-                except (psutil.Error, AttributeError):
-                    pass
-            c.retiring = policy.retire_reason(c.done, rss, self.max_jobs_per_child, self.max_memory_per_child)
-            if c.retiring:
-                log.info("worker %s: replacing child %d: %s", self.name, c.pid, c.retiring)
-        if c.retiring is not None and not c.jobs and not c.conn.closed:
-            c.retire()
-
-    def _note(self, c: Child, message: dict[str, Any], now: float) -> None:
-        """Keep a report about a job the child runs, for the next sync; a loop child's
-        word that it began one."""
-        if "began" in message:
-            d = next((d for d in c.jobs if d.seq == message["began"]), None)
-            if d is not None:
-                d.began = now
-            return
-        job_id, attempt = next(iter(message.values()))[:2]
-        d = next((d for d in c.jobs if d.id == job_id and d.attempt == attempt), None)
-        if d is None or not self.outbox.note(d, message, now):
-            log.warning("worker %s: child %d wrote a malformed report: %.200r", self.name, c.pid, message)
-
-    def _report(self, d: Delivery, outcome: Outcome, began: float | None = None) -> None:
-        self.outbox.report(d, outcome, began)
-
-    def _hand_back(self, c: Child, why: str, killed: Delivery | None = None, lost: Delivery | None = None) -> None:
-        """Take back what the child has not begun: to the queue, next in line (a job to
-        kill ends killed; one no longer ours is not ours to report)."""
-        for d in c.take_back():
-            if d is killed:
-                self._report(d, Outcome.killed("killed on request (before it began)"))
-            elif d is not lost:
-                self._report(d, Outcome.returned(why))
-
-    def _on_exit(self, c: Child) -> None:
-        while not c.conn.closed and c.conn.poll() and self._read(c):  # what it wrote before it died (poll: a process
-            pass  # it forked may hold its end of the pipe open)
-        c.proc.join()
-        code = c.proc.exitcode
-        why = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
-        began = c.state[0]  # it is gone: no lock needed
-        for d in c.jobs:
-            if d.seq > began:
-                self._report(d, Outcome.returned(f"its process died ({why}) on {self.host}"))
-            elif (reason := c.kill_reason if d is c.kill_target else d.stop_reason) is not None:
-                if reason == "killed":
-                    self._report(d, Outcome.killed("killed on request"), d.began)
-                elif reason == "timeout":
-                    self._report(d, Outcome.error("TimeLimitExceeded", f"ran past its max duration; stopped by {why}"),
-                                 d.began)
-                elif reason == "shutdown":
-                    self._report(d, Outcome.requeue(front=True), d.began)  # "lost": no longer ours to report
-            elif c.kill_reason is not None:
-                # It ran beside (a loop child) or after the job we stopped: requeued, nothing counted.
-                self._report(d, Outcome.requeue(front=True, why=f"its process was stopped ({c.kill_reason}) on "
-                                                            f"{self.host}"), d.began)
-            else:
-                log.warning("worker %s: child %d died (%s) running job %s", self.name, c.pid, why, d.id)
-                self._report(d, Outcome.lost(f"child process died ({why}) on {self.host}"), d.began)
-        c.jobs.clear()
-        self.children.remove(c)
-        c.conn.close()
-        if not self.stopping:
-            self.children.append(self._child())
-
-    def _enforce(self, now: float) -> None:
-        for c in self.children:
-            if c.retiring is not None and not c.jobs and not c.conn.closed:
-                c.retire()  # what it had left was handed back
-            if c.kill_at is not None and now >= c.kill_at:
-                send_signal(c.pid, signal.SIGKILL)
-                c.kill_at = None
-            if not c.jobs:
-                continue
-            head = c.jobs[0]
-            if self.stopping and now >= self.stop_at:
-                c.kill(head, "shutdown", self.s.kill_grace)
-            for d in policy.running(c):
-                if d.began is None:
-                    continue
-                if now >= d.deadline and not d.stuck:
-                    d.stuck = True
-                    self.outbox.mark_stuck(d)
-                    if d.timeout_policy == "kill":
-                        log.warning("worker %s: job %s passed its max duration; stopping it", self.name, d.id)
-                        self._stop(c, d, "timeout")
-                if d.stop_at is not None and now >= d.stop_at:
-                    log.warning("worker %s: job %s did not stop within kill_grace; stopping child %d", self.name,
-                                d.id, c.pid)
-                    d.stop_at = None
-                    self._stop(c, d, d.stop_reason or "killed", whole=True)
-            if now >= policy.hand_back_due(c, self.stopping):
-                self._hand_back(c, "worker shutting down" if self.stopping else f"job {head.id} ahead of it ran long")
-
-    def _stop(self, c: Child, d: Delivery, reason: str, whole: bool = False) -> None:
-        """Stop a job (reason: killed, timeout, or lost: no longer ours). A loop child
-        cancels a coroutine, or a job not begun, and goes on; otherwise (a thread, a classic
-        child, or `whole`) the child is stopped, after what it has not begun is handed back."""
-        if c.concurrent and not whole and (d.began is None or self._is_async(d)):
-            c.cancel(d, reason, self.s.kill_grace)
-            return
-        self._hand_back(c, f"job {d.id} sent with it was " + ("lost" if reason == "lost" else "killed"),
-                        killed=None if reason == "lost" else d, lost=d if reason == "lost" else None)
-        if d in c.jobs:  # it had begun
-            c.kill(d, reason, self.s.kill_grace)
-
-    def _is_async(self, d: Delivery) -> bool:
-        task = self.app.tasks.get(d.task)
-        return task is not None and inspect.iscoroutinefunction(task.fn)
+        return policy.depth(self.crew.runtime, self.prefetch)
 
     def _on_control(self, raw: str) -> None:
         try:
@@ -530,13 +375,7 @@ class Worker:
         except (ValueError, KeyError, TypeError):
             log.warning("worker %s: ignoring malformed control message %r", self.name, raw[:200])
             return
-        for c in self.children:
-            for d in list(c.jobs):
-                if d.id == job_id and d.attempt == attempt:
-                    log.info("worker %s: killing job %s in child %d (%s)", self.name, job_id, c.pid, reason)
-                    self._stop(c, d, reason)
-                    return
-        if self.outbox.holds(job_id):
+        if self.crew.kill_request(job_id, attempt, reason) or self.outbox.holds(job_id):
             return  # it just ended; its result is on its way
         # Not ours to run, yet Redis may say we hold it (a claim whose answer was lost):
         # release it, fenced by our name and its delivery.
@@ -553,7 +392,7 @@ class Worker:
         batch = scripts.Batch(self.redis)
         now = time.monotonic()
         load = self.outbox.put_into(batch, now)
-        slots = policy.slots(self.children, self._depth(), now) if self._can_claim() else []
+        slots = policy.slots(self.crew.children, self._depth(), now) if self._can_claim() else []
         claim: list[Any] = []
         if slots:
             pairs = [v for c, ahead in slots for v in (c.pid, f"{ahead:.3f}")]
@@ -585,29 +424,14 @@ class Worker:
                             "here; this result was discarded", self.name, e.id)
         if f.slots:
             claimed = claim_rest(self.app, self.queues, f.claim, results[-1])
-            self._start(f.slots, claimed)
+            self.crew.deliver(f.slots, claimed)
             if len(claimed) < len(f.slots):
                 self.may_claim = False
-
-    def _start(self, slots: list[tuple[Child, float]], claimed: list[Delivery]) -> None:
-        """Send claimed jobs to the children they were claimed for; a child that died while
-        the claim was in flight never got its jobs, so they go back, next in line."""
-        now = time.monotonic()
-        alive = set(self.children)
-        for (c, _), d in zip(slots, claimed):
-            if c in alive:
-                message = (d.id, d.attempt, d.task, d.queue, str(d.max_duration), d.args_json, d.kwargs_json)
-                c.send(d, b"\0".join(s.encode() for s in message), now)
-            else:
-                self._report(d, Outcome.returned(f"its process died on {self.host} before it got it"))
-        for c in {c for c, _ in slots}:
-            c.flush()
 
     def _release_orphans(self) -> None:
         """Deliveries the holding lists give to us that no child of ours has (a claim whose
         answer never came, or a previous life under the same name): requeue them."""
-        mine = {d.id for c in self.children for d in c.jobs}
-        mine.update(self.outbox.waiting_ids())
+        mine = self.crew.job_ids() | set(self.outbox.waiting_ids())
         acted = lose_held(self.app, self.queues, lambda w, job_id: w == self.name and job_id not in mine,
                           "worker {} no longer ran it")
         if acted:
@@ -615,7 +439,7 @@ class Worker:
         self.reconcile = False
 
     def _heartbeat(self) -> None:
-        held = [(c, d) for c in self.children for d in c.jobs]
+        held = self.crew.held()
         batch = scripts.Batch(self.redis)
         batch.call(scripts.HEARTBEAT, [self.keys.g], [self.name, codec.dumps(self.info()),
                                                       int(self.s.dead_after * 3 + 60)])
@@ -635,36 +459,18 @@ class Worker:
             if lost:
                 log.warning("worker %s: job %s is no longer ours (requeued while we were unreachable); "
                             "stopping it", self.name, d.id)
-            self._stop(c, d, "lost" if lost else "killed")
+            self.crew.stop(c, d, "lost" if lost else "killed")
 
     def info(self) -> dict[str, Any]:
-        rss, cpu = 0, 0.0
-        for pid in set(_procs) - {c.pid for c in self.children}:
-            del _procs[pid]
-        for p in [self.proc, *(_proc(c.pid) for c in self.children)]:
-            try:
-                if p is not None:
-                    rss += p.memory_info().rss
-                    cpu += p.cpu_percent(None)
-            except psutil.Error:
-                pass
+        rss, cpu = self.crew.usage()
+        try:
+            rss += self.proc.memory_info().rss
+            cpu += self.proc.cpu_percent(None)
+        except psutil.Error:
+            pass
         return {"name": self.name, "host": self.host, "ip": self.ip, "pid": os.getpid(),
                 "create_time": self.proc.create_time(), **identity(),
-                "children": [c.pid for c in self.children],
+                "children": [c.pid for c in self.crew.children],
                 "queues": self.queues, "concurrency": self.concurrency, "prefetch": self.prefetch,
-                "threads": self.threads, "async_slots": self.async_slots,
-                "busy": sum(1 for c in self.children if c.jobs),
-                "processed": self.processed, "rss": rss, "cpu": round(cpu, 1), "started_at": self.started_at}
-
-
-_procs: dict[int, psutil.Process] = {}
-
-
-def _proc(pid: int) -> psutil.Process | None:
-    """psutil handles are cached so that cpu_percent measures since the last beat."""
-    if pid not in _procs:
-        try:
-            _procs[pid] = psutil.Process(pid)
-        except psutil.Error:
-            return None
-    return _procs[pid]
+                "threads": self.threads, "async_slots": self.async_slots, "busy": self.crew.busy(),
+                "processed": self.crew.processed, "rss": rss, "cpu": round(cpu, 1), "started_at": self.started_at}

@@ -12,7 +12,6 @@ import socket
 
 import pytest
 
-from taskrunner.children import Child
 from taskrunner.redis_server import RedisServer
 from taskrunner.worker import Worker
 from tests.conftest import wait_for
@@ -24,8 +23,7 @@ def start(app) -> Worker:
     w = Worker(app, ["default"], concurrency=2, name="inflight")
     assert w.channel is not None, "the test Redis is a plain unix socket: syncs go in flight"
     w._wakeup, w._wakeup_w = socket.socketpair()  # what run() sets up for signals
-    for _ in range(2):
-        w.children.append(Child(app, w.children))
+    w.crew.start()
     w._sync()  # the first sync reconciles, and waits
     w._arm()  # its control list's BRPOP
     return w
@@ -61,10 +59,10 @@ def run_until_done(w: Worker, jobs: list) -> None:
 def test_jobs_claimed_for_a_child_that_died_meanwhile_go_back_to_the_queue(app, worker):
     jobs = app.enqueue_many([{"task": "tests.apps.record", "args": [f"r{i}"]} for i in range(4)])
     claim_in_flight(app, worker)
-    dead = worker.children[0]
+    dead = worker.crew.children[0]
     os.kill(dead.pid, signal.SIGKILL)
     dead.proc.join()
-    worker._on_exit(dead)  # replaced by a new child, before the claim's answer is read
+    worker.crew.exited(dead, replace=True)  # replaced by a new child, before the claim's answer is read
     worker._land(block=True)
     worker._sync(wait=True)  # reports what went back
     returned = [j for j in jobs if any("returned before it began: its process died" in e for e in events(j))]
