@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import socket
 import sys
@@ -17,10 +16,11 @@ from typing import Any
 import redis
 from croniter import croniter
 
-from . import codec, declarations, eager, scripts
+from . import codec, declarations, eager, scripts, steps
+from .codec import count, seconds
 from .config import Settings
-from .connection import Direct, connect, is_cluster, pop_any
-from .errors import JobNotFound, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
+from .connection import Direct, connect, is_cluster
+from .errors import PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from .job import Job
 from .keys import Keys
 
@@ -56,26 +56,6 @@ class JobSpec:
         """This spec with the changes that are not None."""
         values = {k: v for k, v in changes.items() if v is not None}
         return replace(self, **values) if values else self
-
-
-def seconds(name: str, value: Any, positive: bool = False) -> float:
-    """A duration given by a caller: a finite number, >= 0 (> 0 if positive). NaN or text
-    would reach the Lua scripts as strings they cannot compare."""
-    try:
-        ok = not isinstance(value, (bool, str)) and math.isfinite(value) and (value > 0 if positive else value >= 0)
-    except (TypeError, OverflowError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} must be a finite number of seconds {'> 0' if positive else '>= 0'}, not {value!r}")
-    return float(value)
-
-
-def count(name: str, value: Any, minimum: int = 0) -> int:
-    """A whole number given by a caller, from `minimum` to 2**31 - 1 (the scripts count in
-    doubles: a larger one would be stored as text no reader turns back into that number)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 2**31:
-        raise ValueError(f"{name} must be a whole number from {minimum} to {2**31 - 1}, not {value!r}")
-    return value
 
 
 #: Fields of a job that a producer may leave to the task's declaration (enqueue.lua).
@@ -319,27 +299,22 @@ class TaskRunner:
         the settings to send (_fields' `sent`). A task declared here: its spec, all sent.
         Else only the options set are sent, and the queue, unless set, is the one workers
         declared for the task (else "default")."""
-        codec.check_name("task", task)
+        return steps.run(self, steps.job_spec(self, task, options))
+
+    def _spec_of(self, task: str, options: dict[str, Any]) -> tuple[JobSpec, list[str] | None]:
+        """_job_spec() once the queue of a task not declared here is known (in options;
+        else "default")."""
         t = self.tasks.get(task)
         if t is not None:
             return t.spec.merged(**options), None
-        queue = options.get("queue")
-        if queue is None:
-            declared = self.declared(task)
-            queue = declared.get("queue", "default") if declared else "default"
         sent = [k for k in DECLARED if options.get(k) is not None]
-        return JobSpec(queue=queue).merged(**options), sent
+        return JobSpec(queue=options.get("queue") or "default").merged(**options), sent
 
     def declared(self, task: str) -> dict[str, Any] | None:
         """The task's declaration as workers published it (None: no worker declared it),
         looked up in Redis at most once every few seconds per task. In eager mode, None:
         only this app's tasks run, and Redis is never asked."""
-        if self.settings.eager:
-            return None
-        found, d = self._declared.get(task)
-        if not found:
-            d = self._declared.put(task, declarations.lookup(self, task))
-        return d
+        return steps.run(self, steps.declared(self, task))
 
     def enqueue(self, task: str, args: Iterable = (), kwargs: dict | None = None, *, spec: JobSpec | None = None,
                 delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
@@ -352,28 +327,11 @@ class TaskRunner:
         Into a full bounded queue it waits up to `block_timeout` seconds (default: the
         block_timeout setting; 0: not at all) for room, then raises QueueFull.
         In eager mode the job runs here before this returns (taskrunner/eager.py)."""
-        spec, sent = (spec.merged(**options), None) if spec is not None else self._job_spec(task, options)
-        job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
-        fields = self._fields(task, args, kwargs, spec, sent)
-        delay = seconds("delay", delay) if delay is not None else None
+        draft = steps.run(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id))
         if self.settings.eager:
-            return eager.enqueue(self, job_id, fields)
-        wait = seconds("block_timeout", self.settings.block_timeout if block_timeout is None else block_timeout)
-        deadline = None
-        while True:
-            created = self._enqueue_batch(spec.queue, [(job_id, delay or 0, fields)])[0]
-            if created == -2:
-                raise QueueClosed(f"queue {spec.queue} is closed: it takes no new jobs")
-            if created != -1:
-                break
-            deadline = deadline or time.monotonic() + wait  # from the first refusal
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise QueueFull(f"queue {spec.queue} is full (its bound is reached)"
-                                + (f" and had no room within {wait:g}s" if wait else ""))
-            pop_any(self.redis, [self.keys.q(spec.queue) + "notfull"], max(0.01, min(left, 1.0)))
-        job = Job(self, job_id, spec.queue)
-        job.created = bool(created)
+            return eager.enqueue(self, draft.id, draft.fields)
+        job = Job(self, draft.id, draft.queue)
+        job.created = bool(steps.run(self, steps.enqueue(self, draft, block_timeout)))
         return job
 
     def enqueue_many(self, jobs: Iterable[dict[str, Any]], chunk: int = 1000,
@@ -483,15 +441,7 @@ class TaskRunner:
 
     def job(self, job_id: str, queue: str | None = None) -> Job:
         """The job with that id (its queue is looked up when not given)."""
-        codec.check_id(job_id)
-        queues = [queue] if queue else self.queue_names()
-        pipe = self.redis.pipeline(transaction=False)
-        for q in queues:
-            pipe.hgetall(self.keys.job(q, job_id))
-        for q, data in zip(queues, pipe.execute()):
-            if data:
-                return Job(self, job_id, q, data)
-        raise JobNotFound(f"no job {job_id} (never enqueued, or expired after its result TTL)")
+        return Job(self, job_id, *steps.run(self, steps.find(self, job_id, queue)))
 
     def purge(self, queue: str, progress: Callable[[int], Any] | None = None) -> int:
         """Delete every pending job of a queue, a thousand per call; returns how many."""
@@ -506,8 +456,4 @@ class TaskRunner:
 
     def send_control(self, worker: str, message: dict) -> None:
         """Put a message on a worker's control list (it BRPOPs it at once)."""
-        key = self.keys.control(worker)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.lpush(key, codec.dumps(message))
-        pipe.expire(key, 3600)
-        pipe.execute()
+        steps.run(self, steps.send_control(self, worker, message))

@@ -1,4 +1,5 @@
-"""JSON on the wire, strictly: values JSON cannot carry are refused, never coerced."""
+"""JSON on the wire, strictly: values JSON cannot carry are refused, never coerced; and
+the checks of what else a caller gives (names, ids, seconds, counts) before it is sent."""
 
 from __future__ import annotations
 
@@ -87,3 +88,23 @@ def new_id() -> str:
     with _id_lock:
         n = _last_id = max(n, _last_id + 1)
     return "".join([_PAIRS[(n >> s) & 1023] for s in _SHIFTS])  # 26 characters, 10 bits at a time
+
+
+def seconds(name: str, value: Any, positive: bool = False) -> float:
+    """A duration given by a caller: a finite number, >= 0 (> 0 if positive). NaN or text
+    would reach the Lua scripts as strings they cannot compare."""
+    try:
+        ok = not isinstance(value, (bool, str)) and math.isfinite(value) and (value > 0 if positive else value >= 0)
+    except (TypeError, OverflowError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a finite number of seconds {'> 0' if positive else '>= 0'}, not {value!r}")
+    return float(value)
+
+
+def count(name: str, value: Any, minimum: int = 0) -> int:
+    """A whole number given by a caller, from `minimum` to 2**31 - 1 (the scripts count in
+    doubles: a larger one would be stored as text no reader turns back into that number)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 2**31:
+        raise ValueError(f"{name} must be a whole number from {minimum} to {2**31 - 1}, not {value!r}")
+    return value

@@ -62,11 +62,6 @@ def parse(name: str, raw: str | None) -> dict[str, Any] | None:
     return {**d, "task": name} if isinstance(d, dict) else None
 
 
-def lookup(app: TaskRunner, task: str) -> dict[str, Any] | None:
-    """The declaration of a task in the global index (None: no worker declared it)."""
-    return parse(task, app.redis.hget(app.keys.tasks, task))
-
-
 def known(app: TaskRunner) -> list[dict[str, Any]]:
     """Every declared task, by name."""
     found = (parse(name, raw) for name, raw in sorted(app.redis.hgetall(app.keys.tasks).items()))

@@ -4,27 +4,19 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from typing import TYPE_CHECKING, Any
 
-import redis
-
-from . import codec, scripts
-from .connection import Backoff, Blocker
-from .errors import JobFailed, JobNotFound, Timeout
+from . import codec, scripts, steps
+from .errors import JobFailed, JobNotFound
 
 if TYPE_CHECKING:
     from .app import TaskRunner
 
 STATES = ("pending", "delayed", "running", "completed", "failed", "killed")
-FINAL = frozenset(("completed", "failed", "killed"))
 # Fields holding numbers; everything else in the record is text.
 _FLOATS = ("enqueued_at", "started_at", "finished_at", "due_at", "stuck_at", "kill_requested",
            "last_requeued_at", "max_duration", "retry_backoff", "progress", "progress_at")
 _INTS = ("attempts", "requeues", "failures", "lost", "retries", "max_lost", "pid", "logs_dropped")
-#: Seconds between a waiter's looks at the job's state while no notification came: one
-#: lost with a Redis restart or failover would otherwise leave it waiting forever.
-LOOK_AGAIN = 5.0
 
 
 class Job:
@@ -69,48 +61,18 @@ class Job:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the job ends; return its result, or raise JobFailed (failed or
-        killed) or Timeout. Blocks in Redis (BLPOP on notify:<id>, on a connection of its
-        own, for as long as asked), no polling; it looks again at least every LOOK_AGAIN
-        seconds, in case a notification was lost. When Redis fails meanwhile (a restart, a
-        failover) it connects again with backoff and looks again: the job went on. With a
-        timeout, a Redis that is still unreachable at its end raises the Redis error (the
-        job's state is unknown), not Timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        notify = Blocker(self.app.redis, [f"{self._prefix}notify:{self.id}"], "BLPOP")
-        backoff = Backoff(f"waiting for job {self.id}", deadline)
-        try:
-            while True:
-                try:
-                    state = scripts.WATCH(self.app.redis, [self._prefix], [self.id])
-                    if not state:
-                        raise JobNotFound(f"no job {self.id} in queue {self.queue}")
-                    if state in FINAL:
-                        self.refresh()
-                        if state == "completed":
-                            return self.result
-                        raise self._failure()
-                    left = LOOK_AGAIN if deadline is None else min(LOOK_AGAIN, deadline - time.monotonic())
-                    if left <= 0:
-                        raise Timeout(f"job {self.id} still {state} after {timeout}s")
-                    notify.pop(max(left, 0.01))
-                    backoff.ok()
-                except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
-                    notify.reset()
-                    time.sleep(backoff.after(e))
-        finally:
-            notify.reset()
+        killed) or Timeout. Blocks in Redis, no polling, and rides out a Redis restart or
+        failover (steps.wait says how)."""
+        self.data = steps.run(self.app, steps.wait(self.app, self.id, self.queue, timeout))
+        if self.data.get("state") == "completed":
+            return self.result
+        raise self._failure()
 
     def kill(self, who: str | None = None) -> str:
         """Kill the job: pending or delayed ones at once; a running one is stopped by the
         worker that holds it (SIGTERM, then SIGKILL). Returns the state after the call
         ("running" while the worker acts on the request)."""
-        who = who or _me()
-        state, *rest = scripts.KILL(self.app.redis, [self._prefix], [self.id, who, self.app.settings.result_ttl])
-        if not state:
-            raise JobNotFound(f"no job {self.id} in queue {self.queue}")
-        if state == "running" and rest[0]:
-            self.app.send_control(rest[0], {"kill": self.id, "attempt": int(rest[1]), "reason": "killed"})
-        return state
+        return steps.run(self.app, steps.kill(self.app, self.id, self.queue, who or _me()))
 
     def timeline(self) -> list[dict[str, Any]]:
         """What happened to the job, oldest first: enqueued, each delivery (where it ran)

@@ -18,9 +18,10 @@ from .app import TaskRunner
 from .child import dies_with_us
 from .connection import EMBEDDED_DIR
 from .errors import Misconfigured
-from .job import FINAL, Job
+from .job import Job
 from .loader import load_app
 from .redis_server import RedisServer, RedisServerError, SocketInUse
+from .steps import FINAL
 
 
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:

@@ -245,7 +245,7 @@ def test_cli_without_app_gets_the_declared_settings_from_a_running_worker(app, s
     job = app.job(r.stdout.strip())
     assert (job.queue, job.data["max_duration"], job.data["retries"]) == ("lane", "7.0", "0")
     assert job.wait(30) == 1
-    declared = declarations.lookup(app, "tests.declared_app.flaky")
+    declared = app.declared("tests.declared_app.flaky")
     assert {k: declared[k] for k in ("queue", "max_duration", "retries", "retry_backoff", "timeout_policy",
                                       "max_lost", "worker")} == {
         "queue": "lane", "max_duration": 10, "retries": 3, "retry_backoff": 0.05, "timeout_policy": "flag",
