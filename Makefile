@@ -27,6 +27,7 @@ test: setup
 	-@sh scripts/ensure-java.sh
 	-@sh scripts/ensure-node.sh
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 clean:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
-from . import scripts, steps
+from . import connection, scripts, steps
 from .app import TaskRunner, _enqueue_args
 from .connection import connect_async, slack
 from .job import Job
@@ -30,7 +30,7 @@ class AsyncClient:
 
     def __init__(self, app: TaskRunner, redis: aioredis.Redis | None = None):
         self.app, self.keys = app, app.keys
-        self.redis = redis or connect_async(app.settings.redis_url)
+        self.redis: connection.AsyncClient = redis or connect_async(app.settings.redis_url)
         self._known_queues: set[str] = set()
 
     async def _run(self, operation: steps.Steps[T]) -> T:

@@ -19,7 +19,7 @@ from croniter import croniter
 from . import codec, declarations, eager, scripts, steps
 from .codec import count, seconds
 from .config import Settings
-from .connection import Direct, connect, is_cluster
+from .connection import Client, Direct, connect, is_cluster
 from .errors import PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from .job import Job
 from .keys import Keys
@@ -168,7 +168,7 @@ class TaskRunner:
         self.keys = Keys(self.settings.prefix)
         self.tasks: dict[str, Task] = {}
         self.schedules: dict[str, Schedule] = {}
-        self._redis: redis.Redis | None = None
+        self._redis: Client | None = None
         self._direct: Direct | None = None  # the lone enqueue's fast path (None: not available)
         self._redis_pid = 0
         self._known_queues: set[str] = set()
@@ -181,7 +181,7 @@ class TaskRunner:
         return f"<TaskRunner {self.name} prefix={self.settings.prefix}>"
 
     @property
-    def redis(self) -> redis.Redis:
+    def redis(self) -> Client:
         """The client, made on first use (and again in a forked child). Bytes that are not
         UTF-8 (never written by taskrunner, whose wire format is JSON text) are read as U+FFFD:
         a record corrupted by another client then fails as bad JSON instead of raising
@@ -194,7 +194,7 @@ class TaskRunner:
             self._declared = declarations.Cache()
         return self._redis
 
-    def wait_for_redis(self, who: str) -> redis.Redis:
+    def wait_for_redis(self, who: str) -> Client:
         """The client, once it can be made: a Redis Cluster client asks a node for the
         slots layout at once, and a worker or dispatcher started before its Redis (a host
         booting) must wait for it, not exit. Backs off up to 5 s between tries."""
@@ -284,7 +284,7 @@ class TaskRunner:
         if len(a) + len(k) > self.settings.max_payload:
             raise PayloadTooLarge(f"arguments of {task} take {len(a) + len(k)} bytes; the limit "
                                   f"is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
-        fields = ["task", task, "queue", spec.queue, "args", a, "kwargs", k]
+        fields: list[Any] = ["task", task, "queue", spec.queue, "args", a, "kwargs", k]
         if sent is None:
             fields += ["max_duration", spec.max_duration or self.settings.max_duration, "retries", spec.retries,
                        "retry_backoff", spec.retry_backoff, "timeout_policy", spec.timeout_policy,

@@ -137,7 +137,7 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
     """One job at a time, in the order sent (the worker's classic child)."""
     link = begin_child(conn, kill_flag, parent, inherited)
     fd = conn.fileno()
-    reader, jobs = frames.Reader(fd), deque()
+    reader, jobs = frames.Reader(fd), deque[bytes]()
     try:
         while True:
             try:

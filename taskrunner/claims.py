@@ -65,8 +65,8 @@ class Delivery:
 def decode(answer: list[Any], queues: list[str]) -> list[Delivery]:
     """claim.lua's answer, 8 values per job, as records; `queues`: the call's queues in
     KEYS order (the answer numbers them from 1)."""
-    return [Delivery(queues[int(answer[i]) - 1], answer[i + 1], str(answer[i + 2]), *answer[i + 3:i + 6],
-                  float(answer[i + 6]), answer[i + 7]) for i in range(0, len(answer), STRIDE)]
+    return [Delivery(queues[int(answer[i]) - 1], answer[i + 1], str(answer[i + 2]), answer[i + 3], answer[i + 4],
+                     answer[i + 5], float(answer[i + 6]), answer[i + 7]) for i in range(0, len(answer), STRIDE)]
 
 
 def claim_args(app: TaskRunner, name: str, host: str, ip: str, slots: list[Any]) -> list[Any]:

@@ -586,7 +586,8 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec:
     app = _app(app_spec, redis_url)
     c = Consumer(app, [q.strip() for q in queue_list.split(",") if q.strip()])
     try:
-        [delivery] = c.claim(1, block=timeout) or [None]
+        claimed = c.claim(1, block=timeout)
+        delivery = claimed[0] if claimed else None
     except KeyboardInterrupt:
         c.close()
         raise

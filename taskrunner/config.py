@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -69,11 +70,13 @@ class Settings:
             env = "REDIS_URL" if f.name == "redis_url" else "TASKRUNNER_" + f.name.upper()
             raw = os.environ.get(env)
             if raw not in (None, ""):
-                kind = _flag if isinstance(f.default, bool) else type(f.default) if f.default is not None else str
+                kind: Callable[[str], Any] = (_flag if isinstance(f.default, bool) else
+                                              str if f.default is None else type(f.default))
                 try:
                     values[f.name] = kind(raw)
                 except ValueError:
-                    what = "yes/no (1, true, yes, on / 0, false, no, off)" if kind is _flag else kind.__name__
+                    what = ("yes/no (1, true, yes, on / 0, false, no, off)" if kind is _flag
+                            else getattr(kind, "__name__", "value"))
                     raise ValueError(f"{env}={raw!r} is not a valid {what}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)

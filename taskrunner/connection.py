@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import hiredis
@@ -121,12 +121,12 @@ class SentinelURL:
         return {"db": self.db, "username": self.username, "password": self.password, "socket_keepalive": True,
                 "socket_connect_timeout": 5.0, "socket_timeout": SOCKET_TIMEOUT, **self.options, **options}
 
-    def master(self, **options: Any) -> redis.Redis:
+    def master(self, **options: Any) -> Client:
         """A client of the current primary (found anew by each connection it opens)."""
         sentinel = redis.sentinel.Sentinel(self.sentinels, sentinel_kwargs=self.sentinel_options)
         return sentinel.master_for(self.service, connection_pool_class=SentinelPool, **self._master_options(options))
 
-    def master_async(self, **options: Any) -> redis.asyncio.Redis:
+    def master_async(self, **options: Any) -> AsyncClient:
         """The same for redis.asyncio."""
         sentinel = redis.asyncio.sentinel.Sentinel(self.sentinels, sentinel_kwargs=self.sentinel_options)
         return sentinel.master_for(self.service, connection_pool_class=AsyncSentinelPool,
@@ -231,15 +231,15 @@ class ClusterURL:
         return {"username": self.username, "password": self.password, "socket_keepalive": True,
                 "socket_connect_timeout": 5.0, "socket_timeout": SOCKET_TIMEOUT, **self.options, **options}
 
-    def client(self, **options: Any) -> redis.cluster.RedisCluster:
+    def client(self, **options: Any) -> Client:
         """A client of the cluster (it asks a node for the slots layout at once)."""
         nodes = [redis.cluster.ClusterNode(h, p) for h, p in self.nodes]
-        return redis.cluster.RedisCluster(startup_nodes=nodes, **self._options(options))
+        return _cluster(redis.cluster.RedisCluster, nodes, self._options(options))
 
-    def client_async(self, **options: Any) -> redis.asyncio.RedisCluster:
+    def client_async(self, **options: Any) -> AsyncClient:
         """The same for redis.asyncio (it connects on first use)."""
         nodes = [redis.asyncio.cluster.ClusterNode(h, p) for h, p in self.nodes]
-        return redis.asyncio.RedisCluster(startup_nodes=nodes, **self._options(options))
+        return _cluster(redis.asyncio.RedisCluster, nodes, self._options(options))
 
 
 def is_cluster(client: Any) -> bool:
@@ -289,7 +289,21 @@ class AsyncSentinelPool(_Rechecked, redis.asyncio.sentinel.SentinelConnectionPoo
         return await super().get_connection(*args, **kwargs)
 
 
-def connect(url: str | None = None, **options: Any) -> redis.Redis | redis.cluster.RedisCluster:
+#: A Redis client as taskrunner holds one: redis.Redis (Sentinel-managed or not) or
+#: redis.cluster.RedisCluster, always decoding replies to str. redis-py types its replies
+#: loosely (bytes | str | Awaitable[...] by method, whatever the client's options), which
+#: would want a cast at every call; this is the one place they are taken as what they are.
+Client: TypeAlias = Any
+#: The same for redis.asyncio (redis.asyncio.Redis or RedisCluster).
+AsyncClient: TypeAlias = Any
+
+
+def _cluster(kind: Any, nodes: list[Any], options: dict[str, Any]) -> Any:
+    """A RedisCluster client of either kind (redis-py 5.0's types call both abstract)."""
+    return kind(startup_nodes=nodes, **options)
+
+
+def connect(url: str | None = None, **options: Any) -> Client:
     """A client with replies decoded as UTF-8 (the wire format is JSON text)."""
     url = url or default_url()
     options.setdefault("decode_responses", True)
@@ -361,6 +375,7 @@ class _Link:
                 sock.setsockopt(socket.SOL_SOCKET, option, timeval)
         enc = conn.encoder
         decoding = {"encoding": enc.encoding, "errors": enc.encoding_errors} if enc.decode_responses else {}
+        assert _PARSE_ERROR is not None  # FAST_PATH: only then is this class used
         self.reader = hiredis.Reader(protocolError=redis.exceptions.InvalidResponse,
                                      replyError=_PARSE_ERROR, **decoding)
         self.sock = sock
@@ -396,7 +411,7 @@ class _Link:
     def reply(self, block: bool = True) -> Any:
         """The next reply; an error reply is returned (a ResponseError), not raised. Without
         block, PENDING when it has not all come yet."""
-        if self.reader is None:
+        if self.reader is None or self.sock is None:
             raise redis.ConnectionError("Connection closed before its replies were read.")
         spin_until = time.perf_counter() + self.spin if block and self.spin else 0.0
         while (r := self.reader.gets()) is False:
@@ -522,7 +537,7 @@ class Direct:
     def evalsha(self, sha: str, numkeys: int, *args: Any) -> Any:
         return self.execute_command("EVALSHA", sha, numkeys, *args)
 
-    def script_load(self, source: str) -> str:
+    def script_load(self, source: str) -> Any:
         return self.client.script_load(source)
 
 
@@ -590,7 +605,7 @@ class Channel:
         self.got = []
 
 
-def connect_async(url: str | None = None, **options: Any) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
+def connect_async(url: str | None = None, **options: Any) -> AsyncClient:
     """connect() for redis.asyncio."""
     url = url or default_url()
     options.setdefault("decode_responses", True)
@@ -732,7 +747,8 @@ def _pop(blockers: list[Blocker], timeout: float) -> Any:
     """Arm every blocker and return the first item that comes (None if none in `timeout`)."""
     for b in blockers:
         b.arm(timeout)
-    ready = wait(blockers, timeout + slack(blockers[0].conn.socket_timeout))
+    waitables: list[Any] = list(blockers)  # each has a fileno(), as wait() needs
+    ready: list[Any] = wait(waitables, timeout + slack(blockers[0].conn.socket_timeout))
     if not ready:
         for b in blockers:
             b.reset()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import redis
@@ -77,7 +78,7 @@ def _sentinels(s: SentinelURL, url: str) -> Problem:
                              **{**s.sentinel_options, "socket_timeout": _PROBE_TIMEOUT,
                                 "socket_connect_timeout": _PROBE_TIMEOUT})
         try:
-            masters = client.sentinel_masters()
+            masters: Any = client.sentinel_masters()  # redis-py: a dict of service -> its state
         except redis.ResponseError as e:
             found.append(f"{host}:{port} is not a sentinel (a Redis server: use redis://{host}:{port}/ for it)"
                          if "unknown command" in str(e) else f"{host}:{port} answered: {e}")

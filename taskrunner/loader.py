@@ -24,9 +24,10 @@ def load_app(spec: str | None, redis_url: str | None = None) -> TaskRunner:
         except ImportError as e:
             raise AppNotFound(f"cannot import app module {module_name!r}: {e}") from None
         if attr:
-            app = getattr(module, attr, None)
-            if not isinstance(app, TaskRunner):
+            named = getattr(module, attr, None)
+            if not isinstance(named, TaskRunner):
                 raise AppNotFound(f"{spec}: {attr!r} is not a TaskRunner in {module_name}")
+            app = named
         else:
             found = [v for v in vars(module).values() if isinstance(v, TaskRunner)]
             if len(found) != 1:

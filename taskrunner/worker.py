@@ -247,7 +247,7 @@ class Worker:
                 c.flush()
         if now >= self.redis_ok_at:
             try:
-                if self.flights and now >= self.channel.deadline():
+                if self.flights and self.channel is not None and now >= self.channel.deadline():
                     raise redis.TimeoutError("no answer from Redis within socket_timeout")
                 if now >= self.next_beat:
                     self._heartbeat()
@@ -295,7 +295,7 @@ class Worker:
         now = time.monotonic()
         return policy.wait_timeout(now, self.crew.children, redis_ok_at=self.redis_ok_at, next_beat=self.next_beat,
                                    sync_at=self._sync_due(now),
-                                   answer_by=self.channel.deadline() if self.flights else None,
+                                   answer_by=self.channel.deadline() if self.flights and self.channel else None,
                                    stopping=self.stopping, stop_at=self.stop_at, give_up_at=self._give_up_at())
 
     def _sync_due(self, now: float) -> float:
