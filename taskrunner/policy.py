@@ -152,6 +152,14 @@ def sync_due(now: float, lanes: Sequence[Lane], depth: int, *, flights: int, urg
     return due
 
 
+def listening(lanes: Sequence[Lane]) -> bool:
+    """Should a worker that found its queues empty wait on their wake lists? While a child
+    has nothing to do, or one that runs several at once has a free slot: a job enqueued
+    now could begin at once. (A classic child busy with a job takes the next once it is
+    done, when this holds again.)"""
+    return any(lane.open and len(lane.jobs) < lane.capacity for lane in lanes)
+
+
 def hungry(lane: Lane, depth: int) -> bool:
     """Is it time to claim for this child? A classic one once it is down to half of
     `depth`; one that runs several at once as soon as it has a free slot."""

@@ -358,7 +358,7 @@ class Worker:
 
     def _arm(self) -> None:
         self.ctl.arm(self.s.idle_block)
-        if not self.stopping and not self.may_claim and any(not c.jobs for c in self.crew.children):
+        if not self.stopping and not self.may_claim and policy.listening(self.crew.children):
             for b in self.wakes:
                 b.arm(self.s.idle_block)
 

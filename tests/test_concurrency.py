@@ -116,3 +116,19 @@ def test_killing_a_thread_job_stops_its_child_and_requeues_its_siblings(app, sta
     t0, t1 = b.wait(60)
     d = b.refresh().data
     assert d.get("failures", "0") == "0" and int(d["attempts"]) == 2  # stopped with its child, run again
+
+
+def test_a_job_enqueued_while_a_loop_child_runs_one_begins_at_once(app, stack):
+    """An idle worker listens on the queues' wake lists while a child has room: for a loop
+    child that is while it has a free slot, not only while it has nothing to do. It used
+    to listen only with a child without jobs, so a job enqueued while one async job ran
+    waited for that one to end (found by trying it: 7 s late behind an 8 s job)."""
+    stack.worker("--async-slots", "10", app=A, concurrency=1)
+    first = app.enqueue(f"{A}.async_nap", ["first", 120])
+    wait_for(lambda: ledger(app, "first") == 1, what="the first job to begin")
+    second = app.enqueue(f"{A}.async_nap", ["second", 120])
+    wait_for(lambda: ledger(app, "second") == 1, timeout=30, what="the second job to begin beside the first")
+    assert first.state == "running"
+    release(app, "first")
+    release(app, "second")
+    assert (first.wait(30), second.wait(30)) == ("released", "released")

@@ -50,6 +50,16 @@ def test_slots_are_interleaved_and_skip_long_jobs_and_stopping_children():
     assert [s[0] for s in policy.slots([capped], 3, NOW)] == [capped, capped]
 
 
+def test_a_worker_listens_for_new_jobs_while_a_child_has_room():
+    busy, idle = lane(job(began=NOW)), lane()
+    assert not policy.listening([busy])  # a classic child takes the next when it is done
+    assert policy.listening([busy, idle])
+    assert not policy.listening([lane(open=False)])  # retiring: its successor will listen
+    loop = lane(job(began=NOW), capacity=3)
+    assert policy.listening([loop])  # a free slot: a job enqueued now begins at once
+    assert not policy.listening([lane(job(), job(), job(), capacity=3)])
+
+
 def test_quiet_children_are_those_with_short_jobs_queued_beyond_half_depth():
     full, low = lane(job(), job(), job()), lane(job())
     assert policy.quiet([full, low], None, 4, False) == []  # nothing ran yet
