@@ -20,7 +20,7 @@ from . import codec, declarations, eager, scripts, steps
 from .codec import count, seconds
 from .config import Settings
 from .connection import Client, Direct, connect, is_cluster
-from .errors import PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
+from .errors import MAX_RETRIES, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from .job import Job
 from .keys import Keys
 
@@ -38,6 +38,11 @@ class JobSpec:
     retry_backoff: float = 1.0
     timeout_policy: str = "kill"
     max_lost: int | None = None
+    max_retries: int = MAX_RETRIES
+    #: None: the consumer's settings (retry_backoff_max, result_ttl, failed_ttl).
+    retry_backoff_max: float | None = None
+    result_ttl: int | None = None
+    failed_ttl: int | None = None
 
     def __post_init__(self) -> None:
         """Each value checked: one of the wrong type or range is refused here, by name,
@@ -51,6 +56,12 @@ class JobSpec:
         count("retries", self.retries)
         if self.max_lost is not None:
             count("max_lost", self.max_lost, minimum=1)
+        count("max_retries", self.max_retries)
+        if self.retry_backoff_max is not None:
+            seconds("retry_backoff_max", self.retry_backoff_max)
+        for name in ("result_ttl", "failed_ttl"):
+            if getattr(self, name) is not None:
+                count(name, getattr(self, name), minimum=1)
 
     def merged(self, **changes: Any) -> JobSpec:
         """This spec with the changes that are not None."""
@@ -59,7 +70,11 @@ class JobSpec:
 
 
 #: Fields of a job that a producer may leave to the task's declaration (enqueue.lua).
-DECLARED = ("max_duration", "retries", "retry_backoff", "timeout_policy", "max_lost")
+DECLARED = ("max_duration", "retries", "retry_backoff", "timeout_policy", "max_lost", "max_retries",
+            "retry_backoff_max", "result_ttl", "failed_ttl")
+#: Those a producer that knows the task sends only when they differ from the default
+#: (a record without them gets the default): most jobs then cost what they did before.
+OPTIONAL = (("max_retries", MAX_RETRIES), ("retry_backoff_max", None), ("result_ttl", None), ("failed_ttl", None))
 
 
 def _enqueue_args(jobs: list[tuple[str, float, list[Any]]], limit: int | None = None) -> list[Any]:
@@ -131,9 +146,12 @@ class Task:
 
     def __init__(self, app: TaskRunner, fn: Callable, name: str, spec: JobSpec,
                  retry_on: tuple[type[BaseException], ...] | None = None,
-                 no_retry_on: tuple[type[BaseException], ...] = ()):
+                 no_retry_on: tuple[type[BaseException], ...] = (), ignore_result: bool = False):
         self.app, self.fn, self.name, self.spec = app, fn, name, spec
         self.retry_on, self.no_retry_on = retry_on, no_retry_on
+        #: The return value is dropped where the job runs (child.returned): it is neither
+        #: encoded (a value that is not JSON does not fail the job) nor sent nor stored.
+        self.ignore_result = ignore_result
         functools.update_wrapper(self, fn)
 
     def retryable(self, error: BaseException) -> bool:
@@ -154,8 +172,9 @@ class Task:
 
     def apply_async(self, args: Iterable = (), kwargs: dict | None = None, *, queue: str | None = None,
                     delay: float | None = None, max_duration: float | None = None, job_id: str | None = None,
-                    retries: int | None = None, block_timeout: float | None = None) -> Job:
-        spec = self.spec.merged(queue=queue, max_duration=max_duration, retries=retries)
+                    retries: int | None = None, max_retries: int | None = None,
+                    block_timeout: float | None = None) -> Job:
+        spec = self.spec.merged(queue=queue, max_duration=max_duration, retries=retries, max_retries=max_retries)
         return self.app.enqueue(self.name, args, kwargs, spec=spec, delay=delay, job_id=job_id,
                                 block_timeout=block_timeout)
 
@@ -224,7 +243,9 @@ class TaskRunner:
 
     def task(self, fn: Callable | None = None, *, name: str | None = None, queue: str = "default",
              max_duration: float | None = None, retries: int = 0, retry_backoff: float = 1.0,
-             timeout_policy: str = "kill", max_lost: int | None = None,
+             timeout_policy: str = "kill", max_lost: int | None = None, max_retries: int = MAX_RETRIES,
+             retry_backoff_max: float | None = None, result_ttl: int | None = None, failed_ttl: int | None = None,
+             ignore_result: bool = False,
              retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
              no_retry_on: type[BaseException] | tuple[type[BaseException], ...] = ()) -> Any:
         """Declare a task: `@app.task` or `@app.task(queue=..., max_duration=..., retries=...)`.
@@ -232,17 +253,27 @@ class TaskRunner:
         its max duration (failed, TimeLimitExceeded); "flag" only flags it stuck. A job that
         raises is retried while `retries` last, unless the exception is of a class in
         `no_retry_on`, or `retry_on` is given and it is of none of its classes: then it
-        fails at once (a ValueError from bad input will not pass on a second try)."""
+        fails at once (a ValueError from bad input will not pass on a second try).
+        A job may `raise Retry(...)` max_retries times; once more fails it with
+        MaxRetriesExceeded. retry_backoff_max caps this task's backoff; result_ttl and
+        failed_ttl (seconds) keep its completed, and failed or killed, jobs that long,
+        instead of the settings of the same names. ignore_result: the return value is
+        dropped (the job still ends completed; wait() returns None)."""
+        if not isinstance(ignore_result, bool):
+            raise ValueError(f"ignore_result must be True or False, not {ignore_result!r}")
         retry_classes = None if retry_on is None else _exception_classes("retry_on", retry_on)
         no_retry_classes = _exception_classes("no_retry_on", no_retry_on)
 
         def register(f: Callable) -> Task:
             spec = JobSpec().merged(queue=queue, max_duration=max_duration, retries=retries,
-                                    retry_backoff=retry_backoff, timeout_policy=timeout_policy, max_lost=max_lost)
+                                    retry_backoff=retry_backoff, timeout_policy=timeout_policy, max_lost=max_lost,
+                                    max_retries=max_retries, retry_backoff_max=retry_backoff_max,
+                                    result_ttl=result_ttl, failed_ttl=failed_ttl)
             task_name = codec.check_name("task", name or f"{_module_name(f.__module__)}.{f.__qualname__}")
             if task_name in self.tasks and self.tasks[task_name].fn is not f:
                 raise TaskRunnerError(f"two tasks named {task_name!r}: pass name= to one of them")
-            t = self.tasks[task_name] = Task(self, f, task_name, spec, retry_classes, no_retry_classes)
+            t = self.tasks[task_name] = Task(self, f, task_name, spec, retry_classes, no_retry_classes,
+                                             ignore_result)
             return t
 
         return register(fn) if fn is not None else register
@@ -272,8 +303,8 @@ class TaskRunner:
     def _fields(self, task: str, args: Iterable, kwargs: dict | None, spec: JobSpec,
                 sent: list[str] | None) -> list[Any]:
         """The fields of a job for enqueue.lua: with `sent` None (a task declared here) all
-        of the spec's settings, else only those named (the script fills in the rest from
-        the task's declaration in Redis)."""
+        of the spec's settings (those of OPTIONAL when not their default), else only those
+        named (the script fills in the rest from the task's declaration in Redis)."""
         codec.check_name("task", task)
         if isinstance(args, (str, bytes, dict)) or not isinstance(args, Iterable):
             raise TypeError(f"args must be a list or tuple of arguments, not {type(args).__name__}")
@@ -289,6 +320,10 @@ class TaskRunner:
             fields += ["max_duration", spec.max_duration or self.settings.max_duration, "retries", spec.retries,
                        "retry_backoff", spec.retry_backoff, "timeout_policy", spec.timeout_policy,
                        "max_lost", spec.max_lost or self.settings.max_lost]
+            for name, default in OPTIONAL:
+                value = getattr(spec, name)
+                if value != default:
+                    fields += [name, value]
         else:
             for name in sent:
                 fields += [name, getattr(spec, name)]

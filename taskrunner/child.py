@@ -229,7 +229,7 @@ def raised(e: BaseException, call: Call) -> Outcome:
     """The outcome of a task that raised `e` (call it in the except block: the traceback
     is the one being handled)."""
     if isinstance(e, Retry):
-        return Outcome.requeue(e.delay)
+        return Outcome.retry(e.delay)
     if isinstance(e, Reject):
         return Outcome.failed("Rejected", str(e))
     if isinstance(e, TypeError):
@@ -239,7 +239,9 @@ def raised(e: BaseException, call: Call) -> Outcome:
     return _error(e, call.task)
 
 
-def returned(result: Any) -> Outcome:
+def returned(result: Any, call: Call) -> Outcome:
+    if call.task.ignore_result:
+        return Outcome.completed("null")
     try:
         return Outcome.completed(codec.dumps(result, "result").decode())
     except NotJSONError as e:
@@ -264,7 +266,7 @@ def execute(call: Call) -> Outcome:
         return raised(e, call)
     finally:
         _current.reset(token)
-    return returned(result)
+    return returned(result, call)
 
 
 async def run_async(call: Call) -> Outcome:
@@ -277,4 +279,4 @@ async def run_async(call: Call) -> Outcome:
         return raised(e, call)
     finally:
         _current.reset(token)
-    return returned(result)
+    return returned(result, call)

@@ -19,8 +19,12 @@ class Settings:
     heartbeat: float = 2.0  # TASKRUNNER_HEARTBEAT
     #: A worker silent this long is dead: its jobs are requeued.
     dead_after: float = 10.0  # TASKRUNNER_DEAD_AFTER
-    #: Seconds a finished job (result or error) is kept.
+    #: Seconds a completed job (its record and result) is kept and listed.
     result_ttl: int = 86400  # TASKRUNNER_RESULT_TTL
+    #: Seconds a job that failed for good or was killed is kept, listed (`taskrunner
+    #: failed`, the dashboard) and retryable: the dead letters, kept longer than results
+    #: so that a failure over a weekend is still there on Monday.
+    failed_ttl: int = 7 * 86400  # TASKRUNNER_FAILED_TTL
     #: Max duration of a job whose task sets none.
     max_duration: float = 300.0  # TASKRUNNER_MAX_DURATION
     #: Seconds between SIGTERM and SIGKILL when a job is killed or timed out.

@@ -14,7 +14,7 @@ from .app import TaskRunner
 from .claims import Delivery, claim_args, claim_keys, claim_rest
 from .connection import pop_any
 from .holders import held, identity
-from .outcome import Ended, Outcome, finish_values
+from .outcome import Ended, Outcome, finish_args
 
 
 class Consumer:
@@ -93,9 +93,8 @@ class Consumer:
             order.append((q, len(ended)))
             ended.append(e)
         batch = scripts.Batch(self.app.redis)
-        s = self.app.settings
         for q, ended in by_queue.items():
-            batch.call(scripts.FINISH, [self.keys.q(q)], [s.result_ttl, s.retry_backoff_max, *finish_values(ended, 0)])
+            batch.call(scripts.FINISH, [self.keys.q(q)], finish_args(self.app.settings, ended, 0))
         answers = dict(zip(by_queue, batch.execute()))
         return [answers[q][i] == 1 for q, i in order]
 

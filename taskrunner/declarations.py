@@ -28,11 +28,15 @@ KEEP = 10.0
 
 def declaration(app: TaskRunner, task: Task, worker: str, at: float) -> dict[str, Any]:
     """What a worker publishes for one task: its settings with this worker's defaults
-    filled in (the ones its jobs would get from it), who published it and when."""
+    filled in (the ones its jobs would get from it), who published it and when. The
+    retry backoff cap and the TTLs only when the task sets them (null: the settings of
+    whichever process ends the job, as for a job of a producer that knows the task)."""
     s = task.spec
     return {"task": task.name, "queue": s.queue, "max_duration": s.max_duration or app.settings.max_duration,
             "retries": s.retries, "retry_backoff": s.retry_backoff, "timeout_policy": s.timeout_policy,
-            "max_lost": s.max_lost or app.settings.max_lost, "worker": worker, "declared_at": at}
+            "max_lost": s.max_lost or app.settings.max_lost, "max_retries": s.max_retries,
+            "retry_backoff_max": s.retry_backoff_max, "result_ttl": s.result_ttl, "failed_ttl": s.failed_ttl,
+            "worker": worker, "declared_at": at}
 
 
 def publish(app: TaskRunner, queues: list[str], worker: str, at: float, overwrite: bool = True) -> None:

@@ -102,7 +102,7 @@ class Dispatcher:
         stats = {"promoted": 0, "requeued": 0, "failed": 0, "killed": 0, "stuck": 0, "fired": 0}
         batch = scripts.Batch(self.redis)
         for q in queues:
-            batch.call(scripts.SWEEP, [self.keys.q(q)], [1000, 100, self.s.result_ttl])
+            batch.call(scripts.SWEEP, [self.keys.q(q)], [1000, 100, self.s.result_ttl, self.s.failed_ttl])
         for q, res in zip(queues, batch.execute()):
             stats["promoted"] += int(res[0])
             lost: list[Any] = []

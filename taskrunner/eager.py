@@ -5,11 +5,10 @@ its record in memory. No Redis is needed and no connection is made.
 What a job sees is what a worker's child would give it: the task runs through the child's
 own `run` (the JSON round-tripped arguments, the same outcomes: NotRegistered,
 BadArguments, Rejected, a result that is not JSON), and the record ends as finish.lua would
-end it. Differences, on purpose: retries (an exception while retries remain, or
-`raise Retry(...)`) run again at once, without sleeping the backoff or the Retry's delay,
-and a `delay` given at enqueue is not waited either; `Retry` counts against the task's
-retries (else a task that always retries would never return), and past them the job fails
-with MaxRetriesExceeded."""
+end it: an exception is retried while the task's retries last, a `raise Retry(...)` while
+its max_retries last (then MaxRetriesExceeded). Differences, on purpose: those run again at
+once, without sleeping the backoff or the Retry's delay, and a `delay` given at enqueue is
+not waited either. The record is not expired (result_ttl, failed_ttl)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .child import run as run_in_child
 from .context import LOG_LINES, JobContext, JobLogHandler, log_line
-from .errors import JobNotFound
+from .errors import MAX_RETRIES, JobNotFound
 from .job import Job
 
 if TYPE_CHECKING:
@@ -56,7 +55,8 @@ class EagerJob(Job):
             return False
         for k in ("finished_at", "result"):
             self.data.pop(k, None)
-        self.data.update({"failures": "0", "requeues": "0", f"action:{_now()}": f"retried by {who or 'eager'}"})
+        self.data.update({"failures": "0", "requeues": "0", "retry_requests": "0",
+                          f"action:{_now()}": f"retried by {who or 'eager'}"})
         _run(self.app, self)
         return True
 
@@ -74,7 +74,7 @@ def enqueue(app: TaskRunner, job_id: str, fields: list[Any]) -> EagerJob:
     """Run the job that enqueue.lua would have stored with `fields` (app._fields's list);
     returns it ended."""
     data = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in zip(fields[::2], fields[1::2])}
-    data.update(enqueued_at=_now(), attempts="0", failures="0", requeues="0")
+    data.update(enqueued_at=_now(), attempts="0", failures="0", requeues="0", retry_requests="0")
     job = EagerJob(app, job_id, data["queue"], data)
     _run(app, job)
     return job
@@ -91,24 +91,30 @@ def _run(app: TaskRunner, job: EagerJob) -> None:
         message = "\0".join([job.id, str(attempt), d["task"], d["queue"], max_duration, d["args"],
                              d["kwargs"]]).encode()
         outcome, v1, v2, v3, _ = run_in_child(app, message, _Record(d)).wire()
-        counter = {"requeue": "requeues", "error": "failures"}.get(outcome)
-        if counter:
-            d[counter] = str(int(d[counter]) + 1)
-            if int(d["failures"]) + int(d["requeues"]) <= int(d["retries"]):
-                if outcome == "error":  # kept until the next end, as finish.lua does
-                    d.update(error_type=v1, error=v2, traceback=v3)
-                why = "requeued itself (Retry)" if outcome == "requeue" else f"failed {v1}"
-                d[f"end:{attempt}"] = f"{_now()} {why}, run again at once (eager)"
+        if outcome == "requeue":  # the task raised Retry
+            asked, most = _count(d, "retry_requests"), int(d.get("max_retries", MAX_RETRIES))
+            if asked <= most:
+                _count(d, "requeues")
+                d[f"end:{attempt}"] = f"{_now()} requeued itself (Retry), run again at once (eager)"
                 continue
+            v1, v2, v3 = "MaxRetriesExceeded", f"asked to retry {asked} times; max_retries is {most}", ""
+        elif outcome == "error" and _count(d, "failures") <= int(d["retries"]):
+            d.update(error_type=v1, error=v2, traceback=v3)  # kept until the next end, as finish.lua does
+            d[f"end:{attempt}"] = f"{_now()} failed {v1}, run again at once (eager)"
+            continue
         if outcome == "completed":
             d["result"] = v1
         else:
-            if outcome == "requeue":
-                v1, v2, v3 = "MaxRetriesExceeded", f"{d['task']} raised Retry with its {d['retries']} retries used", ""
             d.update(error_type=v1, error=v2, traceback=v3)
         d.update(state="completed" if outcome == "completed" else "failed", finished_at=_now())
         d[f"end:{attempt}"] = f"{d['finished_at']} {'completed' if outcome == 'completed' else 'failed ' + v1}"
         return
+
+
+def _count(d: dict[str, str], counter: str) -> int:
+    """Add one to a counter of the record; its new value."""
+    d[counter] = str(int(d[counter]) + 1)
+    return int(d[counter])
 
 
 def _now() -> str:

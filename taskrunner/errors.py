@@ -75,8 +75,16 @@ def require_extra(extra: str, what: str, *modules: str) -> None:
         raise MissingExtra(what, extra)
 
 
+#: How many times a job may raise Retry before it fails with MaxRetriesExceeded, unless
+#: its task says otherwise (max_retries; Celery's default too). finish.lua applies the
+#: same default to a record without max_retries.
+MAX_RETRIES = 3
+
+
 class Retry(Exception):
-    """Raise inside a task to run it again after `delay` seconds (no failure counted)."""
+    """Raise inside a task to run it again after `delay` seconds. No failure is counted
+    (the task's `retries` are for exceptions), but the requests are: the job fails with
+    MaxRetriesExceeded when it asks more than its task's max_retries times."""
 
     def __init__(self, delay: float = 0.0):
         super().__init__(f"retry in {delay}s")

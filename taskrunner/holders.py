@@ -96,7 +96,7 @@ def lose(app: TaskRunner, queue: str, values: list[Any]) -> list[tuple[str, str]
     (id, new state) for each it acted on."""
     if not values:
         return []
-    states = scripts.LOSE(app.redis, [app.keys.q(queue)], [app.settings.result_ttl, *values])
+    states = scripts.LOSE(app.redis, [app.keys.q(queue)], [app.settings.failed_ttl, *values])
     return [(job_id, state) for job_id, state in zip(values[::4], states) if state]
 
 

@@ -192,11 +192,16 @@ def page_of(app: TaskRunner, queue: str, state: str, offset: int = 0, limit: int
 
 
 def _fill(app: TaskRunner, rows: list[dict[str, Any]], fields: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Add the fields of each row's job record (typed), with args shortened for tables."""
+    """Add the fields of each row's job record (typed), with args shortened for tables.
+    Rows whose record is gone are left out: a job with a shorter result_ttl or failed_ttl
+    than the one its queue's finished sets are trimmed by (see sweep.lua) expired first."""
+    out = []
     for r, values in zip(rows, _hmget(app, rows, *fields)):
         d = {f: typed(f, v) for f, v in zip(fields, values)}
-        r.update(d, args=_short(d["args"], d.pop("kwargs")))
-    return rows
+        if d["state"] is not None:
+            r.update(d, args=_short(d["args"], d.pop("kwargs")))
+            out.append(r)
+    return out
 
 
 def finished(app: TaskRunner, state: str, offset: int = 0, limit: int = 50) -> tuple[int, list[dict[str, Any]]]:

@@ -13,7 +13,7 @@ from typing import Any
 from . import scripts
 from .claims import Delivery
 from .notes import Notes, Reports, progress_values
-from .outcome import Ended, Outcome, finish_values
+from .outcome import Ended, Outcome, finish_args
 
 
 @dataclass(eq=False)
@@ -71,7 +71,7 @@ class Outbox:
         for q, jobs in load.notes.items():
             batch.call(scripts.PROGRESS, [keys.q(q)], progress_values(jobs))
         for q, ended in load.ended.items():
-            batch.call(scripts.FINISH, [keys.q(q)], [s.result_ttl, s.retry_backoff_max, *finish_values(ended, now)])
+            batch.call(scripts.FINISH, [keys.q(q)], finish_args(s, ended, now))
         for q, job_id, attempt in load.marks:
             batch.call(scripts.STUCK, [keys.q(q)], [job_id, attempt, time.time() + s.stuck_recheck, s.bucket_width])
         if load.ended or load.marks or load.notes:

@@ -7,9 +7,12 @@ by hand, in thirteen places; a field in the wrong slot was a silent misrecord.""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import codec
+
+if TYPE_CHECKING:
+    from .config import Settings
 
 #: finish.lua's outcomes: completed, failed, killed end the job; error is retried while its
 #: retries last; requeue, lost and return put it back.
@@ -50,6 +53,12 @@ class Outcome:
         """Back to its queue after `delay` seconds (a Retry), or next in line (front: the
         worker stopped it); nothing is counted as failed."""
         return cls("requeue", str(delay), "front" if front else "", why)
+
+    @classmethod
+    def retry(cls, delay: float = 0.0) -> Outcome:
+        """The task raised Retry: back to its queue after `delay` seconds, counted against
+        its max_retries (past them finish.lua fails it with MaxRetriesExceeded)."""
+        return cls("requeue", str(delay), "", "", "retry")
 
     @classmethod
     def lost(cls, why: str) -> Outcome:
@@ -97,6 +106,12 @@ class Ended(NamedTuple):
     attempt: str
     outcome: Outcome
     began: float | None = None
+
+
+def finish_args(settings: Settings, ended: list[Ended], now: float) -> list[Any]:
+    """finish.lua's ARGV: the settings it applies to records without their own (result
+    TTL, backoff cap, failed TTL), then finish_values."""
+    return [settings.result_ttl, settings.retry_backoff_max, settings.failed_ttl, *finish_values(ended, now)]
 
 
 def finish_values(ended: list[Ended], now: float) -> list[str]:

@@ -231,7 +231,7 @@ def kill(app: TaskRunner, job_id: str, queue: str, who: str) -> Steps[str]:
     """Kill the job: pending or delayed ones at once; a running one is stopped by the
     worker that holds it, told on its control list. The state after the call ("running"
     while the worker acts on the request)."""
-    state, *rest = yield Script(scripts.KILL, [app.keys.q(queue)], [job_id, who, app.settings.result_ttl])
+    state, *rest = yield Script(scripts.KILL, [app.keys.q(queue)], [job_id, who, app.settings.failed_ttl])
     if not state:
         raise JobNotFound(f"no job {job_id} in queue {queue}")
     if state == "running" and rest[0]:

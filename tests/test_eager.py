@@ -41,7 +41,7 @@ def make_app(**settings: object) -> tuple[TaskRunner, dict[str, list]]:
             raise ConnectionError(f"try {len(calls['flaky'])}")
         return len(calls["flaky"])
 
-    @app.task(name="again", retries=3)
+    @app.task(name="again", max_retries=3)
     def again(times):
         calls["again"].append(times)
         if len(calls["again"]) <= times:
@@ -118,9 +118,9 @@ def test_exceptions_are_retried_inline_up_to_the_tasks_retries() -> None:
         job.wait()
 
 
-def test_retry_reruns_inline_and_is_capped_by_retries() -> None:
+def test_retry_reruns_inline_and_is_capped_by_max_retries() -> None:
     app, calls = make_app()
-    assert app.tasks["again"].delay(3).wait() == "done"  # 3 Retry, retries=3
+    assert app.tasks["again"].delay(3).wait() == "done"  # 3 Retry, max_retries=3
     assert len(calls["again"]) == 4
 
     calls["again"].clear()
@@ -128,7 +128,7 @@ def test_retry_reruns_inline_and_is_capped_by_retries() -> None:
     assert len(calls["again"]) == 4  # not forever
     with pytest.raises(JobFailed) as e:
         job.wait()
-    assert e.value.error_type == "MaxRetriesExceeded" and "3 retries" in e.value.message
+    assert (e.value.error_type, e.value.message) == ("MaxRetriesExceeded", "asked to retry 4 times; max_retries is 3")
 
 
 def test_current_job_and_retry_on_work_inline() -> None:

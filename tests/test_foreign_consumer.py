@@ -92,12 +92,14 @@ def test_claim_writes_only_json_numbers_into_the_holding_entry(foreign, max_dura
 
 
 @pytest.mark.parametrize("head, job, why", [
-    (["1.5", 600], ["completed", "", "42", "", "", ""], "result TTL"),  # used to fail half-way
-    (["0", 600], ["completed", "", "42", "", "", ""], "result TTL"),
-    ([3600, "soon"], ["completed", "", "42", "", "", ""], "backoff cap"),
-    ([3600, 600], ["completed", "", "42", "", ""], "8 values"),  # one value short: misaligned
-    ([3600, 600], ["done", "", "42", "", "", ""], "unknown outcome"),  # used to fail the job
-    ([3600, 600], ["completed", "soon", "42", "", "", ""], "began"),
+    (["1.5", 600, 86400], ["completed", "", "42", "", "", ""], "result TTL"),  # used to fail half-way
+    (["0", 600, 86400], ["completed", "", "42", "", "", ""], "result TTL"),
+    ([3600, "soon", 86400], ["completed", "", "42", "", "", ""], "backoff cap"),
+    ([3600, 600, "week"], ["completed", "", "42", "", "", ""], "failed TTL"),
+    ([3600, 600], ["completed", "", "42", "", "", ""], "failed TTL"),  # the ARGV of before: ARGV[3] an id
+    ([3600, 600, 86400], ["completed", "", "42", "", ""], "8 values"),  # one value short: misaligned
+    ([3600, 600, 86400], ["done", "", "42", "", "", ""], "unknown outcome"),  # used to fail the job
+    ([3600, 600, 86400], ["completed", "soon", "42", "", "", ""], "began"),
 ])
 def test_finish_refuses_arguments_it_cannot_apply_whole(foreign, head, job, why):
     assert foreign.enqueue("default", "j1", "tests.apps.add", [1, 2], {}) == 1

@@ -39,7 +39,8 @@ class ForeignClient:
                               4242, "")
 
     def finish(self, queue: str, job_id: bytes, attempt: int, result) -> int:
-        [answer] = self.r.evalsha(self.sha["finish"], 1, self.q(queue), 3600, 600, job_id, attempt, "completed",
+        [answer] = self.r.evalsha(self.sha["finish"], 1, self.q(queue), 3600, 600, 86400, job_id, attempt,
+                                  "completed",
                                   "", json.dumps(result), "", "", "")
         return answer
 

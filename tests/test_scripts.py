@@ -20,7 +20,7 @@ def claim(app, queues=("default",), pids=(111,), worker="w1", ahead=""):
 
 def finish(app, job_id, attempt, outcome, *values, queue="default", began=""):
     vals = (list(values) + ["", "", "", ""])[:4]
-    return scripts.FINISH(app.redis, [app.keys.q(queue)], [3600, 600, job_id, attempt, outcome, began, *vals])[0]
+    return scripts.FINISH(app.redis, [app.keys.q(queue)], [3600, 600, 86400, job_id, attempt, outcome, began, *vals])[0]
 
 
 def test_claim_records_holding_entry_and_deadline_bucket(app):
@@ -108,7 +108,7 @@ def test_finish_records_when_the_job_began_and_batches_many(app):
     claimed_at = float(app.job(b.id).data["started_at"])
     values = [a.id, "1", "completed", "0.5", "3", "", "", "", b.id, "1", "completed", "", "7", "", "", "",
               b.id, "1", "completed", "", "7", "", "", ""]
-    assert scripts.FINISH(app.redis, [app.keys.q("default")], [3600, 600, *values]) == [1, 1, 2]
+    assert scripts.FINISH(app.redis, [app.keys.q("default")], [3600, 600, 86400, *values]) == [1, 1, 2]
     da, db = app.job(a.id).to_dict(), app.job(b.id).to_dict()
     assert (da["state"], da["result"], db["state"], db["result"]) == ("completed", 3, "completed", 7)
     assert abs(da["finished_at"] - da["started_at"] - 0.5) < 0.01  # began 0.5 s before the finish
@@ -182,20 +182,20 @@ def test_sweep_promotes_due_and_reports_due_deadlines(app):
     import time
 
     time.sleep(0.01)  # let the 1 ms delay pass (Redis clock)
-    out = scripts.SWEEP(app.redis, [p], [100, 10, 3600])
+    out = scripts.SWEEP(app.redis, [p], [100, 10, 3600, 3600])
     assert out[0] == 1 and app.job(now.id).data["state"] == "pending"
     assert app.job(later.id).data["state"] == "delayed"
     job = apps.add.apply_async([3, 3], max_duration=0.001)
     claim(app)  # claims `now` first (FIFO)
     claim(app)
     time.sleep(1.1)  # bucket width is 1 s: its bucket is due once it has fully passed
-    out = scripts.SWEEP(app.redis, [p], [100, 10, 3600])
+    out = scripts.SWEEP(app.redis, [p], [100, 10, 3600, 3600])
     due = dict(zip(out[1::2], out[2::2]))
     assert job.id in due and now.id not in due
     res = scripts.STUCK(app.redis, [p], [job.id, "1", time.time() + 60, 1, "check"])
     assert res == ["w1", "kill", 1]
     assert app.job(job.id).data["stuck"] == "1"
-    assert scripts.SWEEP(app.redis, [p], [100, 10, 3600])[1:] == []  # moved to a later bucket
+    assert scripts.SWEEP(app.redis, [p], [100, 10, 3600, 3600])[1:] == []  # moved to a later bucket
 
 
 @pytest.mark.parametrize("name", ["enqueue", "claim", "finish", "sweep", "lose", "stuck", "kill", "watch",

@@ -140,6 +140,7 @@ class Consumer {
     this.idleBlock = Number(setting('TASKRUNNER_IDLE_BLOCK', 5));
     this.resultTtl = setting('TASKRUNNER_RESULT_TTL', '86400');
     this.backoffCap = setting('TASKRUNNER_RETRY_BACKOFF_MAX', '600');
+    this.failedTtl = setting('TASKRUNNER_FAILED_TTL', '604800');
     this.shutdownGrace = Number(setting('TASKRUNNER_SHUTDOWN_GRACE', 20));
     this.current = null; // the delivery running: {queue, id, attempt, task, ..., controller}
     this.orphans = false; // a claim's answer may have been lost: we may hold jobs we do not run
@@ -194,7 +195,7 @@ class Consumer {
     for (;;) {
       try {
         const [answer] = await this.tr.scripts.call('finish', [this.tr.q(d.queue)],
-          [this.resultTtl, this.backoffCap, d.id, d.attempt, outcome, '', v1, v2, v3, v4]);
+          [this.resultTtl, this.backoffCap, this.failedTtl, d.id, d.attempt, outcome, '', v1, v2, v3, v4]);
         return answer;
       } catch (e) {
         console.error(`finish ${d.id}: ${e.message}; again in 1s`);

@@ -11,7 +11,8 @@
 --   <p>buckets      ZSET  b -> end time of bucket b, one member per non-empty bucket
 --   <p>delayed      ZSET  id -> time the job becomes due
 --   <p>wake         LIST  0 or 1 token; idle workers BRPOP it
---   <p>meta         HASH  bound, closed, exclusive; produced_/consumed_ messages and bytes
+--   <p>meta         HASH  bound, closed, exclusive; produced_/consumed_ messages and bytes;
+--                          longest_result_ttl, longest_failed_ttl (see finalize())
 --   <p>notfull      LIST  0 or 1 token; producers blocked on a full bounded queue BRPOP it
 --   <p>completed|failed|killed  ZSET  id -> finish time
 --   <p>job:<id>     HASH  the job record; its timeline: run:<n> (the holding entry of
@@ -56,10 +57,10 @@ end
 -- built by one constructor: a loop setting them one by one costs more than the HMGET).
 local function load(job)
   local v = redis.call('HMGET', job, 'attempts', 'bucket', 'waiters', 'task', 'enqueued_at', 'started_at', 'worker',
-    'host', 'pid', 'queue', 'kill_requested', 'max_lost', 'retries', 'retry_backoff')
+    'host', 'pid', 'queue', 'kill_requested', 'max_lost', 'retries', 'retry_backoff', 'result_ttl', 'failed_ttl')
   return {attempts = v[1], bucket = v[2], waiters = v[3], task = v[4], enqueued_at = v[5], started_at = v[6],
     worker = v[7], host = v[8], pid = v[9], queue = v[10], kill_requested = v[11], max_lost = v[12],
-    retries = v[13], retry_backoff = v[14]}
+    retries = v[13], retry_backoff = v[14], result_ttl = v[15], failed_ttl = v[16]}
 end
 
 -- Forget that a job runs: holding entry (unless the caller removed it already), processing
@@ -115,9 +116,21 @@ end
 -- A job reached completed, failed or killed: index it, expire it, wake its waiters.
 -- `fields` is a flat list of extra field/value pairs for the record.
 -- `r` is the record as load() read it before this change; `error_type` the new one.
+-- `ttl`: the caller's setting for that state (result TTL for completed, failed TTL for
+-- failed and killed); the record's own result_ttl / failed_ttl wins. One longer than the
+-- setting is kept in meta longest_result_ttl / longest_failed_ttl (only ever raised): the
+-- sweep trims the finished sets by the longest, so that such a job stays listed.
 -- With `index`, a table state -> ids, the caller adds the id to the finished set itself
 -- (one ZADD for many jobs).
 local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
+  local kind = state == 'completed' and 'result_ttl' or 'failed_ttl'
+  local own = tonumber(r[kind])
+  if own and own >= 1 and own % 1 == 0 then
+    if own > ttl and own > (tonumber(redis.call('HGET', p .. 'meta', 'longest_' .. kind)) or 0) then
+      redis.call('HSET', p .. 'meta', 'longest_' .. kind, own)
+    end
+    ttl = own
+  end
   redis.call('HSET', job, 'state', state, 'finished_at', fmt(t), unpack(fields))
   history(p, id, r, state, t, error_type)
   if index then

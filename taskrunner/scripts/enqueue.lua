@@ -8,10 +8,14 @@
 -- Fields a producer may send (any other is refused): task (required), queue (if sent, Q;
 -- the record gets queue Q either way), args (JSON array, default []), kwargs (JSON object,
 -- default {}), max_duration (s > 0), retries (0 to 2^31-1), retry_backoff (s >= 0),
--- timeout_policy (kill|flag), max_lost (1 to 2^31-1), producer (text). Those of
--- max_duration, retries, retry_backoff, timeout_policy and max_lost a producer did not send
--- come from the task's declaration, <p>tasks[task] (JSON, written by workers), when there
--- is one; numbers not in plain decimal notation are written back in it.
+-- timeout_policy (kill|flag), max_lost (1 to 2^31-1), max_retries (0 to 2^31-1),
+-- retry_backoff_max (s >= 0), result_ttl and failed_ttl (whole s, 1 to 2^31-1), producer
+-- (text). A producer that leaves out any of max_duration, retries, retry_backoff,
+-- timeout_policy and max_lost gets those, and any of max_retries, retry_backoff_max,
+-- result_ttl and failed_ttl it left out too, from the task's declaration, <p>tasks[task]
+-- (JSON, written by workers), when there is one. One that sends the first five knows the
+-- task: the last four it did not send are left out of the record (their defaults apply),
+-- and no declaration is read. Numbers not in plain decimal notation are written back in it.
 -- Returns one integer per job: 1 added, 0 an id that already exists (nothing changed),
 -- -1 the queue is full (its bound is reached; delayed jobs do not count), -2 it is closed.
 -- Errors: "ERR taskrunner: <Kind>: <message>", Kind one of InvalidName, NotJSON,
@@ -49,6 +53,9 @@ local function decimal(x)
   return s
 end
 
+-- The settings that are whole numbers, and the least each may be.
+local WHOLE = {retries = 0, max_lost = 1, max_retries = 0, result_ttl = 1, failed_ttl = 1}
+
 -- The setting `name` (text, or a number from a declaration) as the text to store, or nil
 -- when it is not acceptable. Text already in plain decimal is kept as it is.
 local function setting(name, v)
@@ -59,11 +66,11 @@ local function setting(name, v)
   local x = tonumber(v)
   if not x or x ~= x then return nil end
   local plain = type(v) == 'string' and string.find(v, '^%d+%.?%d*$')
-  if name == 'retries' or name == 'max_lost' then
-    if x % 1 ~= 0 or x < (name == 'max_lost' and 1 or 0) or x > WHOLE_MAX then return nil end
+  if WHOLE[name] then
+    if x % 1 ~= 0 or x < WHOLE[name] or x > WHOLE_MAX then return nil end
     return plain and not string.find(v, '.', 1, true) and v or string.format('%d', x)
   end
-  if x < 0 or x >= SECONDS_MAX then return nil end  -- max_duration, retry_backoff: seconds
+  if x < 0 or x >= SECONDS_MAX then return nil end  -- max_duration, retry_backoff(_max): seconds
   if plain then
     if x == 0 and name == 'max_duration' then return nil end
     return v
@@ -92,9 +99,8 @@ end
 
 local function rule(name)
   if name == 'max_duration' then return 'a number of seconds > 0 and < 2^53'
-  elseif name == 'retry_backoff' then return 'a number of seconds >= 0 and < 2^53'
-  elseif name == 'retries' then return 'a whole number from 0 to 2147483647'
-  elseif name == 'max_lost' then return 'a whole number from 1 to 2147483647'
+  elseif name == 'retry_backoff' or name == 'retry_backoff_max' then return 'a number of seconds >= 0 and < 2^53'
+  elseif WHOLE[name] then return 'a whole number from ' .. WHOLE[name] .. ' to 2147483647'
   end
   return 'kill or flag'
 end
@@ -154,11 +160,12 @@ if not n_jobs or n_jobs < 0 or n_jobs % 1 ~= 0 then
   return refuse('BadCall', 'ARGV[1] must be the number of jobs')
 end
 
--- What the task's declaration gives for max_duration, retries, retry_backoff, timeout_policy
--- and max_lost, in that order: the text to store, false (none) or true (not acceptable,
--- refused for a job that needs it); false when there is no declaration. Read and checked
--- once per task and call; nil and the refusal when it is not a JSON object.
-local DECLARED = {'max_duration', 'retries', 'retry_backoff', 'timeout_policy', 'max_lost'}
+-- What the task's declaration gives for each of DECLARED, in that order: the text to
+-- store, false (none) or true (not acceptable, refused for a job that needs it); false
+-- when there is no declaration. Read and checked once per task and call; nil and the
+-- refusal when it is not a JSON object.
+local DECLARED = {'max_duration', 'retries', 'retry_backoff', 'timeout_policy', 'max_lost', 'max_retries',
+  'retry_backoff_max', 'result_ttl', 'failed_ttl'}
 local declarations  -- task -> fill, made when needed
 local function declared(task)
   declarations = declarations or {}
@@ -202,7 +209,7 @@ for n = 1, n_jobs do
     return refuse('BadValue', 'job ' .. id .. ': delay must be a number of seconds >= 0 and < 2^53')
   end
   -- Fields in locals, not a table: this loop is most of the script's cost.
-  local task, queue_f, args, kwargs, producer, md, rt, rb, tp, ml
+  local task, queue_f, args, kwargs, producer, md, rt, rb, tp, ml, mr, bm, rtl, ftl
   local changed = false  -- a setting written otherwise than sent
   for a = i + 3, i + 1 + 2 * k, 2 do
     local name, value = ARGV[a], ARGV[a + 1]
@@ -219,6 +226,10 @@ for n = 1, n_jobs do
       elseif name == 'retry_backoff' then seen = rb; rb = v
       elseif name == 'timeout_policy' then seen = tp; tp = v
       elseif name == 'max_lost' then seen = ml; ml = v
+      elseif name == 'max_retries' then seen = mr; mr = v
+      elseif name == 'retry_backoff_max' then seen = bm; bm = v
+      elseif name == 'result_ttl' then seen = rtl; rtl = v
+      elseif name == 'failed_ttl' then seen = ftl; ftl = v
       else
         return refuse('BadCall', 'job ' .. id .. ': unknown field ' .. string.format('%q', string.sub(name, 1, 50)))
       end
@@ -253,7 +264,9 @@ for n = 1, n_jobs do
     if refusal then return refusal end
     if fill then
       md, rt, rb, tp, ml = md or fill[1], rt or fill[2], rb or fill[3], tp or fill[4], ml or fill[5]
+      mr, bm, rtl, ftl = mr or fill[6], bm or fill[7], rtl or fill[8], ftl or fill[9]
       local bad = md == true and 1 or rt == true and 2 or rb == true and 3 or tp == true and 4 or ml == true and 5
+        or mr == true and 6 or bm == true and 7 or rtl == true and 8 or ftl == true and 9
       if bad then
         return refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. p .. 'tasks: ' .. DECLARED[bad]
           .. ' must be ' .. rule(DECLARED[bad]))
@@ -268,6 +281,10 @@ for n = 1, n_jobs do
     if rb then record[#record + 1] = 'retry_backoff'; record[#record + 1] = rb end
     if tp then record[#record + 1] = 'timeout_policy'; record[#record + 1] = tp end
     if ml then record[#record + 1] = 'max_lost'; record[#record + 1] = ml end
+    if mr then record[#record + 1] = 'max_retries'; record[#record + 1] = mr end
+    if bm then record[#record + 1] = 'retry_backoff_max'; record[#record + 1] = bm end
+    if rtl then record[#record + 1] = 'result_ttl'; record[#record + 1] = rtl end
+    if ftl then record[#record + 1] = 'failed_ttl'; record[#record + 1] = ftl end
     if producer then record[#record + 1] = 'producer'; record[#record + 1] = producer end
     plan[4 * n - 1] = record
   else

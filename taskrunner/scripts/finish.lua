@@ -1,13 +1,18 @@
 -- Record how deliveries ended (ack many in one round trip), fenced by delivery.
 -- KEYS[1]  queue key prefix
--- ARGV[1]  result TTL (s)   ARGV[2] retry backoff cap (s)
+-- ARGV[1]  result TTL (s)   ARGV[2] retry backoff cap (s)   ARGV[3] failed TTL (s)
+-- (each the setting for a job whose record has no result_ttl, retry_backoff_max, failed_ttl)
 -- then 8 values per job: id, attempt, outcome, began, v1, v2, v3, v4 where `began` is how
 -- many seconds ago the job began to run ("" if unknown: started_at stays the claim's), and
 --   completed  v1 = result JSON
 --   failed     v1 = error type, v2 = message, v3 = traceback         (final)
 --   error      as failed, v4 = jitter factor: retried with backoff while retries remain
 --   killed     v2 = reason
---   requeue    v1 = delay (s), v2 = "front" to put it next in line, v3 = why (optional)
+--   requeue    v1 = delay (s), v2 = "front" to put it next in line, v3 = why (optional),
+--              v4 = "retry" when the task asked for it (raise Retry): counted in
+--              retry_requests; past the record's max_retries (default 3) the job ends
+--              failed MaxRetriesExceeded instead. Other requeues (a worker stopping) count
+--              only in requeues.
 --   lost       v1 = why its process died (requeue, or WorkerLost after max_lost)
 --   return     v1 = why: the job never began (prefetched, then handed back); next in line,
 --              no history record, nothing counted but the delivery
@@ -19,19 +24,22 @@
 -- Arguments that are not so are refused (an error, nothing changed): a bad TTL used to fail
 -- in the middle, after some jobs had changed, and an unknown outcome failed the job.
 local p = KEYS[1]
-local ttl, cap = tonumber(ARGV[1]), amount(ARGV[2], nil)
-if not ttl or ttl < 1 or ttl ~= math.floor(ttl) then
-  return redis.error_reply('ERR finish: the result TTL (ARGV[1]) must be an integer >= 1 (seconds)')
+for k, what in pairs({[1] = 'result', [3] = 'failed'}) do
+  local x = tonumber(ARGV[k])
+  if not x or x < 1 or x ~= math.floor(x) then
+    return redis.error_reply('ERR finish: the ' .. what .. ' TTL (ARGV[' .. k .. ']) must be an integer >= 1 (seconds)')
+  end
 end
-if not cap or (#ARGV - 2) % 8 ~= 0 then
-  return redis.error_reply('ERR finish: ARGV is the result TTL, the backoff cap (seconds >= 0), then 8 values '
-    .. 'per job (id, attempt, outcome, began, v1, v2, v3, v4); got ' .. #ARGV .. ' values')
+local ttl, cap, failed_ttl = tonumber(ARGV[1]), amount(ARGV[2], nil), tonumber(ARGV[3])
+if not cap or (#ARGV - 3) % 8 ~= 0 then
+  return redis.error_reply('ERR finish: ARGV is the result TTL, the backoff cap (seconds >= 0), the failed TTL, '
+    .. 'then 8 values per job (id, attempt, outcome, began, v1, v2, v3, v4); got ' .. #ARGV .. ' values')
 end
 local OUTCOMES = {completed = true, failed = true, error = true, killed = true, requeue = true, lost = true,
   ['return'] = true}
 local t = now()
 local ids = {}
-for i = 3, #ARGV, 8 do
+for i = 4, #ARGV, 8 do
   if not OUTCOMES[ARGV[i + 2]] then
     return redis.error_reply('ERR finish: unknown outcome "' .. string.sub(ARGV[i + 2], 1, 40) .. '" (ARGV['
       .. i + 2 .. ']): completed, failed, error, killed, requeue, lost or return')
@@ -49,7 +57,7 @@ local out, records, taken, dl = {}, {}, {}, {}
 for k, id in ipairs(ids) do
   local r = load(p .. 'job:' .. id)
   records[k] = r
-  if r.attempts ~= ARGV[3 + (k - 1) * 8 + 1] then
+  if r.attempts ~= ARGV[4 + (k - 1) * 8 + 1] then
     out[k] = 0
   elseif not held[k] then
     out[k] = 2
@@ -86,13 +94,27 @@ end
 local index = {}
 local function finish(id, job, r, attempt, began, state, fields, error_type)
   local ek, ev = ended(attempt, t, state == 'failed' and 'failed ' .. error_type or state)
-  finalize(p, id, job, r, state, t, ttl, ending(fields, ek, ev, r, began), error_type, index)
+  finalize(p, id, job, r, state, t, state == 'completed' and ttl or failed_ttl, ending(fields, ek, ev, r, began),
+    error_type, index)
+end
+-- The task asked to run again (raise Retry): counted in retry_requests. Past the record's
+-- max_retries (3 when it has none; read only here, so that jobs that never ask pay nothing)
+-- the job ends failed MaxRetriesExceeded: true; else false.
+local function retry_refused(id, job, r, attempt, began)
+  local asked = redis.call('HINCRBY', job, 'retry_requests', 1)
+  local most = tonumber(redis.call('HGET', job, 'max_retries')) or 3
+  if asked <= most then
+    return false
+  end
+  finish(id, job, r, attempt, began, 'failed', {'error_type', 'MaxRetriesExceeded', 'error',
+    string.format('asked to retry %d times; max_retries is %d', asked, most)}, 'MaxRetriesExceeded')
+  return true
 end
 -- Last first: jobs put back next in line (RPUSH) then keep the order they were given in.
 for k = #ids, 1, -1 do
   local id = ids[k]
   if out[k] == 1 then
-    local i = 3 + (k - 1) * 8
+    local i = 4 + (k - 1) * 8
     local attempt, outcome, began = ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
     local v1, v2, v3, v4 = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7]
     local job = p .. 'job:' .. id
@@ -103,12 +125,14 @@ for k = #ids, 1, -1 do
     if outcome == 'completed' then
       finish(id, job, r, attempt, began, 'completed', {'result', v1}, nil)
     elseif outcome == 'lost' then
-      lose(p, id, job, r, attempt, t, ttl, v1, true, index)
+      lose(p, id, job, r, attempt, t, failed_ttl, v1, true, index)
     elseif outcome == 'return' then
       local ek, ev = ended(attempt, t, 'returned before it began: ' .. v1)
       to_pending(p, id, job, true, {ek, ev})
     elseif outcome == 'killed' then
       finish(id, job, r, attempt, began, 'killed', {'error_type', 'Killed', 'error', v2}, 'Killed')
+    elseif outcome == 'requeue' and v4 == 'retry' and retry_refused(id, job, r, attempt, began) then
+      -- ended failed
     elseif outcome == 'requeue' then
       redis.call('HINCRBY', job, 'requeues', 1)
       history(p, id, r, 'requeued', t, nil)
@@ -128,7 +152,8 @@ for k = #ids, 1, -1 do
       if outcome == 'error' and failures <= retries then
         history(p, id, r, 'requeued', t, v1)
         local base = amount(r.retry_backoff, 1)
-        local delay = math.min(base * 2 ^ (failures - 1), cap) * math.min(amount(v4, 1), 1)
+        local most = amount(redis.call('HGET', job, 'retry_backoff_max'), cap)  -- the task's cap, else ARGV[2]
+        local delay = math.min(base * 2 ^ (failures - 1), most) * math.min(amount(v4, 1), 1)
         local ek, ev = ended(attempt, t, string.format('failed %s, retry %d of %d in %.2fs', v1, failures,
           retries, delay))
         local fields = {'error_type', v1, 'error', v2, 'traceback', v3}

@@ -2,7 +2,8 @@
 -- tell the caller which worker holds it, so the caller can message that worker; a
 -- delivery that is later lost with the flag set also ends killed (see lose()).
 -- KEYS[1]  queue key prefix
--- ARGV[1]  id   ARGV[2] who asked   ARGV[3] result TTL (s)
+-- ARGV[1]  id   ARGV[2] who asked   ARGV[3] failed TTL (s): how long a killed job is kept
+--          (the setting; the record's own failed_ttl wins)
 -- Returns {state after, worker, attempt}; state "" when there is no such job.
 local p = KEYS[1]
 local id = ARGV[1]

@@ -2,7 +2,9 @@
 -- dead, or its worker found it orphaned): requeue it at the front, or end it as killed
 -- (kill requested) or failed WorkerLost (lost max_lost times). Fenced by delivery.
 -- KEYS[1]  queue key prefix
--- ARGV[1]  result TTL (s); then per job: id, attempt, reason, owner ("" = any worker)
+-- ARGV[1]  failed TTL (s): how long a job that ends killed or failed here is kept (the
+--          setting; the record's own failed_ttl wins); then per job: id, attempt, reason,
+--          owner ("" = any worker)
 -- Returns per job: the new state, or "" when the delivery is not (or no longer) held
 -- by that owner.
 local p = KEYS[1]

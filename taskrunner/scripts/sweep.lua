@@ -2,12 +2,22 @@
 -- trim the finished-job indexes.
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  most delayed jobs to promote   ARGV[2] most deadline buckets to read
--- ARGV[3]  result TTL (s): index entries older than this are trimmed
+-- ARGV[3]  result TTL (s): entries of `completed` older than this are trimmed
+-- ARGV[4]  failed TTL (s): the same for `failed` and `killed` (the dead letters)
+-- A TTL of meta longest_result_ttl / longest_failed_ttl (a task's own, see finalize()) wins
+-- when it is longer: its jobs stay listed as long as their records live.
 -- Returns {promoted count, id, holding entry, id, holding entry, ...} for every job in a
 -- due bucket that still runs. Ids in a due bucket that no longer run are dropped here;
 -- running ones stay until the dispatcher acts on them (lose.lua / stuck.lua), so a
 -- dispatcher that dies between the two calls loses nothing.
 local p = KEYS[1]
+for k = 3, 4 do
+  local x = tonumber(ARGV[k])
+  if not x or x < 1 or x ~= math.floor(x) then
+    return redis.error_reply('ERR sweep: the ' .. (k == 3 and 'result' or 'failed') .. ' TTL (ARGV[' .. k
+      .. ']) must be an integer >= 1 (seconds)')
+  end
+end
 local t = now()
 local promoted = 0
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. 'delayed', '-inf', t, 'LIMIT', 0, tonumber(ARGV[1]))) do
@@ -34,8 +44,10 @@ for _, b in ipairs(redis.call('ZRANGEBYSCORE', p .. 'buckets', '-inf', t, 'LIMIT
     redis.call('ZREM', p .. 'buckets', b)
   end
 end
-local cutoff = t - tonumber(ARGV[3])
+local longest = redis.call('HMGET', p .. 'meta', 'longest_result_ttl', 'longest_failed_ttl')
+local result_ttl = math.max(tonumber(ARGV[3]), tonumber(longest[1]) or 0)
+local failed_ttl = math.max(tonumber(ARGV[4]), tonumber(longest[2]) or 0)
 for _, state in ipairs({'completed', 'failed', 'killed'}) do
-  redis.call('ZREMRANGEBYSCORE', p .. state, '-inf', cutoff)
+  redis.call('ZREMRANGEBYSCORE', p .. state, '-inf', t - (state == 'completed' and result_ttl or failed_ttl))
 end
 return out
