@@ -312,6 +312,20 @@ def kill(job_id: str, app_spec: str | None, redis_url: str | None) -> None:
 
 
 @main.command()
+@click.argument("job_id")
+@common
+def retry(job_id: str, app_spec: str | None, redis_url: str | None) -> None:
+    """Run a failed or killed job again (a dead letter, kept TASKRUNNER_FAILED_TTL): it goes
+    to the back of its queue with its counts of failures and Retry requests back to 0.
+    Exit 1 when the job is in another state."""
+    job = _app(app_spec, redis_url).job(job_id)
+    if not job.retry():
+        click.echo(f"{job_id}: {job.refresh().state}: only failed or killed jobs can be retried", err=True)
+        sys.exit(1)
+    click.echo(f"{job_id}: queued again")
+
+
+@main.command()
 @click.option("-q", "--queue", help="Only this queue.")
 @click.option("--state", type=click.Choice(listing.LIST_STATES), help="Only jobs in this state.")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)

@@ -76,10 +76,14 @@ def test_operator_retry_gives_a_fresh_budget(app, stack):
     job = retry_apps.asks.delay("again", 100)
     with pytest.raises(JobFailed, match="MaxRetriesExceeded"):
         job.wait(30)
-    assert job.retry("test")  # runs 4 and 5 ask within the budget again, run 6 is past it
+    assert "queued again" in stack.cli("retry", job.id, check=True).stdout  # runs 4, 5 within the budget again
     with pytest.raises(JobFailed, match="asked to retry 3 times"):
         job.wait(30)
     assert ledger(app, "again") == 6
+    done = retry_apps.asks.delay("done", 0)
+    assert done.wait(30) == 1
+    r = stack.cli("retry", done.id)
+    assert r.returncode == 1 and "completed: only failed or killed jobs can be retried" in r.stderr
 
 
 # -- retry_backoff_max -----------------------------------------------------------------
@@ -137,7 +141,7 @@ def test_the_sweep_keeps_dead_letters_listed_after_results_go(app, stack):
     assert [j["id"] for j in listed] == [failed.id]
     assert failed.retry("test")
     with pytest.raises(JobFailed):
-        failed.wait(30)
+        failed.wait(30)  # failed again, and listed again
 
 
 def test_a_tasks_longer_failed_ttl_keeps_it_listed(app, stack):
