@@ -42,7 +42,7 @@ class AsyncClient:
 
     async def enqueue(self, task: str, args: list | tuple = (), kwargs: dict | None = None, *,
                       delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
-                      **options: Any) -> str:
+                      headers: dict[str, Any] | None = None, **options: Any) -> str:
         """Enqueue by task name; returns the job id. Same options and errors as
         TaskRunner.enqueue (QueueFull after block_timeout, QueueClosed, NotJSONError...)."""
         if task not in self.app.tasks and options.get("queue") is None:  # the queue workers declared
@@ -53,7 +53,7 @@ class AsyncClient:
             options["queue"] = declared.get("queue", "default") if declared else "default"
         spec, sent = self.app._job_spec(task, options)
         job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
-        fields = self.app._fields(task, args, kwargs, spec, sent)
+        fields = self.app._fields(task, args, kwargs, spec, sent, headers)
         prefix = self.keys.q(spec.queue)
         cluster = is_cluster(self.redis)
         keys = [prefix] if cluster else [prefix, self.keys.queues]

@@ -174,10 +174,13 @@ class Task:
 
     def apply_async(self, args: Iterable = (), kwargs: dict | None = None, *, queue: str | None = None,
                     delay: float | None = None, max_duration: float | None = None, job_id: str | None = None,
-                    retries: int | None = None, block_timeout: float | None = None) -> Job:
+                    retries: int | None = None, block_timeout: float | None = None,
+                    headers: dict[str, Any] | None = None) -> Job:
+        """Enqueue with options; `headers`, a dict of JSON values, travel with the job
+        (current_job().headers; counted in its payload size)."""
         spec = self.spec.merged(queue=queue, max_duration=max_duration, retries=retries)
         return self.app.enqueue(self.name, args, kwargs, spec=spec, delay=delay, job_id=job_id,
-                                block_timeout=block_timeout)
+                                block_timeout=block_timeout, headers=headers)
 
 
 class TaskRunner:
@@ -290,21 +293,26 @@ class TaskRunner:
     # -- enqueueing ------------------------------------------------------------------
 
     def _fields(self, task: str, args: Iterable, kwargs: dict | None, spec: JobSpec,
-                sent: list[str] | None) -> list[Any]:
+                sent: list[str] | None, headers: dict[str, Any] | None = None) -> list[Any]:
         """The fields of a job for enqueue.lua: with `sent` None (a task declared here) all
         of the spec's settings, else only those named (the script fills in the rest from
-        the task's declaration in Redis)."""
+        the task's declaration in Redis). Headers go only when there are some: a job
+        without costs no field."""
         codec.check_name("task", task)
         if isinstance(args, (str, bytes, dict)) or not isinstance(args, Iterable):
             raise TypeError(f"args must be a list or tuple of arguments, not {type(args).__name__}")
         if not isinstance(kwargs or {}, dict):
             raise TypeError(f"kwargs must be a dict, not {type(kwargs).__name__}")
+        if not isinstance(headers or {}, dict):
+            raise TypeError(f"headers must be a dict, not {type(headers).__name__}")
         a = codec.dumps(list(args), "args")
         k = codec.dumps(kwargs or {}, "kwargs")
-        if len(a) + len(k) > self.settings.max_payload:
-            raise PayloadTooLarge(f"arguments of {task} take {len(a) + len(k)} bytes; the limit "
+        h = codec.dumps(headers, "headers") if headers else b""
+        size = len(a) + len(k) + len(h)
+        if size > self.settings.max_payload:
+            raise PayloadTooLarge(f"arguments {'and headers ' if h else ''}of {task} take {size} bytes; the limit "
                                   f"is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
-        fields = ["task", task, "queue", spec.queue, "args", a, "kwargs", k]
+        fields = ["task", task, "queue", spec.queue, "args", a, "kwargs", k, *(("headers", h) if h else ())]
         if sent is None:
             fields += ["max_duration", spec.max_duration or self.settings.max_duration, "retries", spec.retries,
                        "retry_backoff", spec.retry_backoff, "timeout_policy", spec.timeout_policy,
@@ -343,7 +351,7 @@ class TaskRunner:
 
     def enqueue(self, task: str, args: Iterable = (), kwargs: dict | None = None, *, spec: JobSpec | None = None,
                 delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
-                **options: Any) -> Job:
+                headers: dict[str, Any] | None = None, **options: Any) -> Job:
         """Enqueue by task name (the task need not be importable here). Options are those
         of JobSpec (queue, max_duration, retries, ...); for a task not declared in this app,
         those not given (the queue too) are the ones its workers declared in Redis, as the
@@ -351,10 +359,11 @@ class TaskRunner:
         nothing is enqueued and the existing job is returned, with .created False.
         Into a full bounded queue it waits up to `block_timeout` seconds (default: the
         block_timeout setting; 0: not at all) for room, then raises QueueFull.
+        `headers` (a dict of JSON values) travel with the job: current_job().headers.
         In eager mode the job runs here before this returns (taskrunner/eager.py)."""
         spec, sent = (spec.merged(**options), None) if spec is not None else self._job_spec(task, options)
         job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
-        fields = self._fields(task, args, kwargs, spec, sent)
+        fields = self._fields(task, args, kwargs, spec, sent, headers)
         delay = seconds("delay", delay) if delay is not None else None
         if self.settings.eager:
             return eager.enqueue(self, job_id, fields)
@@ -379,7 +388,7 @@ class TaskRunner:
     def enqueue_many(self, jobs: Iterable[dict[str, Any]], chunk: int = 1000,
                      progress: Callable[[int], Any] | None = None) -> list[Job]:
         """Enqueue many jobs, one round trip per `chunk`. Each job is a dict with `task`
-        and optionally args, kwargs, queue, delay, max_duration, retries, id. Never blocks:
+        and optionally args, kwargs, queue, delay, max_duration, retries, id, headers. Never blocks:
         jobs refused by a full or closed queue raise QueueFull/QueueClosed after the chunk
         (the jobs before them are enqueued). While Redis runs a chunk, the next one is built;
         it is sent once the answers came. In eager mode each job runs here, in order."""
@@ -449,14 +458,15 @@ class TaskRunner:
         """(queue, id, delay, fields) of one job of enqueue_many, checked like enqueue's."""
         if not isinstance(spec, dict) or "task" not in spec:
             raise ValueError("expected an object with a 'task' field")
-        unknown = set(spec) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "id"}
+        unknown = set(spec) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "id", "headers"}
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)}")
         task = codec.check_name("task", spec["task"])
         job, sent = self._job_spec(task, {k: spec.get(k) for k in ("queue", "retries", "max_duration")})
         job_id = codec.check_id(spec["id"]) if spec.get("id") is not None else codec.new_id()
         delay = seconds("delay", spec.get("delay") or 0)
-        return job.queue, job_id, delay, self._fields(task, spec.get("args") or [], spec.get("kwargs"), job, sent)
+        fields = self._fields(task, spec.get("args") or [], spec.get("kwargs"), job, sent, spec.get("headers"))
+        return job.queue, job_id, delay, fields
 
     def enqueue_keys(self, queue: str) -> list[str]:
         """KEYS of enqueue.lua: the queue's prefix, and the global queue set where one script

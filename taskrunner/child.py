@@ -2,9 +2,9 @@
 they were sent.
 
 Protocol with the worker (one pipe; the worker may send several jobs ahead, its prefetch):
-it sends b"seq\\0id\\0attempt\\0task\\0queue\\0max_duration\\0args\\0kwargs" (args, kwargs: the
-JSON text stored in Redis; seq counts the jobs sent to this child; queue, max duration and
-attempt are what current_job() tells the task); the child answers each job it ran with a
+it sends b"seq\\0" + message(...) (id, attempt, task, queue, max_duration, args, kwargs,
+headers; args, kwargs, headers: the JSON text stored in Redis; seq counts the jobs sent to
+this child; the rest is what current_job() tells the task); the child answers each job it ran with a
 JSON list [id, runtime, outcome, v1, v2, v3, v4] (outcome, v1..v4 as finish.lua takes them).
 
 Jobs sent ahead can be taken back while the child is busy, without its help: under a lock
@@ -202,26 +202,33 @@ class Call:
         return inspect.iscoroutinefunction(self.task.fn)
 
 
+def message(job_id: str, attempt: str, task: str, queue: str, max_duration: str, args: str, kwargs: str,
+            headers: str = "") -> bytes:
+    """A job as the worker (or eager mode) sends it to be run: its fields, NUL-separated
+    (prepare() refuses a job whose record held a NUL)."""
+    return b"\0".join(s.encode() for s in (job_id, attempt, task, queue, max_duration, args, kwargs, headers))
+
+
 def prepare(app: Any, message: bytes, reporter: Reporter | None = None) -> Call | Outcome:
-    """The job a worker sent (b"id\\0attempt\\0task\\0queue\\0max_duration\\0args\\0kwargs"),
-    ready to run; or, for bad input, the outcome that ends it. Its progress and log lines
-    will go to `reporter`."""
+    """The job a worker sent (message()), ready to run; or, for bad input, the outcome
+    that ends it. Its progress and log lines will go to `reporter`."""
     parts = message.split(b"\0")
-    if len(parts) != 7:
+    if len(parts) != 8:
         return Outcome.failed("CorruptJob", "job record has a malformed field (NUL byte)")
-    job_id, attempt, raw_name, queue, max_duration, raw_args, raw_kwargs = parts
+    job_id, attempt, raw_name, queue, max_duration, raw_args, raw_kwargs, raw_headers = parts
     name = raw_name.decode("utf-8", "replace")
     task = app.tasks.get(name)
     if task is None:
         return Outcome.failed("NotRegistered", f"unknown task {name!r}: no task of that name in app {app.name!r}")
     try:
         args, kwargs = codec.loads(raw_args), codec.loads(raw_kwargs)  # UTF-8 checked there
+        headers = codec.loads(raw_headers) if raw_headers else {}
     except ValueError as e:
-        return Outcome.failed("BadArguments", f"args/kwargs are not valid JSON: {e}")
-    if not isinstance(args, list) or not isinstance(kwargs, dict):
-        return Outcome.failed("BadArguments", "args must be a JSON array and kwargs a JSON object")
+        return Outcome.failed("BadArguments", f"args/kwargs/headers are not valid JSON: {e}")
+    if not isinstance(args, list) or not isinstance(kwargs, dict) or not isinstance(headers, dict):
+        return Outcome.failed("BadArguments", "args must be a JSON array, kwargs and headers JSON objects")
     context = JobContext(job_id.decode(), name, queue.decode(), int(attempt), time.time() + float(max_duration),
-                         reporter=reporter)
+                         headers, reporter=reporter)
     return Call(task, args, kwargs, context)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 import redis
 
-from . import codec, declarations, policy, scripts
+from . import child, codec, declarations, policy, scripts
 from .app import TaskRunner
 from .children import Child, send_signal, wait_ready
 from .claims import Delivery, claim_args, claim_keys, claim_rest
@@ -596,8 +596,8 @@ class Worker:
         alive = set(self.children)
         for (c, _), d in zip(slots, claimed):
             if c in alive:
-                message = (d.id, d.attempt, d.task, d.queue, str(d.max_duration), d.args_json, d.kwargs_json)
-                c.send(d, b"\0".join(s.encode() for s in message), now)
+                c.send(d, child.message(d.id, d.attempt, d.task, d.queue, str(d.max_duration), d.args_json,
+                                        d.kwargs_json, d.headers_json), now)
             else:
                 self._report(d, Outcome.returned(f"its process died on {self.host} before it got it"))
         for c in {c for c, _ in slots}:

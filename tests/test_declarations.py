@@ -65,6 +65,10 @@ BAD = [  # (what the call is, KEYS' queue, ARGV of one job after GOOD's job, kin
     ("args a string", "default", ["j2", 0, 2, "task", "t", "args", '"x"'], "NotJSON", "not a JSON array"),
     ("kwargs an array", "default", ["j2", 0, 2, "task", "t", "kwargs", "[1]"], "NotJSON", "not a JSON object"),
     ("kwargs not JSON", "default", ["j2", 0, 2, "task", "t", "kwargs", "{a}"], "NotJSON", "kwargs is not JSON"),
+    ("headers an array", "default", ["j2", 0, 2, "task", "t", "headers", "[1]"], "NotJSON",
+     "headers is not a JSON object"),
+    ("headers not JSON", "default", ["j2", 0, 2, "task", "t", "headers", "{a}"], "NotJSON", "headers is not JSON"),
+    ("headers empty", "default", ["j2", 0, 2, "task", "t", "headers", ""], "NotJSON", "headers is not a JSON object"),
     ("negative max_duration", "default", ["j2", 0, 2, "task", "t", "max_duration", "-1"], "BadValue",
      "max_duration must be a number of seconds > 0"),
     ("zero max_duration", "default", ["j2", 0, 2, "task", "t", "max_duration", "0"], "BadValue", "max_duration"),
@@ -124,8 +128,8 @@ def test_keys_and_argv_layout_are_checked(raw):
 def test_payload_limit_is_enforced_by_the_script(raw):
     before = raw.snapshot()
     big = json.dumps(["x" * (1 << 20)])  # over the default limit of 1 MiB
-    with pytest.raises(redis.ResponseError, match=r"PayloadTooLarge: job j: args and kwargs take 1048582 bytes; "
-                                                  r"the limit is 1048576"):
+    with pytest.raises(redis.ResponseError, match=r"PayloadTooLarge: job j: args, kwargs and headers take "
+                                                  r"1048582 bytes; the limit is 1048576"):
         raw.enqueue([raw.q("default")], *raw.job("j", "task", "t", "args", big))
     with pytest.raises(redis.ResponseError, match="the limit is 100"):  # a producer's own, lower limit
         raw.enqueue([raw.q("default")], *raw.job("j", "task", "t", "args", json.dumps(["x" * 100])), 100)

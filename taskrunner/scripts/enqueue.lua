@@ -7,8 +7,9 @@
 --          pairs; then, optionally, the payload limit in bytes (default 1048576)
 -- Fields a producer may send (any other is refused): task (required), queue (if sent, Q;
 -- the record gets queue Q either way), args (JSON array, default []), kwargs (JSON object,
--- default {}), max_duration (s > 0), retries (0 to 2^31-1), retry_backoff (s >= 0),
--- timeout_policy (kill|flag), max_lost (1 to 2^31-1), producer (text). Those of
+-- default {}), headers (JSON object; none when not sent), max_duration (s > 0), retries
+-- (0 to 2^31-1), retry_backoff (s >= 0), timeout_policy (kill|flag), max_lost (1 to
+-- 2^31-1), producer (text). Those of
 -- max_duration, retries, retry_backoff, timeout_policy and max_lost a producer did not send
 -- come from the task's declaration, <p>tasks[task] (JSON, written by workers), when there
 -- is one; numbers not in plain decimal notation are written back in it.
@@ -17,7 +18,8 @@
 -- Errors: "ERR taskrunner: <Kind>: <message>", Kind one of InvalidName, NotJSON,
 -- PayloadTooLarge, BadValue, BadCall.
 -- Sets: job:<id> (fields + state, enqueued_at), then pending+items (+wake) or delayed;
--- meta produced_messages/produced_bytes (bytes = length of args + kwargs).
+-- meta produced_messages/produced_bytes (bytes = length of args + kwargs + headers, the
+-- payload the limit applies to).
 local p = KEYS[1]
 local n_jobs = tonumber(ARGV[1])
 local WHOLE_MAX = 2147483647
@@ -114,7 +116,7 @@ local function finite(v)
   return true
 end
 
--- args (opening '[') or kwargs ('{'): nil when it is JSON of that kind, else why not.
+-- args (opening '[') or kwargs and headers ('{'): nil when it is JSON of that kind, else why not.
 -- cjson's shared decoder takes more than the strict one only where a number is expected:
 -- text starting with '+', inf or nan (any case), or 0 and a digit or x. Text with none of
 -- +, inf, nan, 0x, 0<digit> anywhere decodes alike with both, and the strict decoder
@@ -202,7 +204,7 @@ for n = 1, n_jobs do
     return refuse('BadValue', 'job ' .. id .. ': delay must be a number of seconds >= 0 and < 2^53')
   end
   -- Fields in locals, not a table: this loop is most of the script's cost.
-  local task, queue_f, args, kwargs, producer, md, rt, rb, tp, ml
+  local task, queue_f, args, kwargs, headers, producer, md, rt, rb, tp, ml
   local changed = false  -- a setting written otherwise than sent
   for a = i + 3, i + 1 + 2 * k, 2 do
     local name, value = ARGV[a], ARGV[a + 1]
@@ -210,6 +212,7 @@ for n = 1, n_jobs do
     if name == 'task' then seen = task; task = value
     elseif name == 'args' then seen = args; args = value
     elseif name == 'kwargs' then seen = kwargs; kwargs = value
+    elseif name == 'headers' then seen = headers; headers = value
     elseif name == 'queue' then seen = queue_f; queue_f = value
     elseif name == 'producer' then seen = producer; producer = value
     else
@@ -248,6 +251,8 @@ for n = 1, n_jobs do
   if why then return refuse('NotJSON', 'job ' .. id .. ': args ' .. why) end
   why = kwargs ~= '{}' and bad_json(kwargs, '{')
   if why then return refuse('NotJSON', 'job ' .. id .. ': kwargs ' .. why) end
+  why = headers and bad_json(headers, '{')
+  if why then return refuse('NotJSON', 'job ' .. id .. ': headers ' .. why) end
   if not (md and rt and rb and tp and ml) then  -- what the producer left to the declaration
     local fill, refusal = declared(task)
     if refusal then return refusal end
@@ -263,6 +268,7 @@ for n = 1, n_jobs do
   end
   if changed then
     local record = {'queue', queue, 'task', task, 'args', args, 'kwargs', kwargs}
+    if headers then record[#record + 1] = 'headers'; record[#record + 1] = headers end
     if md then record[#record + 1] = 'max_duration'; record[#record + 1] = md end
     if rt then record[#record + 1] = 'retries'; record[#record + 1] = rt end
     if rb then record[#record + 1] = 'retry_backoff'; record[#record + 1] = rb end
@@ -273,7 +279,7 @@ for n = 1, n_jobs do
   else
     plan[4 * n - 1] = i + 3
   end
-  local size = #args + #kwargs
+  local size = #args + #kwargs + (headers and #headers or 0)
   if size > largest then largest = size end
   plan[4 * n - 3], plan[4 * n - 2], plan[4 * n] = id, delay, size
   i = i + 3 + 2 * k
@@ -288,7 +294,7 @@ end
 if largest > limit then
   for n = 1, n_jobs do
     if plan[4 * n] > limit then
-      return refuse('PayloadTooLarge', 'job ' .. plan[4 * n - 3] .. ': args and kwargs take ' .. plan[4 * n]
+      return refuse('PayloadTooLarge', 'job ' .. plan[4 * n - 3] .. ': args, kwargs and headers take ' .. plan[4 * n]
         .. ' bytes; the limit is ' .. limit)
     end
   end
