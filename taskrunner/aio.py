@@ -53,6 +53,7 @@ class AsyncClient:
             options["queue"] = declared.get("queue", "default") if declared else "default"
         spec, sent = self.app._job_spec(task, options)
         job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
+        headers = self.app._headers(task, args, kwargs, spec.queue, job_id, headers)
         fields = self.app._fields(task, args, kwargs, spec, sent, headers)
         prefix = self.keys.q(spec.queue)
         cluster = is_cluster(self.redis)

@@ -23,6 +23,7 @@ from .connection import Direct, connect, is_cluster, pop_any
 from .errors import JobNotFound, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from .job import Job
 from .keys import Keys
+from .middleware import Enqueued, Middleware
 
 TIMEOUT_POLICIES = ("kill", "flag")
 log = logging.getLogger("taskrunner")
@@ -191,6 +192,7 @@ class TaskRunner:
         self.keys = Keys(self.settings.prefix)
         self.tasks: dict[str, Task] = {}
         self.schedules: dict[str, Schedule] = {}
+        self.middleware = Middleware()
         self._redis: redis.Redis | None = None
         self._direct: Direct | None = None  # the lone enqueue's fast path (None: not available)
         self._redis_pid = 0
@@ -242,6 +244,14 @@ class TaskRunner:
 
         self.periodic(cron, name="taskrunner.analyze", max_duration=3600)(
             self.task(functools.partial(run_as_job, self), name="taskrunner.analyze"))
+
+    def add_middleware(self, obj: Any) -> None:
+        """Register middleware: an object with any of the hooks before_enqueue(job),
+        child_start(), child_stop(), before_run(job), after_run(job, outcome),
+        on_retry(job, exc), on_failure(job, exc); see taskrunner/middleware.py for where
+        each runs and what a raising one does. Register it where the tasks are declared
+        (the app module), so that producers and workers alike have it."""
+        self.middleware.add(obj)
 
     # -- declaring -------------------------------------------------------------------
 
@@ -363,6 +373,7 @@ class TaskRunner:
         In eager mode the job runs here before this returns (taskrunner/eager.py)."""
         spec, sent = (spec.merged(**options), None) if spec is not None else self._job_spec(task, options)
         job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
+        headers = self._headers(task, args, kwargs, spec.queue, job_id, headers)
         fields = self._fields(task, args, kwargs, spec, sent, headers)
         delay = seconds("delay", delay) if delay is not None else None
         if self.settings.eager:
@@ -465,8 +476,21 @@ class TaskRunner:
         job, sent = self._job_spec(task, {k: spec.get(k) for k in ("queue", "retries", "max_duration")})
         job_id = codec.check_id(spec["id"]) if spec.get("id") is not None else codec.new_id()
         delay = seconds("delay", spec.get("delay") or 0)
-        fields = self._fields(task, spec.get("args") or [], spec.get("kwargs"), job, sent, spec.get("headers"))
-        return job.queue, job_id, delay, fields
+        args = spec.get("args") or []
+        headers = self._headers(task, args, spec.get("kwargs"), job.queue, job_id, spec.get("headers"))
+        return job.queue, job_id, delay, self._fields(task, args, spec.get("kwargs"), job, sent, headers)
+
+    def _headers(self, task: str, args: Iterable, kwargs: dict | None, queue: str, job_id: str,
+                 headers: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The headers a job is enqueued with: the caller's, as the before_enqueue hooks
+        leave them (a hook that raises refuses the enqueue). No hook: as given, uncopied."""
+        if not self.middleware.hooks["before_enqueue"]:
+            return headers
+        if not isinstance(headers or {}, dict):
+            raise TypeError(f"headers must be a dict, not {type(headers).__name__}")
+        job = Enqueued(task, list(args) if isinstance(args, (list, tuple)) else args, dict(kwargs or {}), queue,
+                       job_id, dict(headers or {}))
+        return self.middleware.before_enqueue(job)
 
     def enqueue_keys(self, queue: str) -> list[str]:
         """KEYS of enqueue.lua: the queue's prefix, and the global queue set where one script

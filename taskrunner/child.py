@@ -3,8 +3,8 @@ they were sent.
 
 Protocol with the worker (one pipe; the worker may send several jobs ahead, its prefetch):
 it sends b"seq\\0" + message(...) (id, attempt, task, queue, max_duration, args, kwargs,
-headers; args, kwargs, headers: the JSON text stored in Redis; seq counts the jobs sent to
-this child; the rest is what current_job() tells the task); the child answers each job it ran with a
+headers, retries left; args, kwargs, headers: the JSON text stored in Redis; seq counts the
+jobs sent to this child; the rest is what current_job() tells the task); the child answers each job it ran with a
 JSON list [id, runtime, outcome, v1, v2, v3, v4] (outcome, v1..v4 as finish.lua takes them).
 
 Jobs sent ahead can be taken back while the child is busy, without its help: under a lock
@@ -136,6 +136,7 @@ def reply(link: Link, message: bytes, runtime: float, outcome: Outcome) -> None:
 def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, parent: int, inherited: list) -> None:
     """One job at a time, in the order sent (the worker's classic child)."""
     link = begin_child(conn, kill_flag, parent, inherited)
+    app.middleware.child_start()
     fd = conn.fileno()
     reader, jobs = frames.Reader(fd), deque()
     try:
@@ -144,9 +145,12 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
                 while not jobs:
                     got = reader.read()
                     if got is None:
-                        os._exit(0)  # the worker closed its end
+                        break  # the worker closed its end
                     jobs.extend(got)
             except OSError:
+                pass
+            if not jobs:
+                app.middleware.child_stop()
                 os._exit(0)
             seq, message = jobs.popleft().split(b"\0", 1)
             n = int(seq)
@@ -203,19 +207,20 @@ class Call:
 
 
 def message(job_id: str, attempt: str, task: str, queue: str, max_duration: str, args: str, kwargs: str,
-            headers: str = "") -> bytes:
+            headers: str, retries_left: int) -> bytes:
     """A job as the worker (or eager mode) sends it to be run: its fields, NUL-separated
     (prepare() refuses a job whose record held a NUL)."""
-    return b"\0".join(s.encode() for s in (job_id, attempt, task, queue, max_duration, args, kwargs, headers))
+    fields = (job_id, attempt, task, queue, max_duration, args, kwargs, headers, str(retries_left))
+    return b"\0".join(s.encode() for s in fields)
 
 
 def prepare(app: Any, message: bytes, reporter: Reporter | None = None) -> Call | Outcome:
     """The job a worker sent (message()), ready to run; or, for bad input, the outcome
     that ends it. Its progress and log lines will go to `reporter`."""
     parts = message.split(b"\0")
-    if len(parts) != 8:
+    if len(parts) != 9:
         return Outcome.failed("CorruptJob", "job record has a malformed field (NUL byte)")
-    job_id, attempt, raw_name, queue, max_duration, raw_args, raw_kwargs, raw_headers = parts
+    job_id, attempt, raw_name, queue, max_duration, raw_args, raw_kwargs, raw_headers, retries_left = parts
     name = raw_name.decode("utf-8", "replace")
     task = app.tasks.get(name)
     if task is None:
@@ -228,7 +233,7 @@ def prepare(app: Any, message: bytes, reporter: Reporter | None = None) -> Call 
     if not isinstance(args, list) or not isinstance(kwargs, dict) or not isinstance(headers, dict):
         return Outcome.failed("BadArguments", "args must be a JSON array, kwargs and headers JSON objects")
     context = JobContext(job_id.decode(), name, queue.decode(), int(attempt), time.time() + float(max_duration),
-                         headers, reporter=reporter)
+                         headers, int(retries_left), reporter=reporter)
     return Call(task, args, kwargs, context)
 
 
@@ -261,27 +266,35 @@ def run(app: Any, message: bytes, reporter: Reporter | None = None) -> Outcome:
 
 
 def execute(call: Call) -> Outcome:
-    """Run a prepared job in this thread."""
+    """Run a prepared job in this thread, between its middleware's hooks (middleware.py:
+    a raising before_run fails the delivery as the task's own exception would)."""
     token = _current.set(call.context)
+    hooks = call.task.app.middleware
     try:
-        result = call.task.fn(*call.args, **call.kwargs)
-        if inspect.iscoroutine(result):
-            result = asyncio.run(result)
-    except (Exception, SystemExit) as e:
-        return raised(e, call)
+        try:
+            hooks.before_run(call.context)
+            result = call.task.fn(*call.args, **call.kwargs)
+            if inspect.iscoroutine(result):
+                result = asyncio.run(result)
+        except (Exception, SystemExit) as e:
+            return hooks.after_run(call.context, raised(e, call), e)
+        return hooks.after_run(call.context, returned(result), None)
     finally:
         _current.reset(token)
-    return returned(result)
 
 
 async def run_async(call: Call) -> Outcome:
-    """Run an `async def` task's job as a coroutine of the running loop. Cancelling it
-    (a kill, its max duration) raises CancelledError out of here: the caller knows why."""
+    """Run an `async def` task's job as a coroutine of the running loop, between its
+    middleware's hooks (as execute()). Cancelling it (a kill, its max duration) raises
+    CancelledError out of here: the caller knows why."""
     token = _current.set(call.context)
+    hooks = call.task.app.middleware
     try:
-        result = await call.task.fn(*call.args, **call.kwargs)
-    except (Exception, SystemExit) as e:
-        return raised(e, call)
+        try:
+            hooks.before_run(call.context)
+            result = await call.task.fn(*call.args, **call.kwargs)
+        except (Exception, SystemExit) as e:
+            return hooks.after_run(call.context, raised(e, call), e)
+        return hooks.after_run(call.context, returned(result), None)
     finally:
         _current.reset(token)
-    return returned(result)

@@ -89,8 +89,9 @@ def _run(app: TaskRunner, job: EagerJob) -> None:
         attempt, t = int(d["attempts"]) + 1, _now()
         d.update(state="running", attempts=str(attempt), started_at=t)
         max_duration = d.get("max_duration") or str(app.settings.max_duration)
+        retries_left = int(d.get("retries") or 0) - int(d["failures"]) - int(d["requeues"])
         message = job_message(job.id, str(attempt), d["task"], d["queue"], max_duration, d["args"], d["kwargs"],
-                              d.get("headers", ""))
+                              d.get("headers", ""), retries_left)
         outcome, v1, v2, v3, _ = run_in_child(app, message, _Record(d)).wire()
         counter = {"requeue": "requeues", "error": "failures"}.get(outcome)
         if counter:

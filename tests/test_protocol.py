@@ -62,10 +62,11 @@ def test_a_foreign_producer_enqueues_a_job_a_real_worker_runs(app, stack):
 def test_a_foreign_consumer_takes_and_acks_a_python_job(app):
     foreign = ForeignClient(app.settings.redis_url, app.settings.prefix)
     job = apps.add.delay(20, 22)
-    qi, job_id, attempt, task, args, kwargs, max_duration, policy, headers = foreign.claim("default", "foreign-worker")
+    [qi, job_id, attempt, task, args, kwargs, max_duration, policy, headers,
+     retries_left] = foreign.claim("default", "foreign-worker")
     assert (qi, job_id.decode(), task, json.loads(args), json.loads(kwargs)) == (1, job.id, b"tests.apps.add",
                                                                                 [20, 22], {})
-    assert (attempt, float(max_duration), policy, headers) == (1, 300.0, b"kill", b"")
+    assert (attempt, float(max_duration), policy, headers, retries_left) == (1, 300.0, b"kill", b"", 0)
     holding = json.loads(foreign.r.hget(foreign.q("default") + "running", job.id))
     assert holding["worker"] == "foreign-worker" and holding["pid"] == 4242 and holding["ip"] == "192.0.2.1"
     assert foreign.finish("default", job_id, attempt, sum(json.loads(args))) == 1
@@ -78,6 +79,6 @@ def test_a_foreign_consumer_takes_and_acks_a_python_job(app):
 def test_headers_travel_from_a_foreign_producer_to_a_foreign_consumer(app):
     foreign = ForeignClient(app.settings.redis_url, app.settings.prefix)
     assert foreign.enqueue("default", "h-1", "tests.apps.add", [1, 2], {}, {"trace": "t-1", "n": [1]}) == 1
-    *_, headers = foreign.claim("default", "foreign-worker")
-    assert json.loads(headers) == {"trace": "t-1", "n": [1]}
+    answer = foreign.claim("default", "foreign-worker")
+    assert json.loads(answer[8]) == {"trace": "t-1", "n": [1]}
     assert app.job("h-1").to_dict()["headers"] == {"trace": "t-1", "n": [1]}
