@@ -39,6 +39,7 @@ class JobSpec:
     retry_backoff: float = 1.0
     timeout_policy: str = "kill"
     max_lost: int | None = None
+    soft_limit: float | None = None
 
     def __post_init__(self) -> None:
         """Each value checked: one of the wrong type or range is refused here, by name,
@@ -52,6 +53,11 @@ class JobSpec:
         count("retries", self.retries)
         if self.max_lost is not None:
             count("max_lost", self.max_lost, minimum=1)
+        if self.soft_limit is not None:
+            seconds("soft_limit", self.soft_limit, positive=True)
+            if self.max_duration is not None and self.soft_limit >= self.max_duration:
+                raise ValueError(f"soft_limit ({self.soft_limit:g}s) must be less than max_duration "
+                                 f"({self.max_duration:g}s): the hard kill comes at max_duration")
 
     def merged(self, **changes: Any) -> JobSpec:
         """This spec with the changes that are not None."""
@@ -80,7 +86,7 @@ def count(name: str, value: Any, minimum: int = 0) -> int:
 
 
 #: Fields of a job that a producer may leave to the task's declaration (enqueue.lua).
-DECLARED = ("max_duration", "retries", "retry_backoff", "timeout_policy", "max_lost")
+DECLARED = ("max_duration", "retries", "retry_backoff", "timeout_policy", "max_lost", "soft_limit")
 
 
 def _enqueue_args(jobs: list[tuple[str, float, list[Any]]], limit: int | None = None) -> list[Any]:
@@ -257,7 +263,7 @@ class TaskRunner:
 
     def task(self, fn: Callable | None = None, *, name: str | None = None, queue: str = "default",
              max_duration: float | None = None, retries: int = 0, retry_backoff: float = 1.0,
-             timeout_policy: str = "kill", max_lost: int | None = None,
+             timeout_policy: str = "kill", max_lost: int | None = None, soft_limit: float | None = None,
              retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
              no_retry_on: type[BaseException] | tuple[type[BaseException], ...] = ()) -> Any:
         """Declare a task: `@app.task` or `@app.task(queue=..., max_duration=..., retries=...)`.
@@ -265,13 +271,16 @@ class TaskRunner:
         its max duration (failed, TimeLimitExceeded); "flag" only flags it stuck. A job that
         raises is retried while `retries` last, unless the exception is of a class in
         `no_retry_on`, or `retry_on` is given and it is of none of its classes: then it
-        fails at once (a ValueError from bad input will not pass on a second try)."""
+        fails at once (a ValueError from bad input will not pass on a second try).
+        soft_limit: seconds (< max_duration) after which SoftTimeLimit is raised inside the
+        task, so that it can clean up before the hard kill (taskrunner/soft_limit.py)."""
         retry_classes = None if retry_on is None else _exception_classes("retry_on", retry_on)
         no_retry_classes = _exception_classes("no_retry_on", no_retry_on)
 
         def register(f: Callable) -> Task:
             spec = JobSpec().merged(queue=queue, max_duration=max_duration, retries=retries,
-                                    retry_backoff=retry_backoff, timeout_policy=timeout_policy, max_lost=max_lost)
+                                    retry_backoff=retry_backoff, timeout_policy=timeout_policy, max_lost=max_lost,
+                                    soft_limit=soft_limit)
             task_name = codec.check_name("task", name or f"{_module_name(f.__module__)}.{f.__qualname__}")
             if task_name in self.tasks and self.tasks[task_name].fn is not f:
                 raise TaskRunnerError(f"two tasks named {task_name!r}: pass name= to one of them")
@@ -324,9 +333,15 @@ class TaskRunner:
                                   f"is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
         fields = ["task", task, "queue", spec.queue, "args", a, "kwargs", k, *(("headers", h) if h else ())]
         if sent is None:
-            fields += ["max_duration", spec.max_duration or self.settings.max_duration, "retries", spec.retries,
+            max_duration = spec.max_duration or self.settings.max_duration
+            fields += ["max_duration", max_duration, "retries", spec.retries,
                        "retry_backoff", spec.retry_backoff, "timeout_policy", spec.timeout_policy,
                        "max_lost", spec.max_lost or self.settings.max_lost]
+            if spec.soft_limit is not None:  # none: no field, no cost
+                if spec.soft_limit >= max_duration:
+                    raise ValueError(f"soft_limit ({spec.soft_limit:g}s) of {task} must be less than its max "
+                                     f"duration ({max_duration:g}s)")
+                fields += ["soft_limit", spec.soft_limit]
         else:
             for name in sent:
                 fields += [name, getattr(spec, name)]

@@ -3,7 +3,7 @@ they were sent.
 
 Protocol with the worker (one pipe; the worker may send several jobs ahead, its prefetch):
 it sends b"seq\\0" + message(...) (id, attempt, task, queue, max_duration, args, kwargs,
-headers, retries left; args, kwargs, headers: the JSON text stored in Redis; seq counts the
+headers, retries left, soft limit; args, kwargs, headers: the JSON text stored in Redis; seq counts the
 jobs sent to this child; the rest is what current_job() tells the task); the child answers each job it ran with a
 JSON list [id, runtime, outcome, v1, v2, v3, v4] (outcome, v1..v4 as finish.lua takes them).
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from . import codec, frames
+from . import codec, frames, soft_limit
 from .context import JobContext, JobLogHandler, Reporter, _current, log_line
 from .errors import NotJSONError, Reject, Retry
 from .outcome import Outcome
@@ -74,6 +74,7 @@ class Link:
     def __init__(self, fd: int, kill_flag: Any, hard: bool = False) -> None:
         self.fd, self.kill_flag, self.hard = fd, kill_flag, hard
         self.sending = self.killed = False
+        self.interrupt: BaseException | None = None  # raised once a frame is whole (soft_limit.py)
         self.lock = threading.Lock()
 
     def on_term(self, signum: int, frame: Any) -> None:
@@ -101,6 +102,9 @@ class Link:
                 self.sending = False
         if self.killed:
             self._die()
+        if self.interrupt is not None:
+            e, self.interrupt = self.interrupt, None
+            raise e
 
     # A job's progress and log lines (context.Reporter): one frame each, a JSON object,
     # where a job's answer is a JSON array; the worker batches them into its syncs.
@@ -200,6 +204,7 @@ class Call:
     args: list
     kwargs: dict
     context: JobContext
+    soft_limit: float | None = None  # seconds (soft_limit.py)
 
     @property
     def is_async(self) -> bool:
@@ -207,10 +212,10 @@ class Call:
 
 
 def message(job_id: str, attempt: str, task: str, queue: str, max_duration: str, args: str, kwargs: str,
-            headers: str, retries_left: int) -> bytes:
+            headers: str, retries_left: int, soft_limit: str) -> bytes:
     """A job as the worker (or eager mode) sends it to be run: its fields, NUL-separated
-    (prepare() refuses a job whose record held a NUL)."""
-    fields = (job_id, attempt, task, queue, max_duration, args, kwargs, headers, str(retries_left))
+    (prepare() refuses a job whose record held a NUL); soft_limit "": none."""
+    fields = (job_id, attempt, task, queue, max_duration, args, kwargs, headers, str(retries_left), soft_limit)
     return b"\0".join(s.encode() for s in fields)
 
 
@@ -218,9 +223,9 @@ def prepare(app: Any, message: bytes, reporter: Reporter | None = None) -> Call 
     """The job a worker sent (message()), ready to run; or, for bad input, the outcome
     that ends it. Its progress and log lines will go to `reporter`."""
     parts = message.split(b"\0")
-    if len(parts) != 9:
+    if len(parts) != 10:
         return Outcome.failed("CorruptJob", "job record has a malformed field (NUL byte)")
-    job_id, attempt, raw_name, queue, max_duration, raw_args, raw_kwargs, raw_headers, retries_left = parts
+    job_id, attempt, raw_name, queue, max_duration, raw_args, raw_kwargs, raw_headers, retries_left, soft = parts
     name = raw_name.decode("utf-8", "replace")
     task = app.tasks.get(name)
     if task is None:
@@ -234,7 +239,17 @@ def prepare(app: Any, message: bytes, reporter: Reporter | None = None) -> Call 
         return Outcome.failed("BadArguments", "args must be a JSON array, kwargs and headers JSON objects")
     context = JobContext(job_id.decode(), name, queue.decode(), int(attempt), time.time() + float(max_duration),
                          headers, int(retries_left), reporter=reporter)
-    return Call(task, args, kwargs, context)
+    return Call(task, args, kwargs, context, _soft_limit(soft))
+
+
+def _soft_limit(text: bytes) -> float | None:
+    """The soft limit a worker sent: None when none (or not a number of seconds > 0: the
+    claim copies the record's field as it is)."""
+    try:
+        s = float(text) if text else 0.0
+    except ValueError:
+        return None
+    return s if 0 < s < float("inf") else None
 
 
 def raised(e: BaseException, call: Call) -> Outcome:
@@ -273,9 +288,10 @@ def execute(call: Call) -> Outcome:
     try:
         try:
             hooks.before_run(call.context)
-            result = call.task.fn(*call.args, **call.kwargs)
-            if inspect.iscoroutine(result):
-                result = asyncio.run(result)
+            with soft_limit.applied(call.soft_limit, call.context.reporter):
+                result = call.task.fn(*call.args, **call.kwargs)
+                if inspect.iscoroutine(result):  # eager mode, or a worker without --async-slots
+                    result = asyncio.run(result)
         except (Exception, SystemExit) as e:
             return hooks.after_run(call.context, raised(e, call), e)
         return hooks.after_run(call.context, returned(result), None)
@@ -292,7 +308,8 @@ async def run_async(call: Call) -> Outcome:
     try:
         try:
             hooks.before_run(call.context)
-            result = await call.task.fn(*call.args, **call.kwargs)
+            async with soft_limit.applied_async(call.soft_limit):
+                result = await call.task.fn(*call.args, **call.kwargs)
         except (Exception, SystemExit) as e:
             return hooks.after_run(call.context, raised(e, call), e)
         return hooks.after_run(call.context, returned(result), None)

@@ -32,7 +32,8 @@ def declaration(app: TaskRunner, task: Task, worker: str, at: float) -> dict[str
     s = task.spec
     return {"task": task.name, "queue": s.queue, "max_duration": s.max_duration or app.settings.max_duration,
             "retries": s.retries, "retry_backoff": s.retry_backoff, "timeout_policy": s.timeout_policy,
-            "max_lost": s.max_lost or app.settings.max_lost, "worker": worker, "declared_at": at}
+            "max_lost": s.max_lost or app.settings.max_lost, "soft_limit": s.soft_limit, "worker": worker,
+            "declared_at": at}
 
 
 def publish(app: TaskRunner, queues: list[str], worker: str, at: float, overwrite: bool = True) -> None:

@@ -91,7 +91,7 @@ def _run(app: TaskRunner, job: EagerJob) -> None:
         max_duration = d.get("max_duration") or str(app.settings.max_duration)
         retries_left = int(d.get("retries") or 0) - int(d["failures"]) - int(d["requeues"])
         message = job_message(job.id, str(attempt), d["task"], d["queue"], max_duration, d["args"], d["kwargs"],
-                              d.get("headers", ""), retries_left)
+                              d.get("headers", ""), retries_left, "")  # no soft limit: soft_limit.py
         outcome, v1, v2, v3, _ = run_in_child(app, message, _Record(d)).wire()
         counter = {"requeue": "requeues", "error": "failures"}.get(outcome)
         if counter:

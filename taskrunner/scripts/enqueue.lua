@@ -9,10 +9,12 @@
 -- the record gets queue Q either way), args (JSON array, default []), kwargs (JSON object,
 -- default {}), headers (JSON object; none when not sent), max_duration (s > 0), retries
 -- (0 to 2^31-1), retry_backoff (s >= 0), timeout_policy (kill|flag), max_lost (1 to
--- 2^31-1), producer (text). Those of
--- max_duration, retries, retry_backoff, timeout_policy and max_lost a producer did not send
--- come from the task's declaration, <p>tasks[task] (JSON, written by workers), when there
--- is one; numbers not in plain decimal notation are written back in it.
+-- 2^31-1), soft_limit (s > 0, < max_duration), producer (text). Those of max_duration,
+-- retries, retry_backoff, timeout_policy and max_lost a producer did not send come from the
+-- task's declaration, <p>tasks[task] (JSON, written by workers), when there is one, and
+-- then soft_limit too, if not sent (a producer that sends all five, as taskrunner's does
+-- for a task it declares, is not looked up: it sends soft_limit when there is one);
+-- numbers not in plain decimal notation are written back in it.
 -- Returns one integer per job: 1 added, 0 an id that already exists (nothing changed),
 -- -1 the queue is full (its bound is reached; delayed jobs do not count), -2 it is closed.
 -- Errors: "ERR taskrunner: <Kind>: <message>", Kind one of InvalidName, NotJSON,
@@ -65,13 +67,14 @@ local function setting(name, v)
     if x % 1 ~= 0 or x < (name == 'max_lost' and 1 or 0) or x > WHOLE_MAX then return nil end
     return plain and not string.find(v, '.', 1, true) and v or string.format('%d', x)
   end
-  if x < 0 or x >= SECONDS_MAX then return nil end  -- max_duration, retry_backoff: seconds
+  if x < 0 or x >= SECONDS_MAX then return nil end  -- max_duration, retry_backoff, soft_limit: seconds
+  local positive = name == 'max_duration' or name == 'soft_limit'
   if plain then
-    if x == 0 and name == 'max_duration' then return nil end
+    if x == 0 and positive then return nil end
     return v
   end
   local s = decimal(x)
-  if name == 'max_duration' and tonumber(s) <= 0 then return nil end
+  if positive and tonumber(s) <= 0 then return nil end
   return s
 end
 
@@ -93,7 +96,7 @@ local function setting_of(name, text)
 end
 
 local function rule(name)
-  if name == 'max_duration' then return 'a number of seconds > 0 and < 2^53'
+  if name == 'max_duration' or name == 'soft_limit' then return 'a number of seconds > 0 and < 2^53'
   elseif name == 'retry_backoff' then return 'a number of seconds >= 0 and < 2^53'
   elseif name == 'retries' then return 'a whole number from 0 to 2147483647'
   elseif name == 'max_lost' then return 'a whole number from 1 to 2147483647'
@@ -156,11 +159,11 @@ if not n_jobs or n_jobs < 0 or n_jobs % 1 ~= 0 then
   return refuse('BadCall', 'ARGV[1] must be the number of jobs')
 end
 
--- What the task's declaration gives for max_duration, retries, retry_backoff, timeout_policy
--- and max_lost, in that order: the text to store, false (none) or true (not acceptable,
+-- What the task's declaration gives for max_duration, retries, retry_backoff, timeout_policy,
+-- max_lost and soft_limit, in that order: the text to store, false (none) or true (not acceptable,
 -- refused for a job that needs it); false when there is no declaration. Read and checked
 -- once per task and call; nil and the refusal when it is not a JSON object.
-local DECLARED = {'max_duration', 'retries', 'retry_backoff', 'timeout_policy', 'max_lost'}
+local DECLARED = {'max_duration', 'retries', 'retry_backoff', 'timeout_policy', 'max_lost', 'soft_limit'}
 local declarations  -- task -> fill, made when needed
 local function declared(task)
   declarations = declarations or {}
@@ -204,7 +207,7 @@ for n = 1, n_jobs do
     return refuse('BadValue', 'job ' .. id .. ': delay must be a number of seconds >= 0 and < 2^53')
   end
   -- Fields in locals, not a table: this loop is most of the script's cost.
-  local task, queue_f, args, kwargs, headers, producer, md, rt, rb, tp, ml
+  local task, queue_f, args, kwargs, headers, producer, md, rt, rb, tp, ml, sl
   local changed = false  -- a setting written otherwise than sent
   for a = i + 3, i + 1 + 2 * k, 2 do
     local name, value = ARGV[a], ARGV[a + 1]
@@ -222,6 +225,7 @@ for n = 1, n_jobs do
       elseif name == 'retry_backoff' then seen = rb; rb = v
       elseif name == 'timeout_policy' then seen = tp; tp = v
       elseif name == 'max_lost' then seen = ml; ml = v
+      elseif name == 'soft_limit' then seen = sl; sl = v
       else
         return refuse('BadCall', 'job ' .. id .. ': unknown field ' .. string.format('%q', string.sub(name, 1, 50)))
       end
@@ -258,13 +262,19 @@ for n = 1, n_jobs do
     if refusal then return refusal end
     if fill then
       md, rt, rb, tp, ml = md or fill[1], rt or fill[2], rb or fill[3], tp or fill[4], ml or fill[5]
+      sl = sl or fill[6]
       local bad = md == true and 1 or rt == true and 2 or rb == true and 3 or tp == true and 4 or ml == true and 5
+        or sl == true and 6
       if bad then
         return refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. p .. 'tasks: ' .. DECLARED[bad]
           .. ' must be ' .. rule(DECLARED[bad]))
       end
       changed = true
     end
+  end
+  if sl and md and tonumber(sl) >= tonumber(md) then
+    return refuse('BadValue', 'job ' .. id .. ': soft_limit (' .. sl .. 's) must be less than max_duration ('
+      .. md .. 's): the hard kill comes at max_duration')
   end
   if changed then
     local record = {'queue', queue, 'task', task, 'args', args, 'kwargs', kwargs}
@@ -274,6 +284,7 @@ for n = 1, n_jobs do
     if rb then record[#record + 1] = 'retry_backoff'; record[#record + 1] = rb end
     if tp then record[#record + 1] = 'timeout_policy'; record[#record + 1] = tp end
     if ml then record[#record + 1] = 'max_lost'; record[#record + 1] = ml end
+    if sl then record[#record + 1] = 'soft_limit'; record[#record + 1] = sl end
     if producer then record[#record + 1] = 'producer'; record[#record + 1] = producer end
     plan[4 * n - 1] = record
   else
