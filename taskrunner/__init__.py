@@ -13,12 +13,13 @@ from .errors import (
     QueueNotFound,
     Reject,
     Retry,
+    SoftTimeLimit,
     TaskRunnerError,
     Timeout,
 )
 from .job import Job
 
 __all__ = ["TaskRunner", "Task", "Job", "current_job", "JobContext",
-           "JobSpec", "Schedule", "Retry", "Reject", "TaskRunnerError", "JobFailed",
+           "JobSpec", "Schedule", "Retry", "Reject", "SoftTimeLimit", "TaskRunnerError", "JobFailed",
            "JobNotFound", "NotJSONError", "PayloadTooLarge", "InvalidName", "Timeout", "QueueFull", "QueueClosed",
            "QueueNotFound"]

@@ -81,10 +81,10 @@ class AsyncClient:
 
     async def enqueue(self, task: str, args: list | tuple = (), kwargs: dict | None = None, *,
                       delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
-                      **options: Any) -> str:
+                      headers: dict[str, Any] | None = None, **options: Any) -> str:
         """Enqueue by task name; returns the job id. Same options and errors as
         TaskRunner.enqueue (QueueFull after block_timeout, QueueClosed, NotJSONError...)."""
-        draft = await self._run(steps.draft(self.app, task, args, kwargs, None, options, delay, job_id))
+        draft = await self._run(steps.draft(self.app, task, args, kwargs, None, options, delay, job_id, headers))
         await self._run(steps.enqueue(self.app, draft, block_timeout))
         return draft.id
 

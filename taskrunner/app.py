@@ -23,6 +23,7 @@ from .connection import Client, Direct, connect, is_cluster
 from .errors import MAX_RETRIES, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from .job import Job
 from .keys import Keys
+from .middleware import Enqueued, Middleware
 
 TIMEOUT_POLICIES = ("kill", "flag")
 log = logging.getLogger("taskrunner")
@@ -43,6 +44,7 @@ class JobSpec:
     retry_backoff_max: float | None = None
     result_ttl: int | None = None
     failed_ttl: int | None = None
+    soft_limit: float | None = None
 
     def __post_init__(self) -> None:
         """Each value checked: one of the wrong type or range is refused here, by name,
@@ -62,6 +64,11 @@ class JobSpec:
         for name in ("result_ttl", "failed_ttl"):
             if getattr(self, name) is not None:
                 count(name, getattr(self, name), minimum=1)
+        if self.soft_limit is not None:
+            seconds("soft_limit", self.soft_limit, positive=True)
+            if self.max_duration is not None and self.soft_limit >= self.max_duration:
+                raise ValueError(f"soft_limit ({self.soft_limit:g}s) must be less than max_duration "
+                                 f"({self.max_duration:g}s): the hard kill comes at max_duration")
 
     def merged(self, **changes: Any) -> JobSpec:
         """This spec with the changes that are not None."""
@@ -71,7 +78,7 @@ class JobSpec:
 
 #: Fields of a job that a producer may leave to the task's declaration (enqueue.lua).
 DECLARED = ("max_duration", "retries", "retry_backoff", "timeout_policy", "max_lost", "max_retries",
-            "retry_backoff_max", "result_ttl", "failed_ttl")
+            "retry_backoff_max", "result_ttl", "failed_ttl", "soft_limit")
 #: Those a producer that knows the task sends only when they differ from the default
 #: (a record without them gets the default): most jobs then cost what they did before.
 OPTIONAL = (("max_retries", MAX_RETRIES), ("retry_backoff_max", None), ("result_ttl", None), ("failed_ttl", None))
@@ -173,10 +180,12 @@ class Task:
     def apply_async(self, args: Iterable = (), kwargs: dict | None = None, *, queue: str | None = None,
                     delay: float | None = None, max_duration: float | None = None, job_id: str | None = None,
                     retries: int | None = None, max_retries: int | None = None,
-                    block_timeout: float | None = None) -> Job:
+                    block_timeout: float | None = None, headers: dict[str, Any] | None = None) -> Job:
+        """Enqueue with options; `headers`, a dict of JSON values, travel with the job
+        (current_job().headers; counted in its payload size)."""
         spec = self.spec.merged(queue=queue, max_duration=max_duration, retries=retries, max_retries=max_retries)
         return self.app.enqueue(self.name, args, kwargs, spec=spec, delay=delay, job_id=job_id,
-                                block_timeout=block_timeout)
+                                block_timeout=block_timeout, headers=headers)
 
 
 class TaskRunner:
@@ -187,6 +196,7 @@ class TaskRunner:
         self.keys = Keys(self.settings.prefix)
         self.tasks: dict[str, Task] = {}
         self.schedules: dict[str, Schedule] = {}
+        self.middleware = Middleware()
         self._redis: Client | None = None
         self._direct: Direct | None = None  # the lone enqueue's fast path (None: not available)
         self._redis_pid = 0
@@ -239,13 +249,21 @@ class TaskRunner:
         self.periodic(cron, name="taskrunner.analyze", max_duration=3600)(
             self.task(functools.partial(run_as_job, self), name="taskrunner.analyze"))
 
+    def add_middleware(self, obj: Any) -> None:
+        """Register middleware: an object with any of the hooks before_enqueue(job),
+        child_start(), child_stop(), before_run(job), after_run(job, outcome),
+        on_retry(job, exc), on_failure(job, exc); see taskrunner/middleware.py for where
+        each runs and what a raising one does. Register it where the tasks are declared
+        (the app module), so that producers and workers alike have it."""
+        self.middleware.add(obj)
+
     # -- declaring -------------------------------------------------------------------
 
     def task(self, fn: Callable | None = None, *, name: str | None = None, queue: str = "default",
              max_duration: float | None = None, retries: int = 0, retry_backoff: float = 1.0,
              timeout_policy: str = "kill", max_lost: int | None = None, max_retries: int = MAX_RETRIES,
              retry_backoff_max: float | None = None, result_ttl: int | None = None, failed_ttl: int | None = None,
-             ignore_result: bool = False,
+             ignore_result: bool = False, soft_limit: float | None = None,
              retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
              no_retry_on: type[BaseException] | tuple[type[BaseException], ...] = ()) -> Any:
         """Declare a task: `@app.task` or `@app.task(queue=..., max_duration=..., retries=...)`.
@@ -258,7 +276,9 @@ class TaskRunner:
         MaxRetriesExceeded. retry_backoff_max caps this task's backoff; result_ttl and
         failed_ttl (seconds) keep its completed, and failed or killed, jobs that long,
         instead of the settings of the same names. ignore_result: the return value is
-        dropped (the job still ends completed; wait() returns None)."""
+        dropped (the job still ends completed; wait() returns None).
+        soft_limit: seconds (< max_duration) after which SoftTimeLimit is raised inside the
+        task, so that it can clean up before the hard kill (taskrunner/soft_limit.py)."""
         if not isinstance(ignore_result, bool):
             raise ValueError(f"ignore_result must be True or False, not {ignore_result!r}")
         retry_classes = None if retry_on is None else _exception_classes("retry_on", retry_on)
@@ -268,7 +288,7 @@ class TaskRunner:
             spec = JobSpec().merged(queue=queue, max_duration=max_duration, retries=retries,
                                     retry_backoff=retry_backoff, timeout_policy=timeout_policy, max_lost=max_lost,
                                     max_retries=max_retries, retry_backoff_max=retry_backoff_max,
-                                    result_ttl=result_ttl, failed_ttl=failed_ttl)
+                                    result_ttl=result_ttl, failed_ttl=failed_ttl, soft_limit=soft_limit)
             task_name = codec.check_name("task", name or f"{_module_name(f.__module__)}.{f.__qualname__}")
             if task_name in self.tasks and self.tasks[task_name].fn is not f:
                 raise TaskRunnerError(f"two tasks named {task_name!r}: pass name= to one of them")
@@ -301,29 +321,41 @@ class TaskRunner:
     # -- enqueueing ------------------------------------------------------------------
 
     def _fields(self, task: str, args: Iterable, kwargs: dict | None, spec: JobSpec,
-                sent: list[str] | None) -> list[Any]:
+                sent: list[str] | None, headers: dict[str, Any] | None = None) -> list[Any]:
         """The fields of a job for enqueue.lua: with `sent` None (a task declared here) all
         of the spec's settings (those of OPTIONAL when not their default), else only those
-        named (the script fills in the rest from the task's declaration in Redis)."""
+        named (the script fills in the rest from the task's declaration in Redis). Headers
+        go only when there are some: a job without costs no field."""
         codec.check_name("task", task)
         if isinstance(args, (str, bytes, dict)) or not isinstance(args, Iterable):
             raise TypeError(f"args must be a list or tuple of arguments, not {type(args).__name__}")
         if not isinstance(kwargs or {}, dict):
             raise TypeError(f"kwargs must be a dict, not {type(kwargs).__name__}")
+        if not isinstance(headers or {}, dict):
+            raise TypeError(f"headers must be a dict, not {type(headers).__name__}")
         a = codec.dumps(list(args), "args")
         k = codec.dumps(kwargs or {}, "kwargs")
-        if len(a) + len(k) > self.settings.max_payload:
-            raise PayloadTooLarge(f"arguments of {task} take {len(a) + len(k)} bytes; the limit "
+        h = codec.dumps(headers, "headers") if headers else b""
+        size = len(a) + len(k) + len(h)
+        if size > self.settings.max_payload:
+            raise PayloadTooLarge(f"arguments {'and headers ' if h else ''}of {task} take {size} bytes; the limit "
                                   f"is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
-        fields: list[Any] = ["task", task, "queue", spec.queue, "args", a, "kwargs", k]
+        fields: list[Any] = ["task", task, "queue", spec.queue, "args", a, "kwargs", k,
+                             *(("headers", h) if h else ())]
         if sent is None:
-            fields += ["max_duration", spec.max_duration or self.settings.max_duration, "retries", spec.retries,
+            max_duration = spec.max_duration or self.settings.max_duration
+            fields += ["max_duration", max_duration, "retries", spec.retries,
                        "retry_backoff", spec.retry_backoff, "timeout_policy", spec.timeout_policy,
                        "max_lost", spec.max_lost or self.settings.max_lost]
             for name, default in OPTIONAL:
                 value = getattr(spec, name)
                 if value != default:
                     fields += [name, value]
+            if spec.soft_limit is not None:  # none: no field, no cost
+                if spec.soft_limit >= max_duration:
+                    raise ValueError(f"soft_limit ({spec.soft_limit:g}s) of {task} must be less than its max "
+                                     f"duration ({max_duration:g}s)")
+                fields += ["soft_limit", spec.soft_limit]
         else:
             for name in sent:
                 fields += [name, getattr(spec, name)]
@@ -353,7 +385,7 @@ class TaskRunner:
 
     def enqueue(self, task: str, args: Iterable = (), kwargs: dict | None = None, *, spec: JobSpec | None = None,
                 delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
-                **options: Any) -> Job:
+                headers: dict[str, Any] | None = None, **options: Any) -> Job:
         """Enqueue by task name (the task need not be importable here). Options are those
         of JobSpec (queue, max_duration, retries, ...); for a task not declared in this app,
         those not given (the queue too) are the ones its workers declared in Redis, as the
@@ -361,8 +393,9 @@ class TaskRunner:
         nothing is enqueued and the existing job is returned, with .created False.
         Into a full bounded queue it waits up to `block_timeout` seconds (default: the
         block_timeout setting; 0: not at all) for room, then raises QueueFull.
+        `headers` (a dict of JSON values) travel with the job: current_job().headers.
         In eager mode the job runs here before this returns (taskrunner/eager.py)."""
-        draft = steps.run(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id))
+        draft = steps.run(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id, headers))
         if self.settings.eager:
             return eager.enqueue(self, draft.id, draft.fields)
         job = Job(self, draft.id, draft.queue)
@@ -372,7 +405,7 @@ class TaskRunner:
     def enqueue_many(self, jobs: Iterable[dict[str, Any]], chunk: int = 1000,
                      progress: Callable[[int], Any] | None = None) -> list[Job]:
         """Enqueue many jobs, one round trip per `chunk`. Each job is a dict with `task`
-        and optionally args, kwargs, queue, delay, max_duration, retries, id. Never blocks:
+        and optionally args, kwargs, queue, delay, max_duration, retries, id, headers. Never blocks:
         jobs refused by a full or closed queue raise QueueFull/QueueClosed after the chunk
         (the jobs before them are enqueued). While Redis runs a chunk, the next one is built;
         it is sent once the answers came. In eager mode each job runs here, in order."""
@@ -442,14 +475,28 @@ class TaskRunner:
         """(queue, id, delay, fields) of one job of enqueue_many, checked like enqueue's."""
         if not isinstance(spec, dict) or "task" not in spec:
             raise ValueError("expected an object with a 'task' field")
-        unknown = set(spec) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "id"}
+        unknown = set(spec) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "id", "headers"}
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)}")
         task = codec.check_name("task", spec["task"])
         job, sent = self._job_spec(task, {k: spec.get(k) for k in ("queue", "retries", "max_duration")})
         job_id = codec.check_id(spec["id"]) if spec.get("id") is not None else codec.new_id()
         delay = seconds("delay", spec.get("delay") or 0)
-        return job.queue, job_id, delay, self._fields(task, spec.get("args") or [], spec.get("kwargs"), job, sent)
+        args = spec.get("args") or []
+        headers = self._headers(task, args, spec.get("kwargs"), job.queue, job_id, spec.get("headers"))
+        return job.queue, job_id, delay, self._fields(task, args, spec.get("kwargs"), job, sent, headers)
+
+    def _headers(self, task: str, args: Any, kwargs: dict | None, queue: str, job_id: str,
+                 headers: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The headers a job is enqueued with: the caller's, as the before_enqueue hooks
+        leave them (a hook that raises refuses the enqueue). No hook: as given, uncopied."""
+        if not self.middleware.hooks["before_enqueue"]:
+            return headers
+        if not isinstance(headers or {}, dict):
+            raise TypeError(f"headers must be a dict, not {type(headers).__name__}")
+        job = Enqueued(task, list(args) if isinstance(args, (list, tuple)) else args, dict(kwargs or {}), queue,
+                       job_id, dict(headers or {}))
+        return self.middleware.before_enqueue(job)
 
     def enqueue_keys(self, queue: str) -> list[str]:
         """KEYS of enqueue.lua: the queue's prefix, and the global queue set where one script

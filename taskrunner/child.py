@@ -2,9 +2,9 @@
 they were sent.
 
 Protocol with the worker (one pipe; the worker may send several jobs ahead, its prefetch):
-it sends b"seq\\0id\\0attempt\\0task\\0queue\\0max_duration\\0args\\0kwargs" (args, kwargs: the
-JSON text stored in Redis; seq counts the jobs sent to this child; queue, max duration and
-attempt are what current_job() tells the task); the child answers each job it ran with a
+it sends b"seq\\0" + message(...) (id, attempt, task, queue, max_duration, args, kwargs,
+headers, retries left, soft limit; args, kwargs, headers: the JSON text stored in Redis; seq counts the
+jobs sent to this child; the rest is what current_job() tells the task); the child answers each job it ran with a
 JSON list [id, runtime, outcome, v1, v2, v3, v4] (outcome, v1..v4 as finish.lua takes them).
 
 Jobs sent ahead can be taken back while the child is busy, without its help: under a lock
@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from . import codec, frames
+from . import codec, frames, soft_limit
 from .context import JobContext, JobLogHandler, Reporter, _current, log_line
 from .errors import NotJSONError, Reject, Retry
 from .outcome import Outcome
@@ -74,6 +74,7 @@ class Link:
     def __init__(self, fd: int, kill_flag: Any, hard: bool = False) -> None:
         self.fd, self.kill_flag, self.hard = fd, kill_flag, hard
         self.sending = self.killed = False
+        self.interrupt: BaseException | None = None  # raised once a frame is whole (soft_limit.py)
         self.lock = threading.Lock()
 
     def on_term(self, signum: int, frame: Any) -> None:
@@ -101,6 +102,9 @@ class Link:
                 self.sending = False
         if self.killed:
             self._die()
+        if self.interrupt is not None:
+            e, self.interrupt = self.interrupt, None
+            raise e
 
     # A job's progress and log lines (context.Reporter): one frame each, a JSON object,
     # where a job's answer is a JSON array; the worker batches them into its syncs.
@@ -136,6 +140,7 @@ def reply(link: Link, message: bytes, runtime: float, outcome: Outcome) -> None:
 def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, parent: int, inherited: list) -> None:
     """One job at a time, in the order sent (the worker's classic child)."""
     link = begin_child(conn, kill_flag, parent, inherited)
+    app.middleware.child_start()
     fd = conn.fileno()
     reader, jobs = frames.Reader(fd), deque[bytes]()
     try:
@@ -144,9 +149,12 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
                 while not jobs:
                     got = reader.read()
                     if got is None:
-                        os._exit(0)  # the worker closed its end
+                        break  # the worker closed its end
                     jobs.extend(got)
             except OSError:
+                pass
+            if not jobs:
+                app.middleware.child_stop()
                 os._exit(0)
             seq, message = jobs.popleft().split(b"\0", 1)
             n = int(seq)
@@ -196,33 +204,52 @@ class Call:
     args: list
     kwargs: dict
     context: JobContext
+    soft_limit: float | None = None  # seconds (soft_limit.py)
 
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.task.fn)
 
 
+def message(job_id: str, attempt: str, task: str, queue: str, max_duration: str, args: str, kwargs: str,
+            headers: str, retries_left: int, soft_limit: str) -> bytes:
+    """A job as the worker (or eager mode) sends it to be run: its fields, NUL-separated
+    (prepare() refuses a job whose record held a NUL); soft_limit "": none."""
+    fields = (job_id, attempt, task, queue, max_duration, args, kwargs, headers, str(retries_left), soft_limit)
+    return b"\0".join(s.encode() for s in fields)
+
+
 def prepare(app: Any, message: bytes, reporter: Reporter | None = None) -> Call | Outcome:
-    """The job a worker sent (b"id\\0attempt\\0task\\0queue\\0max_duration\\0args\\0kwargs"),
-    ready to run; or, for bad input, the outcome that ends it. Its progress and log lines
-    will go to `reporter`."""
+    """The job a worker sent (message()), ready to run; or, for bad input, the outcome
+    that ends it. Its progress and log lines will go to `reporter`."""
     parts = message.split(b"\0")
-    if len(parts) != 7:
+    if len(parts) != 10:
         return Outcome.failed("CorruptJob", "job record has a malformed field (NUL byte)")
-    job_id, attempt, raw_name, queue, max_duration, raw_args, raw_kwargs = parts
+    job_id, attempt, raw_name, queue, max_duration, raw_args, raw_kwargs, raw_headers, retries_left, soft = parts
     name = raw_name.decode("utf-8", "replace")
     task = app.tasks.get(name)
     if task is None:
         return Outcome.failed("NotRegistered", f"unknown task {name!r}: no task of that name in app {app.name!r}")
     try:
         args, kwargs = codec.loads(raw_args), codec.loads(raw_kwargs)  # UTF-8 checked there
+        headers = codec.loads(raw_headers) if raw_headers else {}
     except ValueError as e:
-        return Outcome.failed("BadArguments", f"args/kwargs are not valid JSON: {e}")
-    if not isinstance(args, list) or not isinstance(kwargs, dict):
-        return Outcome.failed("BadArguments", "args must be a JSON array and kwargs a JSON object")
+        return Outcome.failed("BadArguments", f"args/kwargs/headers are not valid JSON: {e}")
+    if not isinstance(args, list) or not isinstance(kwargs, dict) or not isinstance(headers, dict):
+        return Outcome.failed("BadArguments", "args must be a JSON array, kwargs and headers JSON objects")
     context = JobContext(job_id.decode(), name, queue.decode(), int(attempt), time.time() + float(max_duration),
-                         reporter=reporter)
-    return Call(task, args, kwargs, context)
+                         headers, int(retries_left), reporter=reporter)
+    return Call(task, args, kwargs, context, _soft_limit(soft))
+
+
+def _soft_limit(text: bytes) -> float | None:
+    """The soft limit a worker sent: None when none (or not a number of seconds > 0: the
+    claim copies the record's field as it is)."""
+    try:
+        s = float(text) if text else 0.0
+    except ValueError:
+        return None
+    return s if 0 < s < float("inf") else None
 
 
 def raised(e: BaseException, call: Call) -> Outcome:
@@ -256,27 +283,37 @@ def run(app: Any, message: bytes, reporter: Reporter | None = None) -> Outcome:
 
 
 def execute(call: Call) -> Outcome:
-    """Run a prepared job in this thread."""
+    """Run a prepared job in this thread, between its middleware's hooks (middleware.py:
+    a raising before_run fails the delivery as the task's own exception would)."""
     token = _current.set(call.context)
+    hooks = call.task.app.middleware
     try:
-        result = call.task.fn(*call.args, **call.kwargs)
-        if inspect.iscoroutine(result):
-            result = asyncio.run(result)
-    except (Exception, SystemExit) as e:
-        return raised(e, call)
+        try:
+            hooks.before_run(call.context)
+            with soft_limit.applied(call.soft_limit, call.context.reporter):
+                result = call.task.fn(*call.args, **call.kwargs)
+                if inspect.iscoroutine(result):  # eager mode, or a worker without --async-slots
+                    result = asyncio.run(result)
+        except (Exception, SystemExit) as e:
+            return hooks.after_run(call.context, raised(e, call), e)
+        return hooks.after_run(call.context, returned(result, call), None)
     finally:
         _current.reset(token)
-    return returned(result, call)
 
 
 async def run_async(call: Call) -> Outcome:
-    """Run an `async def` task's job as a coroutine of the running loop. Cancelling it
-    (a kill, its max duration) raises CancelledError out of here: the caller knows why."""
+    """Run an `async def` task's job as a coroutine of the running loop, between its
+    middleware's hooks (as execute()). Cancelling it (a kill, its max duration) raises
+    CancelledError out of here: the caller knows why."""
     token = _current.set(call.context)
+    hooks = call.task.app.middleware
     try:
-        result = await call.task.fn(*call.args, **call.kwargs)
-    except (Exception, SystemExit) as e:
-        return raised(e, call)
+        try:
+            hooks.before_run(call.context)
+            async with soft_limit.applied_async(call.soft_limit):
+                result = await call.task.fn(*call.args, **call.kwargs)
+        except (Exception, SystemExit) as e:
+            return hooks.after_run(call.context, raised(e, call), e)
+        return hooks.after_run(call.context, returned(result, call), None)
     finally:
         _current.reset(token)
-    return returned(result, call)

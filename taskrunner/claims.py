@@ -13,15 +13,16 @@ from .app import TaskRunner
 from .connection import is_cluster
 
 #: Values per job in claim.lua's answer.
-STRIDE = 8
+STRIDE = 11
 
 
 @dataclass(eq=False)
 class Delivery:
     """One claimed job: what claim.lua answered for it (docs/PROTOCOL.md, Answers) and, in
-    a worker, what became of it in the child it was sent to. args_json and kwargs_json are
-    the JSON text stored: a worker passes it to its child undecoded; a consumer reads args
-    and kwargs. Two deliveries of one job are two objects (eq is identity)."""
+    a worker, what became of it in the child it was sent to. args_json, kwargs_json and
+    headers_json are the JSON text stored ("" headers: none): a worker passes it to its
+    child undecoded; a consumer reads args, kwargs and headers. Two deliveries of one job
+    are two objects (eq is identity)."""
 
     queue: str
     id: str
@@ -31,6 +32,9 @@ class Delivery:
     kwargs_json: str
     max_duration: float
     timeout_policy: str = "kill"
+    headers_json: str = ""
+    retries_left: int = 0  # retries - failures: an error now is retried when > 0 (Outcome.will_retry)
+    soft_limit: str = ""  # seconds, as the record has it ("": none)
     began: float | None = None  # worker: monotonic; when its child began it (None: still queued there)
     stuck: bool = False  # worker: flagged stuck (past its max duration)
     seq: int = 0  # worker: its number among the jobs sent to its child
@@ -56,17 +60,26 @@ class Delivery:
     def kwargs(self) -> Any:
         return self._payload[1]
 
+    @property
+    def headers(self) -> Any:
+        """The headers as a dict ({} when none); their text when it is not JSON."""
+        try:
+            return codec.loads(self.headers_json) if self.headers_json else {}
+        except ValueError:
+            return self.headers_json
+
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "queue": self.queue, "attempt": int(self.attempt), "task": self.task,
                 "args": self.args, "kwargs": self.kwargs, "max_duration": self.max_duration,
-                "timeout_policy": self.timeout_policy}
+                "timeout_policy": self.timeout_policy, "headers": self.headers}
 
 
 def decode(answer: list[Any], queues: list[str]) -> list[Delivery]:
-    """claim.lua's answer, 8 values per job, as records; `queues`: the call's queues in
+    """claim.lua's answer, STRIDE values per job, as records; `queues`: the call's queues in
     KEYS order (the answer numbers them from 1)."""
     return [Delivery(queues[int(answer[i]) - 1], answer[i + 1], str(answer[i + 2]), answer[i + 3], answer[i + 4],
-                     answer[i + 5], float(answer[i + 6]), answer[i + 7]) for i in range(0, len(answer), STRIDE)]
+                     answer[i + 5], float(answer[i + 6]), answer[i + 7], answer[i + 8], int(answer[i + 9]),
+                     answer[i + 10]) for i in range(0, len(answer), STRIDE)]
 
 
 def claim_args(app: TaskRunner, name: str, host: str, ip: str, slots: list[Any]) -> list[Any]:

@@ -33,7 +33,9 @@ class Reporter(Protocol):
 @dataclass(frozen=True)
 class JobContext:
     """The delivery a task runs in. `attempt` counts deliveries (1 the first; the fencing
-    token of its finish); `deadline` is when its max duration ends (epoch seconds)."""
+    token of its finish); `deadline` is when its max duration ends (epoch seconds);
+    `headers` the job's (a dict, {} when none); `retries_left` how many more times an
+    exception will be retried (0: the job fails if this run raises)."""
 
     id: str
     task: str
@@ -41,6 +43,7 @@ class JobContext:
     attempt: int
     deadline: float
     headers: dict[str, Any] = field(default_factory=dict)
+    retries_left: int = 0
     reporter: Reporter | None = field(default=None, repr=False, compare=False)
 
     def progress(self, fraction: float, note: str = "") -> None:

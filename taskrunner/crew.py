@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from . import codec, policy
+from . import child, codec, policy
 from .app import TaskRunner
 from .children import Child, send_signal
 from .claims import Delivery
@@ -90,8 +90,8 @@ class Crew:
         alive = set(self.children)
         for (c, _), d in zip(slots, claimed):
             if c in alive:
-                message = (d.id, d.attempt, d.task, d.queue, str(d.max_duration), d.args_json, d.kwargs_json)
-                c.send(d, b"\0".join(s.encode() for s in message), now)
+                c.send(d, child.message(d.id, d.attempt, d.task, d.queue, str(d.max_duration), d.args_json,
+                                        d.kwargs_json, d.headers_json, d.retries_left, d.soft_limit), now)
             else:
                 self.outbox.report(d, Outcome.returned(f"its process died on {self.host} before it got it"))
         for c in {c for c, _ in slots}:

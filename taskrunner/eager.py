@@ -18,6 +18,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+from .child import message as job_message
 from .child import run as run_in_child
 from .context import LOG_LINES, JobContext, JobLogHandler, log_line
 from .errors import MAX_RETRIES, JobNotFound
@@ -88,8 +89,9 @@ def _run(app: TaskRunner, job: EagerJob) -> None:
         attempt, t = int(d["attempts"]) + 1, _now()
         d.update(state="running", attempts=str(attempt), started_at=t)
         max_duration = d.get("max_duration") or str(app.settings.max_duration)
-        message = "\0".join([job.id, str(attempt), d["task"], d["queue"], max_duration, d["args"],
-                             d["kwargs"]]).encode()
+        retries_left = int(d.get("retries") or 0) - int(d["failures"])
+        message = job_message(job.id, str(attempt), d["task"], d["queue"], max_duration, d["args"], d["kwargs"],
+                              d.get("headers", ""), retries_left, "")  # no soft limit: soft_limit.py
         outcome, v1, v2, v3, _ = run_in_child(app, message, _Record(d)).wire()
         if outcome == "requeue":  # the task raised Retry
             asked, most = _count(d, "retry_requests"), int(d.get("max_retries", MAX_RETRIES))

@@ -95,6 +95,15 @@ class Reject(Exception):
     """Raise inside a task to fail the job now, without retries."""
 
 
+class SoftTimeLimit(Exception):
+    """Raised inside a task when its soft_limit passes, so that it can clean up before the
+    hard kill at its max duration; unhandled, it fails the job (retried as any exception,
+    per retry_on). An Exception, so `except Exception` in a task catches it too."""
+
+    def __init__(self, message: str = "the task ran past its soft time limit") -> None:
+        super().__init__(message)
+
+
 class QueueFull(TaskRunnerError):
     """The queue's bound is reached and no room came within the block timeout."""
 

@@ -132,7 +132,7 @@ class Job:
         for k, v in self.data.items():
             if k.startswith(("run:", "end:", "action:")):
                 continue
-            if k in ("args", "kwargs", "result"):
+            if k in ("args", "kwargs", "result", "headers"):
                 try:
                     out[k] = codec.loads(v)
                 except ValueError:
@@ -142,6 +142,7 @@ class Job:
         out["stuck"] = self.data.get("stuck") == "1"
         out["logs"] = log_lines(self.data.get("logs"))
         out.setdefault("attempts", 0)
+        out.setdefault("headers", {})
         out.setdefault("progress", None)
         out.setdefault("progress_note", None)
         for k in ("result", "error", "error_type", "worker", "host", "pid", "started_at", "finished_at"):

@@ -80,6 +80,13 @@ class Outcome:
     def wire(self) -> list[str]:
         return [self.kind, self.v1, self.v2, self.v3, self.v4]
 
+    def will_retry(self, retries_left: int) -> bool:
+        """Will finish.lua run the job again after this outcome? A Retry (requeue) yes; an
+        error while retries are left (`retries_left`: the record's retries - failures when
+        the delivery was claimed). The child's one place for it (middleware's on_retry or
+        on_failure): finish.lua's rule, `failures + 1 <= retries`."""
+        return self.kind == "requeue" or (self.kind == "error" and retries_left > 0)
+
     @property
     def error_type(self) -> str:
         """The exception's type for failed and error, "Killed" for killed, else ""."""

@@ -159,12 +159,14 @@ class Draft:
 
 
 def draft(app: TaskRunner, task: str, args: Any, kwargs: dict | None, spec: JobSpec | None,
-          options: dict[str, Any], delay: float | None, job_id: str | None) -> Steps[Draft]:
-    """Check a job and make its fields (TaskRunner.enqueue says how), before it is
-    enqueued — or, in eager mode, run."""
+          options: dict[str, Any], delay: float | None, job_id: str | None,
+          headers: dict[str, Any] | None = None) -> Steps[Draft]:
+    """Check a job and make its fields (TaskRunner.enqueue says how), its headers as the
+    before_enqueue hooks leave them, before it is enqueued — or, in eager mode, run."""
     spec, sent = (spec.merged(**options), None) if spec is not None else (yield from job_spec(app, task, options))
     job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
-    fields = app._fields(task, args, kwargs, spec, sent)
+    headers = app._headers(task, args, kwargs, spec.queue, job_id, headers)
+    fields = app._fields(task, args, kwargs, spec, sent, headers)
     return Draft(job_id, spec.queue, codec.seconds("delay", delay) if delay is not None else 0.0, fields)
 
 

@@ -7,7 +7,7 @@ import os
 import signal
 import time
 
-from taskrunner import Reject, Retry, TaskRunner, current_job
+from taskrunner import Reject, Retry, SoftTimeLimit, TaskRunner, current_job
 
 app = TaskRunner("tests")
 
@@ -158,3 +158,29 @@ def child_pid(grow_mb: int = 0) -> int:
         _ballast.append(b"x" * (grow_mb << 20))
     return os.getpid()
 
+
+
+@app.task(soft_limit=0.3, max_duration=30)
+def soft_sleeper(key: str, handle: bool) -> str:
+    """Sleeps past its soft limit; with `handle`, catches SoftTimeLimit and returns, else
+    marks its clean-up and lets it out."""
+    try:
+        time.sleep(25)
+    except SoftTimeLimit:
+        mark(f"{key}:cleanup")
+        if handle:
+            return "cleaned up"
+        raise
+    return "slept"
+
+
+@app.task(soft_limit=0.3, max_duration=30)
+def soft_spinner(key: str) -> str:
+    """Runs Python code past its soft limit (a thread gets SoftTimeLimit between bytecodes)."""
+    try:
+        deadline = time.time() + 25
+        while time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        mark(f"{key}:cleanup")
+    return "spun"

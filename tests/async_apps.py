@@ -59,3 +59,13 @@ def thread_span(seconds: float) -> list[float]:
     t0 = time.time()
     time.sleep(seconds)
     return [t0, time.time()]
+
+
+@app.task(soft_limit=0.3, max_duration=30)
+async def async_soft(key: str) -> str:
+    """Awaits past its soft limit: cancelled there, it cleans up in its finally block."""
+    try:
+        await asyncio.sleep(25)
+    finally:
+        mark(f"{key}:cleanup")
+    return "slept"

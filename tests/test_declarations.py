@@ -65,6 +65,10 @@ BAD = [  # (what the call is, KEYS' queue, ARGV of one job after GOOD's job, kin
     ("args a string", "default", ["j2", 0, 2, "task", "t", "args", '"x"'], "NotJSON", "not a JSON array"),
     ("kwargs an array", "default", ["j2", 0, 2, "task", "t", "kwargs", "[1]"], "NotJSON", "not a JSON object"),
     ("kwargs not JSON", "default", ["j2", 0, 2, "task", "t", "kwargs", "{a}"], "NotJSON", "kwargs is not JSON"),
+    ("headers an array", "default", ["j2", 0, 2, "task", "t", "headers", "[1]"], "NotJSON",
+     "headers is not a JSON object"),
+    ("headers not JSON", "default", ["j2", 0, 2, "task", "t", "headers", "{a}"], "NotJSON", "headers is not JSON"),
+    ("headers empty", "default", ["j2", 0, 2, "task", "t", "headers", ""], "NotJSON", "headers is not a JSON object"),
     ("negative max_duration", "default", ["j2", 0, 2, "task", "t", "max_duration", "-1"], "BadValue",
      "max_duration must be a number of seconds > 0"),
     ("zero max_duration", "default", ["j2", 0, 2, "task", "t", "max_duration", "0"], "BadValue", "max_duration"),
@@ -74,6 +78,10 @@ BAD = [  # (what the call is, KEYS' queue, ARGV of one job after GOOD's job, kin
      "max_duration"),
     ("max_duration past 2^53", "default", ["j2", 0, 2, "task", "t", "max_duration", "1e300"], "BadValue",
      "< 2^53"),
+    ("zero soft_limit", "default", ["j2", 0, 2, "task", "t", "soft_limit", "0"], "BadValue",
+     "soft_limit must be a number of seconds > 0"),
+    ("soft_limit past max_duration", "default", ["j2", 0, 3, "task", "t", "max_duration", "10", "soft_limit", "10"],
+     "BadValue", "soft_limit (10s) must be less than max_duration (10s)"),
     ("fractional retries", "default", ["j2", 0, 2, "task", "t", "retries", "1.5"], "BadValue", "whole number"),
     ("negative retries", "default", ["j2", 0, 2, "task", "t", "retries", "-1"], "BadValue", "retries"),
     ("retries past 2^31", "default", ["j2", 0, 2, "task", "t", "retries", "2147483648"], "BadValue", "retries"),
@@ -124,8 +132,8 @@ def test_keys_and_argv_layout_are_checked(raw):
 def test_payload_limit_is_enforced_by_the_script(raw):
     before = raw.snapshot()
     big = json.dumps(["x" * (1 << 20)])  # over the default limit of 1 MiB
-    with pytest.raises(redis.ResponseError, match=r"PayloadTooLarge: job j: args and kwargs take 1048582 bytes; "
-                                                  r"the limit is 1048576"):
+    with pytest.raises(redis.ResponseError, match=r"PayloadTooLarge: job j: args, kwargs and headers take "
+                                                  r"1048582 bytes; the limit is 1048576"):
         raw.enqueue([raw.q("default")], *raw.job("j", "task", "t", "args", big))
     with pytest.raises(redis.ResponseError, match="the limit is 100"):  # a producer's own, lower limit
         raw.enqueue([raw.q("default")], *raw.job("j", "task", "t", "args", json.dumps(["x" * 100])), 100)
@@ -351,3 +359,15 @@ def test_a_corrupt_declaration_is_refused_by_name(app, raw):
     assert raw.snapshot() == before
     # A producer that sets the field itself does not depend on it.
     assert raw.enqueue([raw.q("default")], *raw.job("c3", "task", "t.wrong", "retries", "1")) == [1]
+
+
+def test_a_foreign_producer_gets_the_declared_soft_limit(app, raw):
+    raw.r.hset(raw.q("default") + "tasks", mapping={"t.soft": '{"max_duration": 30, "soft_limit": 2.5}',
+                                                    "t.none": '{"max_duration": 30, "soft_limit": null}',
+                                                    "t.over": '{"max_duration": 3, "soft_limit": 5}'})
+    assert raw.enqueue([raw.q("default")], *raw.job("s1", "task", "t.soft")) == [1]
+    assert raw.enqueue([raw.q("default")], *raw.job("s2", "task", "t.none")) == [1]
+    assert app.redis.hmget(app.keys.job("default", "s1"), "soft_limit", "max_duration") == ["2.5", "30"]
+    assert app.redis.hget(app.keys.job("default", "s2"), "soft_limit") is None
+    with pytest.raises(redis.ResponseError, match=r"job s3: soft_limit \(5s\) must be less than max_duration"):
+        raw.enqueue([raw.q("default")], *raw.job("s3", "task", "t.over"))

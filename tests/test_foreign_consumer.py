@@ -86,7 +86,7 @@ def test_claim_writes_only_json_numbers_into_the_holding_entry(foreign, max_dura
     the old check yet are not JSON, so the dispatcher could not read the entry."""
     assert foreign.enqueue("default", "j1", "tests.apps.add", [1, 2], {}) == 1
     foreign.r.hset(foreign.q("default") + "job:j1", "max_duration", max_duration)
-    [_, _, _, _, _, _, md, _] = foreign.claim_raw("default", *GOOD)
+    [_, _, _, _, _, _, md, *_] = foreign.claim_raw("default", *GOOD)
     entry = json.loads(foreign.r.hget(foreign.q("default") + "running", "j1"))
     assert md == b"60" and entry["max_duration"] == 60 and entry["pid"] == 4242
 

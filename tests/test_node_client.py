@@ -90,8 +90,9 @@ def test_a_job_enqueued_from_node_runs_on_a_python_worker(app, stack):
 
 def test_a_job_enqueued_from_python_runs_on_the_node_consumer(app, stack):
     node_c = consumer(stack, "node-c")
-    job = app.enqueue("node.echo", [1, "two", None], {"three": 3.5})
-    assert job.wait(30) == {"args": [1, "two", None], "kwargs": {"three": 3.5}, "attempt": 1, "runtime": "node"}
+    job = app.enqueue("node.echo", [1, "two", None], {"three": 3.5}, headers={"trace": "t-1"})
+    assert job.wait(30) == {"args": [1, "two", None], "kwargs": {"three": 3.5}, "attempt": 1,
+                            "headers": {"trace": "t-1"}, "runtime": "node"}
     d = job.to_dict()
     assert (d["worker"], d["pid"]) == ("node-c", node_c.pid)
     # An error is retried as the job says (the dispatcher promotes the delayed retry), then

@@ -26,9 +26,11 @@ class ForeignClient:
     def q(self, queue: str) -> str:
         return f"{self.prefix}:{{{queue}}}:"
 
-    def enqueue(self, queue: str, job_id: str, task: str, args: list, kwargs: dict) -> int:
+    def enqueue(self, queue: str, job_id: str, task: str, args: list, kwargs: dict, headers: dict | None = None) -> int:
         fields = ["task", task, "queue", queue, "args", json.dumps(args), "kwargs", json.dumps(kwargs),
                   "max_duration", "30", "retries", "0", "timeout_policy", "kill", "max_lost", "5"]
+        if headers is not None:
+            fields += ["headers", json.dumps(headers)]
         [answer] = self.r.evalsha(self.sha["enqueue"], 1, self.q(queue), 1, job_id, 0, len(fields) // 2, *fields)
         self.r.sadd(f"{self.prefix}:{{_}}:queues", queue)
         return answer
@@ -61,10 +63,12 @@ def test_a_foreign_producer_enqueues_a_job_a_real_worker_runs(app, stack):
 def test_a_foreign_consumer_takes_and_acks_a_python_job(app):
     foreign = ForeignClient(app.settings.redis_url, app.settings.prefix)
     job = apps.add.delay(20, 22)
-    qi, job_id, attempt, task, args, kwargs, max_duration, policy = foreign.claim("default", "foreign-worker")
+    [qi, job_id, attempt, task, args, kwargs, max_duration, policy, headers, retries_left,
+     soft_limit] = foreign.claim("default", "foreign-worker")
     assert (qi, job_id.decode(), task, json.loads(args), json.loads(kwargs)) == (1, job.id, b"tests.apps.add",
                                                                                 [20, 22], {})
-    assert (attempt, float(max_duration), policy) == (1, 300.0, b"kill")
+    assert (attempt, float(max_duration), policy, headers, retries_left, soft_limit) == (1, 300.0, b"kill", b"", 0,
+                                                                                         b"")
     holding = json.loads(foreign.r.hget(foreign.q("default") + "running", job.id))
     assert holding["worker"] == "foreign-worker" and holding["pid"] == 4242 and holding["ip"] == "192.0.2.1"
     assert foreign.finish("default", job_id, attempt, sum(json.loads(args))) == 1
@@ -72,3 +76,11 @@ def test_a_foreign_consumer_takes_and_acks_a_python_job(app):
     assert job.wait(5) == 42
     d = job.refresh().to_dict()
     assert (d["worker"], d["host"], d["pid"]) == ("foreign-worker", "foreign-host", 4242)
+
+
+def test_headers_travel_from_a_foreign_producer_to_a_foreign_consumer(app):
+    foreign = ForeignClient(app.settings.redis_url, app.settings.prefix)
+    assert foreign.enqueue("default", "h-1", "tests.apps.add", [1, 2], {}, {"trace": "t-1", "n": [1]}) == 1
+    answer = foreign.claim("default", "foreign-worker")
+    assert json.loads(answer[8]) == {"trace": "t-1", "n": [1]}
+    assert app.job("h-1").to_dict()["headers"] == {"trace": "t-1", "n": [1]}

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from taskrunner import scripts
+from taskrunner.claims import STRIDE
 from tests import apps
 
 
@@ -15,7 +16,7 @@ def claim(app, queues=("default",), pids=(111,), worker="w1", ahead=""):
     head = json.dumps({"worker": worker, "host": "h", "ip": "1.2.3.4"})[:-1]
     slots = [v for pid in pids for v in (pid, ahead)]
     out = scripts.CLAIM(app.redis, [app.keys.q(q) for q in queues], [head, worker, "h", "1.2.3.4", 1, 300, *slots])
-    return [out[i:i + 8] for i in range(0, len(out), 8)]
+    return [out[i:i + 8] for i in range(0, len(out), STRIDE)]  # the first 8 values, as before headers
 
 
 def finish(app, job_id, attempt, outcome, *values, queue="default", began=""):

@@ -82,6 +82,7 @@ class TaskRunner {
     const optional = { maxDuration: 'max_duration', retries: 'retries', retryBackoff: 'retry_backoff',
       timeoutPolicy: 'timeout_policy', maxLost: 'max_lost' };
     for (const [k, field] of Object.entries(optional)) if (opts[k] !== undefined) fields.push(field, String(opts[k]));
+    if (opts.headers && Object.keys(opts.headers).length) fields.push('headers', JSON.stringify(opts.headers));
     const [answer] = await this.scripts.call('enqueue', [this.q(queue)],
       [1, id, opts.delay || 0, fields.length / 2, ...fields]);
     await this.redis.sadd(this.g + 'queues', queue);
@@ -123,7 +124,8 @@ class Stop extends Error {
 
 const sleep = (s) => new Promise((resolve) => setTimeout(resolve, s * 1000));
 
-// A consumer runs one job at a time with `handlers[task](args, kwargs, ctx)`; ctx.signal is an
+// A consumer runs one job at a time with `handlers[task](args, kwargs, ctx)`; ctx has the job's
+// id, queue, attempt and headers (an object, {} when none); ctx.signal is an
 // AbortSignal that fires when the job must stop (kill request, max duration, lost, shutdown).
 // JavaScript cannot preempt a function: the delivery is finished at once and whatever the
 // handler returns later is dropped, so handlers should honour the signal.
@@ -185,8 +187,9 @@ class Consumer {
     const got = await this.tr.scripts.call('claim', this.queues.map((q) => this.tr.q(q)),
       [head, this.name, this.host, '127.0.0.1', 1, this.defaultMaxDuration, process.pid, '']);
     if (got.length === 0) return null;
-    const [qi, id, attempt, task, args, kwargs, maxDuration, policy] = got;
-    return { queue: this.queues[qi - 1], id, attempt, task, args, kwargs, maxDuration: Number(maxDuration), policy };
+    const [qi, id, attempt, task, args, kwargs, maxDuration, policy, headers] = got;
+    return { queue: this.queues[qi - 1], id, attempt, task, args, kwargs, maxDuration: Number(maxDuration), policy,
+      headers: headers || '{}' };
   }
 
   // Finish one delivery: outcome and v1..v4 as in PROTOCOL.md (Finish). Answers 1, 0 or 2.
@@ -232,7 +235,8 @@ class Consumer {
     try {
       const handler = this.handlers[d.task];
       if (!handler) throw Object.assign(new Error(`no handler for task ${d.task}`), { name: 'NotRegistered' });
-      const ctx = { id: d.id, queue: d.queue, attempt: d.attempt, signal: d.controller.signal };
+      const ctx = { id: d.id, queue: d.queue, attempt: d.attempt, headers: JSON.parse(d.headers),
+        signal: d.controller.signal };
       const result = await Promise.race([handler(JSON.parse(d.args), JSON.parse(d.kwargs), ctx), stopped]);
       outcome = d.controller.signal.aborted ? null : ['completed', JSON.stringify(result === undefined ? null : result)];
     } catch (e) {

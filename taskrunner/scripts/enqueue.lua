@@ -7,21 +7,23 @@
 --          pairs; then, optionally, the payload limit in bytes (default 1048576)
 -- Fields a producer may send (any other is refused): task (required), queue (if sent, Q;
 -- the record gets queue Q either way), args (JSON array, default []), kwargs (JSON object,
--- default {}), max_duration (s > 0), retries (0 to 2^31-1), retry_backoff (s >= 0),
--- timeout_policy (kill|flag), max_lost (1 to 2^31-1), max_retries (0 to 2^31-1),
--- retry_backoff_max (s >= 0), result_ttl and failed_ttl (whole s, 1 to 2^31-1), producer
--- (text). A producer that leaves out any of max_duration, retries, retry_backoff,
--- timeout_policy and max_lost gets those, and any of max_retries, retry_backoff_max,
--- result_ttl and failed_ttl it left out too, from the task's declaration, <p>tasks[task]
--- (JSON, written by workers), when there is one. One that sends the first five knows the
--- task: the last four it did not send are left out of the record (their defaults apply),
+-- default {}), headers (JSON object; none when not sent), max_duration (s > 0), retries
+-- (0 to 2^31-1), retry_backoff (s >= 0), timeout_policy (kill|flag), max_lost (1 to
+-- 2^31-1), max_retries (0 to 2^31-1), retry_backoff_max (s >= 0), result_ttl and failed_ttl
+-- (whole s, 1 to 2^31-1), soft_limit (s > 0, < max_duration), producer (text). A producer
+-- that leaves out any of max_duration, retries, retry_backoff, timeout_policy and max_lost
+-- gets those, and any of max_retries, retry_backoff_max, result_ttl, failed_ttl and
+-- soft_limit it left out too, from the task's declaration, <p>tasks[task] (JSON, written
+-- by workers), when there is one. One that sends the first five knows the task: the last
+-- five it did not send are left out of the record (their defaults apply; no soft limit),
 -- and no declaration is read. Numbers not in plain decimal notation are written back in it.
 -- Returns one integer per job: 1 added, 0 an id that already exists (nothing changed),
 -- -1 the queue is full (its bound is reached; delayed jobs do not count), -2 it is closed.
 -- Errors: "ERR taskrunner: <Kind>: <message>", Kind one of InvalidName, NotJSON,
 -- PayloadTooLarge, BadValue, BadCall.
 -- Sets: job:<id> (fields + state, enqueued_at), then pending+items (+wake) or delayed;
--- meta produced_messages/produced_bytes (bytes = length of args + kwargs).
+-- meta produced_messages/produced_bytes (bytes = length of args + kwargs + headers, the
+-- payload the limit applies to).
 local p = KEYS[1]
 local n_jobs = tonumber(ARGV[1])
 local WHOLE_MAX = 2147483647
@@ -70,13 +72,14 @@ local function setting(name, v)
     if x % 1 ~= 0 or x < WHOLE[name] or x > WHOLE_MAX then return nil end
     return plain and not string.find(v, '.', 1, true) and v or string.format('%d', x)
   end
-  if x < 0 or x >= SECONDS_MAX then return nil end  -- max_duration, retry_backoff(_max): seconds
+  if x < 0 or x >= SECONDS_MAX then return nil end  -- max_duration, retry_backoff(_max), soft_limit: seconds
+  local positive = name == 'max_duration' or name == 'soft_limit'
   if plain then
-    if x == 0 and name == 'max_duration' then return nil end
+    if x == 0 and positive then return nil end
     return v
   end
   local s = decimal(x)
-  if name == 'max_duration' and tonumber(s) <= 0 then return nil end
+  if positive and tonumber(s) <= 0 then return nil end
   return s
 end
 
@@ -98,7 +101,7 @@ local function setting_of(name, text)
 end
 
 local function rule(name)
-  if name == 'max_duration' then return 'a number of seconds > 0 and < 2^53'
+  if name == 'max_duration' or name == 'soft_limit' then return 'a number of seconds > 0 and < 2^53'
   elseif name == 'retry_backoff' or name == 'retry_backoff_max' then return 'a number of seconds >= 0 and < 2^53'
   elseif WHOLE[name] then return 'a whole number from ' .. WHOLE[name] .. ' to 2147483647'
   end
@@ -120,7 +123,7 @@ local function finite(v)
   return true
 end
 
--- args (opening '[') or kwargs ('{'): nil when it is JSON of that kind, else why not.
+-- args (opening '[') or kwargs and headers ('{'): nil when it is JSON of that kind, else why not.
 -- cjson's shared decoder takes more than the strict one only where a number is expected:
 -- text starting with '+', inf or nan (any case), or 0 and a digit or x. Text with none of
 -- +, inf, nan, 0x, 0<digit> anywhere decodes alike with both, and the strict decoder
@@ -165,7 +168,7 @@ end
 -- when there is no declaration. Read and checked once per task and call; nil and the
 -- refusal when it is not a JSON object.
 local DECLARED = {'max_duration', 'retries', 'retry_backoff', 'timeout_policy', 'max_lost', 'max_retries',
-  'retry_backoff_max', 'result_ttl', 'failed_ttl'}
+  'retry_backoff_max', 'result_ttl', 'failed_ttl', 'soft_limit'}
 local declarations  -- task -> fill, made when needed
 local function declared(task)
   declarations = declarations or {}
@@ -209,7 +212,7 @@ for n = 1, n_jobs do
     return refuse('BadValue', 'job ' .. id .. ': delay must be a number of seconds >= 0 and < 2^53')
   end
   -- Fields in locals, not a table: this loop is most of the script's cost.
-  local task, queue_f, args, kwargs, producer, md, rt, rb, tp, ml, mr, bm, rtl, ftl
+  local task, queue_f, args, kwargs, headers, producer, md, rt, rb, tp, ml, mr, bm, rtl, ftl, sl
   local changed = false  -- a setting written otherwise than sent
   for a = i + 3, i + 1 + 2 * k, 2 do
     local name, value = ARGV[a], ARGV[a + 1]
@@ -217,6 +220,7 @@ for n = 1, n_jobs do
     if name == 'task' then seen = task; task = value
     elseif name == 'args' then seen = args; args = value
     elseif name == 'kwargs' then seen = kwargs; kwargs = value
+    elseif name == 'headers' then seen = headers; headers = value
     elseif name == 'queue' then seen = queue_f; queue_f = value
     elseif name == 'producer' then seen = producer; producer = value
     else
@@ -230,6 +234,7 @@ for n = 1, n_jobs do
       elseif name == 'retry_backoff_max' then seen = bm; bm = v
       elseif name == 'result_ttl' then seen = rtl; rtl = v
       elseif name == 'failed_ttl' then seen = ftl; ftl = v
+      elseif name == 'soft_limit' then seen = sl; sl = v
       else
         return refuse('BadCall', 'job ' .. id .. ': unknown field ' .. string.format('%q', string.sub(name, 1, 50)))
       end
@@ -259,14 +264,16 @@ for n = 1, n_jobs do
   if why then return refuse('NotJSON', 'job ' .. id .. ': args ' .. why) end
   why = kwargs ~= '{}' and bad_json(kwargs, '{')
   if why then return refuse('NotJSON', 'job ' .. id .. ': kwargs ' .. why) end
+  why = headers and bad_json(headers, '{')
+  if why then return refuse('NotJSON', 'job ' .. id .. ': headers ' .. why) end
   if not (md and rt and rb and tp and ml) then  -- what the producer left to the declaration
     local fill, refusal = declared(task)
     if refusal then return refusal end
     if fill then
       md, rt, rb, tp, ml = md or fill[1], rt or fill[2], rb or fill[3], tp or fill[4], ml or fill[5]
-      mr, bm, rtl, ftl = mr or fill[6], bm or fill[7], rtl or fill[8], ftl or fill[9]
+      mr, bm, rtl, ftl, sl = mr or fill[6], bm or fill[7], rtl or fill[8], ftl or fill[9], sl or fill[10]
       local bad = md == true and 1 or rt == true and 2 or rb == true and 3 or tp == true and 4 or ml == true and 5
-        or mr == true and 6 or bm == true and 7 or rtl == true and 8 or ftl == true and 9
+        or mr == true and 6 or bm == true and 7 or rtl == true and 8 or ftl == true and 9 or sl == true and 10
       if bad then
         return refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. p .. 'tasks: ' .. DECLARED[bad]
           .. ' must be ' .. rule(DECLARED[bad]))
@@ -274,8 +281,13 @@ for n = 1, n_jobs do
       changed = true
     end
   end
+  if sl and md and tonumber(sl) >= tonumber(md) then
+    return refuse('BadValue', 'job ' .. id .. ': soft_limit (' .. sl .. 's) must be less than max_duration ('
+      .. md .. 's): the hard kill comes at max_duration')
+  end
   if changed then
     local record = {'queue', queue, 'task', task, 'args', args, 'kwargs', kwargs}
+    if headers then record[#record + 1] = 'headers'; record[#record + 1] = headers end
     if md then record[#record + 1] = 'max_duration'; record[#record + 1] = md end
     if rt then record[#record + 1] = 'retries'; record[#record + 1] = rt end
     if rb then record[#record + 1] = 'retry_backoff'; record[#record + 1] = rb end
@@ -285,12 +297,13 @@ for n = 1, n_jobs do
     if bm then record[#record + 1] = 'retry_backoff_max'; record[#record + 1] = bm end
     if rtl then record[#record + 1] = 'result_ttl'; record[#record + 1] = rtl end
     if ftl then record[#record + 1] = 'failed_ttl'; record[#record + 1] = ftl end
+    if sl then record[#record + 1] = 'soft_limit'; record[#record + 1] = sl end
     if producer then record[#record + 1] = 'producer'; record[#record + 1] = producer end
     plan[4 * n - 1] = record
   else
     plan[4 * n - 1] = i + 3
   end
-  local size = #args + #kwargs
+  local size = #args + #kwargs + (headers and #headers or 0)
   if size > largest then largest = size end
   plan[4 * n - 3], plan[4 * n - 2], plan[4 * n] = id, delay, size
   i = i + 3 + 2 * k
@@ -305,7 +318,7 @@ end
 if largest > limit then
   for n = 1, n_jobs do
     if plan[4 * n] > limit then
-      return refuse('PayloadTooLarge', 'job ' .. plan[4 * n - 3] .. ': args and kwargs take ' .. plan[4 * n]
+      return refuse('PayloadTooLarge', 'job ' .. plan[4 * n - 3] .. ': args, kwargs and headers take ' .. plan[4 * n]
         .. ' bytes; the limit is ' .. limit)
     end
   end

@@ -1,0 +1,166 @@
+"""Headers and middleware with real workers: headers travel from the producer to the task
+and the record; every hook fires in the process it belongs to; a raising hook is logged
+with the job id and the job is neither lost nor run twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from taskrunner import JobFailed, JobNotFound, PayloadTooLarge, TaskRunner, scripts
+from taskrunner.errors import NotJSONError
+from tests import apps
+
+
+def status(stack, job_id: str) -> dict:
+    return json.loads(stack.cli("status", job_id, "--json", check=True).stdout)
+
+
+def test_headers_reach_the_task_and_the_record(app, stack):
+    job = apps.whoami.apply_async(headers={"trace": "t-1", "tenant": {"id": 7}})  # fails once: a retry has them too
+    stack.worker()
+    stack.dispatcher()
+    assert job.wait(30)["headers"] == {"trace": "t-1", "tenant": {"id": 7}}
+    assert status(stack, job.id)["headers"] == {"trace": "t-1", "tenant": {"id": 7}}
+    plain = apps.add.delay(1, 2)
+    assert plain.wait(30) == 3
+    assert "headers" not in app.redis.hgetall(app.keys.job("default", plain.id))  # no headers: no field
+    assert status(stack, plain.id)["headers"] == {}
+
+
+def test_headers_are_checked_and_counted_in_the_payload(app: TaskRunner):
+    with pytest.raises(TypeError, match="headers must be a dict"):
+        apps.add.apply_async([1, 2], headers=["x"])
+    with pytest.raises(NotJSONError):
+        apps.add.apply_async([1, 2], headers={"x": object()})
+    with pytest.raises(PayloadTooLarge, match="arguments and headers of tests.apps.add take"):
+        apps.add.apply_async([1, 2], headers={"x": "y" * app.settings.max_payload})
+    many = app.enqueue_many([{"task": "tests.apps.add", "args": [1, 2], "headers": {"n": 1}}])
+    assert many[0].refresh().to_dict()["headers"] == {"n": 1}
+
+
+@pytest.fixture
+def mw(app: TaskRunner):
+    """tests/middleware_app.py, producing into the test's prefix."""
+    from tests import middleware_app
+
+    middleware_app.app.settings = app.settings
+    middleware_app.app.configure(redis_url=app.settings.redis_url, prefix=app.settings.prefix)
+    return middleware_app
+
+
+def ran(app: TaskRunner, key: str) -> int:
+    """How many times a task of middleware_app ran for `key` (its ledger)."""
+    return int(app.redis.get(f"{app.settings.prefix}:ledger:{key}") or 0)
+
+
+def stopped(w) -> str:
+    """Stop a worker gracefully (SIGTERM); its output."""
+    w.send_signal(signal.SIGTERM)
+    return w.communicate(timeout=60)[0]
+
+
+def test_every_hook_fires_in_its_process(app, mw, stack):
+    w = stack.worker("--async-slots", "0", app="tests.middleware_app", concurrency=1)  # a classic child
+    stack.dispatcher(app="tests.middleware_app")  # boom's retry
+    ok = mw.work.delay("ok")
+    result = ok.wait(30)
+    child = result["pid"]
+    assert result["headers"] == {"stamp": f"enqueued by {os.getpid()}"}  # before_enqueue's, in the producer
+    bad = mw.boom.delay("bad")
+    with pytest.raises(JobFailed):
+        bad.wait(30)
+    stopped(w)
+    hooks = [tuple(h) for h in mw.recorded()]
+    assert [h for h in hooks if h[0] == "before_enqueue"] == [("before_enqueue", os.getpid(), ok.id, None),
+                                                             ("before_enqueue", os.getpid(), bad.id, None)]
+    assert [h for h in hooks if h[0] != "before_enqueue"] == [
+        ("child_start", child, None, None),
+        ("before_run", child, ok.id, None), ("after_run", child, ok.id, "completed"),
+        ("before_run", child, bad.id, None), ("on_retry", child, bad.id, "ValueError"),
+        ("after_run", child, bad.id, "error"),
+        ("before_run", child, bad.id, None), ("on_failure", child, bad.id, "ValueError"),
+        ("after_run", child, bad.id, "error"),
+        ("child_stop", child, None, None)]
+    assert child != w.pid and ran(app, "bad") == 2
+
+
+def test_hooks_fire_in_a_loop_child_around_threads_and_coroutines(app, mw, stack):
+    w = stack.worker("--threads", "2", app="tests.middleware_app", concurrency=1)
+    in_thread, coroutine = mw.work.delay("t"), mw.async_work.delay("a")
+    child = in_thread.wait(30)["pid"]
+    assert coroutine.wait(30)["pid"] == child
+    assert coroutine.wait(30)["headers"]["stamp"] == f"enqueued by {os.getpid()}"
+    stopped(w)
+    hooks = [tuple(h[:3]) for h in mw.recorded() if h[0] != "before_enqueue"]
+    assert hooks[0] == ("child_start", child, None) and hooks[-1] == ("child_stop", child, None)
+    assert sorted(hooks[1:-1]) == sorted([("before_run", child, in_thread.id), ("after_run", child, in_thread.id),
+                                          ("before_run", child, coroutine.id), ("after_run", child, coroutine.id)])
+
+
+def test_a_raising_hook_is_logged_with_the_job_id_and_the_job_is_neither_lost_nor_run_twice(app, mw, stack, caplog):
+    with pytest.raises(RuntimeError, match="before_enqueue hook failed on purpose"):
+        mw.work.apply_async(["never"], job_id="refused", headers={"raise": "before_enqueue"})
+    assert "raised for job refused; not enqueued" in caplog.text
+    with pytest.raises(JobNotFound):
+        app.job("refused")  # nothing written
+    # Known elsewhere: a sync whose progress.lua call meets NOSCRIPT (a Redis that has not
+    # loaded it yet) runs it again after the finish of the same sync, which fences it off:
+    # a job's last lines are lost. Loaded here, so that this test is about the hooks.
+    app.redis.script_load(scripts.PROGRESS.source)
+    w = stack.worker("--async-slots", "0", app="tests.middleware_app", concurrency=1)
+    before = mw.work.apply_async(["before"], headers={"raise": "before_run"})
+    after = mw.work.apply_async(["after"], headers={"raise": "after_run"})
+    failure = mw.boom.apply_async(["failure"], retries=0, headers={"raise": "on_failure"})
+    with pytest.raises(JobFailed, match="before_run hook failed on purpose"):
+        before.wait(30)
+    assert after.wait(30)["headers"]["raise"] == "after_run"
+    with pytest.raises(JobFailed, match="ValueError"):
+        failure.wait(30)
+    assert (ran(app, "before"), ran(app, "after"), ran(app, "failure")) == (0, 1, 1)  # the task did not run
+    assert before.refresh().to_dict()["error_type"] == "RuntimeError"
+    out = stopped(w)
+    for job, hook in [(before, "before_run"), (after, "after_run"), (failure, "on_failure")]:
+        assert f"Recorder.{hook} raised for job {job.id}" in out
+        lines = [x["line"] for x in job.refresh().to_dict()["logs"]]
+        assert any(f"Recorder.{hook} raised for job {job.id}" in x for x in lines), lines
+    hooks = [tuple(h[:3]) for h in mw.recorded()]
+    assert ("after_run", hooks[-2][1], before.id) in hooks  # after a raising before_run, the after hooks ran
+
+
+def test_eager_mode_calls_the_same_hooks_in_process():
+    eager = TaskRunner("eager-hooks", eager=True)
+    calls = []
+
+    class Trace:
+        def before_enqueue(self, job):
+            job.headers["by"] = "trace"
+            calls.append(("before_enqueue", job.task))
+
+        def before_run(self, job):
+            calls.append(("before_run", job.attempt, job.headers["by"]))
+
+        def after_run(self, job, outcome):
+            calls.append(("after_run", job.attempt, outcome.kind))
+
+        def on_retry(self, job, exc):
+            calls.append(("on_retry", job.attempt, type(exc).__name__))
+
+        def on_failure(self, job, exc):
+            calls.append(("on_failure", job.attempt, type(exc).__name__))
+
+    eager.add_middleware(Trace())
+
+    @eager.task(name="flaky", retries=1)
+    def flaky():
+        raise KeyError("k")
+
+    assert eager.enqueue("flaky").state == "failed"
+    assert calls == [("before_enqueue", "flaky"), ("before_run", 1, "trace"), ("on_retry", 1, "KeyError"),
+                     ("after_run", 1, "error"), ("before_run", 2, "trace"), ("on_failure", 2, "KeyError"),
+                     ("after_run", 2, "error")]
+    with pytest.raises(TypeError, match="defines none of the middleware hooks"):
+        eager.add_middleware(object())
