@@ -3,7 +3,7 @@ they were sent.
 
 Protocol with the worker (one pipe; the worker may send several jobs ahead, its prefetch):
 it sends b"seq\\0" + message(...) (id, attempt, task, queue, max_duration, args, kwargs,
-headers, retries left, soft limit; args, kwargs, headers: the JSON text stored in Redis; seq counts the
+headers, soft limit; args, kwargs, headers: the JSON text stored in Redis; seq counts the
 jobs sent to this child; the rest is what current_job() tells the task); the child answers each job it ran with a
 JSON list [id, runtime, outcome, v1, v2, v3, v4] (outcome, v1..v4 as finish.lua takes them).
 
@@ -71,8 +71,8 @@ class Link:
     or with `hard` (a child running several: a thread cannot be interrupted) ends the
     process."""
 
-    def __init__(self, fd: int, kill_flag: Any, hard: bool = False) -> None:
-        self.fd, self.kill_flag, self.hard = fd, kill_flag, hard
+    def __init__(self, fd: int, kill_flag: Any, app: Any, hard: bool = False) -> None:
+        self.fd, self.kill_flag, self.app, self.hard = fd, kill_flag, app, hard
         self.sending = self.killed = False
         self.interrupt: BaseException | None = None  # raised once a frame is whole (soft_limit.py)
         self.lock = threading.Lock()
@@ -114,8 +114,11 @@ class Link:
     def log(self, job: JobContext, line: str) -> None:
         self.send(b'{"log":[%s,"%d",%s]}' % (orjson.dumps(job.id), job.attempt, log_line(job, line)))
 
+    def record(self, job: JobContext, fields: tuple[str, ...]) -> list[str | None]:
+        return self.app.redis.hmget(self.app.keys.job(job.queue, job.id), fields)
 
-def begin_child(conn: Any, kill_flag: Any, parent: int, inherited: list, hard: bool = False) -> Link:
+
+def begin_child(conn: Any, app: Any, kill_flag: Any, parent: int, inherited: list, hard: bool = False) -> Link:
     """What every child does first: close the pipe ends that are not ours, leave signals
     to the worker, die with it, capture `logging` in jobs; its link to the worker."""
     for other in inherited:
@@ -123,7 +126,7 @@ def begin_child(conn: Any, kill_flag: Any, parent: int, inherited: list, hard: b
     signal.set_wakeup_fd(-1)  # the worker's, inherited: our signals are not its business
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C (and Ctrl-\) are for the worker to handle
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
-    link = Link(conn.fileno(), kill_flag, hard)
+    link = Link(conn.fileno(), kill_flag, app, hard)
     signal.signal(signal.SIGTERM, link.on_term)
     die_with_parent()
     if os.getppid() != parent:
@@ -139,7 +142,7 @@ def reply(link: Link, message: bytes, runtime: float, outcome: Outcome) -> None:
 
 def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, parent: int, inherited: list) -> None:
     """One job at a time, in the order sent (the worker's classic child)."""
-    link = begin_child(conn, kill_flag, parent, inherited)
+    link = begin_child(conn, app, kill_flag, parent, inherited)
     app.middleware.child_start()
     fd = conn.fileno()
     reader, jobs = frames.Reader(fd), deque[bytes]()
@@ -212,10 +215,10 @@ class Call:
 
 
 def message(job_id: str, attempt: str, task: str, queue: str, max_duration: str, args: str, kwargs: str,
-            headers: str, retries_left: int, soft_limit: str) -> bytes:
+            headers: str, soft_limit: str) -> bytes:
     """A job as the worker (or eager mode) sends it to be run: its fields, NUL-separated
     (prepare() refuses a job whose record held a NUL); soft_limit "": none."""
-    fields = (job_id, attempt, task, queue, max_duration, args, kwargs, headers, str(retries_left), soft_limit)
+    fields = (job_id, attempt, task, queue, max_duration, args, kwargs, headers, soft_limit)
     return b"\0".join(s.encode() for s in fields)
 
 
@@ -223,9 +226,9 @@ def prepare(app: Any, message: bytes, reporter: Reporter | None = None) -> Call 
     """The job a worker sent (message()), ready to run; or, for bad input, the outcome
     that ends it. Its progress and log lines will go to `reporter`."""
     parts = message.split(b"\0")
-    if len(parts) != 10:
+    if len(parts) != 9:
         return Outcome.failed("CorruptJob", "job record has a malformed field (NUL byte)")
-    job_id, attempt, raw_name, queue, max_duration, raw_args, raw_kwargs, raw_headers, retries_left, soft = parts
+    job_id, attempt, raw_name, queue, max_duration, raw_args, raw_kwargs, raw_headers, soft = parts
     name = raw_name.decode("utf-8", "replace")
     task = app.tasks.get(name)
     if task is None:
@@ -238,7 +241,7 @@ def prepare(app: Any, message: bytes, reporter: Reporter | None = None) -> Call 
     if not isinstance(args, list) or not isinstance(kwargs, dict) or not isinstance(headers, dict):
         return Outcome.failed("BadArguments", "args must be a JSON array, kwargs and headers JSON objects")
     context = JobContext(job_id.decode(), name, queue.decode(), int(attempt), time.time() + float(max_duration),
-                         headers, int(retries_left), reporter=reporter)
+                         headers, reporter=reporter)
     return Call(task, args, kwargs, context, _soft_limit(soft))
 
 

@@ -13,7 +13,7 @@ from .app import TaskRunner
 from .connection import is_cluster
 
 #: Values per job in claim.lua's answer.
-STRIDE = 11
+STRIDE = 10
 
 
 @dataclass(eq=False)
@@ -33,7 +33,6 @@ class Delivery:
     max_duration: float
     timeout_policy: str = "kill"
     headers_json: str = ""
-    retries_left: int = 0  # retries - failures: an error now is retried when > 0 (Outcome.will_retry)
     soft_limit: str = ""  # seconds, as the record has it ("": none)
     began: float | None = None  # worker: monotonic; when its child began it (None: still queued there)
     stuck: bool = False  # worker: flagged stuck (past its max duration)
@@ -78,8 +77,8 @@ def decode(answer: list[Any], queues: list[str]) -> list[Delivery]:
     """claim.lua's answer, STRIDE values per job, as records; `queues`: the call's queues in
     KEYS order (the answer numbers them from 1)."""
     return [Delivery(queues[int(answer[i]) - 1], answer[i + 1], str(answer[i + 2]), answer[i + 3], answer[i + 4],
-                     answer[i + 5], float(answer[i + 6]), answer[i + 7], answer[i + 8], int(answer[i + 9]),
-                     answer[i + 10]) for i in range(0, len(answer), STRIDE)]
+                     answer[i + 5], float(answer[i + 6]), answer[i + 7], answer[i + 8], answer[i + 9])
+            for i in range(0, len(answer), STRIDE)]
 
 
 def claim_args(app: TaskRunner, name: str, host: str, ip: str, slots: list[Any]) -> list[Any]:

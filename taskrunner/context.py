@@ -9,11 +9,14 @@ import logging
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from .errors import TaskRunnerError
+from .errors import MAX_RETRIES, TaskRunnerError
+
+if TYPE_CHECKING:
+    from .outcome import Outcome
 
 #: Log lines a job keeps (the oldest go first; the record counts those dropped), and the
 #: characters a line or a progress note is cut to.
@@ -29,13 +32,17 @@ class Reporter(Protocol):
 
     def log(self, job: JobContext, line: str) -> None: ...
 
+    def record(self, job: JobContext, fields: tuple[str, ...]) -> list[str | None]:
+        """Fields of the job's record, read when asked (in a worker's child: one round
+        trip to Redis), so that what few tasks and hooks ask costs the others nothing."""
+        ...
+
 
 @dataclass(frozen=True)
 class JobContext:
     """The delivery a task runs in. `attempt` counts deliveries (1 the first; the fencing
     token of its finish); `deadline` is when its max duration ends (epoch seconds);
-    `headers` the job's (a dict, {} when none); `retries_left` how many more times an
-    exception will be retried (0: the job fails if this run raises)."""
+    `headers` the job's (a dict, {} when none)."""
 
     id: str
     task: str
@@ -43,7 +50,6 @@ class JobContext:
     attempt: int
     deadline: float
     headers: dict[str, Any] = field(default_factory=dict)
-    retries_left: int = 0
     reporter: Reporter | None = field(default=None, repr=False, compare=False)
 
     def progress(self, fraction: float, note: str = "") -> None:
@@ -56,12 +62,37 @@ class JobContext:
         if self.reporter is not None:
             self.reporter.progress(self, f, str(note)[:LINE_MAX])
 
+    @property
+    def retries_left(self) -> int:
+        """How many more times an exception raised now would be retried (0: the job fails
+        if this run raises); read from the job's record when asked."""
+        retries, failures = self._record("retries", "failures")
+        return max(0, _whole(retries) - _whole(failures))
+
+    def will_retry(self, outcome: Outcome) -> bool:
+        """Will the job run again after this run ends with `outcome`? finish.lua's rule
+        (Outcome.will_retry), on the record as it is now."""
+        retries, failures, max_retries, asked = self._record("retries", "failures", "max_retries", "retry_requests")
+        most = MAX_RETRIES if max_retries is None else _whole(max_retries)
+        return outcome.will_retry(_whole(retries) - _whole(failures), most - _whole(asked))
+
+    def _record(self, *fields: str) -> list[str | None]:
+        return list(self.reporter.record(self, fields)) if self.reporter is not None else [None] * len(fields)
+
     def log(self, message: str, *args: Any) -> None:
         """Add a line to the job's log (`message % args`, as logging does), kept with the
         job (the last LOG_LINES lines, each cut to LINE_MAX characters) and expiring with it."""
         line = str(message) % args if args else str(message)
         if self.reporter is not None:
             self.reporter.log(self, line[:LINE_MAX])
+
+
+def _whole(text: str | None) -> int:
+    """A count from the record (0 when absent or not a number another client wrote)."""
+    try:
+        return int(text or 0)
+    except ValueError:
+        return 0
 
 
 _current: ContextVar[JobContext | None] = ContextVar("taskrunner_job", default=None)

@@ -91,7 +91,7 @@ class Crew:
         for (c, _), d in zip(slots, claimed):
             if c in alive:
                 c.send(d, child.message(d.id, d.attempt, d.task, d.queue, str(d.max_duration), d.args_json,
-                                        d.kwargs_json, d.headers_json, d.retries_left, d.soft_limit), now)
+                                        d.kwargs_json, d.headers_json, d.soft_limit), now)
             else:
                 self.outbox.report(d, Outcome.returned(f"its process died on {self.host} before it got it"))
         for c in {c for c, _ in slots}:

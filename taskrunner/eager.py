@@ -89,9 +89,8 @@ def _run(app: TaskRunner, job: EagerJob) -> None:
         attempt, t = int(d["attempts"]) + 1, _now()
         d.update(state="running", attempts=str(attempt), started_at=t)
         max_duration = d.get("max_duration") or str(app.settings.max_duration)
-        retries_left = int(d.get("retries") or 0) - int(d["failures"])
         message = job_message(job.id, str(attempt), d["task"], d["queue"], max_duration, d["args"], d["kwargs"],
-                              d.get("headers", ""), retries_left, "")  # no soft limit: soft_limit.py
+                              d.get("headers", ""), "")  # no soft limit: soft_limit.py
         outcome, v1, v2, v3, _ = run_in_child(app, message, _Record(d)).wire()
         if outcome == "requeue":  # the task raised Retry
             asked, most = _count(d, "retry_requests"), int(d.get("max_retries", MAX_RETRIES))
@@ -135,6 +134,9 @@ class _Record:
 
     def progress(self, job: JobContext, fraction: float, note: str) -> None:
         self.data.update(progress=repr(fraction), progress_note=note, progress_at=_now())
+
+    def record(self, job: JobContext, fields: tuple[str, ...]) -> list[str | None]:
+        return [self.data.get(f) for f in fields]
 
     def log(self, job: JobContext, line: str) -> None:
         lines = [*filter(None, self.data.get("logs", "").split("\n")), log_line(job, line).decode()]

@@ -28,7 +28,7 @@ from .outcome import Outcome
 
 def loop_child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, parent: int, inherited: list,
                     threads: int, async_slots: int) -> None:
-    link = begin_child(conn, kill_flag, parent, inherited, hard=True)
+    link = begin_child(conn, app, kill_flag, parent, inherited, hard=True)
     app.middleware.child_start()
     asyncio.run(LoopChild(app, link, state, lock, threads, async_slots).serve())
     app.middleware.child_stop()

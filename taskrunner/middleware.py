@@ -96,8 +96,8 @@ class Middleware:
     def after_run(self, job: JobContext, outcome: Outcome, error: BaseException | None) -> Outcome:
         """The hooks after a run: on_retry or on_failure when the task raised `error`, then
         after_run; returns `outcome` (it stands, whatever they do)."""
-        if error is not None:
-            self._each("on_retry" if outcome.will_retry(job.retries_left) else "on_failure", job, error)
+        if error is not None and (self.hooks["on_retry"] or self.hooks["on_failure"]):  # else no record read
+            self._each("on_retry" if job.will_retry(outcome) else "on_failure", job, error)
         self._each("after_run", job, outcome)
         return outcome
 

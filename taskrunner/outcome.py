@@ -80,12 +80,16 @@ class Outcome:
     def wire(self) -> list[str]:
         return [self.kind, self.v1, self.v2, self.v3, self.v4]
 
-    def will_retry(self, retries_left: int) -> bool:
-        """Will finish.lua run the job again after this outcome? A Retry (requeue) yes; an
-        error while retries are left (`retries_left`: the record's retries - failures when
-        the delivery was claimed). The child's one place for it (middleware's on_retry or
-        on_failure): finish.lua's rule, `failures + 1 <= retries`."""
-        return self.kind == "requeue" or (self.kind == "error" and retries_left > 0)
+    def will_retry(self, retries_left: int, retry_requests_left: int) -> bool:
+        """Will finish.lua run the job again after this outcome? finish.lua's rule, in the
+        one place the child decides it (middleware's on_retry or on_failure): an error while
+        retries are left (the record's retries - failures), a Retry while the task may still
+        ask (max_retries - retry_requests), any other requeue."""
+        if self.kind == "error":
+            return retries_left > 0
+        if self.kind == "requeue":
+            return self.v4 != "retry" or retry_requests_left > 0
+        return False
 
     @property
     def error_type(self) -> str:

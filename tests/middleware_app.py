@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any
 
-from taskrunner import TaskRunner, current_job
+from taskrunner import Retry, TaskRunner, current_job
 from tests import apps as base
 from tests.apps import mark
 
@@ -65,6 +65,20 @@ def work(key: str) -> dict:
 def boom(key: str) -> None:
     mark(key)
     raise ValueError("no")
+
+
+@app.task(max_retries=1, max_duration=60)
+def asks_again(key: str) -> None:
+    """Raises Retry each time: once within max_retries, then past it."""
+    mark(key)
+    raise Retry(delay=0)
+
+
+@app.task(retries=2, retry_backoff=0.05, max_duration=60)
+def counts_down(key: str) -> None:
+    """Notes how many retries it has left, then fails."""
+    base.app.redis.rpush(f"{base.app.settings.prefix}:left:{key}", current_job().retries_left)
+    raise ValueError("again")
 
 
 @app.task(max_duration=60)

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from taskrunner import JobFailed, JobNotFound, PayloadTooLarge, TaskRunner, scripts
+from taskrunner import JobFailed, JobNotFound, PayloadTooLarge, Retry, TaskRunner, current_job, scripts
 from taskrunner.errors import NotJSONError
 from tests import apps
 
@@ -88,6 +88,27 @@ def test_every_hook_fires_in_its_process(app, mw, stack):
     assert child != w.pid and ran(app, "bad") == 2
 
 
+def test_a_retry_past_max_retries_is_a_failure_to_the_hooks(app, mw, stack):
+    """on_retry or on_failure say what finish.lua will do: a Retry within max_retries runs
+    again, the next is MaxRetriesExceeded. The child reads the record to know, and only
+    when a hook asks (the claim carries nothing for it)."""
+    w = stack.worker(app="tests.middleware_app", concurrency=1)
+    job = mw.asks_again.delay("asks")
+    with pytest.raises(JobFailed, match="MaxRetriesExceeded"):
+        job.wait(30)
+    stopped(w)
+    hooks = [tuple(h[0::3]) for h in mw.recorded() if h[2] == job.id and h[0] in ("on_retry", "on_failure")]
+    assert hooks == [("on_retry", "Retry"), ("on_failure", "Retry")] and ran(app, "asks") == 2
+
+
+def test_a_task_knows_how_many_retries_it_has_left(app, mw, stack):
+    stack.worker(app="tests.middleware_app", concurrency=1)
+    stack.dispatcher(app="tests.middleware_app")  # the retries' backoff
+    with pytest.raises(JobFailed):
+        mw.counts_down.delay("cd").wait(30)
+    assert app.redis.lrange(f"{app.settings.prefix}:left:cd", 0, -1) == ["2", "1", "0"]
+
+
 def test_hooks_fire_in_a_loop_child_around_threads_and_coroutines(app, mw, stack):
     w = stack.worker("--threads", "2", app="tests.middleware_app", concurrency=1)
     in_thread, coroutine = mw.work.delay("t"), mw.async_work.delay("a")
@@ -158,6 +179,16 @@ def test_eager_mode_calls_the_same_hooks_in_process():
     def flaky():
         raise KeyError("k")
 
+    @eager.task(name="asks", max_retries=1)
+    def asks():
+        calls.append(("left", current_job().retries_left))
+        raise Retry()
+
+    assert eager.enqueue("asks").refresh().data["error_type"] == "MaxRetriesExceeded"
+    assert calls[1:] == [("before_run", 1, "trace"), ("left", 0), ("on_retry", 1, "Retry"), ("after_run", 1, "requeue"),
+                         ("before_run", 2, "trace"), ("left", 0), ("on_failure", 2, "Retry"),
+                         ("after_run", 2, "requeue")]
+    calls.clear()
     assert eager.enqueue("flaky").state == "failed"
     assert calls == [("before_enqueue", "flaky"), ("before_run", 1, "trace"), ("on_retry", 1, "KeyError"),
                      ("after_run", 1, "error"), ("before_run", 2, "trace"), ("on_failure", 2, "KeyError"),

@@ -63,12 +63,11 @@ def test_a_foreign_producer_enqueues_a_job_a_real_worker_runs(app, stack):
 def test_a_foreign_consumer_takes_and_acks_a_python_job(app):
     foreign = ForeignClient(app.settings.redis_url, app.settings.prefix)
     job = apps.add.delay(20, 22)
-    [qi, job_id, attempt, task, args, kwargs, max_duration, policy, headers, retries_left,
-     soft_limit] = foreign.claim("default", "foreign-worker")
+    [qi, job_id, attempt, task, args, kwargs, max_duration, policy, headers, soft_limit] = foreign.claim(
+        "default", "foreign-worker")
     assert (qi, job_id.decode(), task, json.loads(args), json.loads(kwargs)) == (1, job.id, b"tests.apps.add",
                                                                                 [20, 22], {})
-    assert (attempt, float(max_duration), policy, headers, retries_left, soft_limit) == (1, 300.0, b"kill", b"", 0,
-                                                                                         b"")
+    assert (attempt, float(max_duration), policy, headers, soft_limit) == (1, 300.0, b"kill", b"", b"")
     holding = json.loads(foreign.r.hget(foreign.q("default") + "running", job.id))
     assert holding["worker"] == "foreign-worker" and holding["pid"] == 4242 and holding["ip"] == "192.0.2.1"
     assert foreign.finish("default", job_id, attempt, sum(json.loads(args))) == 1

@@ -18,9 +18,8 @@
 -- An exclusive queue (meta exclusive = 1) gives a job only while none of it runs.
 -- Counts meta consumed_messages/consumed_bytes; a bounded queue signals room (notfull).
 -- Returns {queue index, id, attempt, task, args, kwargs, max_duration, timeout_policy,
--- headers, retries left, soft limit}* (headers: the record's JSON object text, "" when it
--- has none; retries left: retries - failures, so that the worker knows whether an error
--- will be retried, as finish.lua decides; soft limit: the record's soft_limit, "" if none).
+-- headers, soft limit}* (headers: the record's JSON object text, "" when it has none;
+-- soft limit: the record's soft_limit, "" if none).
 -- Refuses (an error, nothing changed) arguments that would write a holding entry the
 -- dispatcher cannot read or a holder it cannot judge: the job would then come back only
 -- at its deadline. ARGV[1] must decode (with "}" added) to a JSON object whose "worker" is
@@ -92,7 +91,7 @@ for qi = 1, #KEYS do
     for _, id in ipairs(fresh) do
       local job = p .. 'job:' .. id
       local f = redis.call('HMGET', job, 'task', 'args', 'kwargs', 'max_duration', 'timeout_policy', 'attempts',
-        'headers', 'retries', 'failures', 'soft_limit')
+        'headers', 'soft_limit')
       if not f[1] then
         redis.call('SREM', processing, id)
         finalize(p, id, job, load(job), 'failed', t, 86400, {'error_type', 'CorruptJob',
@@ -136,7 +135,7 @@ for qi = 1, #KEYS do
         local o = #out
         out[o + 1], out[o + 2], out[o + 3], out[o + 4] = qi, id, attempt_n, f[1]
         out[o + 5], out[o + 6], out[o + 7], out[o + 8] = f[2] or '[]', f[3] or '{}', md_s, f[5] or 'kill'
-        out[o + 9], out[o + 10], out[o + 11] = f[7] or '', (tonumber(f[8]) or 0) - (tonumber(f[9]) or 0), f[10] or ''
+        out[o + 9], out[o + 10] = f[7] or '', f[8] or ''
       end
     end
   end
