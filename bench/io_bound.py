@@ -7,20 +7,21 @@
 
 Each job waits 20 ms (time.sleep in a sync task, asyncio.sleep in an async one), then records
 its completion by appending a byte to a file (bench/record.py). For each concurrency C and
-system: --jobs jobs are enqueued, then the workers (PROCESSES processes, C jobs at once in all)
-are started and the queue drained. Per system and concurrency:
+system: --jobs jobs are enqueued, then the workers (C jobs at once in all, in PROCESSES
+processes; arq in one) are started and the queue drained. Per system and concurrency:
   - jobs/s, and as a fraction of the ideal C / 20 ms: over the last 80% of the jobs (the clock
     starts when 20% are done, so that every worker process has started and imported its code);
   - worker RSS per concurrent job: the highest sum of the RSS of the worker processes and all
-    their children, sampled every RSS_EVERY s during the drain, divided by C;
+    their children, sampled every RSS_EVERY s during the drain, divided by C; and the same with
+    PSS, which counts a page shared by several processes (a fork's) as each one's share;
   - Redis CPU per job: used_cpu_sys + used_cpu_user from the worker start to the last job,
     divided by the jobs (and Redis commands per job, for the profile);
 and the ratios of taskrunner's figures to each peer's.
 
 taskrunner runs twice: its async tasks in loop children (`worker -c 2 --async-slots C/2`),
 and its sync tasks in threads (`worker -c 2 --threads C/2 --async-slots 0`): one child per
-core, each running half of the jobs at once, as a user of a 2-core host would set it. The
-peers get the same 2 processes with C/2 each (see WORKERS).
+core, each running half of the jobs at once, as a user of a 2-core host would set it. Dramatiq
+and Celery get the same 2 processes with C/2 each; arq one with C (see SYSTEMS).
 
 Every process started here runs in its own session and is killed as a group at the end;
 every wait has a deadline, and the whole run stops after --max-time seconds."""
@@ -71,44 +72,48 @@ class System:
     name: str
     driver: str  # what bench/driver.py and the peers' venv call it
     kind: str  # the job it runs: io (sync, time.sleep) or aio (async, asyncio.sleep)
-    workers: str  # how its workers are started, for the report ({per}: C / PROCESSES)
+    processes: int  # worker processes (taskrunner: children) sharing the concurrency
+    workers: str  # how its workers are started, for the report ({per}: concurrency / processes)
 
 
 SYSTEMS = {s.name: s for s in [
-    System("taskrunner-async", "taskrunner", "aio",
+    System("taskrunner-async", "taskrunner", "aio", PROCESSES,
            "taskrunner worker -c 2 --async-slots {per} (1 worker process + 2 children, async def tasks)"),
-    System("taskrunner-threads", "taskrunner", "io",
+    System("taskrunner-threads", "taskrunner", "io", PROCESSES,
            "taskrunner worker -c 2 --threads {per} --async-slots 0 (1 worker process + 2 children, sync tasks)"),
-    System("dramatiq", "dramatiq", "io", "dramatiq --processes 2 --threads {per}"),
-    System("celery", "celery", "io", "2 x celery worker -P threads -c {per} " + " ".join(CELERY_FLAGS)
+    System("dramatiq", "dramatiq", "io", PROCESSES, "dramatiq --processes 2 --threads {per}"),
+    System("celery", "celery", "io", PROCESSES, "2 x celery worker -P threads -c {per} " + " ".join(CELERY_FLAGS)
            + " (no result backend)"),
-    System("arq", "arq", "aio", "2 x arq worker, max_jobs {per}, poll_delay 0.01 s (bench/tasks_arq.py)"),
+    # One process: arq's model (asyncio, no pool), and its best here: two workers read the same
+    # job ids and race for each (WATCH), which made it slower and doubled its memory.
+    System("arq", "arq", "aio", 1, "1 arq worker, max_jobs {per}, poll_delay 0.01 s (bench/tasks_arq.py)"),
 ]}
 TASKRUNNER = [s for s in SYSTEMS if s.startswith("taskrunner")]
 
 
 def commands(system: System, concurrency: int, env: Env) -> tuple[list[list[str]], dict[str, str]]:
     """The worker command lines of `system` at `concurrency`, and what they add to the environment."""
-    per = str(concurrency // PROCESSES)
+    n = system.processes
+    per = str(concurrency // n)
     if system.driver == "taskrunner":
         mode = ["--async-slots", per] if system.kind == "aio" else ["--threads", per, "--async-slots", "0"]
-        return [[env.tr_python, "-m", "taskrunner", "worker", "-A", "bench.tasks_taskrunner_io", "-c",
-                 str(PROCESSES), *mode, "--log-level", "warning"]], {}
+        return [[env.tr_python, "-m", "taskrunner", "worker", "-A", "bench.tasks_taskrunner_io", "-c", str(n),
+                 *mode, "--log-level", "warning"]], {}
     if system.name == "dramatiq":
-        return [[str(PEERS_BIN / "dramatiq"), "bench.tasks_dramatiq", "--processes", str(PROCESSES),
-                 "--threads", per]], {}
+        return [[str(PEERS_BIN / "dramatiq"), "bench.tasks_dramatiq", "--processes", str(n), "--threads", per]], {}
     if system.name == "celery":
         return [[str(PEERS_BIN / "celery"), "-A", "bench.tasks_celery", "worker", "-P", "threads", "-c", per,
-                 "-n", f"io{i}@%h", "--loglevel", "WARNING", *CELERY_FLAGS] for i in range(PROCESSES)], {}
+                 "-n", f"io{i}@%h", "--loglevel", "WARNING", *CELERY_FLAGS] for i in range(n)], {}
     if system.name == "arq":
         # python -m, not arq's CLI: that one logs every job's start and end at INFO.
-        return [[env.peers_python, "-m", "bench.tasks_arq", per]] * PROCESSES, {}
+        return [[env.peers_python, "-m", "bench.tasks_arq", per]] * n, {}
     raise ValueError(system.name)
 
 
-def tree_rss(pids: list[int]) -> int:
-    """Bytes resident in these processes and all their descendants (shared pages once per process)."""
-    return sum(rss(pid) + rss(pid, children=True) for pid in pids)
+def tree_memory(pids: list[int], pss: bool = False) -> int:
+    """Bytes resident in these processes and all their descendants: RSS (a page shared by
+    several counts in each), or PSS (each its share)."""
+    return sum(rss(pid, pss=pss) + rss(pid, children=True, pss=pss) for pid in pids)
 
 
 def drain(env: Env, r: redis.Redis, system: System, concurrency: int, jobs: int, logs: Path) -> dict[str, Any]:
@@ -120,16 +125,18 @@ def drain(env: Env, r: redis.Redis, system: System, concurrency: int, jobs: int,
     before = Snapshot.take(r)
     warm = int(jobs * WARM)
     mark: tuple[float, int] | None = None  # (time, jobs done) when the clock started
-    peak, next_sample = 0, 0.0
+    peak, peak_pss, next_sample = 0, 0, 0.0
     workers: list = []
 
     def finished() -> bool:
-        nonlocal mark, peak, next_sample
+        nonlocal mark, peak, peak_pss, next_sample
         now, done = time.monotonic(), record.count(rdb)
         if mark is None and done >= warm:
             mark = (now, done)
         if now >= next_sample:
-            peak, next_sample = max(peak, tree_rss([p.pid for p in workers])), now + RSS_EVERY
+            pids = [p.pid for p in workers]
+            peak, peak_pss = max(peak, tree_memory(pids)), max(peak_pss, tree_memory(pids, pss=True))
+            next_sample = now + RSS_EVERY
         return done >= jobs
 
     logs.unlink(missing_ok=True)  # of an earlier run
@@ -144,11 +151,13 @@ def drain(env: Env, r: redis.Redis, system: System, concurrency: int, jobs: int,
     rate = (jobs - mark[1]) / max(t1 - mark[0], 1e-9)
     res = {"system": system.name, "concurrency": concurrency, "jobs": jobs, "rate": rate,
            "of_ideal": rate / (concurrency / SLEEP), "rss_per_job_mb": peak / concurrency / 2**20,
-           "rss_peak_mb": peak / 2**20, "redis_cpu_us_per_job": (after.cpu - before.cpu) / jobs * 1e6,
+           "rss_peak_mb": peak / 2**20, "pss_per_job_mb": peak_pss / concurrency / 2**20,
+           "redis_cpu_us_per_job": (after.cpu - before.cpu) / jobs * 1e6,
            "redis_cmds_per_job": (after.commands - before.commands - 1) / jobs,  # less the closing INFO
            "counted_jobs": jobs - mark[1], "seconds_incl_start": t1 - t0, "fill_seconds": fill["seconds"]}
     log(f"  {system.name:18} {concurrency:4}-way {rate:8,.0f} jobs/s ({res['of_ideal']:6.1%} of ideal)  "
-        f"RSS {res['rss_per_job_mb']:6.3f} MB/job  Redis {res['redis_cpu_us_per_job']:5.1f} us/job  "
+        f"RSS {res['rss_per_job_mb']:6.3f} MB/job (PSS {res['pss_per_job_mb']:5.3f})  "
+        f"Redis {res['redis_cpu_us_per_job']:5.1f} us/job  "
         f"{res['redis_cmds_per_job']:5.1f} cmds/job  (incl. start {t1 - t0:.2f} s; fill {fill['seconds']:.1f} s)")
     return res
 
@@ -159,11 +168,13 @@ COLUMNS = [  # key in a run's figures, heading, format
     ("rate", "jobs/s", "{:,.0f}"),
     ("of_ideal", "of ideal", "{:.1%}"),
     ("rss_per_job_mb", "RSS MB/concurrent job", "{:.3f}"),
+    ("pss_per_job_mb", "PSS MB/concurrent job", "{:.3f}"),
     ("redis_cpu_us_per_job", "Redis CPU us/job", "{:.1f}"),
     ("redis_cmds_per_job", "Redis cmds/job", "{:.1f}"),
     ("seconds_incl_start", "drain s incl. start", "{:.2f}"),
 ]
 RATIOS = [("rate", "jobs/s (higher is better)"), ("rss_per_job_mb", "RSS per concurrent job (lower is better)"),
+          ("pss_per_job_mb", "PSS per concurrent job (lower is better)"),
           ("redis_cpu_us_per_job", "Redis CPU per job (lower is better)")]
 
 
@@ -189,10 +200,12 @@ def report(a: argparse.Namespace, runs: list[dict[str, Any]], meta: dict[str, An
              "an async one) then appends a byte to a file; enqueued first, then the workers started",
              f"repeats: {a.repeat} (cells: median (min–max)); jobs/s over the last {1 - WARM:.0%} of the jobs; "
              "ideal = concurrency / 20 ms",
-             "RSS: highest sum over the drain of the RSS of the worker processes and their children, / concurrency",
+             "RSS: highest sum over the drain of the RSS of the worker processes and their children, / concurrency;",
+             "  PSS the same with each shared page (a fork's copy-on-write) counted as each process's share",
              "Redis CPU: used_cpu_sys + used_cpu_user from the worker start to the last job, / jobs",
              "workers (C: the concurrency):"]
-    lines += [f"  {s:18} {SYSTEMS[s].workers.format(per='C/2')}" for s in a.systems]
+    lines += [f"  {s:18} {SYSTEMS[s].workers.format(per='C' if SYSTEMS[s].processes == 1 else 'C/2')}"
+              for s in a.systems]
     for c in a.concurrency:
         lines += ["", f"{c}-way (ideal {c / SLEEP:,.0f} jobs/s)"]
         series = {s: {k: Series([r[k] for r in runs if r["system"] == s and r["concurrency"] == c])
@@ -214,10 +227,12 @@ def report(a: argparse.Namespace, runs: list[dict[str, Any]], meta: dict[str, An
                                              for p in peers)])
             lines += ["  " + line for line in table(rows, 2)]
     lines += ["", "notes:",
-              "  - each system's worker processes: 2 (the machine's cores), C/2 concurrent jobs in each; the",
-              "    clock starts once 20% of the jobs are done, so that start-up (imports, connections, forks) is",
-              "    left out; 'drain s incl. start' is the whole drain from spawning the workers.",
-              "  - RSS counts pages shared between processes (fork's copy-on-write) once per process.",
+              "  - worker processes: 2 (the machine's cores), C/2 concurrent jobs in each; arq 1 (its model, and",
+              "    its best here: 2 workers race for the same job ids). The clock starts once 20% of the jobs are",
+              "    done, so that start-up (imports, connections, forks) is left out; 'drain s incl. start' is the",
+              "    whole drain from spawning the workers.",
+              "  - RSS counts a page shared between processes (fork's copy-on-write) once in each: taskrunner's",
+              "    children and Dramatiq's are forked, Celery's and arq's processes are not; PSS splits it.",
               "  - taskrunner stores each job's result (its default), as arq does; Celery runs without a result",
               "    backend, Dramatiq without its results middleware.",
               "  - arq reads its queue every poll_delay seconds; its default (0.5 s) idles a worker between reads:",

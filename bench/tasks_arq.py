@@ -14,8 +14,8 @@ from bench import record
 
 #: Seconds between two reads of the queue. arq's default, 0.5 s, leaves a worker idle once it
 #: has started what one read gave it (at most max(5 * max_jobs, 100) jobs) until the next
-#: read; a user with a steady stream of short jobs would lower it. 0.01 s: the read waits
-#: only for a free slot.
+#: read: 20 ms jobs at 64-way ran at 20% of the ideal, against 44% with 0.01 s (2026-11-25).
+#: A user with a steady stream of short jobs would lower it.
 POLL_DELAY = 0.01
 
 
