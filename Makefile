@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench clean chaos soak
+.PHONY: setup demo test lint bench bench-io clean chaos soak
 
 $(BIN)/taskrunner: setup.cfg pyproject.toml
 	@sh scripts/ensure-venv.sh $(PY)
@@ -38,6 +38,12 @@ clean:
 # Options through ARGS, e.g.: make bench ARGS=--quick   make bench ARGS="--only taskrunner,rq --json out.json"
 bench: setup
 	$(BIN)/python bench/bench.py $(ARGS)
+
+# I/O-bound jobs (bench/io_bound.py): 20,000 jobs of 20 ms at 64- and 256-way, taskrunner (async
+# tasks and threads) vs Dramatiq, Celery and arq (~3 min); results in bench/results/io-latest.txt.
+# e.g. make bench-io ARGS=--quick   make bench-io ARGS="--only taskrunner-async,arq --json out.json"
+bench-io: setup
+	$(BIN)/python -m bench.io_bound $(ARGS)
 
 # Chaos harness (bench/chaos.py): 20,000 jobs per fsync setting while processes and Redis are
 # killed; exits 1 on a lost or stuck job. docs/RELIABILITY.md. e.g. make chaos ARGS="--seed 3 --fsync always"

@@ -33,7 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,10 +49,10 @@ RESULTS = BENCH / "results"
 LOGS = RESULTS / "logs"
 
 SYSTEMS = ("taskrunner", "celery", "rq", "dramatiq")
-PEERS = SYSTEMS[1:]
 BATCH_SYSTEMS = ("taskrunner", "rq")  # those with a batch enqueue call
-PEER_PACKAGES = ["celery[redis]", "rq", "dramatiq[redis]", "redis[hiredis]"]
-PEER_MODULES = {"celery": "celery", "rq": "rq", "dramatiq": "dramatiq"}
+PEER_PACKAGES = ["celery[redis]", "rq", "dramatiq[redis]", "arq", "redis[hiredis]"]
+#: Each peer's distribution, importable under the same name (arq: only in bench/io_bound.py).
+PEER_MODULES = {"celery": "celery", "rq": "rq", "dramatiq": "dramatiq", "arq": "arq"}
 
 sys.path.insert(0, str(ROOT))
 from bench import record  # noqa: E402
@@ -324,6 +325,13 @@ METRICS = [
 SCRIPT_COMMANDS = ("eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro")
 
 
+def flush(r: redis.Redis) -> None:
+    """A clean slate before each run: no keys, command statistics zeroed, no job recorded."""
+    r.flushall()
+    r.config_resetstat()
+    record.reset()
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, env: Env, r: redis.Redis) -> None:
         self.a, self.env, self.r = args, env, r
@@ -337,9 +345,7 @@ class Bench:
         self.results.setdefault(metric, {}).setdefault(system, Series()).values.append(value)
 
     def flush(self) -> None:
-        self.r.flushall()
-        self.r.config_resetstat()
-        record.reset()
+        flush(self.r)
 
     # 1. enqueue ---------------------------------------------------------------------------
 
@@ -600,7 +606,9 @@ def report(b: Bench, systems: list[str], meta: dict[str, Any]) -> str:
 
 
 def ensure_peers(systems: list[str], timeout: float) -> None:
-    peers = [s for s in systems if s in PEERS]
+    """The peers' virtualenv, with every package in PEER_PACKAGES, once one of `systems`
+    needs a peer that it cannot import."""
+    peers = [s for s in systems if s in PEER_MODULES]
     if not peers:
         return
     py = PEERS_BIN / "python"
@@ -641,7 +649,7 @@ def versions(systems: list[str]) -> dict[str, str]:
 
     out = {"python": platform.python_version(), "taskrunner": version("taskrunner") + f" ({git_revision()})",
            "redis-py": version("redis")}
-    peers = [s for s in systems if s in PEERS]
+    peers = [s for s in systems if s in PEER_MODULES]
     if peers:
         code = ("import json, platform; from importlib.metadata import version; "
                 f"print(json.dumps({{**{{p: version(p) for p in {peers!r}}}, 'peers python': platform.python_version(),"
@@ -691,101 +699,123 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    os.chdir(ROOT)
-
-    stop_after(a.max_time, lambda: BenchTimeout(f"the whole bench passed --max-time {a.max_time:.0f}s"))
-
+@contextmanager
+def own_server(max_time: float, systems: list[str], recorder: str = "file") -> Iterator[tuple[Procs, str]]:
+    """A run's stage: the peers' venv if `systems` need it, a redis-server of our own in a
+    temporary folder (its socket in the environment, for record here and in every process
+    we start), and a Procs for what we start. On the way out, however it is left, every
+    process is stopped and the folder removed; the run stops after `max_time` s."""
     from taskrunner.redis_server import RedisServer
 
+    stop_after(max_time, lambda: BenchTimeout(f"the whole bench passed --max-time {max_time:.0f}s"))
     procs = Procs()
     tmp = Path(tempfile.mkdtemp(prefix="trbench-"))
     server = RedisServer(tmp, appendonly=False)
-    if LOGS.exists():
-        shutil.rmtree(LOGS)
-    LOGS.mkdir(parents=True)
     try:
-        ensure_peers(a.systems, timeout=900)
+        ensure_peers(systems, timeout=900)
         server.start()
-        os.environ[record.SOCKET_ENV] = str(server.socket)  # for record, here and in every process we start
-        os.environ[record.RECORDER_ENV] = a.recorder
-        r = redis.Redis(unix_socket_path=str(server.socket))
-        env = Env(str(server.socket), procs, a.timeout, heartbeat=a.heartbeat, dead_after=a.dead_after)
-        b = Bench(a, env, r)
-        b.details["errors"], b.details["warnings"] = [], []
-        meta = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
-                           f"load avg {' '.join(f'{x:.1f}' for x in os.getloadavg())} at start",
-                "redis_version": r.info("server")["redis_version"], "versions": versions(a.systems),
-                "source": source_digest()}
-        log(f"redis-server at {server.socket}; systems {','.join(a.systems)}; logs in {LOGS}")
-
-        def attempt(group: str, system: str, rep: int, fn: Callable[[], None]) -> None:
-            what = f"{group} {system} #{rep + 1}"
-            try:
-                fn()
-            except BenchError as e:
-                if "--max-time" in str(e) or a.fail_fast:
-                    raise
-                b.details["errors"].append(f"{what}: {e}")
-                b.failures[(group, system)] = b.failures.get((group, system), 0) + 1
-                log(f"  FAILED {what}: {e}")
-
-        # Repeats are the outer loop, systems the inner one: drift (other load on the
-        # machine) spreads over every system instead of landing on one.
-        try:
-            for rep in range(a.repeat):
-                if "enqueue" in a.metric_set:
-                    log(f"repeat {rep + 1}/{a.repeat}: enqueue")
-                    for s in ["evalsha", *a.systems]:
-                        attempt("enqueue", s, rep, lambda s=s, rep=rep: b.enqueue(s, rep))
-                if "batch" in a.metric_set:
-                    log(f"repeat {rep + 1}/{a.repeat}: batch enqueue")
-                    for s in [s for s in a.systems if s in BATCH_SYSTEMS]:
-                        attempt("batch", s, rep, lambda s=s, rep=rep: b.batch(s, rep))
-                if "drain" in a.metric_set:
-                    log(f"repeat {rep + 1}/{a.repeat}: drain")
-                    for s in a.systems:
-                        attempt("drain", s, rep, lambda s=s, rep=rep: b.drain(s, rep))
-                if "latency" in a.metric_set:
-                    log(f"repeat {rep + 1}/{a.repeat}: latency")
-                    for s in a.systems:
-                        attempt("latency", s, rep, lambda s=s, rep=rep: b.latency(s, rep))
-                if "recovery" in a.metric_set and "taskrunner" in a.systems:
-                    log(f"repeat {rep + 1}/{a.repeat}: recovery")
-                    attempt("recovery", "taskrunner", rep, lambda rep=rep: b.recovery(rep))
-                    if b.unshare:
-                        attempt("recovery-hb", "taskrunner", rep, lambda rep=rep: b.recovery(rep, other_host=True))
-        except BenchError as e:  # --max-time, or --fail-fast: report what was measured
-            b.details["errors"].append(f"bench stopped early: {e}")
-            log(f"bench stopped early: {e}")
-        signal.alarm(0)
-        if "taskrunner" in a.systems and source_digest() != meta["source"]:
-            b.details["warnings"].append(f"taskrunner's source changed during the run (digest {meta['source']} at "
-                                       f"start, {source_digest()} at the end): its figures may mix two versions")
-        text = report(b, a.systems, meta)
-        print(text, end="")
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "latest.txt").write_text(text)
-        log(f"saved {RESULTS / 'latest.txt'}")
-        if a.json:
-            data = {"meta": meta, "args": {k: v for k, v in vars(a).items() if k != "metric_set"},
-                    "results": {m: {s: {"median": v.median, "min": min(v.values), "max": max(v.values),
-                                        "values": v.values} for s, v in res.items()}
-                                for m, res in b.results.items()},
-                    "details": b.details}
-            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.json).write_text(json.dumps(data, indent=2, default=str))
-            log(f"saved {a.json}")
-        return 1 if b.details["errors"] else 0
-    except (BenchError, KeyboardInterrupt, subprocess.SubprocessError) as e:
-        log(f"bench stopped: {type(e).__name__}: {e} (logs in {LOGS})")
-        return 2
+        os.environ[record.SOCKET_ENV] = str(server.socket)
+        os.environ[record.RECORDER_ENV] = recorder
+        yield procs, str(server.socket)
     finally:
         signal.alarm(0)
         procs.stop_all()
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_meta(r: redis.Redis, systems: list[str]) -> dict[str, Any]:
+    """What a report says of the run's conditions."""
+    return {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
+                       f"load avg {' '.join(f'{x:.1f}' for x in os.getloadavg())} at start",
+            "redis_version": r.info("server")["redis_version"], "versions": versions(systems),
+            "source": source_digest()}
+
+
+def save(text: str, out: Path, json_path: str | None, data: Callable[[], dict[str, Any]]) -> None:
+    """Print the report and save it to `out`; and data() as JSON to `json_path`, if given."""
+    print(text, end="")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    log(f"saved {out}")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(data(), indent=2, default=str))
+        log(f"saved {json_path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    os.chdir(ROOT)
+    if LOGS.exists():
+        shutil.rmtree(LOGS)
+    LOGS.mkdir(parents=True)
+    try:
+        with own_server(a.max_time, a.systems, a.recorder) as (procs, socket):
+            return run(a, procs, socket)
+    except (BenchError, KeyboardInterrupt, subprocess.SubprocessError) as e:
+        log(f"bench stopped: {type(e).__name__}: {e} (logs in {LOGS})")
+        return 2
+
+
+def run(a: argparse.Namespace, procs: Procs, socket: str) -> int:
+    r = redis.Redis(unix_socket_path=socket)
+    env = Env(socket, procs, a.timeout, heartbeat=a.heartbeat, dead_after=a.dead_after)
+    b = Bench(a, env, r)
+    b.details["errors"], b.details["warnings"] = [], []
+    meta = run_meta(r, a.systems)
+    log(f"redis-server at {socket}; systems {','.join(a.systems)}; logs in {LOGS}")
+
+    def attempt(group: str, system: str, rep: int, fn: Callable[[], None]) -> None:
+        what = f"{group} {system} #{rep + 1}"
+        try:
+            fn()
+        except BenchError as e:
+            if "--max-time" in str(e) or a.fail_fast:
+                raise
+            b.details["errors"].append(f"{what}: {e}")
+            b.failures[(group, system)] = b.failures.get((group, system), 0) + 1
+            log(f"  FAILED {what}: {e}")
+
+    # Repeats are the outer loop, systems the inner one: drift (other load on the
+    # machine) spreads over every system instead of landing on one.
+    try:
+        for rep in range(a.repeat):
+            if "enqueue" in a.metric_set:
+                log(f"repeat {rep + 1}/{a.repeat}: enqueue")
+                for s in ["evalsha", *a.systems]:
+                    attempt("enqueue", s, rep, lambda s=s, rep=rep: b.enqueue(s, rep))
+            if "batch" in a.metric_set:
+                log(f"repeat {rep + 1}/{a.repeat}: batch enqueue")
+                for s in [s for s in a.systems if s in BATCH_SYSTEMS]:
+                    attempt("batch", s, rep, lambda s=s, rep=rep: b.batch(s, rep))
+            if "drain" in a.metric_set:
+                log(f"repeat {rep + 1}/{a.repeat}: drain")
+                for s in a.systems:
+                    attempt("drain", s, rep, lambda s=s, rep=rep: b.drain(s, rep))
+            if "latency" in a.metric_set:
+                log(f"repeat {rep + 1}/{a.repeat}: latency")
+                for s in a.systems:
+                    attempt("latency", s, rep, lambda s=s, rep=rep: b.latency(s, rep))
+            if "recovery" in a.metric_set and "taskrunner" in a.systems:
+                log(f"repeat {rep + 1}/{a.repeat}: recovery")
+                attempt("recovery", "taskrunner", rep, lambda rep=rep: b.recovery(rep))
+                if b.unshare:
+                    attempt("recovery-hb", "taskrunner", rep, lambda rep=rep: b.recovery(rep, other_host=True))
+    except BenchError as e:  # --max-time, or --fail-fast: report what was measured
+        b.details["errors"].append(f"bench stopped early: {e}")
+        log(f"bench stopped early: {e}")
+    signal.alarm(0)
+    if "taskrunner" in a.systems and source_digest() != meta["source"]:
+        b.details["warnings"].append(f"taskrunner's source changed during the run (digest {meta['source']} at "
+                                   f"start, {source_digest()} at the end): its figures may mix two versions")
+    text = report(b, a.systems, meta)
+    save(text, RESULTS / "latest.txt", a.json, lambda: {
+        "meta": meta, "args": {k: v for k, v in vars(a).items() if k != "metric_set"},
+        "results": {m: {s: {"median": v.median, "min": min(v.values), "max": max(v.values), "values": v.values}
+                        for s, v in res.items()} for m, res in b.results.items()},
+        "details": b.details})
+    return 1 if b.details["errors"] else 0
 
 
 if __name__ == "__main__":

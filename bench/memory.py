@@ -33,11 +33,14 @@ TOP_UP = 20_000
 MAX_WAITING = 100_000
 
 
-def rss(pid: int, children: bool = False) -> int:
+def rss(pid: int, children: bool = False, pss: bool = False) -> int:
+    """Bytes resident in the process (children: in all its descendants instead). pss: its
+    proportional set size instead, each page shared with other processes (a fork's
+    copy-on-write) counted as its share: what it costs the machine."""
     try:
         p = psutil.Process(pid)
         procs = p.children(recursive=True) if children else [p]
-        return sum(c.memory_info().rss for c in procs)
+        return sum(c.memory_full_info().pss if pss else c.memory_info().rss for c in procs)
     except psutil.Error:
         return 0
 

@@ -8,10 +8,12 @@ the systems and not the recorder. With BENCH_RECORDER=redis it INCRs a counter i
 as the benchmark did before 2026-11-21: that costs each job a round trip and ~50 us of
 redis-py CPU, which then dominates the drain (see docs/PERFORMANCE.md). The latency and
 recovery jobs push their timestamps to Redis (after taking them), in db 1 (BENCH_DB), so
-that the systems' own keys in db 0 are untouched."""
+that the systems' own keys in db 0 are untouched. The I/O-bound jobs (bench/io_bound.py)
+wait, with time.sleep or asyncio.sleep, then record their completion as a no-op does."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -93,3 +95,16 @@ def latency(enqueued_at: float) -> None:
 def sleep(seconds: float) -> None:
     client().rpush(STARTS, time.time())
     time.sleep(float(seconds))
+
+
+def io(seconds: float) -> None:
+    """An I/O-bound job run in a thread: it waits, then counts as done."""
+    time.sleep(float(seconds))
+    done()
+
+
+async def aio(seconds: float) -> None:
+    """The same as a coroutine: the write of one byte does not block for long enough to
+    matter (~3 us)."""
+    await asyncio.sleep(float(seconds))
+    done()

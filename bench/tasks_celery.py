@@ -25,3 +25,8 @@ def latency(enqueued_at):
 @app.task(name="bench.sleep")
 def sleep(seconds):
     record.sleep(seconds)
+
+
+@app.task(name="bench.io")
+def io(seconds):
+    record.io(seconds)

@@ -22,3 +22,8 @@ def latency(enqueued_at):
 @dramatiq.actor(actor_name="bench_sleep", max_retries=0, time_limit=120_000)
 def sleep(seconds):
     record.sleep(seconds)
+
+
+@dramatiq.actor(actor_name="bench_io", max_retries=0)
+def io(seconds):
+    record.io(seconds)
