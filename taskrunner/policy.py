@@ -87,7 +87,8 @@ def slots(lanes: Sequence[L], depth: int, now: float) -> list[tuple[L, float]]:
         if head is not None and head.began is not None:
             ahead -= min(now - head.began, head.max_duration)
         wants.append((lane, min(depth - len(lane.jobs), lane.left), ahead))
-    return [(lane, ahead) for i in range(depth) for lane, n, ahead in wants if n > i]
+    most = int(max((n for _, n, _ in wants), default=0))  # a loop child's free slots may exceed depth
+    return [(lane, ahead) for i in range(most) for lane, n, ahead in wants if n > i]
 
 
 def quiet(lanes: Sequence[L], runtime: float | None, depth: int, stopping: bool) -> list[L]:
