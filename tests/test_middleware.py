@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from taskrunner import JobFailed, JobNotFound, PayloadTooLarge, Retry, TaskRunner, current_job, scripts
+from taskrunner import JobFailed, JobNotFound, PayloadTooLarge, Retry, TaskRunner, current_job
 from taskrunner.errors import NotJSONError
 from tests import apps
 
@@ -128,10 +128,6 @@ def test_a_raising_hook_is_logged_with_the_job_id_and_the_job_is_neither_lost_no
     assert "raised for job refused; not enqueued" in caplog.text
     with pytest.raises(JobNotFound):
         app.job("refused")  # nothing written
-    # Known elsewhere: a sync whose progress.lua call meets NOSCRIPT (a Redis that has not
-    # loaded it yet) runs it again after the finish of the same sync, which fences it off:
-    # a job's last lines are lost. Loaded here, so that this test is about the hooks.
-    app.redis.script_load(scripts.PROGRESS.source)
     w = stack.worker("--async-slots", "0", app="tests.middleware_app", concurrency=1)
     before = mw.work.apply_async(["before"], headers={"raise": "before_run"})
     after = mw.work.apply_async(["after"], headers={"raise": "after_run"})

@@ -232,3 +232,30 @@ def test_operator_actions(app):
         apps.add.delay(i, i)
     assert app.purge("default") == 2500  # the retried job was claimed above
     assert app.redis.llen(app.keys.q("default") + "pending") == 0
+
+
+def test_a_batch_runs_in_order_after_the_server_lost_its_scripts(app):
+    """A server without scripts (a restart, a flush, a promoted replica) used to get them
+    loaded one by one, as first met: a later sync then found finish.lua known and
+    progress.lua not; re-run after the finish of its batch, progress.lua found the job
+    finished and its last log lines were lost. Any NOSCRIPT now loads every script, so a
+    server knows all or none of them (and a batch of unknown ones is re-run in order)."""
+    first, second = apps.add.delay(1, 2), apps.add.delay(3, 4)
+    p = app.keys.q("default")
+    r = app.redis
+    for job in (first, second):  # claimed by hand: attempt 1 holds each
+        r.hset(p + "running", job.id, "{}")
+        r.hset(app.keys.job("default", job.id), mapping={"attempts": "1", "state": "running"})
+    r.script_flush()
+
+    def finish(job_id: str) -> list:
+        return [3600, 600, 3600, job_id, "1", "completed", "", "3", "", "", ""]
+
+    batch = scripts.Batch(r)  # a sync that finishes a job: NOSCRIPT
+    batch.call(scripts.FINISH, [p], finish(first.id))
+    assert batch.execute() == [[1]]
+    batch = scripts.Batch(r)  # the next: a job's last log line, then its finish
+    batch.call(scripts.PROGRESS, [p], [100, second.id, "1", "", "", b'[1.5,1,"last words"]', 0])
+    batch.call(scripts.FINISH, [p], finish(second.id))
+    assert batch.execute() == [[1], [1]]
+    assert "last words" in r.hget(app.keys.job("default", second.id), "logs")

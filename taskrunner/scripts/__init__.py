@@ -1,5 +1,5 @@
 """Lua scripts: each lives in its own file, gets `_lib.lua` prepended, is loaded once
-per server and called by EVALSHA (reloaded transparently after NOSCRIPT, e.g. when
+per server and called by EVALSHA (all reloaded transparently after a NOSCRIPT, e.g. when
 Redis restarted without its script cache)."""
 
 from __future__ import annotations
@@ -35,16 +35,31 @@ class Script:
         self.name = name
         self.source = _LIB + "\n" + (_DIR / f"{name}.lua").read_text()
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+        ALL.append(self)
 
     def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
         try:
             try:
                 return client.evalsha(self.sha, len(keys), *keys, *args)
             except NoScriptError:
-                client.script_load(self.source)
+                load_all(client)
                 return client.evalsha(self.sha, len(keys), *keys, *args)
         except ResponseError as e:
             raise refusal(e) from None
+
+
+#: Every script, as defined below.
+ALL: list[Script] = []
+
+
+def load_all(client: Any) -> None:
+    """Load every script (on every primary of a cluster): a server that answered NOSCRIPT
+    lost them all (a restart, a flush, a promoted replica, a new node). Loading only the one
+    met would leave it knowing some: a later batch whose first call meets NOSCRIPT while a
+    later one runs would see them run out of order (progress.lua re-run after the finish.lua
+    that ended its job: the job's last log lines lost)."""
+    for script in ALL:
+        client.script_load(script.source)
 
 
 class Batch:
