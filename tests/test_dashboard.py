@@ -268,3 +268,10 @@ def test_pages_say_when_redis_is_down(tmp_path):
         assert r.status_code == 503 and "works again once Redis answers" in r.get_data(as_text=True)
     finally:
         server.stop()
+
+
+def test_a_jobs_headers_show_as_json_and_escaped(app, web):
+    job = apps.add.apply_async([1, 2], headers={"trace": "<script>alert(1)</script>", "n": 1})
+    page = web.get(f"/jobs/{job.id}").get_data(as_text=True)
+    assert ("<tr><th>headers</th><td><code>{&#34;trace&#34;: &#34;&lt;script&gt;alert(1)&lt;/script&gt;&#34;, "
+            "&#34;n&#34;: 1}</code></td></tr>") in page  # JSON (not a Python repr), escaped
