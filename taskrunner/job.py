@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 STATES = ("pending", "delayed", "running", "completed", "failed", "killed")
 # Fields holding numbers; everything else in the record is text.
 _FLOATS = ("enqueued_at", "started_at", "finished_at", "due_at", "stuck_at", "kill_requested",
-           "last_requeued_at", "max_duration", "retry_backoff", "retry_backoff_max", "progress", "progress_at")
+           "last_requeued_at", "max_duration", "retry_backoff", "retry_backoff_max", "soft_limit", "progress",
+           "progress_at")
 _INTS = ("attempts", "requeues", "failures", "lost", "retries", "max_lost", "pid", "logs_dropped", "max_retries",
          "retry_requests", "result_ttl", "failed_ttl")
 

@@ -26,6 +26,7 @@ def test_a_sync_task_gets_soft_time_limit_inside_time_sleep(app, stack):
         unhandled.wait(20)
     d = unhandled.refresh().to_dict()
     assert d["error_type"] == "taskrunner.errors.SoftTimeLimit" and "soft time limit (0.3s)" in d["error"]
+    assert d["soft_limit"] == 0.3  # a number, as max_duration
     assert (cleaned(app, "h"), cleaned(app, "u")) == (1, 1)
     assert apps.add.delay(1, 2).wait(20) == 3  # the child goes on, with no alarm left behind
 
