@@ -7,9 +7,10 @@ Starts its own redis-server (unix socket, no persistence), a dispatcher and one 
 two children, keeps the queue topped up (enqueue_many, never more than 100,000 waiting) and
 samples, every --interval seconds: jobs done, the RSS of the worker's main process and of
 its children (psutil), the dispatcher's RSS, and Redis's used memory and key count. Results
-expire after TASKRUNNER_RESULT_TTL=30 s here, so Redis's size is flat once that many jobs are
-done. Prints a table and the growth of each figure between the sample at 10% of the jobs
-(warm: imports and buffers done) and the last one; writes bench/results/memory.txt.
+(and failures) expire after TASKRUNNER_RESULT_TTL=30 s (TASKRUNNER_FAILED_TTL=30) here, so
+Redis's size is flat once that many jobs are done. Prints a table and the growth of each
+figure between the sample at 10% of the jobs (warm: imports and buffers done) and the last
+one; writes bench/results/memory.txt.
 Every process started here is killed as a group at the end; the run stops after --max-time."""
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(a: argparse.Namespace, server: RedisServer, procs: Procs) -> int:
     env = Env(str(server.socket), procs, timeout=a.max_time)
-    extra = {"TASKRUNNER_RESULT_TTL": "30", "TASKRUNNER_HISTORY_INTERVAL": "0"}
+    extra = {"TASKRUNNER_RESULT_TTL": "30", "TASKRUNNER_FAILED_TTL": "30", "TASKRUNNER_HISTORY_INTERVAL": "0"}
     base = {**env.base(), **extra}
     os.environ.update(base)  # for the producer below
     from bench import tasks_taskrunner as tasks  # noqa: E402 (needs the socket in the environment)

@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                          extra=("--bind", "127.0.0.1"))
     ledger_server = RedisServer(run_dir / "ledger", appendonly=False)
     url = f"redis://127.0.0.1:{port}/0"
+    # Failed and killed jobs too (kept 7 days by default): Redis's size is flat after the TTL.
     env = {**os.environ, "REDIS_URL": url, "TASKRUNNER_PREFIX": PREFIX, "TASKRUNNER_RESULT_TTL": str(a.result_ttl),
+           "TASKRUNNER_FAILED_TTL": str(a.result_ttl),
            tasks_chaos.LEDGER_ENV: ledger_server.url, "TASKRUNNER_HISTORY_DIR": str(run_dir / "history"),
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
            "PYTHONUNBUFFERED": "1"}
