@@ -138,7 +138,7 @@ class Crew:
         if "began" in message:
             d = next((d for d in c.jobs if d.seq == message["began"]), None)
             if d is not None:
-                d.began = now
+                d.began = c.last_began = now
             return
         job_id, attempt = next(iter(message.values()))[:2]
         d = next((d for d in c.jobs if d.id == job_id and d.attempt == attempt), None)
@@ -227,7 +227,9 @@ class Crew:
                     d.stop_at = None
                     self.stop(c, d, d.stop_reason or "killed", whole=True)
             if now >= policy.hand_back_due(c, stopping):
-                self._hand_back(c, "worker shutting down" if stopping else f"job {head.id} ahead of it ran long")
+                self._hand_back(c, "worker shutting down" if stopping else
+                                f"the jobs ahead of it in child {c.pid} ran long" if c.concurrent else
+                                f"job {head.id} ahead of it ran long")
 
     def kill_request(self, job_id: str, attempt: str, reason: str) -> bool:
         """Stop the delivery (job, attempt) if one of ours runs it; False if none does."""
