@@ -18,6 +18,7 @@ from . import child, codec, policy
 from .app import TaskRunner
 from .children import Child, send_signal
 from .claims import Delivery
+from .loop_child import stopped
 from .outbox import Outbox
 from .outcome import Outcome
 
@@ -255,12 +256,13 @@ class Crew:
 
     def _hand_back(self, c: Child, why: str, killed: Delivery | None = None, lost: Delivery | None = None) -> None:
         """Take back what the child has not begun: to the queue, next in line (a job to
-        kill ends killed; one no longer ours is not ours to report)."""
+        kill ends killed, as does one a loop child was asked to stop and had not answered
+        for yet; one no longer ours is not ours to report)."""
         for d in c.take_back():
-            if d is killed:
-                self.outbox.report(d, Outcome.killed("killed on request (before it began)"))
-            elif d is not lost:
-                self.outbox.report(d, Outcome.returned(why))
+            reason = "killed" if d is killed else d.stop_reason
+            if d is lost or reason == "lost":
+                continue
+            self.outbox.report(d, Outcome.returned(why) if reason is None else stopped(reason, False))
 
     def _is_async(self, d: Delivery) -> bool:
         task = self.app.tasks.get(d.task)
