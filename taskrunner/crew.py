@@ -137,7 +137,9 @@ class Crew:
         """Keep a report about a job the child runs, for the next sync; a loop child's
         word that it began one."""
         if "began" in message:
-            d = next((d for d in c.jobs if d.seq == message["began"]), None)
+            seq = message["began"]  # from the newest: fewer wait behind it than run before it
+            d = next((d for d in reversed(c.jobs) if d.seq <= seq), None)
+            d = d if d is not None and d.seq == seq else None
             if d is not None:
                 d.began = c.last_began = now
             return

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from . import frames
-from .child import Call, Link, begin_child, execute, prepare, reply, run_async
+from .child import Call, Link, answer, begin_child, execute, prepare, run_async
 from .outcome import Outcome
 
 
@@ -81,7 +81,10 @@ class LoopChild:
             else:
                 seq, message = f.split(b"\0", 1)
                 self.waiting.append((int(seq), message))
-        self.admit()
+        out: list[bytes] = []
+        self.admit(out)
+        if out:
+            self.link.send(*out)
 
     def on_stop(self, seq: int, reason: str) -> None:
         self.stop[seq] = reason
@@ -91,8 +94,9 @@ class LoopChild:
         # A job still waiting is answered by admit(); a thread's job runs on (the worker
         # stops the child if it must).
 
-    def admit(self) -> None:
-        """Begin what was sent, in order, while slots of each job's kind are free."""
+    def admit(self, out: list[bytes]) -> None:
+        """Begin what was sent, in order, while slots of each job's kind are free; the
+        frames for the worker go to `out`, for the caller to send in one write."""
         while self.waiting:
             seq, message = self.waiting[0]
             kind = self.kind(message)
@@ -103,13 +107,13 @@ class LoopChild:
                 if self.state[1] <= seq <= self.state[2]:
                     continue  # taken back before it began
                 self.state[0] = seq
-            self.link.send(b'{"began":%d}' % seq)
+            out.append(b'{"began":%d}' % seq)
             if seq in self.stop:
-                reply(self.link, message, 0.0, stopped(self.stop.pop(seq), False))
+                out.append(answer(message, 0.0, stopped(self.stop.pop(seq), False)))
                 continue
             call = prepare(self.app, message, self.link)  # here: its context's deadline counts from now
             if isinstance(call, Outcome):
-                reply(self.link, message, 0.0, call)  # bad input
+                out.append(answer(message, 0.0, call))  # bad input
             else:
                 self.begin(seq, message, call, call.is_async)
 
@@ -149,5 +153,6 @@ class LoopChild:
             outcome = Outcome.failed(type(e).__qualname__, str(e))
         else:
             outcome = fut.result()
-        reply(self.link, message, time.perf_counter() - began, outcome)
-        self.admit()
+        out = [answer(message, time.perf_counter() - began, outcome)]
+        self.admit(out)
+        self.link.send(*out)

@@ -13,7 +13,6 @@ those), and when it gets SIGKILL if it is being stopped."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
@@ -156,7 +155,12 @@ def running(lane: Lane) -> Sequence[Delivery]:
     jobs = lane.jobs
     if lane.capacity == 1 or not jobs:
         return (jobs[0],) if jobs else ()
-    return list(itertools.takewhile(lambda d: d.began is not None, jobs))
+    begun = []  # a plain loop: the worker asks at each wake-up, of every job a child runs
+    for d in jobs:
+        if d.began is None:
+            break
+        begun.append(d)
+    return begun
 
 
 def hand_back_due(lane: Lane, stopping: bool) -> float:
