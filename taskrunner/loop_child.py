@@ -22,7 +22,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from . import frames
+from . import frames, precise_loop
 from .child import Call, Link, answer, begin_child, execute, prepare, run_async
 from .outcome import Outcome
 
@@ -31,7 +31,7 @@ def loop_child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, 
                     threads: int, async_slots: int) -> None:
     link = begin_child(conn, app, kill_flag, parent, inherited, hard=True)
     app.middleware.child_start()
-    asyncio.run(LoopChild(app, link, state, lock, threads, async_slots).serve())
+    precise_loop.run(LoopChild(app, link, state, lock, threads, async_slots).serve())
     app.middleware.child_stop()
     os._exit(0)
 
