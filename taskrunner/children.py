@@ -51,6 +51,7 @@ class Child:
         os.set_blocking(self.conn.fileno(), False)
         self.pid: int = self.proc.pid  # type: ignore[assignment]
         self.jobs: deque[Delivery] = deque()  # sent to it, in order; jobs[0] runs (a loop child: those begun)
+        self.last_began: float | None = None  # a loop child: when it last said it began a job
         self.seq = 0
         self.outgoing = bytearray()  # frames for it that flush() could not write yet
         self.reader = frames.Reader(self.conn.fileno())

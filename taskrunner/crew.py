@@ -18,6 +18,7 @@ from . import child, codec, policy
 from .app import TaskRunner
 from .children import Child, send_signal
 from .claims import Delivery
+from .loop_child import stopped
 from .outbox import Outbox
 from .outcome import Outcome
 
@@ -136,9 +137,11 @@ class Crew:
         """Keep a report about a job the child runs, for the next sync; a loop child's
         word that it began one."""
         if "began" in message:
-            d = next((d for d in c.jobs if d.seq == message["began"]), None)
+            seq = message["began"]  # from the newest: fewer wait behind it than run before it
+            d = next((d for d in reversed(c.jobs) if d.seq <= seq), None)
+            d = d if d is not None and d.seq == seq else None
             if d is not None:
-                d.began = now
+                d.began = c.last_began = now
             return
         job_id, attempt = next(iter(message.values()))[:2]
         d = next((d for d in c.jobs if d.id == job_id and d.attempt == attempt), None)
@@ -227,7 +230,9 @@ class Crew:
                     d.stop_at = None
                     self.stop(c, d, d.stop_reason or "killed", whole=True)
             if now >= policy.hand_back_due(c, stopping):
-                self._hand_back(c, "worker shutting down" if stopping else f"job {head.id} ahead of it ran long")
+                self._hand_back(c, "worker shutting down" if stopping else
+                                f"the jobs ahead of it in child {c.pid} ran long" if c.concurrent else
+                                f"job {head.id} ahead of it ran long")
 
     def kill_request(self, job_id: str, attempt: str, reason: str) -> bool:
         """Stop the delivery (job, attempt) if one of ours runs it; False if none does."""
@@ -253,12 +258,13 @@ class Crew:
 
     def _hand_back(self, c: Child, why: str, killed: Delivery | None = None, lost: Delivery | None = None) -> None:
         """Take back what the child has not begun: to the queue, next in line (a job to
-        kill ends killed; one no longer ours is not ours to report)."""
+        kill ends killed, as does one a loop child was asked to stop and had not answered
+        for yet; one no longer ours is not ours to report)."""
         for d in c.take_back():
-            if d is killed:
-                self.outbox.report(d, Outcome.killed("killed on request (before it began)"))
-            elif d is not lost:
-                self.outbox.report(d, Outcome.returned(why))
+            reason = "killed" if d is killed else d.stop_reason
+            if d is lost or reason == "lost":
+                continue
+            self.outbox.report(d, Outcome.returned(why) if reason is None else stopped(reason, False))
 
     def _is_async(self, d: Delivery) -> bool:
         task = self.app.tasks.get(d.task)

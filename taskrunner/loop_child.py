@@ -15,14 +15,15 @@ handing back what it can."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from . import frames
-from .child import Call, Link, begin_child, execute, prepare, reply, run_async
+from . import frames, precise_loop
+from .child import Call, Link, answer, begin_child, execute, prepare, run_async
 from .outcome import Outcome
 
 
@@ -30,7 +31,7 @@ def loop_child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, 
                     threads: int, async_slots: int) -> None:
     link = begin_child(conn, app, kill_flag, parent, inherited, hard=True)
     app.middleware.child_start()
-    asyncio.run(LoopChild(app, link, state, lock, threads, async_slots).serve())
+    precise_loop.run(LoopChild(app, link, state, lock, threads, async_slots).serve())
     app.middleware.child_stop()
     os._exit(0)
 
@@ -49,7 +50,8 @@ class LoopChild:
         self.reader = frames.Reader(link.fd)
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="taskrunner-job")
         self.free = {False: max(1, threads), True: async_slots}  # slots free: threads, coroutines
-        self.waiting: deque[tuple[int, bytes]] = deque()  # sent, not begun
+        self.waiting: deque[tuple[int, bytes]] = deque()  # sent, not begun (the worker may send more than the slots)
+        self.kinds: dict[bytes, bool] = {}  # task name -> kind()
         self.coroutines: dict[int, asyncio.Task] = {}  # seq -> running async job
         self.stop: dict[int, str] = {}  # seq -> why the worker asked to stop it
         self.closed: asyncio.Event | None = None
@@ -79,7 +81,10 @@ class LoopChild:
             else:
                 seq, message = f.split(b"\0", 1)
                 self.waiting.append((int(seq), message))
-        self.admit()
+        out: list[bytes] = []
+        self.admit(out)
+        if out:
+            self.link.send(*out)
 
     def on_stop(self, seq: int, reason: str) -> None:
         self.stop[seq] = reason
@@ -89,26 +94,43 @@ class LoopChild:
         # A job still waiting is answered by admit(); a thread's job runs on (the worker
         # stops the child if it must).
 
-    def admit(self) -> None:
-        """Begin what was sent, in order, while slots of each job's kind are free."""
+    def admit(self, out: list[bytes]) -> None:
+        """Begin what was sent, in order, while slots of each job's kind are free; the
+        frames for the worker go to `out`, for the caller to send in one write."""
         while self.waiting:
             seq, message = self.waiting[0]
-            call = prepare(self.app, message, self.link)
-            kind = isinstance(call, Call) and call.is_async
-            if isinstance(call, Call) and seq not in self.stop and not self.free[kind]:
+            kind = self.kind(message)
+            if kind is not None and seq not in self.stop and not self.free[kind]:
                 return  # in order: the next job waits for a slot of its kind
             self.waiting.popleft()
             with self.lock:
                 if self.state[1] <= seq <= self.state[2]:
                     continue  # taken back before it began
                 self.state[0] = seq
-            self.link.send(b'{"began":%d}' % seq)
+            out.append(b'{"began":%d}' % seq)
             if seq in self.stop:
-                reply(self.link, message, 0.0, stopped(self.stop.pop(seq), False))
-            elif isinstance(call, Outcome):
-                reply(self.link, message, 0.0, call)  # bad input
+                out.append(answer(message, 0.0, stopped(self.stop.pop(seq), False)))
+                continue
+            call = prepare(self.app, message, self.link)  # here: its context's deadline counts from now
+            if isinstance(call, Outcome):
+                out.append(answer(message, 0.0, call))  # bad input
             else:
-                self.begin(seq, message, call, kind)
+                self.begin(seq, message, call, call.is_async)
+
+    def kind(self, message: bytes) -> bool | None:
+        """The slot a job sent needs: True a coroutine's, False a thread's; None for one
+        that will not run (an unknown task, a malformed message: prepare() says why).
+        Asked each time the job is first in line without a slot (the worker sends spare
+        jobs), so from the task's name, not by preparing the job each time."""
+        parts = message.split(b"\0", 3)
+        name = parts[2] if len(parts) == 4 else b""
+        kind = self.kinds.get(name)
+        if kind is None:
+            task = self.app.tasks.get(name.decode("utf-8", "replace"))
+            if task is None:
+                return None
+            kind = self.kinds[name] = inspect.iscoroutinefunction(task.fn)
+        return kind
 
     def begin(self, seq: int, message: bytes, call: Call, is_async: bool) -> None:
         self.free[is_async] -= 1
@@ -131,5 +153,6 @@ class LoopChild:
             outcome = Outcome.failed(type(e).__qualname__, str(e))
         else:
             outcome = fut.result()
-        reply(self.link, message, time.perf_counter() - began, outcome)
-        self.admit()
+        out = [answer(message, time.perf_counter() - began, outcome)]
+        self.admit(out)
+        self.link.send(*out)

@@ -303,7 +303,7 @@ class Worker:
                                urgent=bool(self.outbox.load.marks) or self.reconcile,
                                outbox_since=self.outbox.outcomes_since, notes_due=self.outbox.notes.due(),
                                can_claim=self._can_claim(),
-                               stopping=self.stopping)
+                               stopping=self.stopping, spare=self._spare())
 
     def _can_claim(self) -> bool:
         """May a sync claim now? Not while stopping, nor after the queues were found empty
@@ -367,6 +367,10 @@ class Worker:
     def _depth(self) -> int:
         return policy.depth(self.crew.runtime, self.prefetch)
 
+    def _spare(self) -> int:
+        return policy.spare(self.crew.runtime, max((c.capacity for c in self.crew.children), default=1),
+                            self.prefetch)
+
     def _on_control(self, raw: str) -> None:
         try:
             msg = codec.loads(raw)
@@ -392,7 +396,7 @@ class Worker:
         batch = scripts.Batch(self.redis)
         now = time.monotonic()
         load = self.outbox.put_into(batch, now)
-        slots = policy.slots(self.crew.children, self._depth(), now) if self._can_claim() else []
+        slots = policy.slots(self.crew.children, self._depth(), now, self._spare()) if self._can_claim() else []
         claim: list[Any] = []
         if slots:
             pairs = [v for c, ahead in slots for v in (c.pid, f"{ahead:.3f}")]

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import time
 
+from taskrunner.worker import Worker
 from tests.conftest import wait_for
+from tests.test_prefetch import events
 
 A = "tests.async_apps"
 
@@ -132,3 +136,39 @@ def test_a_job_enqueued_while_a_loop_child_runs_one_begins_at_once(app, stack):
     release(app, "first")
     release(app, "second")
     assert (first.wait(30), second.wait(30)) == ("released", "released")
+
+
+def test_spare_jobs_behind_long_ones_go_back_and_one_killed_while_it_waited_ends_killed(app):
+    """A loop child is sent spare jobs beyond its slots (policy.spare); when long jobs hold
+    every slot for HOLD they go back to the queue, except one it was asked to stop while
+    it waited: that one ends killed, never run. It used to go back to the queue as any
+    other, its kill forgotten. The worker runs in this process, driven step by step (as
+    in tests/test_flights.py); its child and Redis are real."""
+    w = Worker(app, ["default"], concurrency=1, threads=2, name="spare")
+    w._wakeup, w._wakeup_w = socket.socketpair()  # what run() sets up for signals
+    w.crew.start()
+    try:
+        w._sync()  # the first sync reconciles
+        w._arm()
+        (c,) = w.crew.children
+        long = app.enqueue_many([{"task": "tests.apps.hold", "args": [f"long{i}", 60]} for i in range(2)])
+        spare = app.enqueue_many([{"task": "tests.apps.record", "args": [f"s{i}"]} for i in range(3)])
+        w.crew.runtime, c.last_began = 0.001, time.monotonic()  # as after short jobs: it takes spare ones
+        w.may_claim = True
+        w._sync(wait=True)
+        assert len(c.jobs) == 5
+        wait_for(lambda: w._step() or all(ledger(app, f"long{i}") for i in range(2)), what="both threads busy")
+        spare[1].kill()
+        wait_for(lambda: w._step() or any(d.stop_reason for d in c.jobs), what="the worker to ask the child")
+        wait_for(lambda: w._step() or spare[1].state != "running", what="the spare jobs to go back")
+        assert spare[1].state == "killed" and [spare[0].state, spare[2].state] == ["pending", "pending"]
+        assert f"the jobs ahead of it in child {c.pid} ran long" in " ".join(events(spare[0]))
+        for i in range(2):
+            release(app, f"long{i}")
+        rest = [*long, spare[0], spare[2]]
+        wait_for(lambda: w._step() or all(j.state == "completed" for j in rest), what="the other jobs to run")
+        assert [ledger(app, f"s{i}") for i in range(3)] == [1, 0, 1]
+    finally:
+        w._shutdown()
+        w._wakeup.close()
+        w._wakeup_w.close()
