@@ -16,8 +16,10 @@ def test_children_are_replaced_after_max_jobs_with_nothing_lost(app, stack):
     pids = collections.Counter(j.wait(60) for j in jobs)
     assert max(pids.values()) <= 3 and len(pids) >= 4, pids
     assert all(j.refresh().data["attempts"] == "1" for j in jobs)  # nothing handed back or rerun
-    live = wait_for(lambda: (c := stack.children_of(w)) and len(c) == 2 and c, what="two children again")
-    assert all(pids[pid] < 3 for pid in live), (live, pids)  # each that ran 3 was replaced
+    # Each that ran 3 is replaced: once it has exited (a child that just answered its third
+    # job may still be alive for a moment, beside the other one), two children that ran fewer.
+    wait_for(lambda: (c := stack.children_of(w)) and len(c) == 2 and all(pids[pid] < 3 for pid in c),
+             what="two children again, each with fewer than 3 jobs run")
 
 
 def test_a_child_over_max_memory_is_replaced_after_its_job(app, stack):
