@@ -220,8 +220,7 @@ def message(job_id: str, attempt: str, task: str, queue: str, max_duration: str,
             headers: str, soft_limit: str) -> bytes:
     """A job as the worker (or eager mode) sends it to be run: its fields, NUL-separated
     (prepare() refuses a job whose record held a NUL); soft_limit "": none."""
-    fields = (job_id, attempt, task, queue, max_duration, args, kwargs, headers, soft_limit)
-    return b"\0".join(s.encode() for s in fields)
+    return "\0".join((job_id, attempt, task, queue, max_duration, args, kwargs, headers, soft_limit)).encode()
 
 
 def prepare(app: Any, message: bytes, reporter: Reporter | None = None) -> Call | Outcome:

@@ -35,18 +35,18 @@ def message(seconds: float) -> str:
     return f"the task ran past its soft time limit ({seconds:g}s)"
 
 
-@contextlib.contextmanager
-def applied(seconds: float | None, link: Any) -> Iterator[None]:
+#: A job without a soft limit: nothing to arm (one object for all: no cost per job).
+_NONE = contextlib.nullcontext()
+
+
+def applied(seconds: float | None, link: Any) -> contextlib.AbstractContextManager[None]:
     """The block runs under the soft limit (None: none); `link`, the child's Link, is
     where a SIGALRM that comes while a frame is being written waits."""
     if seconds is None:
-        yield
-    elif threading.current_thread() is threading.main_thread():
-        with _alarm(seconds, link):
-            yield
-    else:
-        with _async_exc(seconds):
-            yield
+        return _NONE
+    if threading.current_thread() is threading.main_thread():
+        return _alarm(seconds, link)
+    return _async_exc(seconds)
 
 
 @contextlib.contextmanager
