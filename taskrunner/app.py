@@ -405,7 +405,7 @@ class TaskRunner:
     def enqueue_many(self, jobs: Iterable[dict[str, Any]], chunk: int = 1000,
                      progress: Callable[[int], Any] | None = None) -> list[Job]:
         """Enqueue many jobs, one round trip per `chunk`. Each job is a dict with `task`
-        and optionally args, kwargs, queue, delay, max_duration, retries, id, headers. Never blocks:
+        and optionally args, kwargs, queue, delay, max_duration, retries, max_retries, id, headers. Never blocks:
         jobs refused by a full or closed queue raise QueueFull/QueueClosed after the chunk
         (the jobs before them are enqueued). While Redis runs a chunk, the next one is built;
         it is sent once the answers came. In eager mode each job runs here, in order."""
@@ -475,11 +475,12 @@ class TaskRunner:
         """(queue, id, delay, fields) of one job of enqueue_many, checked like enqueue's."""
         if not isinstance(spec, dict) or "task" not in spec:
             raise ValueError("expected an object with a 'task' field")
-        unknown = set(spec) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "id", "headers"}
+        unknown = set(spec) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "max_retries",
+                               "id", "headers"}
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)}")
         task = codec.check_name("task", spec["task"])
-        job, sent = self._job_spec(task, {k: spec.get(k) for k in ("queue", "retries", "max_duration")})
+        job, sent = self._job_spec(task, {k: spec.get(k) for k in ("queue", "retries", "max_retries", "max_duration")})
         job_id = codec.check_id(spec["id"]) if spec.get("id") is not None else codec.new_id()
         delay = seconds("delay", spec.get("delay") or 0)
         args = spec.get("args") or []

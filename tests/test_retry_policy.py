@@ -52,6 +52,9 @@ def test_the_default_max_retries_and_apply_async(app, stack):
     with pytest.raises(JobFailed, match="asked to retry 1 times; max_retries is 0"):
         job.wait(30)
     assert app.redis.hget(app.keys.job("default", job.id), "max_retries") == "0"
+    [many] = app.enqueue_many([{"task": "tests.retry_apps.asks", "args": ["many", 1], "max_retries": 0}])
+    with pytest.raises(JobFailed, match="asked to retry 1 times; max_retries is 0"):
+        many.wait(30)
 
 
 def test_lost_and_handed_back_deliveries_are_no_retry(app, stack):
