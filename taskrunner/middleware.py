@@ -14,9 +14,11 @@ registry and calls the hooks safely; where each hook is called from is listed wi
 - `before_run(job)`, `after_run(job, outcome)`, `on_retry(job, exc)`,
   `on_failure(job, exc)`: in the child, around each job (eager mode: in the caller);
   `job` is `current_job()`, `outcome` the `Outcome` of the run. `on_retry` when the task
-  raised and the job will run again (an exception while retries are left, or `Retry`),
-  `on_failure` when it raised and will not; both before `after_run`. A job stopped by a
-  kill or its max duration runs no hook after `before_run` (its process may be killed).
+  raised and the job will run again (an exception while retries are left, a `Retry`
+  within max_retries), `on_failure` when it raised and will not; both before `after_run`
+  (the child reads the job's record to know; with Redis unreachable then, neither runs,
+  which is logged). A job stopped by a kill or its max duration runs no hook after
+  `before_run` (its process may be killed).
 
 A hook that raises is logged with the job id (and, in a job, into the job's log lines) and
 never loses the job nor runs it twice: `before_enqueue` refuses the enqueue (above);
@@ -61,7 +63,6 @@ class Middleware:
     with no middleware registered costs one empty loop per hook)."""
 
     def __init__(self) -> None:
-        self.objects: list[Any] = []
         self.hooks: dict[str, list[Callable[..., Any]]] = {name: [] for name in HOOKS}
 
     def add(self, obj: Any) -> None:
@@ -70,7 +71,6 @@ class Middleware:
         found = [name for name in HOOKS if callable(getattr(obj, name, None))]
         if not found:
             raise TypeError(f"{obj!r} defines none of the middleware hooks {', '.join(HOOKS)}")
-        self.objects.append(obj)
         for name in found:
             self.hooks[name].append(getattr(obj, name))
 
@@ -97,7 +97,13 @@ class Middleware:
         """The hooks after a run: on_retry or on_failure when the task raised `error`, then
         after_run; returns `outcome` (it stands, whatever they do)."""
         if error is not None and (self.hooks["on_retry"] or self.hooks["on_failure"]):  # else no record read
-            self._each("on_retry" if job.will_retry(outcome) else "on_failure", job, error)
+            try:
+                retry = job.will_retry(outcome)
+            except Exception:  # Redis unreachable: which is unknown, and the outcome must still go
+                log.exception("middleware: could not read job %s's record to tell on_retry from on_failure; "
+                              "neither runs", job.id)
+            else:
+                self._each("on_retry" if retry else "on_failure", job, error)
         self._each("after_run", job, outcome)
         return outcome
 

@@ -101,13 +101,14 @@ def _set_async_exc(ident: int, exc: type[BaseException] | None) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc) if exc else None)
 
 
-@contextlib.asynccontextmanager
-async def applied_async(seconds: float | None) -> AsyncIterator[None]:
+def applied_async(seconds: float | None) -> contextlib.AbstractAsyncContextManager[None]:
     """The block (in a coroutine) runs under the soft limit (None: none): cancelled at
     its end, then SoftTimeLimit raised here."""
-    if seconds is None:
-        yield
-        return
+    return _NONE if seconds is None else _timeout(seconds)
+
+
+@contextlib.asynccontextmanager
+async def _timeout(seconds: float) -> AsyncIterator[None]:
     timeout = asyncio.timeout(seconds)
     try:
         async with timeout:

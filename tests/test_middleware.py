@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from taskrunner import JobFailed, JobNotFound, PayloadTooLarge, Retry, TaskRunner, current_job
+from taskrunner import JobFailed, JobNotFound, PayloadTooLarge, Retry, TaskRunner, child, current_job
 from taskrunner.errors import NotJSONError
 from tests import apps
 
@@ -191,3 +191,31 @@ def test_eager_mode_calls_the_same_hooks_in_process():
                      ("after_run", 2, "error")]
     with pytest.raises(TypeError, match="defines none of the middleware hooks"):
         eager.add_middleware(object())
+
+
+def test_a_redis_that_cannot_be_read_to_tell_retry_from_failure_costs_no_child(tmp_path, caplog):
+    """on_retry vs on_failure reads the job's record; with Redis unreachable at that moment
+    (here: nothing listens on the socket) that read used to raise out of the child's run,
+    killing the child with the job's outcome unsent. Now neither hook runs (it is logged)
+    and the outcome stands."""
+    down = TaskRunner("down", redis_url=f"unix://{tmp_path}/nobody.sock")
+    calls = []
+
+    class Trace:
+        def on_retry(self, job, exc):
+            calls.append("on_retry")
+
+        def on_failure(self, job, exc):
+            calls.append("on_failure")
+
+    down.add_middleware(Trace())
+
+    @down.task(name="t.boom", retries=1)
+    def boom():
+        raise ValueError("no")
+
+    link = child.Link(os.open(os.devnull, os.O_WRONLY), None, down)
+    message = child.message("j1", "1", "t.boom", "default", "300", "[]", "{}", "", "")
+    outcome = child.run(down, message, link)
+    assert (outcome.kind, outcome.error_type) == ("error", "ValueError") and calls == []
+    assert "could not read job j1's record" in caplog.text
