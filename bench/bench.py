@@ -705,7 +705,7 @@ def own_server(max_time: float, systems: list[str], recorder: str = "file") -> I
     temporary folder (its socket in the environment, for record here and in every process
     we start), and a Procs for what we start. On the way out, however it is left, every
     process is stopped and the folder removed; the run stops after `max_time` s."""
-    from taskrunner.redis_server import RedisServer
+    from taskrunner.ops.redis_server import RedisServer
 
     stop_after(max_time, lambda: BenchTimeout(f"the whole bench passed --max-time {max_time:.0f}s"))
     procs = Procs()

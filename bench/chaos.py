@@ -74,8 +74,8 @@ sys.path.insert(0, str(ROOT))
 from bench import tasks_chaos  # noqa: E402
 from bench.bench import exited  # noqa: E402
 from bench.limits import stop_after  # noqa: E402
-from taskrunner import codec  # noqa: E402
-from taskrunner.redis_server import RedisServer  # noqa: E402
+from taskrunner.ops.redis_server import RedisServer  # noqa: E402
+from taskrunner.protocol import codec  # noqa: E402
 
 KINDS = ("worker-kill", "child-kill", "dispatcher-kill", "worker-pause",
          "redis-term", "redis-kill", "redis-powerloss", "client-kill")

@@ -16,8 +16,9 @@ import time
 import click
 
 from dashboard import create_app
-from taskrunner import TaskRunner, codec, scripts
-from taskrunner.redis_server import RedisServer
+from taskrunner import TaskRunner
+from taskrunner.ops.redis_server import RedisServer
+from taskrunner.protocol import codec, scripts
 
 PAGES = ["/", "/running", "/api/jobs?state=running", "/stuck", "/queues/default", "/queues/default?page=10000",
          "/api/queues", "/api/workers"]

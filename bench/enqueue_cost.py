@@ -3,7 +3,7 @@ the one resource every producer and worker shares.
 
     python -m bench.enqueue_cost                              # this tree's enqueue.lua
     python -m bench.enqueue_cost main=git:main mine=git:HEAD  # two revisions, side by side
-    python -m bench.enqueue_cost old=/tmp/old.lua new=taskrunner/scripts/enqueue.lua
+    python -m bench.enqueue_cost old=/tmp/old.lua new=taskrunner/protocol/scripts/enqueue.lua
 
 Each argument is LABEL=SOURCE, SOURCE a file (run with this tree's _lib.lua) or git:REV
 (that revision's enqueue.lua and _lib.lua). Starts its own redis-server (unix socket, no
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import redis
 
-from taskrunner.codec import new_id
-from taskrunner.redis_server import RedisServer
+from taskrunner.ops.redis_server import RedisServer
+from taskrunner.protocol.codec import new_id
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = "taskrunner/scripts"
+SCRIPTS = "taskrunner/protocol/scripts"
 PREFIX = "tr:{default}:"
 ARGS, KWARGS = json.dumps([1, "two", {"three": 3}]), json.dumps({"k": "v"})
 #: What taskrunner's Python producer sends for a task declared in the producing process.

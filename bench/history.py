@@ -15,9 +15,10 @@ import sys
 import tempfile
 import time
 
-from taskrunner import TaskRunner, analyze
-from taskrunner.history import Archiver
-from taskrunner.redis_server import RedisServer
+from taskrunner import TaskRunner
+from taskrunner.ops import analyze
+from taskrunner.ops.history import Archiver
+from taskrunner.ops.redis_server import RedisServer
 
 SLICE = 200_000
 

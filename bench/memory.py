@@ -28,7 +28,7 @@ import redis
 
 from bench import record
 from bench.bench import LOGS, RESULTS, Env, Procs, log
-from taskrunner.redis_server import RedisServer
+from taskrunner.ops.redis_server import RedisServer
 
 TOP_UP = 20_000
 MAX_WAITING = 100_000

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from bench import tasks_chaos  # noqa: E402
 from bench.chaos import PREFIX, Supervisor, free_port, log  # noqa: E402
 from bench.limits import stop_after  # noqa: E402
-from taskrunner.redis_server import RedisServer  # noqa: E402
+from taskrunner.ops.redis_server import RedisServer  # noqa: E402
 
 COLUMNS = ("worker_rss", "child_rss", "dispatcher_rss", "keys", "used_memory", "pending", "delayed", "history")
 LABELS = {"worker_rss": "worker MB", "child_rss": "children MB", "dispatcher_rss": "dispatcher MB",

@@ -19,9 +19,9 @@ from werkzeug.exceptions import HTTPException, ServiceUnavailable
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from taskrunner import TaskRunner
-from taskrunner.diagnose import explain
+from taskrunner.client.loader import load_app
 from taskrunner.errors import AppNotFound
-from taskrunner.loader import load_app
+from taskrunner.ops.diagnose import explain
 
 from . import security
 from .views import api, pages

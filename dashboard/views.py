@@ -1,5 +1,5 @@
 """Pages and the JSON API. Each page has a JSON twin built from the same read model
-(taskrunner.listing); actions go through the same Job methods as the CLI."""
+(taskrunner.ops.listing); actions go through the same Job methods as the CLI."""
 
 from __future__ import annotations
 
@@ -21,10 +21,13 @@ from flask import (
     url_for,
 )
 
-from taskrunner import codec, declarations, listing
-from taskrunner import queue as taskqueue
+from taskrunner.client import declarations
+from taskrunner.client.job import Job
 from taskrunner.errors import InvalidName, JobNotFound
-from taskrunner.job import Job
+from taskrunner.ops import listing
+from taskrunner.ops import queue as taskqueue
+from taskrunner.protocol import codec
+from taskrunner.protocol.connection import server_time
 
 from . import security
 
@@ -144,7 +147,7 @@ def running() -> str:
     page = page_arg()
     total, rows = listing.running(runner(), None, (page - 1) * PAGE, PAGE)
     return render_template("running.html" if not request.args.get("fragment") else "_running.html",
-                           rows=rows, pager=pager(total, page), now=listing.server_time(runner()),
+                           rows=rows, pager=pager(total, page), now=server_time(runner().redis),
                            title="Running", live=url_for("pages.running", page=page, fragment=1))
 
 
@@ -153,7 +156,7 @@ def stuck() -> str:
     page = page_arg()
     total, rows = listing.running(runner(), None, (page - 1) * PAGE, PAGE, only_stuck=True)
     return render_template("running.html" if not request.args.get("fragment") else "_running.html",
-                           rows=rows, pager=pager(total, page), now=listing.server_time(runner()),
+                           rows=rows, pager=pager(total, page), now=server_time(runner().redis),
                            title="Stuck", live=url_for("pages.stuck", page=page, fragment=1))
 
 
@@ -165,7 +168,7 @@ def failed() -> str:
     page = page_arg()
     total, rows = listing.finished(runner(), state, (page - 1) * PAGE, PAGE)
     return render_template("jobs.html", rows=rows, pager=pager(total, page), title=state.capitalize(),
-                           state=state, queue=None, now=listing.server_time(runner()))
+                           state=state, queue=None, now=server_time(runner().redis))
 
 
 @pages.get("/queues/<name>")
@@ -177,7 +180,7 @@ def queue(name: str) -> str:
     page = page_arg()
     total, rows = listing.page_of(runner(), name, state, (page - 1) * PAGE, PAGE)
     return render_template("jobs.html", rows=rows, pager=pager(total, page), title=f"Queue {name}",
-                           state=state, queue=name, now=listing.server_time(runner()),
+                           state=state, queue=name, now=server_time(runner().redis),
                            info=taskqueue.info(runner(), name))
 
 
@@ -185,23 +188,23 @@ def queue(name: str) -> str:
 def job(job_id: str) -> str:
     j = find_job(job_id)
     return render_template("_job.html" if request.args.get("fragment") else "job.html", job=j.to_dict(),
-                           now=listing.server_time(runner()))
+                           now=server_time(runner().redis))
 
 
 @pages.get("/schedules")
 def schedules() -> str:
     return render_template("schedules.html", schedules=listing.schedules(runner()),
-                           now=listing.server_time(runner()))
+                           now=server_time(runner().redis))
 
 
 @pages.get("/tasks")
 def tasks() -> str:
-    return render_template("tasks.html", tasks=declarations.known(runner()), now=listing.server_time(runner()))
+    return render_template("tasks.html", tasks=declarations.known(runner()), now=server_time(runner().redis))
 
 
 @pages.get("/history")
 def history() -> str:
-    from taskrunner import analyze
+    from taskrunner.ops import analyze
 
     from . import charts
 
@@ -217,7 +220,7 @@ def history() -> str:
             "failures": charts.bars([(t["task"], [100 * t["failed_rate"], 100 * t["killed_rate"]]) for t in tasks],
                                     ["failed", "killed"], "Failure rate per task", "%"),
         }
-    return render_template("history.html", summary=summary, now=listing.server_time(runner()), **extra)
+    return render_template("history.html", summary=summary, now=server_time(runner().redis), **extra)
 
 
 @pages.route("/login", methods=["GET", "POST"])
@@ -294,7 +297,7 @@ def api_tasks() -> Any:
 
 @api.get("/history")
 def api_history() -> Any:
-    from taskrunner import analyze
+    from taskrunner.ops import analyze
 
     return jsonify(analyze.latest(runner()) or {})
 

@@ -1,23 +1,23 @@
 """taskrunner: a reliable task runner on Redis."""
 
-from .app import JobSpec, Schedule, Task, TaskRunner
-from .context import JobContext, current_job
-from .errors import (
-    InvalidName,
-    JobFailed,
-    JobNotFound,
-    NotJSONError,
-    PayloadTooLarge,
-    QueueClosed,
-    QueueFull,
-    QueueNotFound,
-    Reject,
-    Retry,
-    SoftTimeLimit,
-    TaskRunnerError,
-    Timeout,
+from taskrunner.client.app import JobSpec, Schedule, Task, TaskRunner
+from taskrunner.client.job import Job
+from taskrunner.errors import (
+           InvalidName,
+           JobFailed,
+           JobNotFound,
+           NotJSONError,
+           PayloadTooLarge,
+           QueueClosed,
+           QueueFull,
+           QueueNotFound,
+           Reject,
+           Retry,
+           SoftTimeLimit,
+           TaskRunnerError,
+           Timeout,
 )
-from .job import Job
+from taskrunner.worker.context import JobContext, current_job
 
 __all__ = ["TaskRunner", "Task", "Job", "current_job", "JobContext",
            "JobSpec", "Schedule", "Retry", "Reject", "SoftTimeLimit", "TaskRunnerError", "JobFailed",

@@ -1,3 +1,3 @@
-from .cli import main
+from taskrunner.cli import main
 
 main()

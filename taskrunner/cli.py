@@ -16,10 +16,9 @@ import click
 import redis
 from click.core import ParameterSource
 
-from . import codec, listing
-from .app import TaskRunner
-from .diagnose import explain
-from .errors import (
+from taskrunner.client.app import TaskRunner
+from taskrunner.client.loader import load_app
+from taskrunner.errors import (
     AppNotFound,
     BadURL,
     JobFailed,
@@ -29,7 +28,10 @@ from .errors import (
     Timeout,
     require_extra,
 )
-from .loader import load_app
+from taskrunner.ops import listing
+from taskrunner.ops.diagnose import explain
+from taskrunner.protocol import codec
+from taskrunner.protocol.connection import server_time
 
 APP_HELP = "Module with your TaskRunner (module or module:attr). Env: TASKRUNNER_APP."
 URL_HELP = ("redis://host:port/db, rediss://..., unix:///path, redis+sentinel://host[:port][,host...]/service[/db], "
@@ -102,7 +104,7 @@ def _emit(obj: Any) -> None:
 def _known(app: TaskRunner, *queues: str) -> None:
     """Commands that read or change a named queue refuse a name no queue has: a typo
     must not look like an empty queue ("0 pending jobs deleted")."""
-    from . import queue
+    from taskrunner.ops import queue
 
     for name in queues:
         queue.must_exist(app, name)
@@ -425,7 +427,7 @@ def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch:
            async_slots: int, max_jobs_per_child: int | None, max_memory_per_child: float | None, log_level: str,
            app_spec: str | None, redis_url: str | None) -> None:
     """Run jobs: claim from the queues, run each in a child process, report back."""
-    from .worker import Worker
+    from taskrunner.worker.main import Worker
 
     _setup_logging(log_level)
     if not app_spec:
@@ -445,7 +447,7 @@ def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch:
 def dispatcher(name: str | None, log_level: str, app_spec: str | None, redis_url: str | None) -> None:
     """Requeue jobs of dead workers, stop stuck jobs, promote delayed jobs, fire cron
     schedules (those of -A APP). Several may run at once."""
-    from .dispatcher import Dispatcher
+    from taskrunner.ops.dispatcher import Dispatcher
 
     _setup_logging(log_level)
     app = _app(app_spec, redis_url, check=True)
@@ -485,7 +487,7 @@ def up(demo: bool, concurrency: int, port: int, exit_after: bool, app_spec: str 
        redis_url: str | None) -> None:
     """Run everything locally: Redis (its own, under ./var, unless REDIS_URL is set), a
     dispatcher, a worker and the dashboard. Ctrl-C stops it all cleanly."""
-    from .up import run_stack
+    from taskrunner.ops.up import run_stack
 
     if not app_spec and not demo:
         raise click.UsageError("give your app with -A module, or try --demo")
@@ -507,7 +509,7 @@ def queue() -> None:
 @common
 def queue_create(name: str, bound: int, exclusive: bool, app_spec: str | None, redis_url: str | None) -> None:
     """Create queue NAME, or change its bound and exclusivity."""
-    from . import queue as queues
+    from taskrunner.ops import queue as queues
 
     queues.create(_app(app_spec, redis_url), name, bound, exclusive)
     click.echo(f"queue {name}: bound {bound or 'none'}{', exclusive' if exclusive else ''}")
@@ -515,7 +517,7 @@ def queue_create(name: str, bound: int, exclusive: bool, app_spec: str | None, r
 
 def _queue_switch(how: str, doc: str, said: str) -> None:
     """`queue close` and `queue open`: one setting of a queue, each way."""
-    from . import queue as queues
+    from taskrunner.ops import queue as queues
 
     @queue.command(how, help=doc)
     @click.argument("name")
@@ -537,7 +539,7 @@ _queue_switch("open", "Take new jobs again after `queue close`.", "open")
 @common
 def queue_delete(name: str, force: bool, yes: bool, app_spec: str | None, redis_url: str | None) -> None:
     """Remove every key of queue NAME: its jobs, records and counters. Asks first."""
-    from . import queue as queues
+    from taskrunner.ops import queue as queues
 
     app = _app(app_spec, redis_url)
     jobs = queues.deletable(app, name, force)
@@ -594,8 +596,8 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec:
     import threading
     import time
 
-    from .connection import Backoff
-    from .consumer import Consumer
+    from taskrunner.client.consumer import Consumer
+    from taskrunner.protocol.connection import Backoff
 
     app = _app(app_spec, redis_url)
     c = Consumer(app, [q.strip() for q in queue_list.split(",") if q.strip()])
@@ -691,7 +693,7 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec:
 @common
 def harvest(queue_list: str | None, app_spec: str | None, redis_url: str | None) -> None:
     """Return the running jobs of dead workers to their queues now."""
-    from .dispatcher import Dispatcher
+    from taskrunner.ops.dispatcher import Dispatcher
 
     app = _app(app_spec, redis_url)
     qs = [q for q in queue_list.split(",") if q] if queue_list else app.queue_names()
@@ -718,7 +720,7 @@ def recover(queue_name: str, older_than: str, count: int, app_spec: str | None, 
     their next delivery is counted. Prints the ids."""
     import socket
 
-    from . import scripts
+    from taskrunner.protocol import scripts
 
     app = _app(app_spec, redis_url)
     _known(app, queue_name)
@@ -738,7 +740,7 @@ def inspect(queue_name: str, running: bool, limit: int, as_json: bool, app_spec:
     """Jobs with their delivery count, last delivery time and age."""
     app = _app(app_spec, redis_url)
     _known(app, queue_name)
-    now = listing.server_time(app)
+    now = server_time(app.redis)
     if running:
         _, rows = listing.running(app, queue_name, 0, limit)
         out = [{"id": r["id"], "task": r["task"], "deliveries": r["attempt"], "last_delivery": r["started_at"],
@@ -768,7 +770,7 @@ def history() -> None:
 @common
 def history_archive(history_dir: str | None, batch: int, app_spec: str | None, redis_url: str | None) -> None:
     """Move every history record now; safe to interrupt and run again (exactly once)."""
-    from .history import Archiver, backlog
+    from taskrunner.ops.history import Archiver, backlog
 
     app = _app(app_spec, redis_url)
     archiver = Archiver(app, history_dir, batch)
@@ -783,7 +785,7 @@ def history_archive(history_dir: str | None, batch: int, app_spec: str | None, r
 @common
 def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
     """Records waiting to be archived, per queue."""
-    from .history import backlog as history_backlog
+    from taskrunner.ops.history import backlog as history_backlog
 
     backlog = history_backlog(_app(app_spec, redis_url))
     if as_json:
@@ -805,8 +807,8 @@ def analyze(since: str, master: str | None, history_dir: str | None, as_json: bo
     and hour (counts, outcome rates, runtime and wait percentiles, top errors). Writes them
     next to the archive and into Redis for the dashboard's History page."""
     require_extra("spark", "analyze (PySpark)", "pyspark")
-    from . import analyze as analysis
-    from .history import default_dir
+    from taskrunner.ops import analyze as analysis
+    from taskrunner.ops.history import default_dir
 
     try:
         seconds = analysis.parse_since(since)

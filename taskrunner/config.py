@@ -64,7 +64,7 @@ class Settings:
     #: it off. Never with a remote Redis or a single CPU.
     enqueue_spin: float = 0.0001  # TASKRUNNER_ENQUEUE_SPIN
     #: For tests of users' own tasks: enqueue runs the task in the calling process, at
-    #: once, and never connects to Redis (taskrunner/eager.py says what differs).
+    #: once, and never connects to Redis (taskrunner/client/eager.py says what differs).
     eager: bool = False  # TASKRUNNER_EAGER
 
     @classmethod

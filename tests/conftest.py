@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from taskrunner import TaskRunner
-from taskrunner.redis_server import RedisServer
+from taskrunner.ops.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Settings that make failures show up in a test's lifetime.

@@ -14,8 +14,8 @@ import pytest
 if not os.environ.get("CI"):  # CI installs PySpark and Java: there a missing one fails
     pytest.importorskip("pyspark", reason="PySpark is not installed (pip install 'taskrunner[spark]')")
 
-from taskrunner import analyze  # noqa: E402
-from taskrunner.history import Archiver  # noqa: E402
+from taskrunner.ops import analyze  # noqa: E402
+from taskrunner.ops.history import Archiver  # noqa: E402
 
 NOW = 1_800_000_000.0
 STATES = ["completed"] * 7 + ["failed", "killed", "requeued"]
@@ -195,7 +195,7 @@ def test_local_spark_runs_our_python(tmp_path):
     import subprocess
     import sys
 
-    code = ("from taskrunner import analyze; s = analyze.spark_session('local[1]'); "
+    code = ("from taskrunner.ops import analyze; s = analyze.spark_session('local[1]'); "
             "print(s.sparkContext.parallelize([0], 1).map(lambda _: __import__('sys').executable).collect()[0]); "
             "s.stop()")
     env = {k: v for k, v in os.environ.items() if k != "PYSPARK_PYTHON"}

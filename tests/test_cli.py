@@ -108,8 +108,8 @@ def run_cli(stack, *args: str, stdin: Any = None, input: str | None = None,
 
 
 def test_queue_open_undoes_close(app, stack):
-    from taskrunner import queue
     from taskrunner.errors import QueueClosed
+    from taskrunner.ops import queue
 
     apps.add.apply_async([1, 2], queue="shut")
     assert "queue open shut" in stack.cli("queue", "close", "shut", check=True).stdout

@@ -13,11 +13,11 @@ import threading
 import pytest
 
 from dashboard import create_app
-from taskrunner import scripts
-from taskrunner.aio import AsyncClient
-from taskrunner.connection import ClusterURL, connect, connect_async
-from taskrunner.consumer import Consumer
+from taskrunner.client.aio import AsyncClient
+from taskrunner.client.consumer import Consumer
 from taskrunner.errors import Timeout
+from taskrunner.protocol import scripts
+from taskrunner.protocol.connection import ClusterURL, connect, connect_async
 from tests import apps
 from tests.conftest import Stack, wait_for
 from tests.topologies import Cluster, Topology, redis_cluster

@@ -10,7 +10,7 @@ import signal
 import socket
 import time
 
-from taskrunner.worker import Worker
+from taskrunner.worker.main import Worker
 from tests.conftest import wait_for
 from tests.test_prefetch import events
 

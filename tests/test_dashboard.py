@@ -12,9 +12,9 @@ import signal
 import pytest
 
 from dashboard import create_app
-from taskrunner import queue
 from taskrunner.errors import QueueClosed
-from taskrunner.listing import DISPATCHER_FORGET, DISPATCHER_GONE
+from taskrunner.ops import queue
+from taskrunner.ops.listing import DISPATCHER_FORGET, DISPATCHER_GONE
 from tests import apps
 from tests.conftest import wait_for
 
@@ -248,7 +248,7 @@ def test_pages_say_when_redis_is_down(tmp_path):
     """Redis stopped: every page answers 503 with one line saying so (not a bare 500), the
     dashboard starts anyway, and it serves again, logins included, once Redis is back."""
     from taskrunner import TaskRunner
-    from taskrunner.redis_server import RedisServer
+    from taskrunner.ops.redis_server import RedisServer
 
     server = RedisServer(tmp_path, appendonly=False)
     runner = TaskRunner("down", redis_url=server.url)

@@ -11,12 +11,13 @@ import orjson
 import pytest
 import redis
 
-from taskrunner import declarations, scripts
+from taskrunner.client import declarations
 from taskrunner.errors import InvalidName, NotJSONError, PayloadTooLarge
+from taskrunner.protocol import scripts
 from tests import declared_app
 from tests.conftest import ROOT, wait_for
 
-SCRIPTS = ROOT / "taskrunner" / "scripts"
+SCRIPTS = ROOT / "taskrunner" / "protocol" / "scripts"
 
 
 class Raw:
@@ -266,7 +267,7 @@ def test_cli_without_app_gets_the_declared_settings_from_a_running_worker(app, s
     # The asyncio client and the Python API, for a task they do not import: the same.
     import asyncio
 
-    from taskrunner.aio import AsyncClient
+    from taskrunner.client.aio import AsyncClient
 
     async def enqueue() -> str:
         client = AsyncClient(app)

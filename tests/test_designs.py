@@ -12,9 +12,10 @@ import threading
 
 import pytest
 
-from taskrunner import JobFailed, QueueClosed, QueueFull, TaskRunnerError, queue
-from taskrunner.aio import AsyncClient
-from taskrunner.consumer import Consumer
+from taskrunner import JobFailed, QueueClosed, QueueFull, TaskRunnerError
+from taskrunner.client.aio import AsyncClient
+from taskrunner.client.consumer import Consumer
+from taskrunner.ops import queue
 from tests import apps
 from tests.conftest import wait_for
 

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from taskrunner import JobFailed, listing
+from taskrunner import JobFailed
+from taskrunner.ops import listing
+from taskrunner.protocol.connection import server_time
 from tests import apps
 from tests.conftest import wait_for
 
@@ -271,7 +273,7 @@ def test_worker_restarted_under_its_name_releases_what_its_previous_life_held(ap
     os.killpg(w1.pid, signal.SIGKILL)
     beat = app.redis.zscore(app.keys.workers, "again")
     # the name is free again once its heartbeat is older than dead_after
-    wait_for(lambda: listing.server_time(app) - beat > app.settings.dead_after, what="the old heartbeat to age")
+    wait_for(lambda: server_time(app.redis) - beat > app.settings.dead_after, what="the old heartbeat to age")
     stack.worker(name="again", concurrency=1)
     started_pid(app, "o1", 2)
     release(app, "o1")

@@ -12,8 +12,8 @@ import socket
 
 import pytest
 
-from taskrunner.redis_server import RedisServer
-from taskrunner.worker import Worker
+from taskrunner.ops.redis_server import RedisServer
+from taskrunner.worker.main import Worker
 from tests.conftest import wait_for
 from tests.test_prefetch import events, ledger
 

@@ -16,7 +16,7 @@ import time
 import pytest
 import redis
 
-from taskrunner.consumer import Consumer
+from taskrunner.client.consumer import Consumer
 from tests import apps
 from tests.conftest import wait_for
 from tests.test_protocol import SCRIPTS, ForeignClient

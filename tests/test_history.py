@@ -10,10 +10,11 @@ import signal
 import pyarrow.parquet as pq
 import pytest
 
-from taskrunner import JobFailed, history
-from taskrunner.consumer import Consumer
-from taskrunner.dispatcher import Dispatcher
-from taskrunner.history import Archiver, _next_id
+from taskrunner import JobFailed
+from taskrunner.client.consumer import Consumer
+from taskrunner.ops import history
+from taskrunner.ops.dispatcher import Dispatcher
+from taskrunner.ops.history import Archiver, _next_id
 from tests import apps
 from tests.conftest import wait_for
 
@@ -139,7 +140,7 @@ def test_dispatcher_archives_and_warns_when_behind(app, tmp_path, monkeypatch, c
     fill(app, 50)
     monkeypatch.setenv("TASKRUNNER_HISTORY_DIR", str(tmp_path))
     monkeypatch.setattr(history, "WARN_BACKLOG", 10)
-    monkeypatch.setattr("taskrunner.dispatcher.WARN_BACKLOG", 10)
+    monkeypatch.setattr("taskrunner.ops.dispatcher.WARN_BACKLOG", 10)
     d = Dispatcher(app)
     assert d.archive_history(["default"]) == 50
     fill(app, 20)

@@ -16,14 +16,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dashboard import create_app
-from taskrunner import TaskRunner, codec
-from taskrunner import queue as queues
+from taskrunner import TaskRunner
 from taskrunner.cli import main
-from taskrunner.connection import connect
-from taskrunner.consumer import Consumer
-from taskrunner.dispatcher import Dispatcher
+from taskrunner.client.consumer import Consumer
 from taskrunner.errors import InvalidName, JobFailed, NotJSONError, PayloadTooLarge, TaskRunnerError
-from taskrunner.listing import server_time
+from taskrunner.ops import queue as queues
+from taskrunner.ops.dispatcher import Dispatcher
+from taskrunner.protocol import codec
+from taskrunner.protocol.connection import connect, server_time
 from tests import apps
 from tests.conftest import wait_for
 
@@ -196,7 +196,7 @@ def test_bad_cron_strings_are_refused_at_declaration(app, cron):
     except ValueError as e:
         assert "cron expression" in str(e)
         return
-    dispatcher, now = Dispatcher(runner), server_time(runner)
+    dispatcher, now = Dispatcher(runner), server_time(runner.redis)
     dispatcher.fire_schedules(now - 10 * 366 * 86400)  # first sight, years ago
     assert dispatcher.fire_schedules(now) == 1  # the latest tick since
     state = codec.loads(runner.redis.hget(runner.keys.schedules, "s"))
@@ -220,7 +220,7 @@ def test_a_schedule_that_cannot_fire_does_not_stop_the_others(app):
         runner.periodic("* * * * *", name=name)(runner.task(noop, name=f"t.{name}", queue=name))
     queues.create(runner, "blocked")
     queues.close(runner, "blocked")
-    dispatcher, now = Dispatcher(runner), server_time(runner)
+    dispatcher, now = Dispatcher(runner), server_time(runner.redis)
     assert dispatcher.fire_schedules(now - 120) == 0  # first sight: remembers the tick before
     before = runner.redis.hget(runner.keys.schedules, "blocked")
     runner.redis.hset(runner.keys.schedules, "corrupt", "[1, 2]")
@@ -262,7 +262,7 @@ def test_corrupt_records_fail_or_are_requeued_while_worker_and_dispatcher_run_on
     # Junk for every process to read: control messages, worker info, schedule state.
     r.lpush(app.keys.control("hostile-w"), "garbage", '{"kill": [1]}', "[1, 2]", b"\xff\xfe", '{"kill": "x"}')
     r.hset(app.keys.job("default", "types"), "enqueued_at", "yesterday")  # shown as it is
-    now = server_time(app)
+    now = server_time(app.redis)
     for name, info in [("ghost-text", b"not json \xff"), ("ghost-list", "[1, 2]"), ("ghost-types", json.dumps(
             {"host": socket.gethostname(), "pidns": "x", "pid": "abc", "rss": "lots", "queues": 7, "ip": None}))]:
         r.zadd(app.keys.workers, {name: now})

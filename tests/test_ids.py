@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
-from taskrunner import codec
-from taskrunner.codec import new_id
+from taskrunner.protocol import codec
+from taskrunner.protocol.codec import new_id
 
 
 def test_ids_sort_in_the_order_they_were_made():

@@ -10,8 +10,9 @@ import signal
 
 import pytest
 
-from taskrunner import JobFailed, JobNotFound, PayloadTooLarge, Retry, TaskRunner, child, current_job
+from taskrunner import JobFailed, JobNotFound, PayloadTooLarge, Retry, TaskRunner, current_job
 from taskrunner.errors import NotJSONError
+from taskrunner.worker import child
 from tests import apps
 
 

@@ -1,12 +1,12 @@
-"""The worker's outbox (taskrunner/outbox.py): what a sync carries goes back when the sync
+"""The worker's outbox (taskrunner/worker/outbox.py): what a sync carries goes back when the sync
 fails, before what came since, and each outcome gets its own finish answer."""
 
 from __future__ import annotations
 
-from taskrunner import scripts
-from taskrunner.claims import Delivery
-from taskrunner.outbox import Outbox
-from taskrunner.outcome import Outcome
+from taskrunner.protocol import scripts
+from taskrunner.protocol.claims import Delivery
+from taskrunner.protocol.outcome import Outcome
+from taskrunner.worker.outbox import Outbox
 
 
 def delivery(job_id: str, attempt: str = "1") -> Delivery:

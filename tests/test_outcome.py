@@ -3,7 +3,7 @@ malformed reply is refused rather than misrecorded."""
 
 import pytest
 
-from taskrunner.outcome import Ended, Outcome, finish_values
+from taskrunner.protocol.outcome import Ended, Outcome, finish_values
 
 
 def test_constructors_fill_finish_lua_slots():

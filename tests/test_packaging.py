@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from taskrunner import TaskRunner
-from taskrunner.redis_server import RedisServer
+from taskrunner.ops.redis_server import RedisServer
 from tests.conftest import FAST, ROOT, kill_groups, wait_for
 from tests.topologies import free_port
 
@@ -149,7 +149,7 @@ def test_wheel_carries_templates_static_and_scripts_and_builds_without_warnings(
     built, log = wheel
     names = set(zipfile.ZipFile(built).namelist())
     data = [*(ROOT / "dashboard" / "templates").iterdir(), *(ROOT / "dashboard" / "static").iterdir(),
-            *(ROOT / "taskrunner" / "scripts").glob("*.lua")]
+            *(ROOT / "taskrunner" / "protocol" / "scripts").glob("*.lua")]
     assert data and all(f.is_file() for f in data)
     missing = [str(f.relative_to(ROOT)) for f in data if str(f.relative_to(ROOT)) not in names]
     assert not missing, f"not in the wheel: {missing}"

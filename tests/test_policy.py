@@ -1,4 +1,4 @@
-"""The worker's scheduling policy (taskrunner/policy.py): pure functions, tested with plain
+"""The worker's scheduling policy (taskrunner/worker/policy.py): pure functions, tested with plain
 data — no Redis, no processes, no clock."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from pytest import approx
 
-from taskrunner import policy
-from taskrunner.claims import Delivery
-from taskrunner.policy import FLUSH_AFTER, HOLD, INF, PREFETCH_WINDOW
+from taskrunner.protocol.claims import Delivery
+from taskrunner.worker import policy
+from taskrunner.worker.policy import FLUSH_AFTER, HOLD, INF, PREFETCH_WINDOW
 
 NOW = 1000.0
 

@@ -1,4 +1,4 @@
-"""The loop child's event loop (taskrunner/precise_loop.py): epoll, waited on with a
+"""The loop child's event loop (taskrunner/worker/precise_loop.py): epoll, waited on with a
 timeout to the microsecond. What it must keep doing is what any selector does: report what
 is ready, whatever the timeout, and wait when nothing is."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from taskrunner import precise_loop
+from taskrunner.worker import precise_loop
 
 pytestmark = pytest.mark.skipif(not hasattr(selectors, "EpollSelector"), reason="epoll: Linux")
 

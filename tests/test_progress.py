@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from taskrunner import TaskRunner, scripts
-from taskrunner.context import LOG_LINES
+from taskrunner import TaskRunner
+from taskrunner.protocol import scripts
+from taskrunner.worker.context import LOG_LINES
 from tests.conftest import wait_for
 
 

@@ -12,7 +12,7 @@ import redis
 from tests import apps
 from tests.conftest import ROOT
 
-SCRIPTS = Path(ROOT) / "taskrunner" / "scripts"
+SCRIPTS = Path(ROOT) / "taskrunner" / "protocol" / "scripts"
 
 
 class ForeignClient:

@@ -14,7 +14,7 @@ from importlib.metadata import version
 
 from packaging.requirements import Requirement
 
-from taskrunner import connection
+from taskrunner.protocol import connection
 from tests import apps
 from tests.conftest import ROOT
 
@@ -38,7 +38,7 @@ def test_where_the_internals_differ_jobs_take_redis_pys_public_path(app, stack, 
     (tmp_path / "sitecustomize.py").write_text(hide)
     env = {"PYTHONPATH": f"{tmp_path}:{ROOT}"}
     stack.worker(env=env)
-    code = ("from taskrunner import connection\nfrom tests import apps\n"
+    code = ("from taskrunner.protocol import connection\nfrom tests import apps\n"
             "assert not connection.FAST_PATH\n"
             "job = apps.add.delay(2, 3)\n"
             "assert apps.app._direct is None and connection.Channel.of(apps.app.redis) is None\n"

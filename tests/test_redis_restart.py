@@ -11,7 +11,7 @@ import time
 import pytest
 import redis
 
-from taskrunner.redis_server import RedisServer
+from taskrunner.ops.redis_server import RedisServer
 from tests import apps
 from tests.conftest import ROOT, Stack, wait_for
 
@@ -139,7 +139,7 @@ def test_lone_enqueue_spins_briefly_then_sleeps_when_redis_is_slow(app, own_redi
                                         ("redis://redis.example:6399", False)])
 def test_enqueue_spins_only_for_a_redis_on_this_machine(url, spins):
     """No spin for a remote Redis (its answer takes the network's round trip) or on one CPU."""
-    code = ("import os, sys; from taskrunner.connection import Direct, connect\n"
+    code = ("import os, sys; from taskrunner.protocol.connection import Direct, connect\n"
             "if sys.argv[2] == 'one': os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
             "print(Direct.of(connect(sys.argv[1]), 0.0001).spin)")
     for cpus, expected in (("all", 0.0001 if spins else 0.0), ("one", 0.0)):
@@ -178,9 +178,9 @@ def test_batch_sent_ahead_is_sent_again_when_its_answers_are_lost(app):
     """enqueue_many sends a chunk and builds the next meanwhile (Batch.send). If the
     connection dies before the answers come, the chunk goes again the usual way: the ids
     make that idempotent."""
-    from taskrunner import scripts
-    from taskrunner.app import _enqueue_args
-    from taskrunner.codec import new_id
+    from taskrunner.client.app import _enqueue_args
+    from taskrunner.protocol import scripts
+    from taskrunner.protocol.codec import new_id
 
     admin = app.redis
     admin.ping()

@@ -11,8 +11,10 @@ import signal
 import pytest
 import redis
 
-from taskrunner import JobFailed, JobSpec, Retry, TaskRunner, listing, scripts
+from taskrunner import JobFailed, JobSpec, Retry, TaskRunner
 from taskrunner.errors import MAX_RETRIES
+from taskrunner.ops import listing
+from taskrunner.protocol import scripts
 from tests import apps, retry_apps
 from tests.conftest import wait_for
 from tests.test_declarations import Raw

@@ -28,7 +28,7 @@ def test_two_dispatchers_fire_each_tick_once(app, stack):
 
 def test_after_downtime_only_the_latest_tick_fires(app):
     from taskrunner import TaskRunner
-    from taskrunner.dispatcher import Dispatcher
+    from taskrunner.ops.dispatcher import Dispatcher
 
     t = TaskRunner("catchup", redis_url=app.settings.redis_url, prefix=app.settings.prefix)
     t.periodic("*/5 * * * *", name="often")(t.task(lambda: None, name="often"))

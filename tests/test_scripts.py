@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from taskrunner import scripts
-from taskrunner.claims import STRIDE
+from taskrunner.protocol import scripts
+from taskrunner.protocol.claims import STRIDE
 from tests import apps
 
 

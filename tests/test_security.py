@@ -22,7 +22,7 @@ from werkzeug.serving import make_server
 
 from dashboard import create_app
 from dashboard.security import LOGIN_ATTEMPTS, check_bind
-from taskrunner import codec
+from taskrunner.protocol import codec
 from tests import apps
 from tests.conftest import ROOT, wait_for
 from tests.test_dashboard import csrf, login

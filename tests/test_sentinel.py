@@ -9,10 +9,10 @@ import asyncio
 import pytest
 
 from dashboard import create_app
-from taskrunner import scripts
-from taskrunner.aio import AsyncClient
-from taskrunner.connection import SentinelURL, connect, connect_async
+from taskrunner.client.aio import AsyncClient
 from taskrunner.errors import JobNotFound, Timeout
+from taskrunner.protocol import scripts
+from taskrunner.protocol.connection import SentinelURL, connect, connect_async
 from tests import apps
 from tests.conftest import Stack, wait_for
 from tests.topologies import SentinelGroup, Topology, sentinel_group

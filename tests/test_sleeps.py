@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from taskrunner.redis_server import RedisServer
+from taskrunner.ops.redis_server import RedisServer
 from tests import apps
 from tests.conftest import FAST, Stack, wait_for
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from taskrunner import queue as queues
-from taskrunner.aio import AsyncClient
+from taskrunner.client.aio import AsyncClient
 from taskrunner.errors import JobFailed, JobNotFound, QueueClosed, QueueFull, Timeout
+from taskrunner.ops import queue as queues
 
 
 class Sync:

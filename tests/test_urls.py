@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from taskrunner.cli import main
-from taskrunner.connection import ClusterURL, SentinelURL
+from taskrunner.protocol.connection import ClusterURL, SentinelURL
 
 
 @pytest.mark.parametrize("url, nodes, user, password", [

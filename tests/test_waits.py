@@ -13,11 +13,12 @@ import time
 
 import pytest
 
-from taskrunner import QueueFull, queue
-from taskrunner.aio import AsyncClient
-from taskrunner.connection import SOCKET_TIMEOUT, ClusterURL, connect, connect_async
-from taskrunner.consumer import Consumer
-from taskrunner.redis_server import RedisServer
+from taskrunner import QueueFull
+from taskrunner.client.aio import AsyncClient
+from taskrunner.client.consumer import Consumer
+from taskrunner.ops import queue
+from taskrunner.ops.redis_server import RedisServer
+from taskrunner.protocol.connection import SOCKET_TIMEOUT, ClusterURL, connect, connect_async
 from tests import apps
 from tests.conftest import ROOT, Stack, wait_for
 

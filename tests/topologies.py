@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis
 
-from taskrunner.redis_server import find_redis_server
+from taskrunner.ops.redis_server import find_redis_server
 from tests.conftest import wait_for
 
 

@@ -60,7 +60,7 @@ class Scripts {
 
 class TaskRunner {
   constructor({ url = setting('REDIS_URL', 'redis://127.0.0.1:6379/0'), prefix = setting('TASKRUNNER_PREFIX', 'tr'),
-    scriptsDir = setting('TASKRUNNER_SCRIPTS', path.join(__dirname, '..', '..', 'taskrunner', 'scripts')) } = {}) {
+    scriptsDir = setting('TASKRUNNER_SCRIPTS', path.join(__dirname, '..', '..', 'taskrunner', 'protocol', 'scripts')) } = {}) {
     this.url = url;
     this.prefix = prefix;
     this.redis = new Redis(url, { lazyConnect: true });

@@ -1,0 +1,543 @@
+"""The application object: task registry, schedules, enqueueing and job lookup."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import redis
+from croniter import croniter
+
+from taskrunner.client import declarations, eager, steps
+from taskrunner.client.job import Job
+from taskrunner.client.middleware import Enqueued, Middleware
+from taskrunner.config import Settings
+from taskrunner.errors import MAX_RETRIES, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
+from taskrunner.protocol import codec, scripts
+from taskrunner.protocol.codec import count, seconds
+from taskrunner.protocol.connection import Client, Direct, connect, is_cluster
+from taskrunner.protocol.keys import Keys
+
+TIMEOUT_POLICIES = ("kill", "flag")
+log = logging.getLogger("taskrunner")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a job needs besides its arguments; task defaults, overridable per call."""
+
+    queue: str = "default"
+    max_duration: float | None = None
+    retries: int = 0
+    retry_backoff: float = 1.0
+    timeout_policy: str = "kill"
+    max_lost: int | None = None
+    max_retries: int = MAX_RETRIES
+    #: None: the consumer's settings (retry_backoff_max, result_ttl, failed_ttl).
+    retry_backoff_max: float | None = None
+    result_ttl: int | None = None
+    failed_ttl: int | None = None
+    soft_limit: float | None = None
+
+    def __post_init__(self) -> None:
+        """Each value checked: one of the wrong type or range is refused here, by name,
+        rather than stored for a worker to trip on."""
+        codec.check_name("queue", self.queue)
+        if self.timeout_policy not in TIMEOUT_POLICIES:
+            raise ValueError(f"timeout_policy must be one of {TIMEOUT_POLICIES}, not {self.timeout_policy!r}")
+        if self.max_duration is not None:
+            seconds("max_duration", self.max_duration, positive=True)
+        seconds("retry_backoff", self.retry_backoff)
+        count("retries", self.retries)
+        if self.max_lost is not None:
+            count("max_lost", self.max_lost, minimum=1)
+        count("max_retries", self.max_retries)
+        if self.retry_backoff_max is not None:
+            seconds("retry_backoff_max", self.retry_backoff_max)
+        for name in ("result_ttl", "failed_ttl"):
+            if getattr(self, name) is not None:
+                count(name, getattr(self, name), minimum=1)
+        if self.soft_limit is not None:
+            seconds("soft_limit", self.soft_limit, positive=True)
+            if self.max_duration is not None and self.soft_limit >= self.max_duration:
+                raise ValueError(f"soft_limit ({self.soft_limit:g}s) must be less than max_duration "
+                                 f"({self.max_duration:g}s): the hard kill comes at max_duration")
+
+    def merged(self, **changes: Any) -> JobSpec:
+        """This spec with the changes that are not None."""
+        values = {k: v for k, v in changes.items() if v is not None}
+        return replace(self, **values) if values else self
+
+
+#: Fields of a job that a producer may leave to the task's declaration (enqueue.lua).
+DECLARED = ("max_duration", "retries", "retry_backoff", "timeout_policy", "max_lost", "max_retries",
+            "retry_backoff_max", "result_ttl", "failed_ttl", "soft_limit")
+#: Those a producer that knows the task sends only when they differ from the default
+#: (a record without them gets the default): most jobs then cost what they did before.
+OPTIONAL = (("max_retries", MAX_RETRIES), ("retry_backoff_max", None), ("result_ttl", None), ("failed_ttl", None))
+
+
+def _enqueue_args(jobs: list[tuple[str, float, list[Any]]], limit: int | None = None) -> list[Any]:
+    """ARGV of enqueue.lua: N, then per job id, delay, K and K field/value pairs, then the
+    payload limit (bytes; the script's default when None)."""
+    args: list[Any] = [len(jobs)]
+    for job_id, delay, fields in jobs:
+        args += [job_id, delay, len(fields) // 2, *fields]
+    return args if limit is None else [*args, limit]
+
+
+@dataclass
+class Schedule:
+    """A cron schedule that enqueues a task; fired by the dispatcher."""
+
+    name: str
+    cron: str
+    task: str
+    args: list = field(default_factory=list)
+    kwargs: dict = field(default_factory=dict)
+    queue: str = "default"
+    missed: str = "once"  # after downtime: "once" fires the latest missed tick, "skip" none
+
+
+def check_cron(cron: Any) -> str:
+    """A cron expression with ticks both ways: croniter accepts e.g. "0 0 31 2 *" (February
+    31st) but then finds no tick, which the dispatcher, looking for the last and next
+    tick at each pass, must never meet."""
+    if not isinstance(cron, str) or not croniter.is_valid(cron):
+        raise ValueError(f"invalid cron expression {cron!r} (expected e.g. '*/5 * * * *')")
+    try:
+        croniter(cron).get_prev(float)
+        croniter(cron).get_next(float)
+    except ValueError as e:
+        raise ValueError(f"cron expression {cron!r} has no tick: {e}") from None
+    return cron
+
+
+def cron_job_id(schedule: str, tick: float) -> str:
+    """The job id of a schedule's tick: the same for every dispatcher that fires it."""
+    return f"cron.{schedule}.{int(tick)}"
+
+
+def _module_name(module: str) -> str:
+    """A task's module as a worker's `-A` imports it: a script run as `python shop.py` (or
+    `python -m shop`) is `__main__` here, which is no task name, and `shop` there."""
+    if module != "__main__":
+        return module
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return spec.name
+    path = getattr(main, "__file__", None)
+    return os.path.splitext(os.path.basename(path))[0] if path else module
+
+
+def _exception_classes(what: str, value: Any) -> tuple[type[BaseException], ...]:
+    """An exception class or a tuple of them, as `except` takes it, checked at declaration
+    (a typo would otherwise surface only when a job fails)."""
+    classes = value if isinstance(value, tuple) else (value,)
+    for c in classes:
+        if not (isinstance(c, type) and issubclass(c, BaseException)):
+            raise TypeError(f"{what} takes exception classes (one, or a tuple), not {c!r}")
+    return classes
+
+
+class Task:
+    """A function that can run as a job. Calling it runs it here and now."""
+
+    def __init__(self, app: TaskRunner, fn: Callable, name: str, spec: JobSpec,
+                 retry_on: tuple[type[BaseException], ...] | None = None,
+                 no_retry_on: tuple[type[BaseException], ...] = (), ignore_result: bool = False):
+        self.app, self.fn, self.name, self.spec = app, fn, name, spec
+        self.retry_on, self.no_retry_on = retry_on, no_retry_on
+        #: The return value is dropped where the job runs (child.returned): it is neither
+        #: encoded (a value that is not JSON does not fail the job) nor sent nor stored.
+        self.ignore_result = ignore_result
+        functools.update_wrapper(self, fn)
+
+    def retryable(self, error: BaseException) -> bool:
+        """May a job that raised `error` run again (while its retries last)? Not for a
+        class of no_retry_on; with retry_on, only for its classes; else for any."""
+        if isinstance(error, self.no_retry_on):
+            return False
+        return self.retry_on is None or isinstance(error, self.retry_on)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<Task {self.name} queue={self.spec.queue}>"
+
+    def delay(self, *args: Any, **kwargs: Any) -> Job:
+        return self.apply_async(args, kwargs)
+
+    def apply_async(self, args: Iterable = (), kwargs: dict | None = None, *, queue: str | None = None,
+                    delay: float | None = None, max_duration: float | None = None, job_id: str | None = None,
+                    retries: int | None = None, max_retries: int | None = None,
+                    block_timeout: float | None = None, headers: dict[str, Any] | None = None) -> Job:
+        """Enqueue with options; `headers`, a dict of JSON values, travel with the job
+        (current_job().headers; counted in its payload size)."""
+        spec = self.spec.merged(queue=queue, max_duration=max_duration, retries=retries, max_retries=max_retries)
+        return self.app.enqueue(self.name, args, kwargs, spec=spec, delay=delay, job_id=job_id,
+                                block_timeout=block_timeout, headers=headers)
+
+
+class TaskRunner:
+    def __init__(self, name: str = "taskrunner", redis_url: str | None = None, prefix: str | None = None,
+                 **settings: Any):
+        self.name = name
+        self.settings = Settings.from_env(redis_url=redis_url, prefix=prefix, **settings)
+        self.keys = Keys(self.settings.prefix)
+        self.tasks: dict[str, Task] = {}
+        self.schedules: dict[str, Schedule] = {}
+        self.middleware = Middleware()
+        self._redis: Client | None = None
+        self._direct: Direct | None = None  # the lone enqueue's fast path (None: not available)
+        self._redis_pid = 0
+        self._known_queues: set[str] = set()
+        self._declared = declarations.Cache()
+        self._producer = f"{socket.gethostname()}:{os.getpid()}"
+        if self.settings.analyze_cron:
+            self._schedule_analysis(self.settings.analyze_cron)
+
+    def __repr__(self) -> str:
+        return f"<TaskRunner {self.name} prefix={self.settings.prefix}>"
+
+    @property
+    def redis(self) -> Client:
+        """The client, made on first use (and again in a forked child). Bytes that are not
+        UTF-8 (never written by taskrunner, whose wire format is JSON text) are read as U+FFFD:
+        a record corrupted by another client then fails as bad JSON instead of raising
+        UnicodeDecodeError in whichever process reads it."""
+        if self._redis is None or self._redis_pid != os.getpid():
+            self._redis = connect(self.settings.redis_url, encoding_errors="replace")
+            self._direct = Direct.of(self._redis, self.settings.enqueue_spin)
+            self._redis_pid = os.getpid()
+            self._known_queues = set()
+            self._declared = declarations.Cache()
+        return self._redis
+
+    def wait_for_redis(self, who: str) -> Client:
+        """The client, once it can be made: a Redis Cluster client asks a node for the
+        slots layout at once, and a worker or dispatcher started before its Redis (a host
+        booting) must wait for it, not exit. Backs off up to 5 s between tries."""
+        pause = 0.0
+        while True:
+            try:
+                return self.redis
+            except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+                pause = min(max(pause * 2, 0.2), 5.0)
+                log.warning("%s: Redis unavailable (%s); retrying in %.1fs", who, e, pause)
+                time.sleep(pause)
+
+    def configure(self, **overrides: Any) -> None:
+        """Change settings (e.g. redis_url from a CLI flag) before first use."""
+        self.settings = replace(self.settings, **{k: v for k, v in overrides.items() if v is not None})
+        self.keys = Keys(self.settings.prefix)
+        self._redis = None
+
+    def _schedule_analysis(self, cron: str) -> None:
+        """The product runs its own pipeline: `taskrunner analyze` as a periodic job."""
+        from taskrunner.ops.analyze import run_as_job
+
+        self.periodic(cron, name="taskrunner.analyze", max_duration=3600)(
+            self.task(functools.partial(run_as_job, self), name="taskrunner.analyze"))
+
+    def add_middleware(self, obj: Any) -> None:
+        """Register middleware: an object with any of the hooks before_enqueue(job),
+        child_start(), child_stop(), before_run(job), after_run(job, outcome),
+        on_retry(job, exc), on_failure(job, exc); see taskrunner/middleware.py for where
+        each runs and what a raising one does. Register it where the tasks are declared
+        (the app module), so that producers and workers alike have it."""
+        self.middleware.add(obj)
+
+    # -- declaring -------------------------------------------------------------------
+
+    def task(self, fn: Callable | None = None, *, name: str | None = None, queue: str = "default",
+             max_duration: float | None = None, retries: int = 0, retry_backoff: float = 1.0,
+             timeout_policy: str = "kill", max_lost: int | None = None, max_retries: int = MAX_RETRIES,
+             retry_backoff_max: float | None = None, result_ttl: int | None = None, failed_ttl: int | None = None,
+             ignore_result: bool = False, soft_limit: float | None = None,
+             retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
+             no_retry_on: type[BaseException] | tuple[type[BaseException], ...] = ()) -> Any:
+        """Declare a task: `@app.task` or `@app.task(queue=..., max_duration=..., retries=...)`.
+        The name defaults to module.function. timeout_policy: "kill" ends a job that passes
+        its max duration (failed, TimeLimitExceeded); "flag" only flags it stuck. A job that
+        raises is retried while `retries` last, unless the exception is of a class in
+        `no_retry_on`, or `retry_on` is given and it is of none of its classes: then it
+        fails at once (a ValueError from bad input will not pass on a second try).
+        A job may `raise Retry(...)` max_retries times; once more fails it with
+        MaxRetriesExceeded. retry_backoff_max caps this task's backoff; result_ttl and
+        failed_ttl (seconds) keep its completed, and failed or killed, jobs that long,
+        instead of the settings of the same names. ignore_result: the return value is
+        dropped (the job still ends completed; wait() returns None).
+        soft_limit: seconds (< max_duration) after which SoftTimeLimit is raised inside the
+        task, so that it can clean up before the hard kill (taskrunner/soft_limit.py)."""
+        if not isinstance(ignore_result, bool):
+            raise ValueError(f"ignore_result must be True or False, not {ignore_result!r}")
+        retry_classes = None if retry_on is None else _exception_classes("retry_on", retry_on)
+        no_retry_classes = _exception_classes("no_retry_on", no_retry_on)
+
+        def register(f: Callable) -> Task:
+            spec = JobSpec().merged(queue=queue, max_duration=max_duration, retries=retries,
+                                    retry_backoff=retry_backoff, timeout_policy=timeout_policy, max_lost=max_lost,
+                                    max_retries=max_retries, retry_backoff_max=retry_backoff_max,
+                                    result_ttl=result_ttl, failed_ttl=failed_ttl, soft_limit=soft_limit)
+            task_name = codec.check_name("task", name or f"{_module_name(f.__module__)}.{f.__qualname__}")
+            if task_name in self.tasks and self.tasks[task_name].fn is not f:
+                raise TaskRunnerError(f"two tasks named {task_name!r}: pass name= to one of them")
+            t = self.tasks[task_name] = Task(self, f, task_name, spec, retry_classes, no_retry_classes,
+                                             ignore_result)
+            return t
+
+        return register(fn) if fn is not None else register
+
+    def periodic(self, cron: str, *, name: str | None = None, args: Iterable = (), kwargs: dict | None = None,
+                 missed: str = "once", **task_options: Any) -> Callable[[Callable], Task]:
+        """Declare a task and run it on a cron schedule (UTC), e.g. "*/5 * * * *".
+        Each tick is enqueued exactly once, however many dispatchers run."""
+        check_cron(cron)
+        if missed not in ("once", "skip"):
+            raise ValueError("missed must be 'once' or 'skip'")
+
+        def register(f: Callable) -> Task:
+            t = f if isinstance(f, Task) else self.task(f, **task_options)
+            sname = codec.check_name("schedule", name or t.name)
+            # What the dispatcher will enqueue at each tick, checked now rather than there.
+            codec.check_id(cron_job_id(sname, 2**40))
+            self._fields(t.name, args, kwargs, t.spec, None)
+            self.schedules[sname] = Schedule(sname, cron, t.name, list(args), dict(kwargs or {}),
+                                             t.spec.queue, missed)
+            return t
+
+        return register
+
+    # -- enqueueing ------------------------------------------------------------------
+
+    def _fields(self, task: str, args: Iterable, kwargs: dict | None, spec: JobSpec,
+                sent: list[str] | None, headers: dict[str, Any] | None = None) -> list[Any]:
+        """The fields of a job for enqueue.lua: with `sent` None (a task declared here) all
+        of the spec's settings (those of OPTIONAL when not their default), else only those
+        named (the script fills in the rest from the task's declaration in Redis). Headers
+        go only when there are some: a job without costs no field."""
+        codec.check_name("task", task)
+        if isinstance(args, (str, bytes, dict)) or not isinstance(args, Iterable):
+            raise TypeError(f"args must be a list or tuple of arguments, not {type(args).__name__}")
+        if not isinstance(kwargs or {}, dict):
+            raise TypeError(f"kwargs must be a dict, not {type(kwargs).__name__}")
+        if not isinstance(headers or {}, dict):
+            raise TypeError(f"headers must be a dict, not {type(headers).__name__}")
+        a = codec.dumps(list(args), "args")
+        k = codec.dumps(kwargs or {}, "kwargs")
+        h = codec.dumps(headers, "headers") if headers else b""
+        size = len(a) + len(k) + len(h)
+        if size > self.settings.max_payload:
+            raise PayloadTooLarge(f"arguments {'and headers ' if h else ''}of {task} take {size} bytes; the limit "
+                                  f"is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
+        fields: list[Any] = ["task", task, "queue", spec.queue, "args", a, "kwargs", k,
+                             *(("headers", h) if h else ())]
+        if sent is None:
+            max_duration = spec.max_duration or self.settings.max_duration
+            fields += ["max_duration", max_duration, "retries", spec.retries,
+                       "retry_backoff", spec.retry_backoff, "timeout_policy", spec.timeout_policy,
+                       "max_lost", spec.max_lost or self.settings.max_lost]
+            for name, default in OPTIONAL:
+                value = getattr(spec, name)
+                if value != default:
+                    fields += [name, value]
+            if spec.soft_limit is not None:  # none: no field, no cost
+                if spec.soft_limit >= max_duration:
+                    raise ValueError(f"soft_limit ({spec.soft_limit:g}s) of {task} must be less than its max "
+                                     f"duration ({max_duration:g}s)")
+                fields += ["soft_limit", spec.soft_limit]
+        else:
+            for name in sent:
+                fields += [name, getattr(spec, name)]
+        return [*fields, "producer", f"{self._producer}:{threading.get_ident()}"]
+
+    def _job_spec(self, task: str, options: dict[str, Any]) -> tuple[JobSpec, list[str] | None]:
+        """The spec of a job of `task` with `options` (JobSpec fields; None: not set) and
+        the settings to send (_fields' `sent`). A task declared here: its spec, all sent.
+        Else only the options set are sent, and the queue, unless set, is the one workers
+        declared for the task (else "default")."""
+        return steps.run(self, steps.job_spec(self, task, options))
+
+    def _spec_of(self, task: str, options: dict[str, Any]) -> tuple[JobSpec, list[str] | None]:
+        """_job_spec() once the queue of a task not declared here is known (in options;
+        else "default")."""
+        t = self.tasks.get(task)
+        if t is not None:
+            return t.spec.merged(**options), None
+        sent = [k for k in DECLARED if options.get(k) is not None]
+        return JobSpec(queue=options.get("queue") or "default").merged(**options), sent
+
+    def declared(self, task: str) -> dict[str, Any] | None:
+        """The task's declaration as workers published it (None: no worker declared it),
+        looked up in Redis at most once every few seconds per task. In eager mode, None:
+        only this app's tasks run, and Redis is never asked."""
+        return steps.run(self, steps.declared(self, task))
+
+    def enqueue(self, task: str, args: Iterable = (), kwargs: dict | None = None, *, spec: JobSpec | None = None,
+                delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
+                headers: dict[str, Any] | None = None, **options: Any) -> Job:
+        """Enqueue by task name (the task need not be importable here). Options are those
+        of JobSpec (queue, max_duration, retries, ...); for a task not declared in this app,
+        those not given (the queue too) are the ones its workers declared in Redis, as the
+        enqueue script fills them in. With a job_id that exists already
+        nothing is enqueued and the existing job is returned, with .created False.
+        Into a full bounded queue it waits up to `block_timeout` seconds (default: the
+        block_timeout setting; 0: not at all) for room, then raises QueueFull.
+        `headers` (a dict of JSON values) travel with the job: current_job().headers.
+        In eager mode the job runs here before this returns (taskrunner/eager.py)."""
+        draft = steps.run(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id, headers))
+        if self.settings.eager:
+            return eager.enqueue(self, draft.id, draft.fields)
+        job = Job(self, draft.id, draft.queue)
+        job.created = bool(steps.run(self, steps.enqueue(self, draft, block_timeout)))
+        return job
+
+    def enqueue_many(self, jobs: Iterable[dict[str, Any]], chunk: int = 1000,
+                     progress: Callable[[int], Any] | None = None) -> list[Job]:
+        """Enqueue many jobs, one round trip per `chunk`. Each job is a dict with `task`
+        and optionally args, kwargs, queue, delay, max_duration, retries, max_retries, id, headers. Never blocks:
+        jobs refused by a full or closed queue raise QueueFull/QueueClosed after the chunk
+        (the jobs before them are enqueued). While Redis runs a chunk, the next one is built;
+        it is sent once the answers came. In eager mode each job runs here, in order."""
+        out: list[Job] = []
+        pending: list[tuple[str, str, float, list[Any]]] = []
+        sent: tuple[scripts.Batch, dict[str, list[Any]], int] | None = None  # what Redis runs meanwhile
+
+        def send() -> None:
+            nonlocal sent
+            by_queue: dict[str, list[tuple[str, float, list[Any]]]] = {}
+            for queue, job_id, delay, fields in pending:
+                by_queue.setdefault(queue, []).append((job_id, delay, fields))
+            batch = scripts.Batch(self.redis, self._direct)
+            for queue, items in by_queue.items():
+                self._queue_enqueue(batch, queue, items)
+            if is_cluster(self.redis):  # elsewhere the script registers the queue
+                batch.pipe.sadd(self.keys.queues, *by_queue)
+            batch.send()
+            sent = batch, by_queue, len(pending)
+            pending.clear()
+
+        def settle() -> None:
+            """Read the answers of the chunk sent: a refused job raises before another is sent."""
+            nonlocal sent
+            if sent is None:
+                return
+            batch, by_queue, count = sent
+            sent = None
+            results = iter(batch.execute())
+            answers = {q: next(results) for q in by_queue}
+            refused = []
+            for queue, items in by_queue.items():
+                for (job_id, _, _), created in zip(items, answers[queue]):
+                    job = Job(self, job_id, queue)
+                    job.created = created == 1
+                    out.append(job)
+                    if created < 0:
+                        refused.append((queue, created))
+                self._known_queues.add(queue)
+            if progress:
+                progress(count)
+            if refused:
+                kind = QueueClosed if any(c == -2 for _, c in refused) else QueueFull
+                raise kind(f"{len(refused)} jobs refused: queue {refused[0][0]} is "
+                           f"{'closed' if kind is QueueClosed else 'full'}")
+
+        for n, spec_ in enumerate(jobs, 1):
+            try:
+                pending.append(self._job_of(spec_))
+            except (TaskRunnerError, ValueError, TypeError) as e:
+                settle()
+                raise type(e)(f"job {n}: {e}") from None
+            if self.settings.eager:
+                out.append(eager.enqueue(self, pending[-1][1], pending.pop()[3]))
+                if progress:
+                    progress(1)
+            if len(pending) >= chunk:
+                settle()
+                send()
+        settle()
+        if pending:
+            send()
+            settle()
+        return out
+
+    def _job_of(self, spec: Any) -> tuple[str, str, float, list[Any]]:
+        """(queue, id, delay, fields) of one job of enqueue_many, checked like enqueue's."""
+        if not isinstance(spec, dict) or "task" not in spec:
+            raise ValueError("expected an object with a 'task' field")
+        unknown = set(spec) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "max_retries",
+                               "id", "headers"}
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)}")
+        task = codec.check_name("task", spec["task"])
+        job, sent = self._job_spec(task, {k: spec.get(k) for k in ("queue", "retries", "max_retries", "max_duration")})
+        job_id = codec.check_id(spec["id"]) if spec.get("id") is not None else codec.new_id()
+        delay = seconds("delay", spec.get("delay") or 0)
+        args = spec.get("args") or []
+        headers = self._headers(task, args, spec.get("kwargs"), job.queue, job_id, spec.get("headers"))
+        return job.queue, job_id, delay, self._fields(task, args, spec.get("kwargs"), job, sent, headers)
+
+    def _headers(self, task: str, args: Any, kwargs: dict | None, queue: str, job_id: str,
+                 headers: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The headers a job is enqueued with: the caller's, as the before_enqueue hooks
+        leave them (a hook that raises refuses the enqueue). No hook: as given, uncopied."""
+        if not self.middleware.hooks["before_enqueue"]:
+            return headers
+        if not isinstance(headers or {}, dict):
+            raise TypeError(f"headers must be a dict, not {type(headers).__name__}")
+        job = Enqueued(task, list(args) if isinstance(args, (list, tuple)) else args, dict(kwargs or {}), queue,
+                       job_id, dict(headers or {}))
+        return self.middleware.before_enqueue(job)
+
+    def enqueue_keys(self, queue: str) -> list[str]:
+        """KEYS of enqueue.lua: the queue's prefix, and the global queue set where one script
+        may touch both (not on a Redis Cluster: there the producer registers the queue)."""
+        q = self.keys.q(queue)
+        return [q] if is_cluster(self.redis) else [q, self.keys.queues]
+
+    def _queue_enqueue(self, batch: scripts.Batch, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> None:
+        batch.call(scripts.ENQUEUE, self.enqueue_keys(queue), _enqueue_args(jobs, self.settings.max_payload))
+
+    def _enqueue_batch(self, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> list[int]:
+        client = self.redis  # first: a new client (new process or settings) knows no queue yet
+        keys = self.enqueue_keys(queue)
+        if len(keys) == 1 and queue not in self._known_queues:  # a cluster: once per process and queue
+            client.sadd(self.keys.queues, queue)
+            self._known_queues.add(queue)
+        return scripts.ENQUEUE(self._direct or client, keys, _enqueue_args(jobs, self.settings.max_payload))
+
+    # -- looking up ------------------------------------------------------------------
+
+    def queue_names(self) -> list[str]:
+        """Every queue ever enqueued into or served, sorted."""
+        return sorted(self.redis.smembers(self.keys.queues))
+
+    def job(self, job_id: str, queue: str | None = None) -> Job:
+        """The job with that id (its queue is looked up when not given)."""
+        return Job(self, job_id, *steps.run(self, steps.find(self, job_id, queue)))
+
+    def purge(self, queue: str, progress: Callable[[int], Any] | None = None) -> int:
+        """Delete every pending job of a queue, a thousand per call; returns how many."""
+        total = 0
+        while True:
+            deleted, left = scripts.PURGE(self.redis, [self.keys.q(codec.check_name("queue", queue))], [1000])
+            total += deleted
+            if progress:
+                progress(deleted)
+            if not left or not deleted:
+                return total
+
+    def send_control(self, worker: str, message: dict) -> None:
+        """Put a message on a worker's control list (it BRPOPs it at once)."""
+        steps.run(self, steps.send_control(self, worker, message))

@@ -1,0 +1,115 @@
+"""Taking jobs without running a worker: a program or shell script claims jobs, does the
+work itself, and acks (or fails) them. It heartbeats like a worker, so the dispatcher
+requeues what it held if it dies; acks are fenced like a worker's finishes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+from taskrunner.client.app import TaskRunner
+from taskrunner.protocol import codec, scripts
+from taskrunner.protocol.claims import Delivery, claim_args, claim_keys, claim_rest
+from taskrunner.protocol.connection import pop_any
+from taskrunner.protocol.holders import held, identity
+from taskrunner.protocol.outcome import Ended, Outcome, finish_args
+
+
+class Consumer:
+    def __init__(self, app: TaskRunner, queues: list[str], name: str | None = None):
+        self.app, self.keys = app, app.keys
+        self.queues = [codec.check_name("queue", q) for q in queues]
+        self.host = socket.gethostname()
+        self.name = codec.check_name("worker", name or f"consumer.{self.host}.{os.getpid()}")
+
+    def heartbeat(self, busy: int = 0) -> None:
+        """Say we are alive (call more often than dead_after while holding jobs)."""
+        info = {"name": self.name, "host": self.host, "ip": "127.0.0.1", "pid": os.getpid(),
+                "queues": self.queues, "concurrency": 1, "busy": busy, "kind": "consumer", **identity()}
+        scripts.HEARTBEAT(self.app.redis, [self.keys.g], [self.name, codec.dumps(info),
+                                                         int(self.app.settings.dead_after * 3 + 60)])
+
+    def claim(self, count: int = 1, block: float = 0) -> list[Delivery]:
+        """Up to `count` jobs, queues in priority order; waits up to `block` seconds in
+        Redis (BRPOP on the wake lists) when there is none."""
+        self.heartbeat()
+        deadline = time.monotonic() + block
+        prefixes = [self.keys.q(q) for q in self.queues]
+        argv = claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid(), ""] * count)
+        while True:
+            raw = scripts.CLAIM(self.app.redis, claim_keys(self.app, prefixes), argv)
+            out = claim_rest(self.app, self.queues, argv, raw)
+            left = deadline - time.monotonic()
+            if out or left <= 0:
+                return out
+            pop_any(self.app.redis, [p + "wake" for p in prefixes], max(0.01, min(left, 5)))
+
+    def ack(self, deliveries: list[Delivery], results: list[Any] | None = None) -> list[bool]:
+        """Mark jobs completed, all in one round trip; says which were really acked (a job
+        requeued or killed meanwhile is not: its new owner's record stays)."""
+        results = results if results is not None else [None] * len(deliveries)
+        return self._finish([_ended(d, Outcome.completed(codec.dumps(r, "result").decode()))
+                             for d, r in zip(deliveries, results)])
+
+    def fail(self, delivery: Delivery, error_type: str, message: str, traceback: str = "",
+             retry: bool = True) -> bool:
+        """Mark a job failed; retried with backoff while its retries last (unless retry=False)."""
+        outcome = (Outcome.error if retry else Outcome.failed)(error_type, message, traceback)
+        return self._finish([_ended(delivery, outcome)])[0]
+
+    def stopped(self, delivery: Delivery, reason: str) -> bool:
+        """Record a job we stopped: `reason` "killed" (a kill request: ends killed) or
+        "timeout" (past its max duration: TimeLimitExceeded, retried while retries last),
+        as a worker does (docs/PROTOCOL.md, Kill)."""
+        if reason == "timeout":
+            outcome = Outcome.error("TimeLimitExceeded", "ran past its max duration; stopped")
+        else:
+            outcome = Outcome.killed("killed on request")
+        return self._finish([_ended(delivery, outcome)])[0]
+
+    def kill_request(self, delivery: Delivery, timeout: float) -> str | None:
+        """Wait up to `timeout` seconds on our control list for a kill of `delivery`: its
+        reason ("killed" or "timeout"), or None. Messages about other deliveries (one that
+        ended) are dropped."""
+        reply = pop_any(self.app.redis, [self.keys.control(self.name)], timeout)
+        if reply is None:
+            return None
+        try:
+            msg = codec.loads(reply[1])
+            if str(msg["kill"]) != delivery.id or str(msg["attempt"]) != delivery.attempt:
+                return None
+        except (ValueError, KeyError, TypeError):
+            return None
+        return "timeout" if msg.get("reason") == "timeout" else "killed"
+
+    def _finish(self, items: list[tuple[str, Ended]]) -> list[bool]:
+        """Report (queue, ended) pairs, one finish.lua call per queue: which were applied."""
+        by_queue: dict[str, list[Ended]] = {}
+        order: list[tuple[str, int]] = []
+        for q, e in items:
+            ended = by_queue.setdefault(q, [])
+            order.append((q, len(ended)))
+            ended.append(e)
+        batch = scripts.Batch(self.app.redis)
+        for q, ended in by_queue.items():
+            batch.call(scripts.FINISH, [self.keys.q(q)], finish_args(self.app.settings, ended, 0))
+        answers = dict(zip(by_queue, batch.execute()))
+        return [answers[q][i] == 1 for q, i in order]
+
+    def close(self) -> None:
+        """Leave cleanly: what we still hold goes back to its queue now, next in line (left
+        to the dispatcher it would wait for its deadline: a holder that left is not dead),
+        then we leave the list of workers."""
+        back = Outcome.requeue(front=True, why=f"{self.name} left")
+        mine = [(q, Ended(job_id, attempt, back)) for q, job_id, worker, attempt in held(self.app, self.queues)
+                if worker == self.name]
+        if mine:
+            self._finish(mine)
+        self.app.redis.zrem(self.keys.workers, self.name)
+        self.app.redis.delete(self.keys.worker(self.name), self.keys.control(self.name))
+
+
+def _ended(d: Delivery, outcome: Outcome) -> tuple[str, Ended]:
+    return d.queue, Ended(d.id, d.attempt, outcome)

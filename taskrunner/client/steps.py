@@ -1,0 +1,248 @@
+"""The client's operations — enqueue, wait, kill, find a job — written once, for the
+synchronous API (app.py, job.py) and the asyncio one (aio.py) alike.
+
+Each operation is a generator that yields what it needs from Redis (a request below) and
+is sent the answer; an error the request met (a RedisError) is thrown into it, where its
+own retry policy applies. `run()` answers requests with the synchronous client; aio.py
+has the same driver with redis.asyncio. So what an enqueue checks and sends, how a wait
+rides out a Redis restart, what a kill tells the worker — and the errors users see —
+cannot drift apart between the two (sans-I/O, as in h11 or hyper-h2)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import redis
+
+from taskrunner.client import declarations
+from taskrunner.errors import JobNotFound, QueueClosed, QueueFull, Timeout
+from taskrunner.protocol import codec, scripts
+from taskrunner.protocol.connection import Backoff, pop_any
+
+if TYPE_CHECKING:
+    from taskrunner.client.app import JobSpec, TaskRunner
+
+T = TypeVar("T")
+#: Errors of Redis (down, failing over, a cluster without a node for a slot): thrown into
+#: the operation, which backs off and goes on where that is safe.
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+
+#: Seconds between a waiter's looks at the job's state while no notification came: one
+#: lost with a Redis restart or failover would otherwise leave it waiting forever.
+LOOK_AGAIN = 5.0
+FINAL = frozenset(("completed", "failed", "killed"))
+
+
+@dataclass(frozen=True)
+class Command:
+    """One Redis command (redis-py's method name and its arguments): its reply."""
+
+    name: str
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Commands sent together, in one round trip: their replies, in order."""
+
+    commands: tuple[Command, ...]
+
+
+@dataclass(frozen=True)
+class Script:
+    """One call of a taskrunner script: its reply (a refusal raises ScriptError)."""
+
+    script: scripts.Script
+    keys: list[str]
+    args: list[Any]
+
+
+@dataclass(frozen=True)
+class Enqueue:
+    """enqueue.lua for `jobs` ((id, delay, fields) each) into `queue`: one int per job
+    (1 created, 0 exists, -1 full, -2 closed). The queue joins the index of queues (on a
+    cluster a separate command: the script touches the queue's slot only)."""
+
+    queue: str
+    jobs: list[tuple[str, float, list[Any]]]
+
+
+@dataclass(frozen=True)
+class Pop:
+    """A blocking pop (BRPOP or BLPOP) of up to `timeout` seconds on a connection of its
+    own: [key, item], or None."""
+
+    command: str
+    key: str
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Sleep:
+    seconds: float
+
+
+Request = Command | Pipeline | Script | Enqueue | Pop | Sleep
+Steps = Generator[Request, Any, T]
+
+
+def run(app: TaskRunner, steps: Steps[T]) -> T:
+    """Carry out an operation with the synchronous client."""
+    answer: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            request = steps.send(answer) if error is None else steps.throw(error)
+        except StopIteration as done:
+            return done.value
+        try:
+            answer, error = _answer(app, request), None
+        except Exception as e:
+            answer, error = None, e
+
+
+def _answer(app: TaskRunner, r: Request) -> Any:
+    if isinstance(r, Command):
+        return getattr(app.redis, r.name)(*r.args)
+    if isinstance(r, Script):
+        return r.script(app.redis, r.keys, r.args)
+    if isinstance(r, Enqueue):
+        return app._enqueue_batch(r.queue, r.jobs)
+    if isinstance(r, Pipeline):
+        pipe = app.redis.pipeline(transaction=False)
+        for c in r.commands:
+            getattr(pipe, c.name)(*c.args)
+        return pipe.execute()
+    if isinstance(r, Pop):
+        return pop_any(app.redis, [r.key], r.timeout, r.command)
+    if isinstance(r, Sleep):
+        return time.sleep(r.seconds)
+    raise TypeError(f"not a request: {r!r}")
+
+
+# -- the operations ------------------------------------------------------------------
+
+
+def declared(app: TaskRunner, task: str) -> Steps[dict[str, Any] | None]:
+    """The task's declaration as workers published it (None: no worker declared it),
+    looked up in Redis at most once every few seconds per task. In eager mode, None:
+    only the app's own tasks run, and Redis is never asked."""
+    if app.settings.eager:
+        return None
+    found, d = app._declared.get(task)
+    if not found:
+        raw = yield Command("hget", (app.keys.tasks, task))
+        d = app._declared.put(task, declarations.parse(task, raw))
+    return d
+
+
+def job_spec(app: TaskRunner, task: str, options: dict[str, Any]) -> Steps[tuple[JobSpec, list[str] | None]]:
+    """The spec of a job of `task` with `options` (app._job_spec), the queue a task not
+    declared here has looked up first."""
+    codec.check_name("task", task)
+    if task not in app.tasks and options.get("queue") is None:
+        d = yield from declared(app, task)
+        options = {**options, "queue": d.get("queue", "default") if d else "default"}
+    return app._spec_of(task, options)
+
+
+@dataclass
+class Draft:
+    """A job about to be enqueued: checked, its fields as enqueue.lua takes them."""
+
+    id: str
+    queue: str
+    delay: float
+    fields: list[Any]
+
+
+def draft(app: TaskRunner, task: str, args: Any, kwargs: dict | None, spec: JobSpec | None,
+          options: dict[str, Any], delay: float | None, job_id: str | None,
+          headers: dict[str, Any] | None = None) -> Steps[Draft]:
+    """Check a job and make its fields (TaskRunner.enqueue says how), its headers as the
+    before_enqueue hooks leave them, before it is enqueued — or, in eager mode, run."""
+    spec, sent = (spec.merged(**options), None) if spec is not None else (yield from job_spec(app, task, options))
+    job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
+    headers = app._headers(task, args, kwargs, spec.queue, job_id, headers)
+    fields = app._fields(task, args, kwargs, spec, sent, headers)
+    return Draft(job_id, spec.queue, codec.seconds("delay", delay) if delay is not None else 0.0, fields)
+
+
+def enqueue(app: TaskRunner, job: Draft, block_timeout: float | None) -> Steps[int]:
+    """Enqueue a drafted job: 1 created, 0 a job with its id existed. Into a full bounded
+    queue it waits up to `block_timeout` seconds for room (QueueFull)."""
+    wait = codec.seconds("block_timeout", app.settings.block_timeout if block_timeout is None else block_timeout)
+    deadline = None
+    while True:
+        [created] = yield Enqueue(job.queue, [(job.id, job.delay, job.fields)])
+        if created == -2:
+            raise QueueClosed(f"queue {job.queue} is closed: it takes no new jobs")
+        if created != -1:
+            return created
+        deadline = deadline or time.monotonic() + wait  # from the first refusal
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise QueueFull(f"queue {job.queue} is full (its bound is reached)"
+                            + (f" and had no room within {wait:g}s" if wait else ""))
+        yield Pop("BRPOP", app.keys.q(job.queue) + "notfull", max(0.01, min(left, 1.0)))
+
+
+def find(app: TaskRunner, job_id: str, queue: str | None = None) -> Steps[tuple[str, dict[str, str]]]:
+    """The queue and record of the job with that id (its queue looked up when not given)."""
+    codec.check_id(job_id)
+    queues = [queue] if queue else sorted((yield Command("smembers", (app.keys.queues,))))
+    records = yield Pipeline(tuple(Command("hgetall", (app.keys.job(q, job_id),)) for q in queues))
+    for q, data in zip(queues, records):
+        if data:
+            return q, data
+    raise JobNotFound(f"no job {job_id} (never enqueued, or expired after its result TTL)")
+
+
+def wait(app: TaskRunner, job_id: str, queue: str, timeout: float | None) -> Steps[dict[str, str]]:
+    """Wait until the job ends, and give its record (the caller returns its result or
+    raises its failure), or raise Timeout. Blocks in Redis (BLPOP on notify:<id>), no
+    polling; it looks again at least every LOOK_AGAIN seconds, in case a notification was
+    lost. When Redis fails meanwhile (a restart, a failover) it backs off and looks again:
+    the job went on. With a timeout, a Redis still unreachable at its end raises the Redis
+    error (the job's state is unknown), not Timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    backoff = Backoff(f"waiting for job {job_id}", deadline)
+    prefix = app.keys.q(queue)
+    while True:
+        try:
+            state = yield Script(scripts.WATCH, [prefix], [job_id])
+            if not state:
+                raise JobNotFound(f"no job {job_id} in queue {queue}")
+            if state in FINAL:
+                data = yield Command("hgetall", (app.keys.job(queue, job_id),))
+                if data:
+                    return data
+                raise JobNotFound(f"no job {job_id} in queue {queue} (expired as it ended)")
+            left = LOOK_AGAIN if deadline is None else min(LOOK_AGAIN, deadline - time.monotonic())
+            if left <= 0:
+                raise Timeout(f"job {job_id} still {state} after {timeout}s")
+            yield Pop("BLPOP", f"{prefix}notify:{job_id}", max(left, 0.01))
+            backoff.ok()
+        except REDIS_ERRORS as e:
+            yield Sleep(backoff.after(e))
+
+
+def kill(app: TaskRunner, job_id: str, queue: str, who: str) -> Steps[str]:
+    """Kill the job: pending or delayed ones at once; a running one is stopped by the
+    worker that holds it, told on its control list. The state after the call ("running"
+    while the worker acts on the request)."""
+    state, *rest = yield Script(scripts.KILL, [app.keys.q(queue)], [job_id, who, app.settings.failed_ttl])
+    if not state:
+        raise JobNotFound(f"no job {job_id} in queue {queue}")
+    if state == "running" and rest[0]:
+        yield from send_control(app, rest[0], {"kill": job_id, "attempt": int(rest[1]), "reason": "killed"})
+    return state
+
+
+def send_control(app: TaskRunner, worker: str, message: dict[str, Any]) -> Steps[None]:
+    """Put a message on a worker's control list (it BRPOPs it at once); kept an hour."""
+    key = app.keys.control(worker)
+    yield Pipeline((Command("lpush", (key, codec.dumps(message))), Command("expire", (key, 3600))))

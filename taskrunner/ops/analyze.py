@@ -1,0 +1,179 @@
+"""`taskrunner analyze`: a PySpark job over the archived job history.
+
+Per task, queue, worker host and hour: counts; completed/failed/killed/requeued counts and
+rates; runtime p50/p95/p99 (how long each delivery ran, whatever its outcome); queue wait
+p50/p95 (start of a delivery minus the job's enqueue time); the top error types. Results
+go next to the archive (`<history dir>/_analysis/<group>/`, Parquet) and a summary into
+Redis (`tr:{_}:history:summary`) for the dashboard, which never imports pyspark.
+
+Local mode on this machine by default (`local[2]`, few shuffle partitions, no UI, quiet
+logs); a cluster with --master / TASKRUNNER_SPARK_MASTER, same code."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from taskrunner.ops.history import default_dir
+from taskrunner.protocol import codec
+
+if TYPE_CHECKING:
+    from taskrunner.client.app import TaskRunner
+
+#: percentile_approx accuracy: a percentile's rank is off by at most n / ACCURACY.
+ACCURACY = 10_000
+GROUPS = {"tasks": "task", "queues": "queue", "workers": "host", "hours": "hour"}
+TOP_ERRORS = 5
+_LOG4J = """rootLogger.level = warn
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
+logger.native.name = org.apache.hadoop.util.NativeCodeLoader
+logger.native.level = error
+logger.sink3.name = org.apache.spark.sql.execution.streaming.FileStreamSink
+logger.sink3.level = error
+logger.sink4.name = org.apache.spark.sql.execution.streaming.sinks.FileStreamSink
+logger.sink4.level = error
+"""
+
+
+def parse_since(value: str) -> float:
+    """'7d', '12h', '30m', '90s' or seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    try:
+        return float(value[:-1]) * units[value[-1]] if value and value[-1] in units else float(value)
+    except ValueError:
+        raise ValueError(f"bad duration {value!r}: use e.g. 7d, 12h, 30m") from None
+
+
+def spark_session(master: str | None = None) -> Any:
+    """A SparkSession on `master` (default TASKRUNNER_SPARK_MASTER, else local[2]). In local
+    mode its Python workers run our interpreter (PYSPARK_PYTHON, unless set): Spark's default
+    is the first python3 on PATH, another Python than a virtualenv's, without its packages.
+    On a cluster the executors' Python is theirs: set PYSPARK_PYTHON if python3 is not it."""
+    from pyspark.sql import SparkSession
+
+    master = master or os.environ.get("TASKRUNNER_SPARK_MASTER") or "local[2]"
+    if master.startswith("local"):
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    log4j = os.path.join(tempfile.gettempdir(), "taskrunner-log4j2.properties")
+    with open(log4j, "w") as f:
+        f.write(_LOG4J)
+    java_opts = f"-Dlog4j2.configurationFile=file:{log4j}"
+    return (SparkSession.builder.appName("taskrunner-analyze")
+            .master(master)
+            .config("spark.sql.shuffle.partitions", "4")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.session.timeZone", "UTC")
+            .config("spark.driver.memory", "1g")
+            .config("spark.driver.extraJavaOptions", java_opts)
+            .config("spark.executor.extraJavaOptions", java_opts)
+            .getOrCreate())
+
+
+def _spark_schema() -> Any:
+    from pyspark.sql import types as T
+
+    ts = T.TimestampType()
+    return T.StructType([T.StructField("id", T.StringType()), T.StructField("task", T.StringType()),
+                         T.StructField("queue", T.StringType()), T.StructField("state", T.StringType()),
+                         T.StructField("attempt", T.LongType()), T.StructField("enqueued_at", ts),
+                         T.StructField("started_at", ts), T.StructField("finished_at", ts),
+                         T.StructField("runtime", T.DoubleType()), T.StructField("wait", T.DoubleType()),
+                         T.StructField("worker", T.StringType()), T.StructField("host", T.StringType()),
+                         T.StructField("pid", T.LongType()), T.StructField("error_type", T.StringType()),
+                         T.StructField("stream_id", T.StringType())])
+
+
+def analyze(history_dir: str | None = None, since: float = 7 * 86400, master: str | None = None,
+            now: float | None = None, progress: Callable[[str], Any] = lambda _: None,
+            spark: Any = None) -> dict[str, Any]:
+    """Compute the summary (see the module doc) over records finished in the last `since` s."""
+    from pyspark.sql import functions as F
+
+    history_dir = history_dir or default_dir()
+    now = now if now is not None else time.time()
+    started = time.monotonic()
+    progress("starting Spark")
+    spark = spark or spark_session(master)
+    root = history_dir if "://" in history_dir else os.path.abspath(history_dir)
+    progress(f"reading {root}")
+    if "://" not in root and not any(n.startswith("date=") for n in (os.listdir(root) if os.path.isdir(root) else [])):
+        df = spark.createDataFrame([], _spark_schema())
+    else:
+        df = spark.read.schema(_spark_schema()).option("basePath", root).parquet(f"{root}/date=*/queue=*")
+    df = (df.where(F.col("finished_at") >= F.to_timestamp(F.lit(now - since)))
+          .withColumn("hour", F.date_format(F.date_trunc("hour", "finished_at"), "yyyy-MM-dd'T'HH:00'Z'")))
+    df.cache()
+    records = df.count()
+    summary: dict[str, Any] = {"generated_at": now, "since": since, "records": records, "history_dir": root,
+                               "accuracy": ACCURACY}
+    for name, key in GROUPS.items():
+        progress(f"per {key}")
+        summary[name] = _group(df, key, F)
+    progress("top error types")
+    errors = (df.where(F.col("error_type").isNotNull()).groupBy("error_type").count()
+              .orderBy(F.desc("count"), "error_type").limit(20).collect())
+    summary["errors"] = [{"error_type": r["error_type"], "count": r["count"]} for r in errors]
+    progress("writing results")
+    out = f"{root}/_analysis"
+    for name in GROUPS:
+        rows = [{k: v for k, v in r.items() if k != "top_errors"} for r in summary[name]]
+        if rows:
+            spark.createDataFrame(rows).coalesce(1).write.mode("overwrite").parquet(f"{out}/{name}")
+    df.unpersist()
+    summary["seconds"] = round(time.monotonic() - started, 2)
+    return summary
+
+
+def _group(df: Any, key: str, F: Any) -> list[dict[str, Any]]:
+    counts = [F.sum(F.when(F.col("state") == s, 1).otherwise(0)).alias(s)
+              for s in ("completed", "failed", "killed", "requeued")]
+    pct = F.percentile_approx
+    agg = (df.groupBy(key).agg(F.count(F.lit(1)).alias("count"), *counts,
+                               pct("runtime", [0.5, 0.95, 0.99], ACCURACY).alias("runtime_pct"),
+                               pct("wait", [0.5, 0.95], ACCURACY).alias("wait_pct"))
+           .orderBy(key))
+    top = (df.where(F.col("error_type").isNotNull()).groupBy(key, "error_type").count().collect())
+    errors: dict[str, list[tuple[int, str]]] = {}
+    for r in top:
+        errors.setdefault(r[key], []).append((r["count"], r["error_type"]))
+    rows = []
+    for r in agg.collect():
+        n = r["count"]
+        rp, wp = r["runtime_pct"] or [None] * 3, r["wait_pct"] or [None] * 2
+        row: dict[str, Any] = {key: r[key], "count": n}
+        for s in ("completed", "failed", "killed", "requeued"):
+            row[s] = int(r[s])
+            row[f"{s}_rate"] = round(r[s] / n, 6) if n else 0.0
+        row.update(runtime_p50=rp[0], runtime_p95=rp[1], runtime_p99=rp[2], wait_p50=wp[0], wait_p95=wp[1])
+        row["top_errors"] = [{"error_type": e, "count": c}
+                             for c, e in sorted(errors.get(r[key], []), key=lambda x: (-x[0], x[1]))[:TOP_ERRORS]]
+        rows.append(row)
+    return rows
+
+
+def run_as_job(app: TaskRunner, since: str = "7d") -> dict[str, Any]:
+    """The periodic job (TASKRUNNER_ANALYZE_CRON): analyse, publish, return the counts."""
+    summary = analyze(since=parse_since(since))
+    publish(app, summary)
+    return {"records": summary["records"], "seconds": summary["seconds"]}
+
+
+def publish(app: TaskRunner, summary: dict[str, Any]) -> None:
+    """Keep the summary in Redis, where the dashboard reads it."""
+    app.redis.set(app.keys.g + "history:summary", codec.dumps(summary))
+
+
+def latest(app: TaskRunner) -> dict[str, Any] | None:
+    raw = app.redis.get(app.keys.g + "history:summary")
+    return codec.loads(raw) if raw else None

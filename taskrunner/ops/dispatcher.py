@@ -1,0 +1,298 @@
+"""The dispatcher: requeues the jobs of dead processes, flags (and has killed) jobs past
+their max duration, promotes delayed jobs and fires cron schedules.
+
+Every action is a fenced script, so several dispatchers may run side by side, and one
+killed at any moment leaves nothing half done: the next pass sees the same due buckets
+and dead workers again. Cron ticks are enqueued under a job id made of the schedule and
+the tick, so each tick exists once however many dispatchers fire it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import redis
+from croniter import croniter
+
+from taskrunner.client.app import Schedule, TaskRunner, cron_job_id
+from taskrunner.errors import MissingExtra, TaskRunnerError
+from taskrunner.ops.history import WARN_BACKLOG, Archiver, backlog
+from taskrunner.ops.listing import DISPATCHER_FORGET
+from taskrunner.protocol import codec, scripts
+from taskrunner.protocol.connection import server_time
+from taskrunner.protocol.holders import Holding, boot_id, lose, lose_held, pid_namespace, process_gone
+
+log = logging.getLogger("taskrunner.dispatcher")
+# Back off and retry (every action is fenced); on a cluster also when no node is reachable.
+_REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+#: Dead workers stay listed (as dead) this long.
+DEAD_KEPT = 3600
+#: With missed="skip", a tick this late still fires.
+SKIP_GRACE = 60.0
+
+
+class Dispatcher:
+    def __init__(self, app: TaskRunner, name: str | None = None):
+        self.app, self.s, self.keys = app, app.settings, app.keys
+        self.redis = app.redis
+        self.host = socket.gethostname()
+        self.pidns, self.boot_id = pid_namespace(), boot_id()
+        self.name = name or f"{self.host}.{os.getpid()}"
+        self.stop_event = threading.Event()
+        self._hosts: dict[str, dict[str, Any]] = {}  # worker name -> info (host, pid, ...)
+        self.passes = 0
+        self.next_archive = 0.0
+        self.next_forget = 0.0
+        self.history_backlog: dict[str, int] = {}
+        # Redis time of our first pass since we last failed to reach Redis (None: not yet).
+        # Heartbeats are counted from then at the earliest: after a Redis outage no worker
+        # could heartbeat, and each gets dead_after to do so before it is dead.
+        self.heard_since: float | None = None
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
+        log.info("dispatcher %s: every %.2fs, %d schedules", self.name, self.s.dispatch_interval,
+                 len(self.app.schedules))
+        backoff = 0.0
+        published = False  # Redis may be down or still loading its AOF: wait for it, as later on
+        while not self.stop_event.is_set():
+            started = time.monotonic()
+            try:
+                if not published:
+                    self.publish_schedules()
+                    published = True
+                self.run_once()
+                backoff = 0.0
+            except _REDIS_ERRORS as e:
+                self.heard_since = None
+                backoff = min(max(backoff * 2, 0.2), 5.0)
+                log.warning("dispatcher %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, backoff)
+            except Exception:  # a record no check foresaw must not stop requeueing for every queue
+                backoff = min(max(backoff * 2, 0.2), 5.0)
+                log.exception("dispatcher %s: pass failed; retrying in %.1fs", self.name, backoff)
+            self.stop_event.wait(max(backoff, self.s.dispatch_interval - (time.monotonic() - started)))
+        try:  # a clean stop: off the dashboard at once, where a silent entry would show "late"
+            self.redis.hdel(self.keys.dispatchers, self.name)
+        except _REDIS_ERRORS as e:
+            log.warning("dispatcher %s: could not say goodbye (%s); the dashboard shows it late", self.name, e)
+        log.info("dispatcher %s: stopped after %d passes", self.name, self.passes)
+        return 0
+
+    def publish_schedules(self) -> None:
+        """Let the dashboard and CLI see the schedules this dispatcher fires."""
+        pipe = self.redis.pipeline(transaction=False)
+        for s in self.app.schedules.values():
+            pipe.sadd(self.keys.queues, s.queue)
+            pipe.hsetnx(self.keys.schedules, s.name, "{}")
+        pipe.execute()
+
+    def run_once(self) -> dict[str, int]:
+        """One pass; returns what it did (for logs and tests)."""
+        now = server_time(self.app.redis)
+        if self.heard_since is None:
+            self.heard_since = now
+        alive, dead = self.liveness(now)
+        queues = sorted(self.redis.smembers(self.keys.queues))
+        stats = {"promoted": 0, "requeued": 0, "failed": 0, "killed": 0, "stuck": 0, "fired": 0}
+        batch = scripts.Batch(self.redis)
+        for q in queues:
+            batch.call(scripts.SWEEP, [self.keys.q(q)], [1000, 100, self.s.result_ttl, self.s.failed_ttl])
+        for q, res in zip(queues, batch.execute()):
+            stats["promoted"] += int(res[0])
+            lost: list[Any] = []
+            for job_id, raw in zip(res[1::2], res[2::2]):
+                holder = Holding.parse(raw)
+                if holder is None:
+                    # Nobody can be told to stop it: requeue it (fenced by the record's attempt).
+                    log.error("dispatcher: corrupt holding entry for job %s in %s: %r", job_id, q, raw[:200])
+                    attempt = self.redis.hget(self.keys.job(q, job_id), "attempts") or ""
+                    lost += [job_id, attempt, f"its holding entry was corrupt: {raw[:200]!r}", ""]
+                    continue
+                worker, attempt = holder.worker, str(holder.attempt)
+                if worker not in alive:
+                    lost += [job_id, attempt, f"worker {worker} is dead", ""]
+                else:
+                    self._stuck(q, job_id, attempt, stats)
+            self._tally([(q, job_id, state) for job_id, state in lose(self.app, q, lost)], stats)
+        if dead:
+            self._reap(queues, dead, now, stats)
+        stats["fired"] = self.fire_schedules(now)
+        if self.s.history_interval and time.monotonic() >= self.next_archive:
+            stats["archived"] = self.archive_history(queues)
+        self.passes += 1
+        self.redis.hset(self.keys.dispatchers, self.name, codec.dumps({
+            "name": self.name, "host": self.host, "pid": os.getpid(), "last_pass": now,
+            "lag": round(time.time() - now, 3), "passes": self.passes,
+            "history_backlog": {q: n for q, n in self.history_backlog.items() if n >= WARN_BACKLOG}}))
+        if time.monotonic() >= self.next_forget:
+            self.forget_gone(now)
+        if any(stats.values()):
+            log.info("dispatcher %s: %s", self.name, " ".join(f"{k}={v}" for k, v in stats.items() if v))
+        return stats
+
+    def forget_gone(self, now: float) -> None:
+        """Take dispatchers silent for DISPATCHER_FORGET off the list (a SIGKILLed one
+        never says goodbye); once a minute."""
+        self.next_forget = time.monotonic() + 60
+        gone = []
+        for name, raw in self.redis.hgetall(self.keys.dispatchers).items():
+            last = _info(raw).get("last_pass")
+            if not isinstance(last, (int, float)) or now - last >= DISPATCHER_FORGET:  # or not one at all
+                gone.append(name)
+        if gone:
+            self.redis.hdel(self.keys.dispatchers, *gone)
+            log.info("dispatcher %s: forgot %s, silent for over %.0f s", self.name, ", ".join(gone), DISPATCHER_FORGET)
+
+    def archive_history(self, queues: list[str]) -> int:
+        """Move job history to Parquet (a few batches a pass); warn loudly when a stream
+        fills up faster than it is archived, before its cap could drop anything."""
+        self.next_archive = time.monotonic() + self.s.history_interval
+        try:
+            archiver = Archiver(self.app)
+        except MissingExtra as e:  # a core install: said once, and history stays in Redis
+            log.warning("dispatcher: job history is not archived, each queue's last %d records stay in Redis: %s",
+                        2 * WARN_BACKLOG, e)
+            self.next_archive = float("inf")
+            return 0
+        try:
+            n = archiver.archive(queues, max_batches=5)
+        except OSError as e:
+            log.error("dispatcher: archiving job history to %s failed: %s", archiver.directory, e)
+            n = 0
+        self.history_backlog = backlog(self.app, queues)
+        for q, waiting in self.history_backlog.items():
+            if waiting >= WARN_BACKLOG:
+                log.error("dispatcher: %d history records of queue %s wait to be archived; the stream keeps at "
+                          "most %d: archive faster (taskrunner history archive) or records will be lost",
+                          waiting, q, 2 * WARN_BACKLOG)
+        return n
+
+    def liveness(self, now: float) -> tuple[set[str], set[str]]:
+        """Workers whose heartbeat is fresh, and the others. A worker on this machine (same
+        boot and PID namespace) whose process is gone is dead at once. A heartbeat's age
+        counts from heard_since at the earliest: after a Redis outage longer than dead_after
+        every heartbeat is old, and declaring their workers dead would kill and rerun every
+        running job."""
+        beats = dict(self.redis.zrange(self.keys.workers, 0, -1, withscores=True))
+        unknown = [n for n in beats if n not in self._hosts]
+        if unknown:
+            for n, raw in zip(unknown, self.redis.mget([self.keys.worker(n) for n in unknown])):
+                self._hosts[n] = _info(raw)
+        alive, dead = set(), set()
+        for n, last in beats.items():
+            if now - max(last, self.heard_since or last) >= self.s.dead_after:
+                dead.add(n)
+            elif self._process_alive(self._hosts[n]):
+                alive.add(n)
+            else:  # its info may be older than its process (a consumer restarted under its name)
+                self._hosts[n] = _info(self.redis.get(self.keys.worker(n)))
+                (alive if self._process_alive(self._hosts[n]) else dead).add(n)
+        return alive, dead
+
+    def _process_alive(self, info: dict[str, Any]) -> bool:
+        """False only when this machine shows that the process that sent `info` is gone (no
+        process has its PID). Anything it cannot check here (another machine or namespace,
+        a field missing or of the wrong type) is left to the heartbeat; other fields, such
+        as create_time, are never compared: a live consumer is never dead by a guess."""
+        if not self.pidns or not self.boot_id or info.get("pidns") != self.pidns or info.get("boot_id") != self.boot_id:
+            return True
+        pid = info.get("pid")
+        return isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0 or not process_gone(pid)
+
+    def harvest(self, queues: list[str]) -> dict[str, int]:
+        """Return the running jobs of every worker that is not alive to their queues now
+        (rfq's harvester), without waiting for their deadlines."""
+        alive, _ = self.liveness(server_time(self.app.redis))
+        stats = {"requeued": 0, "failed": 0, "killed": 0}
+        self._tally(lose_held(self.app, queues, lambda w, _: w not in alive, "harvested: worker {} is not alive"),
+                    stats)
+        return stats
+
+    def _stuck(self, queue: str, job_id: str, attempt: str, stats: dict[str, int]) -> None:
+        res = scripts.STUCK(self.redis, [self.keys.q(queue)],
+                            [job_id, attempt, time.time() + self.s.stuck_recheck, self.s.bucket_width, "check"])
+        if not res:
+            return
+        worker, policy, first = res
+        stats["stuck"] += 1
+        if first:
+            log.warning("dispatcher: job %s in %s passed its max duration on %s", job_id, queue, worker)
+        if policy == "kill":
+            self.app.send_control(worker, {"kill": job_id, "attempt": int(attempt), "reason": "timeout"})
+
+    @staticmethod
+    def _tally(acted: list[tuple[str, str, str]], stats: dict[str, int]) -> None:
+        for queue, job_id, state in acted:
+            stats["requeued" if state == "pending" else state] += 1
+            log.warning("dispatcher: job %s in %s lost its process -> %s", job_id, queue, state)
+
+    def _reap(self, queues: list[str], dead: set[str], now: float, stats: dict[str, int]) -> None:
+        """Requeue every job the dead workers held, then list them as dead."""
+        self._tally(lose_held(self.app, queues, lambda w, _: w in dead, "worker {} is dead"), stats)
+        pipe = self.redis.pipeline(transaction=False)
+        for n in dead:
+            log.warning("dispatcher: worker %s is dead", n)
+            pipe.zrem(self.keys.workers, n).zadd(self.keys.workers_dead, {n: now})
+            self._hosts.pop(n, None)
+        pipe.zremrangebyscore(self.keys.workers_dead, "-inf", now - DEAD_KEPT).execute()
+
+    def fire_schedules(self, now: float) -> int:
+        """Enqueue each schedule's due tick once (see Schedule.missed for downtime)."""
+        schedules = list(self.app.schedules.values())
+        if not schedules:
+            return 0
+        states = self.redis.hmget(self.keys.schedules, [s.name for s in schedules])
+        fired = 0
+        at = datetime.fromtimestamp(now, timezone.utc)
+        for s, raw in zip(schedules, states):
+            try:
+                fired += self._fire(s, raw, now, at)
+            except (TaskRunnerError, ValueError) as e:  # e.g. its queue closed, no tick left
+                log.error("dispatcher: schedule %s (%s) did not fire: %s", s.name, s.cron, e)
+        return fired
+
+    def _fire(self, s: Schedule, raw: str | None, now: float, at: datetime) -> int:
+        """Fire one schedule's due tick (if any) and record its state; 1 if it fired."""
+        try:
+            state = codec.loads(raw) if raw else {}
+        except ValueError:
+            state = {}
+        last = state.get("last") if isinstance(state, dict) else None
+        if not isinstance(last, (int, float)):
+            state, last = {}, None  # corrupt: as if seen for the first time
+        latest = croniter(s.cron, at).get_prev(float)
+        if last is None or latest <= last:
+            tick = None  # first sight: start from now, fire nothing past
+        elif s.missed == "skip" and now - latest > SKIP_GRACE:
+            tick = None
+        else:
+            tick = latest
+        fired = 0
+        if tick is not None:
+            job = self.app.enqueue(s.task, s.args, s.kwargs, queue=s.queue, job_id=cron_job_id(s.name, tick),
+                                   block_timeout=0)
+            fired = int(job.created)
+            if job.created:
+                log.info("dispatcher: fired %s for %s (job %s)", s.name,
+                         datetime.fromtimestamp(tick, timezone.utc).isoformat(), job.id)
+        nxt = croniter(s.cron, at).get_next(float)
+        new = {"name": s.name, "cron": s.cron, "task": s.task, "queue": s.queue, "last": max(latest, last or 0),
+               "next": nxt, "last_fired_at": now if tick is not None else state.get("last_fired_at")}
+        self.redis.hset(self.keys.schedules, s.name, codec.dumps(new))
+        return fired
+
+
+def _info(raw: str | None) -> dict[str, Any]:
+    """A worker's heartbeat info; {} when there is none or it is not a JSON object."""
+    try:
+        info = codec.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}

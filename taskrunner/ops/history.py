@@ -1,0 +1,162 @@
+"""The archiver: moves job history from each queue's Redis stream to Parquet files
+partitioned by date, `<dir>/date=YYYY-MM-DD/queue=Q/<first>_<last>.parquet`.
+
+Exactly once, whatever dies when. A batch is a range of stream ids. Before writing, its
+range is recorded in Redis (`history:batch`); the files are named after the range, so
+writing them again gives the same files; only after they are written are the entries
+trimmed from the stream and the record cleared (one MULTI). An archiver killed at any
+point leaves either an untouched stream or a recorded range, which the next run writes
+again (same names, same content) before it goes on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from taskrunner.errors import require_extra
+
+if TYPE_CHECKING:
+    from taskrunner.client.app import TaskRunner
+
+log = logging.getLogger("taskrunner.history")
+#: Half of HISTORY_MAX in _lib.lua: beyond this backlog the dispatcher warns (the stream
+#: is capped at HISTORY_MAX; entries past it would be trimmed before being archived).
+WARN_BACKLOG = 250_000
+
+
+def schema() -> Any:
+    import pyarrow as pa
+
+    ts = pa.timestamp("us", tz="UTC")
+    return pa.schema([("id", pa.string()), ("task", pa.string()), ("queue", pa.string()), ("state", pa.string()),
+                      ("attempt", pa.int64()), ("enqueued_at", ts), ("started_at", ts), ("finished_at", ts),
+                      ("runtime", pa.float64()), ("wait", pa.float64()), ("worker", pa.string()),
+                      ("host", pa.string()), ("pid", pa.int64()), ("error_type", pa.string()),
+                      ("stream_id", pa.string())])
+
+
+def default_dir() -> str:
+    return os.environ.get("TASKRUNNER_HISTORY_DIR") or os.path.join("var", "history")
+
+
+def _next_id(stream_id: str) -> str:
+    ms, seq = stream_id.split("-")
+    return f"{ms}-{int(seq) + 1}"
+
+
+def _record(stream_id: str, f: dict[str, str]) -> dict[str, Any]:
+    """A stream entry as a row. Runtime and wait are derived here, not stored in Redis (its
+    CPU is every worker's bottleneck); entries written by earlier versions carry them."""
+    def num(v: str | None, kind: type = float) -> Any:
+        try:
+            return kind(float(v)) if v else None
+        except ValueError:
+            return None
+
+    def ts(v: float | None) -> datetime | None:
+        return datetime.fromtimestamp(v, timezone.utc) if v is not None else None
+
+    def since(end: float | None, start: float | None) -> float | None:
+        return round(end - start, 6) if end is not None and start is not None else None
+
+    enqueued, started, finished = num(f.get("enqueued_at")), num(f.get("started_at")), num(f.get("finished_at"))
+    runtime = num(f["runtime"]) if "runtime" in f else since(finished, started)
+    wait = num(f["wait"]) if "wait" in f else since(started, enqueued)
+    return {"id": f.get("id", ""), "task": f.get("task", ""), "queue": f.get("queue", ""),
+            "state": f.get("state", ""), "attempt": num(f.get("attempt"), int),
+            "enqueued_at": ts(enqueued), "started_at": ts(started), "finished_at": ts(finished),
+            "runtime": runtime, "wait": wait, "worker": f.get("worker", ""), "host": f.get("host", ""),
+            "pid": num(f.get("pid"), int), "error_type": f.get("error_type") or None, "stream_id": stream_id}
+
+
+def backlog(app: TaskRunner, queues: list[str] | None = None) -> dict[str, int]:
+    """Entries waiting in each queue's history stream (no pyarrow needed: known with
+    archiving off too)."""
+    queues = queues if queues is not None else app.queue_names()
+    pipe = app.redis.pipeline(transaction=False)
+    for q in queues:
+        pipe.xlen(app.keys.q(q) + "history")
+    return dict(zip(queues, pipe.execute()))
+
+
+class Archiver:
+    def __init__(self, app: TaskRunner, directory: str | None = None, batch: int = 10_000):
+        """Raises MissingExtra without pyarrow (the `history` extra)."""
+        require_extra("history", "archiving job history to Parquet", "pyarrow")
+        import pyarrow.fs as pafs
+
+        self.app, self.batch = app, batch
+        self.directory = directory or default_dir()
+        if "://" in self.directory:
+            self.fs, self.root = pafs.FileSystem.from_uri(self.directory)
+        else:
+            self.fs, self.root = pafs.LocalFileSystem(), os.path.abspath(self.directory)
+        self.token = secrets.token_hex(8)
+
+    def archive(self, queues: list[str] | None = None, progress: Callable[[int], Any] | None = None,
+                max_batches: int | None = None) -> int:
+        """Archive until the streams are empty (or max_batches per queue); returns records."""
+        total = 0
+        for q in queues if queues is not None else self.app.queue_names():
+            for _ in range(max_batches or 10**9):
+                n = self.archive_batch(q)
+                total += n
+                if progress and n:
+                    progress(n)
+                if not n:  # not `n < batch`: a resumed batch may be of another size
+                    break
+        return total
+
+    def archive_batch(self, queue: str) -> int:
+        """One batch of one queue; returns how many records it archived (0: none, or another
+        archiver holds this queue's lock)."""
+        r, p = self.app.redis, self.app.keys.q(queue)
+        lock, mark, stream = p + "history:lock", p + "history:batch", p + "history"
+        if not r.set(lock, self.token, nx=True, ex=300):
+            return 0
+        try:
+            recorded = r.get(mark)
+            # A batch that an archiver began: write exactly it again. None left of it: that
+            # archiver died after its trim, before forgetting the batch; go on with the next.
+            entries = r.xrange(stream, *recorded.split()) if recorded else []
+            if entries:
+                first, last = recorded.split()
+            else:
+                entries = r.xrange(stream, "-", "+", count=self.batch)
+                if not entries:
+                    return 0
+                first, last = entries[0][0], entries[-1][0]
+                r.set(mark, f"{first} {last}")
+            self._write(queue, first, last, entries)
+            # Trim, then forget the batch, in this order and without MULTI (redis-py before
+            # 6.1 has no transactions on a cluster): a death between the two is the case above.
+            pipe = r.pipeline(transaction=False)
+            pipe.xtrim(stream, minid=_next_id(last), approximate=False)
+            pipe.delete(mark)
+            pipe.execute()
+            return len(entries)
+        finally:
+            if r.get(lock) == self.token:
+                r.delete(lock)
+
+    def _write(self, queue: str, first: str, last: str, entries: list) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        by_date: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for stream_id, fields in entries:
+            rec = _record(stream_id, fields)
+            day = (rec["finished_at"] or datetime.fromtimestamp(int(stream_id.split("-")[0]) / 1000, timezone.utc))
+            by_date[day.strftime("%Y-%m-%d")].append(rec)
+        for day, records in by_date.items():
+            folder = f"{self.root}/date={day}/queue={queue}"
+            self.fs.create_dir(folder, recursive=True)
+            final = f"{folder}/{first}_{last}.parquet"
+            tmp = f"{folder}/.{first}_{last}.{self.token}.tmp"
+            pq.write_table(pa.Table.from_pylist(records, schema=schema()), tmp, filesystem=self.fs)
+            self.fs.move(tmp, final)  # whole file or none (an object store's PUT is atomic too)

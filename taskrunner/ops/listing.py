@@ -1,0 +1,262 @@
+"""Read-only views of queues, jobs and workers for the CLI and the dashboard. Each reads
+only what it shows: counts with LLEN/SCARD/ZCARD/HLEN and pages with ranges, never KEYS
+or SCAN."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from taskrunner.client.job import Job, typed
+from taskrunner.ops import queue
+from taskrunner.protocol import codec
+from taskrunner.protocol.connection import server_time
+from taskrunner.protocol.holders import Holding, number
+
+if TYPE_CHECKING:
+    from taskrunner.client.app import TaskRunner
+
+LIST_STATES = ("pending", "delayed", "running", "stuck", "completed", "failed", "killed")
+
+
+def queue_stats(app: TaskRunner) -> list[dict[str, Any]]:
+    names = app.queue_names()
+    pipe = app.redis.pipeline(transaction=False)
+    for q in names:
+        p = app.keys.q(q)
+        pipe.llen(p + "pending").zcard(p + "delayed").hlen(p + "running")
+        pipe.zcard(p + "completed").zcard(p + "failed").zcard(p + "killed")
+    r = pipe.execute()
+    fields = ("pending", "delayed", "running", "completed", "failed", "killed")
+    return [{"name": q, **dict(zip(fields, r[i * 6:(i + 1) * 6])), **meta}
+            for i, (q, meta) in enumerate(zip(names, queue.settings(app, names)))]
+
+
+def job_ids(app: TaskRunner, queue: str, state: str, limit: int = 50, offset: int = 0) -> list[str]:
+    """Ids in a state, oldest pending first, soonest delayed first, newest finished first."""
+    p, r = app.keys.q(queue), app.redis
+    end = offset + limit - 1
+    if state == "pending":
+        return r.lrange(p + "pending", -end - 1, -offset - 1 if offset else -1)[::-1]
+    if state == "delayed":
+        return r.zrange(p + "delayed", offset, end)
+    if state in ("running", "stuck"):
+        ids = sorted(r.hkeys(p + "running"))
+        return ids if state == "stuck" else ids[offset:end + 1]
+    return r.zrevrange(p + state, offset, end)
+
+
+def list_jobs(app: TaskRunner, queue: str | None = None, state: str | None = None,
+              limit: int = 50, offset: int = 0) -> list[Job]:
+    if state is not None and state not in LIST_STATES:
+        raise ValueError(f"state must be one of {', '.join(LIST_STATES)}")
+    queues = [queue] if queue else app.queue_names()
+    states = [state] if state else ["running", "pending", "delayed", "failed", "killed", "completed"]
+    found: list[tuple[str, str]] = []
+    for q in queues:
+        for s in states:
+            found += [(q, i) for i in job_ids(app, q, s, limit, offset)]
+    pipe = app.redis.pipeline(transaction=False)
+    for q, i in found:
+        pipe.hgetall(app.keys.job(q, i))
+    jobs = [Job(app, i, q, d) for (q, i), d in zip(found, pipe.execute()) if d]
+    if state == "stuck":
+        jobs = [j for j in jobs if j.data.get("stuck") == "1"][offset:offset + limit]
+    return jobs[:limit] if queue or state else jobs
+
+
+def workers(app: TaskRunner) -> list[dict[str, Any]]:
+    """Live workers with their last heartbeat, then the dead ones (kept an hour)."""
+    r = app.redis
+    now = server_time(app.redis)
+    live = r.zrange(app.keys.workers, 0, -1, withscores=True)
+    dead = r.zrange(app.keys.workers_dead, 0, -1, withscores=True)
+    rows = [(n, t, False) for n, t in live] + [(n, t, True) for n, t in dead]
+    infos = r.mget([app.keys.worker(n) for n, _, _ in rows]) if rows else []
+    out = []
+    for (n, t, buried), raw in zip(rows, infos):
+        info = _worker_info(raw)
+        is_dead = buried or now - t >= app.settings.dead_after
+        if is_dead:  # its last heartbeat's figures are not the truth any more: a dead worker runs nothing
+            info.update(busy=None, cpu=None)
+        out.append({**info, "name": n, "state": "dead" if is_dead else "alive",
+                    "heartbeat_age": None if buried else round(now - t, 3), "died_at": t if buried else None})
+    return out
+
+
+#: Fields of a worker's info that pages and the CLI format as numbers, and as text.
+_WORKER_NUMBERS = ("pid", "busy", "concurrency", "processed", "rss", "cpu", "started_at")
+_WORKER_TEXT = ("host", "ip", "kind")
+
+
+def _worker_info(raw: str | None) -> dict[str, Any]:
+    """A worker's heartbeat info as readers expect it, whoever wrote it: a value of the
+    wrong type is left out, as if missing, so that no page or command trips on it."""
+    try:
+        info = codec.loads(raw) if raw else {}
+    except ValueError:
+        info = {}
+    if not isinstance(info, dict):
+        return {}
+    wrong = [k for k, v in info.items() if (k in _WORKER_NUMBERS and number(v) is None)
+             or (k in _WORKER_TEXT and not isinstance(v, str))
+             or (k == "queues" and not (isinstance(v, list) and all(isinstance(q, str) for q in v)))]
+    return {k: v for k, v in info.items() if k not in wrong}
+
+
+def _entry(raw: str) -> dict[str, Any] | None:
+    """A JSON object kept in Redis (dispatcher, schedule), or None when it is not one."""
+    try:
+        e = codec.loads(raw)
+    except ValueError:
+        return None
+    return e if isinstance(e, dict) else None
+
+
+#: A row's holder fields when its holding entry is not one.
+_NO_HOLDER = {"worker": None, "attempt": None, "host": None, "ip": None, "pid": None, "started_at": 0,
+              "max_duration": 0, "ahead": 0}
+
+
+def live_workers(app: TaskRunner, now: float) -> set[str]:
+    since = now - app.settings.dead_after
+    return set(app.redis.zrangebyscore(app.keys.workers, since, "+inf"))
+
+
+def running(app: TaskRunner, queue: str | None = None, offset: int = 0, limit: int = 100,
+            only_stuck: bool = False) -> tuple[int, list[dict[str, Any]]]:
+    """The holding lists, oldest first: (total, one page of rows). A row is stuck when the
+    job passed its max duration or its worker is dead (with `why`)."""
+    now = server_time(app.redis)
+    queues = [queue] if queue else app.queue_names()
+    pipe = app.redis.pipeline(transaction=False)
+    for q in queues:
+        pipe.hgetall(app.keys.q(q) + "running")
+    rows: list[dict[str, Any]] = []
+    for q, entries in zip(queues, pipe.execute()):
+        for job_id, raw in entries.items():
+            h = Holding.parse(raw)
+            rows.append({"id": job_id, "queue": q, **(asdict(h) if h else _NO_HOLDER),
+                         "corrupt": None if h else raw[:200]})
+    rows.sort(key=lambda r: (r["started_at"], r["id"]))  # ids sort by creation too
+    alive = live_workers(app, now)
+    if only_stuck:
+        flags = _hmget(app, rows, "stuck")
+        rows = [r for r, (s,) in zip(rows, flags) if s == "1" or r["worker"] not in alive
+                or now > r["started_at"] + r["ahead"] + r["max_duration"]]
+    total = len(rows)
+    page = rows[offset:offset + limit]
+    for r, (task, args, kwargs, stuck, kill) in zip(page, _hmget(app, page, "task", "args", "kwargs", "stuck",
+                                                                 "kill_requested")):
+        elapsed = max(0.0, now - r["started_at"])
+        over = elapsed > r["ahead"] + r["max_duration"]
+        corrupt = r.pop("corrupt")
+        why = [f"its holding entry is not one: {corrupt!r}"] if corrupt is not None else []
+        if stuck == "1" or over:
+            why.append(f"ran past its max duration ({r['max_duration']:g} s)")
+        if r["worker"] not in alive:
+            why.append(f"its worker {r['worker']} is not alive (no heartbeat for {app.settings.dead_after:g} s)")
+        r.update(task=task, args=_short(args, kwargs), elapsed=elapsed, stuck=bool(why), why=why,
+                 kill_requested=bool(kill), state="running")
+    return total, page
+
+
+def _hmget(app: TaskRunner, rows: list[dict[str, Any]], *fields: str) -> list[list[Any]]:
+    pipe = app.redis.pipeline(transaction=False)
+    for r in rows:
+        pipe.hmget(app.keys.job(r["queue"], r["id"]), *fields)
+    return pipe.execute() if rows else []
+
+
+def _short(args: str | None, kwargs: str | None, width: int = 80) -> str:
+    """Arguments as shown in a table: the JSON text, cut."""
+    text = (args or "[]")[1:-1]
+    if kwargs and kwargs != "{}":
+        text += (", " if text else "") + kwargs[1:-1]
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def page_of(app: TaskRunner, queue: str, state: str, offset: int = 0, limit: int = 50
+            ) -> tuple[int, list[dict[str, Any]]]:
+    """(total, one page) of a queue's pending, delayed or finished jobs."""
+    p = app.keys.q(queue)
+    total = (app.redis.llen(p + "pending") if state == "pending" else app.redis.zcard(p + state))
+    ids = job_ids(app, queue, state, limit, offset)
+    rows = [{"id": i, "queue": queue} for i in ids]
+    fields = ("task", "args", "kwargs", "state", "enqueued_at", "due_at", "started_at", "finished_at", "attempts",
+              "error_type", "error", "worker")
+    return total, _fill(app, rows, fields)
+
+
+def _fill(app: TaskRunner, rows: list[dict[str, Any]], fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Add the fields of each row's job record (typed), with args shortened for tables.
+    Rows whose record is gone are left out: a job with a shorter result_ttl or failed_ttl
+    than the one its queue's finished sets are trimmed by (see sweep.lua) expired first."""
+    out = []
+    for r, values in zip(rows, _hmget(app, rows, *fields)):
+        d = {f: typed(f, v) for f, v in zip(fields, values)}
+        if d["state"] is not None:
+            r.update(d, args=_short(d["args"], d.pop("kwargs")))
+            out.append(r)
+    return out
+
+
+def finished(app: TaskRunner, state: str, offset: int = 0, limit: int = 50) -> tuple[int, list[dict[str, Any]]]:
+    """Newest first, across queues: completed, failed or killed jobs."""
+    queues = app.queue_names()
+    pipe = app.redis.pipeline(transaction=False)
+    for q in queues:
+        pipe.zcard(app.keys.q(q) + state)
+        pipe.zrevrange(app.keys.q(q) + state, 0, offset + limit - 1, withscores=True)
+    res = pipe.execute()
+    total = sum(res[0::2])
+    merged = sorted(((t, q, i) for q, entries in zip(queues, res[1::2]) for i, t in entries), reverse=True)
+    rows = [{"id": i, "queue": q} for _, q, i in merged[offset:offset + limit]]
+    fields = ("task", "args", "kwargs", "state", "finished_at", "attempts", "error_type", "error", "worker",
+              "host", "pid", "killed_by")
+    return total, _fill(app, rows, fields)
+
+
+#: A dispatcher silent this long (seconds) is shown gone, not late: it was killed or lost
+#: its host (a clean stop removes its entry at once); a live dispatcher removes the entry
+#: after DISPATCHER_FORGET.
+DISPATCHER_GONE = 60.0
+DISPATCHER_FORGET = 3600.0
+
+
+def overview(app: TaskRunner) -> dict[str, Any]:
+    """Per queue counts (and finished in the last 5 minutes), workers, dispatchers."""
+    now = server_time(app.redis)
+    queues = queue_stats(app)
+    pipe = app.redis.pipeline(transaction=False)
+    for q in queues:
+        p = app.keys.q(q["name"])
+        pipe.zcount(p + "completed", now - 300, "+inf").zcount(p + "failed", now - 300, "+inf")
+    counts = pipe.execute()
+    _, stuck_rows = running(app, limit=10**9, only_stuck=True)
+    for i, q in enumerate(queues):
+        q["completed_5m"], q["failed_5m"] = counts[2 * i], counts[2 * i + 1]
+        q["stuck"] = sum(1 for r in stuck_rows if r["queue"] == q["name"])
+    dispatchers = []
+    for raw in app.redis.hvals(app.keys.dispatchers):
+        d = _entry(raw)
+        if d is None:
+            continue
+        d["age"] = now - (number(d.get("last_pass")) or 0)
+        if not isinstance(d.get("history_backlog"), dict):
+            d["history_backlog"] = {}
+        d["healthy"] = d["age"] < max(5 * app.settings.dispatch_interval, 5)
+        d["health"] = "ok" if d["healthy"] else "late" if d["age"] < DISPATCHER_GONE else "gone"
+        dispatchers.append(d)
+    ws = workers(app)
+    consumed = {q for w in ws if w["state"] == "alive" for q in w.get("queues", [])}
+    for q in queues:  # jobs wait with nobody to run them: the overview says so
+        q["unserved"] = q["name"] not in consumed and q["pending"] > 0
+    return {"now": now, "queues": queues, "workers": ws, "dispatchers": sorted(dispatchers, key=lambda d: d["age"])}
+
+
+def schedules(app: TaskRunner) -> list[dict[str, Any]]:
+    out = []
+    for name, raw in sorted(app.redis.hgetall(app.keys.schedules).items()):
+        out.append({**(_entry(raw) or {}), "name": name})
+    return out

@@ -1,0 +1,110 @@
+"""JSON on the wire, strictly: values JSON cannot carry are refused, never coerced; and
+the checks of what else a caller gives (names, ids, seconds, counts) before it is sent."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import threading
+import time
+from typing import Any
+
+import orjson
+
+from taskrunner.errors import InvalidName, NotJSONError
+
+# orjson would turn dataclasses, datetimes and numpy values into JSON silently;
+# passthrough makes them errors, so what a consumer reads is what the producer sent.
+_STRICT = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}\Z")
+_ID = re.compile(r"[A-Za-z0-9_.:@-]{1,200}\Z")
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]
+_SHIFTS = range(120, -1, -10)
+
+
+def dumps(value: Any, what: str = "value") -> bytes:
+    try:
+        data = orjson.dumps(value, option=_STRICT)
+    except TypeError as e:
+        raise NotJSONError(f"{what} is not JSON: {e} (taskrunner sends JSON only)") from None
+    # orjson writes NaN and infinities as null; look for them only when a null is there.
+    if b"null" in data and _non_finite(value):
+        raise NotJSONError(f"{what} is not JSON: NaN and infinity have no JSON form (taskrunner sends JSON only)")
+    return data
+
+
+def _non_finite(value: Any) -> bool:
+    """Is there a NaN or infinite float anywhere in value (JSON-shaped, depth <= 255)?"""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_non_finite(v) for v in value)
+    return False
+
+
+def loads(data: str | bytes) -> Any:
+    return orjson.loads(data)
+
+
+def check_name(kind: str, name: str) -> str:
+    """Queue and task names: letters, digits and _.:@- , at most 200, starting alnum."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidName(f"invalid {kind} name {name!r}: use letters, digits and _.:@- "
+                          "(at most 200, starting with a letter or digit)")
+    return name
+
+
+def check_id(job_id: str) -> str:
+    if not isinstance(job_id, str) or not _ID.match(job_id):
+        raise InvalidName(f"invalid job id {job_id!r}: use 1-200 letters, digits and _.:@-")
+    return job_id
+
+
+_last_id = 0  # this process's last new_id() as a number: the next one is above it
+_id_lock = threading.Lock()
+
+
+def _forget_last_id() -> None:
+    """In a forked child: it must not count up from its parent's last id as the parent does
+    (the two would make the same ids); and a lock held by another thread at the fork stays so."""
+    global _last_id, _id_lock
+    _last_id, _id_lock = 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_last_id)
+
+
+def new_id() -> str:
+    """A ULID: 26 characters that sort by creation time (ms), then 80 random bits. Within a
+    process each is above the last (in the same millisecond the random part counts up: the
+    monotonic form of ULID), so one producer's ids sort in the order it made them; ids
+    from random bits alone came out in random order within a millisecond."""
+    global _last_id
+    n = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10), "big")
+    with _id_lock:
+        n = _last_id = max(n, _last_id + 1)
+    return "".join([_PAIRS[(n >> s) & 1023] for s in _SHIFTS])  # 26 characters, 10 bits at a time
+
+
+def seconds(name: str, value: Any, positive: bool = False) -> float:
+    """A duration given by a caller: a finite number, >= 0 (> 0 if positive). NaN or text
+    would reach the Lua scripts as strings they cannot compare."""
+    try:
+        ok = not isinstance(value, (bool, str)) and math.isfinite(value) and (value > 0 if positive else value >= 0)
+    except (TypeError, OverflowError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a finite number of seconds {'> 0' if positive else '>= 0'}, not {value!r}")
+    return float(value)
+
+
+def count(name: str, value: Any, minimum: int = 0) -> int:
+    """A whole number given by a caller, from `minimum` to 2**31 - 1 (the scripts count in
+    doubles: a larger one would be stored as text no reader turns back into that number)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 2**31:
+        raise ValueError(f"{name} must be a whole number from {minimum} to {2**31 - 1}, not {value!r}")
+    return value

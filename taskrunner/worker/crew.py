@@ -1,0 +1,285 @@
+"""A worker's crew: its child processes and what it does with them — start and replace
+them, send them the jobs it claimed, read their answers and reports, stop a job (cancel a
+coroutine, or stop the child after handing its other jobs back), enforce max durations
+and the shutdown grace, recycle them. What comes of each job goes into the worker's
+outbox; the worker does the talking to Redis."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import signal
+import time
+from typing import Any
+
+import psutil
+
+from taskrunner.client.app import TaskRunner
+from taskrunner.protocol import codec
+from taskrunner.protocol.claims import Delivery
+from taskrunner.protocol.outcome import Outcome
+from taskrunner.worker import child, policy
+from taskrunner.worker.children import Child, send_signal
+from taskrunner.worker.loop_child import stopped
+from taskrunner.worker.outbox import Outbox
+
+log = logging.getLogger("taskrunner.worker")
+
+
+class Crew:
+    def __init__(self, app: TaskRunner, outbox: Outbox, name: str, host: str, concurrency: int, threads: int = 1,
+                 async_slots: int = 0, max_jobs_per_child: int | None = None,
+                 max_memory_per_child: float | None = None) -> None:
+        self.app, self.outbox, self.name, self.host = app, outbox, name, host
+        self.concurrency, self.threads, self.async_slots = concurrency, threads, async_slots
+        self.max_jobs_per_child, self.max_memory_per_child = max_jobs_per_child, max_memory_per_child
+        self.kill_grace = app.settings.kill_grace
+        self.children: list[Child] = []
+        self.runtime: float | None = None  # moving average of job runtimes, s
+        self.processed = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        for _ in range(self.concurrency):  # one by one: each closes its elder siblings' pipe ends
+            self.children.append(self._spawn())
+
+    def close(self) -> None:
+        """Let each child exit (it does on EOF), killing one that will not within 2 s."""
+        for c in self.children:
+            c.conn.close()
+        for c in self.children:
+            c.proc.join(2)
+            if c.proc.is_alive():
+                c.proc.kill()
+                c.proc.join()
+
+    def _spawn(self) -> Child:
+        return Child(self.app, self.children, self.max_jobs_per_child, self.threads, self.async_slots)
+
+    # -- what it holds -----------------------------------------------------------------
+
+    def held(self) -> list[tuple[Child, Delivery]]:
+        return [(c, d) for c in self.children for d in c.jobs]
+
+    def job_ids(self) -> set[str]:
+        return {d.id for c in self.children for d in c.jobs}
+
+    def busy(self) -> int:
+        """Children with jobs."""
+        return sum(1 for c in self.children if c.jobs)
+
+    def usage(self) -> tuple[int, float]:
+        """RSS (bytes) and CPU (%) of the children, for heartbeats."""
+        for pid in set(_procs) - {c.pid for c in self.children}:
+            del _procs[pid]
+        rss, cpu = 0, 0.0
+        for p in (_proc(c.pid) for c in self.children):
+            try:
+                if p is not None:
+                    rss += p.memory_info().rss
+                    cpu += p.cpu_percent(None)
+            except psutil.Error:
+                pass
+        return rss, cpu
+
+    # -- jobs in -----------------------------------------------------------------------
+
+    def deliver(self, slots: list[tuple[Child, float]], claimed: list[Delivery]) -> None:
+        """Send claimed jobs to the children they were claimed for; a child that died while
+        the claim was in flight never got its jobs, so they go back, next in line."""
+        now = time.monotonic()
+        alive = set(self.children)
+        for (c, _), d in zip(slots, claimed):
+            if c in alive:
+                c.send(d, child.message(d.id, d.attempt, d.task, d.queue, str(d.max_duration), d.args_json,
+                                        d.kwargs_json, d.headers_json, d.soft_limit), now)
+            else:
+                self.outbox.report(d, Outcome.returned(f"its process died on {self.host} before it got it"))
+        for c in {c for c, _ in slots}:
+            c.flush()
+
+    # -- answers out -------------------------------------------------------------------
+
+    def read(self, c: Child) -> bool:
+        """Every answer the child has written (it may have run several jobs meanwhile);
+        False once its pipe is closed."""
+        replies = c.replies()
+        if replies is None:
+            return False
+        now = time.monotonic()
+        for raw in replies:
+            try:
+                reply = codec.loads(raw)
+                if isinstance(reply, dict):  # a running job's progress or log line
+                    self._note(c, reply, now)
+                    continue
+                job_id, runtime, outcome = str(reply[0]), float(reply[1]), Outcome.from_wire(reply[2:])
+            except (ValueError, TypeError, IndexError, KeyError):
+                log.warning("worker %s: child %d wrote a malformed answer: %r", self.name, c.pid, raw[:200])
+                continue
+            d = c.jobs[0] if c.jobs and c.jobs[0].id == job_id else next((d for d in c.jobs if d.id == job_id), None)
+            if d is None:
+                log.warning("worker %s: child %d answered for a job it was not given: %r", self.name, c.pid,
+                            reply[:3])
+                continue
+            c.jobs.remove(d)
+            self.runtime = runtime if self.runtime is None else 0.8 * self.runtime + 0.2 * runtime
+            self.outbox.report(d, outcome, now - runtime)
+            self.processed += 1
+            c.done += 1
+            if c.jobs and c.jobs[0].began is None and not c.concurrent:
+                c.jobs[0].began = now
+        if replies and (self.max_jobs_per_child or self.max_memory_per_child):
+            self._recycle(c)
+        return True
+
+    def _note(self, c: Child, message: dict[str, Any], now: float) -> None:
+        """Keep a report about a job the child runs, for the next sync; a loop child's
+        word that it began one."""
+        if "began" in message:
+            seq = message["began"]  # from the newest: fewer wait behind it than run before it
+            d = next((d for d in reversed(c.jobs) if d.seq <= seq), None)
+            d = d if d is not None and d.seq == seq else None
+            if d is not None:
+                d.began = c.last_began = now
+            return
+        job_id, attempt = next(iter(message.values()))[:2]
+        d = next((d for d in c.jobs if d.id == job_id and d.attempt == attempt), None)
+        if d is None or not self.outbox.note(d, message, now):
+            log.warning("worker %s: child %d wrote a malformed report: %.200r", self.name, c.pid, message)
+
+    def _recycle(self, c: Child) -> None:
+        """A child past --max-jobs-per-child or --max-memory-per-child (RSS, measured after
+        its jobs) takes no more jobs, finishes those it has, and is then replaced: nothing
+        is lost, handed back or counted."""
+        if c.open:
+            rss = None
+            if self.max_memory_per_child is not None:
+                try:
+                    rss = _proc(c.pid).memory_info().rss  # type: ignore[union-attr]
+                except (psutil.Error, AttributeError):
+                    pass
+            c.retiring = policy.retire_reason(c.done, rss, self.max_jobs_per_child, self.max_memory_per_child)
+            if c.retiring:
+                log.info("worker %s: replacing child %d: %s", self.name, c.pid, c.retiring)
+        if c.retiring is not None and not c.jobs and not c.conn.closed:
+            c.retire()
+
+    def exited(self, c: Child, replace: bool) -> None:
+        """A child is gone: report each of its jobs as what it was (not begun: returned; one
+        we stopped: as why we did; a sibling of it: requeued; else lost), and put a new
+        child in its place unless the worker stops."""
+        while not c.conn.closed and c.conn.poll() and self.read(c):  # what it wrote before it died (poll: a process
+            pass  # it forked may hold its end of the pipe open)
+        c.proc.join()
+        code = c.proc.exitcode
+        why = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
+        began = c.state[0]  # it is gone: no lock needed
+        report = self.outbox.report
+        for d in c.jobs:
+            if d.seq > began:
+                report(d, Outcome.returned(f"its process died ({why}) on {self.host}"))
+            elif (reason := c.kill_reason if d is c.kill_target else d.stop_reason) is not None:
+                if reason == "killed":
+                    report(d, Outcome.killed("killed on request"), d.began)
+                elif reason == "timeout":
+                    report(d, Outcome.error("TimeLimitExceeded", f"ran past its max duration; stopped by {why}"),
+                           d.began)
+                elif reason == "shutdown":
+                    report(d, Outcome.requeue(front=True), d.began)  # "lost": no longer ours to report
+            elif c.kill_reason is not None:
+                # It ran beside (a loop child) or after the job we stopped: requeued, nothing counted.
+                report(d, Outcome.requeue(front=True, why=f"its process was stopped ({c.kill_reason}) on "
+                                                          f"{self.host}"), d.began)
+            else:
+                log.warning("worker %s: child %d died (%s) running job %s", self.name, c.pid, why, d.id)
+                report(d, Outcome.lost(f"child process died ({why}) on {self.host}"), d.began)
+        c.jobs.clear()
+        self.children.remove(c)
+        c.conn.close()
+        if replace:
+            self.children.append(self._spawn())
+
+    # -- stopping jobs -----------------------------------------------------------------
+
+    def enforce(self, now: float, stopping: bool, stop_at: float) -> None:
+        """Time limits, the shutdown grace, retiring children, hand-backs: what is due now."""
+        for c in self.children:
+            if c.retiring is not None and not c.jobs and not c.conn.closed:
+                c.retire()  # what it had left was handed back
+            if c.kill_at is not None and now >= c.kill_at:
+                send_signal(c.pid, signal.SIGKILL)
+                c.kill_at = None
+            if not c.jobs:
+                continue
+            head = c.jobs[0]
+            if stopping and now >= stop_at:
+                c.kill(head, "shutdown", self.kill_grace)
+            for d in policy.running(c):
+                if d.began is None:
+                    continue
+                if now >= d.deadline and not d.stuck:
+                    d.stuck = True
+                    self.outbox.mark_stuck(d)
+                    if d.timeout_policy == "kill":
+                        log.warning("worker %s: job %s passed its max duration; stopping it", self.name, d.id)
+                        self.stop(c, d, "timeout")
+                if d.stop_at is not None and now >= d.stop_at:
+                    log.warning("worker %s: job %s did not stop within kill_grace; stopping child %d", self.name,
+                                d.id, c.pid)
+                    d.stop_at = None
+                    self.stop(c, d, d.stop_reason or "killed", whole=True)
+            if now >= policy.hand_back_due(c, stopping):
+                self._hand_back(c, "worker shutting down" if stopping else
+                                f"the jobs ahead of it in child {c.pid} ran long" if c.concurrent else
+                                f"job {head.id} ahead of it ran long")
+
+    def kill_request(self, job_id: str, attempt: str, reason: str) -> bool:
+        """Stop the delivery (job, attempt) if one of ours runs it; False if none does."""
+        for c in self.children:
+            for d in list(c.jobs):
+                if d.id == job_id and d.attempt == attempt:
+                    log.info("worker %s: killing job %s in child %d (%s)", self.name, job_id, c.pid, reason)
+                    self.stop(c, d, reason)
+                    return True
+        return False
+
+    def stop(self, c: Child, d: Delivery, reason: str, whole: bool = False) -> None:
+        """Stop a job (reason: killed, timeout, or lost: no longer ours). A loop child
+        cancels a coroutine, or a job not begun, and goes on; otherwise (a thread, a classic
+        child, or `whole`) the child is stopped, after what it has not begun is handed back."""
+        if c.concurrent and not whole and (d.began is None or self._is_async(d)):
+            c.cancel(d, reason, self.kill_grace)
+            return
+        self._hand_back(c, f"job {d.id} sent with it was " + ("lost" if reason == "lost" else "killed"),
+                        killed=None if reason == "lost" else d, lost=d if reason == "lost" else None)
+        if d in c.jobs:  # it had begun
+            c.kill(d, reason, self.kill_grace)
+
+    def _hand_back(self, c: Child, why: str, killed: Delivery | None = None, lost: Delivery | None = None) -> None:
+        """Take back what the child has not begun: to the queue, next in line (a job to
+        kill ends killed, as does one a loop child was asked to stop and had not answered
+        for yet; one no longer ours is not ours to report)."""
+        for d in c.take_back():
+            reason = "killed" if d is killed else d.stop_reason
+            if d is lost or reason == "lost":
+                continue
+            self.outbox.report(d, Outcome.returned(why) if reason is None else stopped(reason, False))
+
+    def _is_async(self, d: Delivery) -> bool:
+        task = self.app.tasks.get(d.task)
+        return task is not None and inspect.iscoroutinefunction(task.fn)
+
+
+_procs: dict[int, psutil.Process] = {}
+
+
+def _proc(pid: int) -> psutil.Process | None:
+    """psutil handles are cached so that cpu_percent measures since the last beat."""
+    if pid not in _procs:
+        try:
+            _procs[pid] = psutil.Process(pid)
+        except psutil.Error:
+            return None
+    return _procs[pid]

@@ -1,0 +1,481 @@
+"""The worker: one main process that claims jobs from Redis and runs each in one of N
+long-lived child processes.
+
+The main process never runs a job, so its heartbeats go on whatever a job does. It
+waits on everything at once with one select: the children's pipes and exit sentinels,
+the connection its syncs with Redis (finish, claim: one round trip) are in flight on, and
+connections each with a BRPOP outstanding: its control list (kill requests) and, when a
+child is idle and the queues were found empty, the queues' wake lists (one BRPOP on all;
+on a Redis Cluster one per queue, as one command's keys must share a slot). No threads
+(the worker forks replacement children) and no polling.
+
+Its parts: the crew (crew.py: the children, what is sent to them and comes back, stopping
+jobs), the outbox (outbox.py: what to tell Redis), the policy (policy.py: how many to
+claim, when to sync, how long to wait). The worker itself holds the loop, the syncs with
+Redis, signals and heartbeats."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import signal
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import redis
+
+from taskrunner.client import declarations
+from taskrunner.client.app import TaskRunner
+from taskrunner.errors import NameInUse
+from taskrunner.protocol import codec, scripts
+from taskrunner.protocol.claims import claim_args, claim_keys, claim_rest
+from taskrunner.protocol.connection import Blocker, Channel, is_cluster, server_time
+from taskrunner.protocol.holders import identity, lose_held
+from taskrunner.worker import policy
+from taskrunner.worker.children import Child, wait_ready
+from taskrunner.worker.crew import Crew
+from taskrunner.worker.outbox import Load, Outbox
+
+log = logging.getLogger("taskrunner.worker")
+# Any Redis failure (down, OOM, READONLY after a failover, BUSY; a cluster with no node
+# reachable, or a slot no node serves) means: back off, retry. Retrying is safe: finishes
+# are idempotent and a claim without an answer is reconciled.
+_REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+
+
+@dataclass
+class Flight:
+    """A sync sent to Redis whose answers have not come yet: what it reports (its load
+    from the outbox), and what it claims for."""
+
+    batch: scripts.Batch
+    load: Load
+    slots: list[tuple[Child, float]]
+    claim: list[Any]
+
+
+def local_ip(client: redis.Redis | redis.cluster.RedisCluster) -> str:
+    """The address this host uses to reach Redis (what others would see); through
+    Sentinel, the current primary's; in a cluster, a node's."""
+    try:
+        if isinstance(client, redis.cluster.RedisCluster):
+            node = client.get_default_node()
+            host, port = node.host, node.port
+        elif isinstance(client.connection_pool, redis.sentinel.SentinelConnectionPool):
+            host, port = client.connection_pool.get_master_address()
+        else:
+            kwargs = client.connection_pool.connection_kwargs
+            host, port = kwargs.get("host"), kwargs.get("port", 6379)
+        if not host:
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, int(port)))
+            return s.getsockname()[0]
+    except (OSError, redis.ConnectionError):
+        return "127.0.0.1"
+
+
+class Worker:
+    def __init__(self, app: TaskRunner, queues: list[str], concurrency: int = 2, name: str | None = None,
+                 prefetch: int | None = None, max_jobs_per_child: int | None = None,
+                 max_memory_per_child: float | None = None, threads: int = 1, async_slots: int = 100):
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        self.app, self.s, self.keys = app, app.settings, app.keys
+        self.queues = [codec.check_name("queue", q) for q in queues]
+        self.prefixes = [self.keys.q(q) for q in self.queues]
+        self.concurrency = concurrency
+        self.prefetch = max(1, prefetch if prefetch is not None else self.s.prefetch)
+        self.max_jobs_per_child, self.max_memory_per_child = max_jobs_per_child, max_memory_per_child
+        if threads < 1 or async_slots < 0:
+            raise ValueError("threads must be >= 1 and async_slots >= 0")
+        # Coroutine slots only for an app with async def tasks: otherwise children stay classic.
+        self.threads = threads
+        self.async_slots = async_slots if any(inspect.iscoroutinefunction(t.fn) for t in app.tasks.values()) else 0
+        self.host = socket.gethostname()
+        self.name = codec.check_name("worker", name or f"{self.host}.{os.getpid()}")
+        self.redis = app.redis
+        self.ip = local_ip(self.redis)
+        self.outbox = Outbox(app)  # what we have to tell Redis
+        self.crew = Crew(app, self.outbox, self.name, self.host, concurrency, threads, self.async_slots,
+                         max_jobs_per_child, max_memory_per_child)
+        self.may_claim = True
+        self.stopping = False
+        self.stop_at = 0.0
+        self.reconcile = True  # release what Redis says we hold but we do not run
+        self.next_beat = 0.0
+        self.next_declare = 0.0  # when to put back declarations that went missing
+        self.redis_ok_at = 0.0  # after a Redis error, talk to it again from this time
+        self.backoff = 0.0
+        wakes = [p + "wake" for p in self.prefixes]
+        groups = [[k] for k in wakes] if is_cluster(self.redis) else [wakes]  # one command's keys: one slot
+        self.wakes = [Blocker(self.redis, keys) for keys in groups]
+        self.ctl = Blocker(self.redis, [self.keys.control(self.name)])
+        # Syncs go on a connection of our own, answered while we read our children (with
+        # TLS, Sentinel or Cluster through redis-py, one at a time, waiting for each).
+        self.channel = Channel.of(self.redis)
+        self.flights: deque[Flight] = deque()  # oldest first
+        self.proc = psutil.Process()
+        self.started_at = time.time()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        backoff = 0.0
+        while True:  # Redis may be down or still loading its AOF: wait for it, as later on
+            try:
+                self._check_name_free()
+                break
+            except _REDIS_ERRORS as e:
+                backoff = min(max(backoff * 2, 0.2), 5.0)
+                log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, backoff)
+                time.sleep(backoff)
+        # Signals interrupt our select through this socket (select itself is restarted).
+        self._wakeup, wakeup_w = socket.socketpair()
+        for s in (self._wakeup, wakeup_w):
+            s.setblocking(False)
+        self._wakeup_w = wakeup_w  # kept open for the process's life
+        signal.set_wakeup_fd(wakeup_w.fileno(), warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGQUIT, self._on_signal)
+        self.crew.start()
+        log.info("worker %s: queues %s, %d children (%d threads, %d async slots each), prefetch %d, pid %d",
+                 self.name, ",".join(self.queues), self.concurrency, self.threads, self.async_slots, self.prefetch,
+                 os.getpid())
+        try:
+            while not (self.stopping and self._drained()):
+                if self.stopping and time.monotonic() >= self._give_up_at():
+                    log.error("worker %s: could not report every job before exiting; the dispatcher "
+                              "will requeue what is left", self.name)
+                    break
+                self._step()
+        finally:
+            self._shutdown()
+        return 0
+
+    def _give_up_at(self) -> float:
+        """When a stopping worker exits even with jobs unreported (Redis unreachable): the
+        dispatcher requeues them."""
+        return self.stop_at + self.s.kill_grace + 10
+
+    def _check_name_free(self) -> None:
+        last = self.redis.zscore(self.keys.workers, self.name)
+        now = server_time(self.app.redis)
+        if last is not None and now - last < self.s.dead_after:
+            raise NameInUse(f"worker name {self.name!r} is in use by a live worker (heartbeat "
+                            f"{now - last:.1f}s ago); pick another with -n")
+        self.redis.sadd(self.keys.queues, *self.queues)
+        declarations.publish(self.app, self.queues, self.name, now)
+        self.next_declare = time.monotonic() + declarations.REFRESH
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """SIGTERM or SIGINT: stop claiming and let running jobs finish for shutdown_grace.
+        Stop now (requeue them at once) on SIGINT while stopping (Ctrl-C twice) or SIGQUIT.
+        A repeated SIGTERM changes nothing: platforms signal every process and supervisors
+        (honcho, `timeout`, `taskrunner up`) pass it on as well, so one stop arrives several
+        times, and cutting the grace short would rerun jobs that were about to finish."""
+        now = time.monotonic()
+        if not self.stopping:
+            log.info("worker %s: stopping; running jobs have %.0fs to finish (SIGQUIT or Ctrl-C again: "
+                     "requeue them now)", self.name, self.s.shutdown_grace)
+            self.stopping = True
+            self.stop_at = now + self.s.shutdown_grace
+        elif signum in (signal.SIGQUIT, signal.SIGINT):
+            log.warning("worker %s: stop now: requeueing running jobs", self.name)
+            self.stop_at = min(self.stop_at, now)
+        else:
+            log.info("worker %s: SIGTERM again: already stopping, running jobs keep their grace", self.name)
+
+    def _give_back_wake(self) -> None:
+        """We may have taken a wake token we will not use: leave one for others."""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for p in self.prefixes:
+                pipe.lpush(p + "wake", "1").ltrim(p + "wake", 0, 0)
+            pipe.execute()
+        except _REDIS_ERRORS:
+            pass
+
+    def _drained(self) -> bool:
+        return not self.crew.busy() and self.outbox.empty()
+
+    def _shutdown(self) -> None:
+        signal.set_wakeup_fd(-1)
+        for b in (self.ctl, *self.wakes):
+            b.reset()
+        self.crew.close()
+        if self.backoff and self.stopping and time.monotonic() >= self._give_up_at():
+            # Redis has been unreachable all along: trying again could hang for the client's
+            # timeouts and retries. Our entry lapses after dead_after, and the dispatcher
+            # requeues what we held.
+            log.info("worker %s: stopped after %d jobs, without saying goodbye to Redis", self.name,
+                     self.crew.processed)
+            return
+        try:
+            self._sync(wait=True)
+            # One call a line, one key a delete: a ClusterPipeline's delete() returns None (not
+            # the pipeline) and refuses several keys.
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zrem(self.keys.workers, self.name)
+            pipe.delete(self.keys.worker(self.name))
+            pipe.delete(self.keys.control(self.name))
+            pipe.execute()
+        except _REDIS_ERRORS as e:
+            log.error("worker %s: could not say goodbye to Redis (%s); the dispatcher will requeue "
+                      "anything left", self.name, e)
+        log.info("worker %s: stopped after %d jobs", self.name, self.crew.processed)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def _step(self) -> None:
+        quiet = self._quiet()
+        for c in quiet:
+            self.crew.read(c)
+        now = time.monotonic()
+        if self.stopping and any(b.armed for b in self.wakes):
+            for b in self.wakes:
+                b.reset()
+            self._give_back_wake()
+        self.crew.enforce(now, self.stopping, self.stop_at)
+        for c in self.crew.children:
+            if c.outgoing:
+                c.flush()
+        if now >= self.redis_ok_at:
+            try:
+                if self.flights and self.channel is not None and now >= self.channel.deadline():
+                    raise redis.TimeoutError("no answer from Redis within socket_timeout")
+                if now >= self.next_beat:
+                    self._heartbeat()
+                if now >= self._sync_due(now):
+                    self._sync()
+                self._arm()
+                self.backoff = 0.0
+            except _REDIS_ERRORS as e:
+                self._redis_failed(e)
+        quiet = self._quiet()  # as things stand now
+        waitables: list[Any] = [self._wakeup]
+        if self.flights:
+            waitables.append(self.channel)
+        for c in self.crew.children:
+            waitables += [c.proc.sentinel] if c in quiet or c.conn.closed else [c.conn, c.proc.sentinel]
+        for b in (self.ctl, *self.wakes):
+            if b.armed:
+                waitables.append(b)
+        timeout = self._timeout()
+        writers = [c.conn for c in self.crew.children if c.outgoing]  # flushed by the next step
+        for ready in wait_ready(waitables, min(timeout, policy.GLANCE) if quiet else timeout, writers):
+            self._on_ready(ready)
+
+    def _redis_failed(self, e: Exception) -> None:
+        """Back off. What the syncs in flight reported goes again (finishes are idempotent)
+        and what they claimed is reconciled, as any claim may have gone through unanswered."""
+        # At most a heartbeat apart: once Redis is back, our heartbeat must land well within
+        # the dead_after the dispatcher gives us after an outage.
+        self.backoff = min(max(self.backoff * 2, 0.1), 5.0, self.s.heartbeat)
+        self.redis_ok_at = time.monotonic() + self.backoff
+        self.reconcile = True
+        if self.flights:
+            if self.channel is not None:
+                self.channel.close()
+            self.flights.clear()
+            self.outbox.failed()
+        for b in (self.ctl, *self.wakes):
+            b.reset()
+        log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, self.backoff)
+
+    def _quiet(self) -> list[Child]:
+        return policy.quiet(self.crew.children, self.crew.runtime, self._depth(), self.stopping)
+
+    def _timeout(self) -> float:
+        now = time.monotonic()
+        return policy.wait_timeout(now, self.crew.children, redis_ok_at=self.redis_ok_at, next_beat=self.next_beat,
+                                   sync_at=self._sync_due(now),
+                                   answer_by=self.channel.deadline() if self.flights and self.channel else None,
+                                   stopping=self.stopping, stop_at=self.stop_at, give_up_at=self._give_up_at())
+
+    def _sync_due(self, now: float) -> float:
+        return policy.sync_due(now, self.crew.children, self._depth(), flights=len(self.flights),
+                               urgent=bool(self.outbox.load.marks) or self.reconcile,
+                               outbox_since=self.outbox.outcomes_since, notes_due=self.outbox.notes.due(),
+                               can_claim=self._can_claim(),
+                               stopping=self.stopping, spare=self._spare())
+
+    def _can_claim(self) -> bool:
+        """May a sync claim now? Not while stopping, nor after the queues were found empty
+        (until a wake token comes), nor while a claim is in flight: jobs it brings go to
+        children before the next claim counts their room and the work queued ahead."""
+        return self.may_claim and not self.stopping and not any(f.slots for f in self.flights)
+
+    def _on_ready(self, ready: Any) -> None:
+        if ready is self._wakeup:
+            try:
+                self._wakeup.recv(512)
+            except BlockingIOError:
+                pass
+            return
+        if ready is self.channel:
+            try:
+                self._land()
+            except _REDIS_ERRORS as e:
+                self._redis_failed(e)
+            return
+        if isinstance(ready, Blocker):
+            if not ready.armed:
+                return
+            try:
+                reply = ready.read()
+            except _REDIS_ERRORS:
+                return  # re-armed by the next step
+            if ready is not self.ctl:  # a wake list
+                self.may_claim = True
+                self._cancel_wakes()
+            elif reply:
+                self._on_control(reply[1])
+            return
+        for c in self.crew.children:
+            if ready is c.conn:
+                self.crew.read(c)
+                return
+            if ready == c.proc.sentinel:
+                self.crew.exited(c, replace=not self.stopping)
+                return
+
+    def _cancel_wakes(self) -> None:
+        """Woken: cancel the BRPOPs still out on other wake lists (a cluster's, one per
+        queue), so that their tokens go to other idle workers, as with one BRPOP on every
+        list. One whose answer has come already stays, to be read."""
+        armed = [b for b in self.wakes if b.armed]
+        if armed:
+            answered = wait_ready(armed, 0)
+            for b in armed:
+                if b not in answered:
+                    b.reset()
+
+    def _arm(self) -> None:
+        self.ctl.arm(self.s.idle_block)
+        if not self.stopping and not self.may_claim and policy.listening(self.crew.children):
+            for b in self.wakes:
+                b.arm(self.s.idle_block)
+
+    # -- children ----------------------------------------------------------------------
+
+    def _depth(self) -> int:
+        return policy.depth(self.crew.runtime, self.prefetch)
+
+    def _spare(self) -> int:
+        return policy.spare(self.crew.runtime, max((c.capacity for c in self.crew.children), default=1),
+                            self.prefetch)
+
+    def _on_control(self, raw: str) -> None:
+        try:
+            msg = codec.loads(raw)
+            job_id, attempt = str(msg["kill"]), str(msg["attempt"])
+            reason = "timeout" if msg.get("reason") == "timeout" else "killed"
+        except (ValueError, KeyError, TypeError):
+            log.warning("worker %s: ignoring malformed control message %r", self.name, raw[:200])
+            return
+        if self.crew.kill_request(job_id, attempt, reason) or self.outbox.holds(job_id):
+            return  # it just ended; its result is on its way
+        # Not ours to run, yet Redis may say we hold it (a claim whose answer was lost):
+        # release it, fenced by our name and its delivery.
+        self.reconcile = True
+
+    # -- Redis -------------------------------------------------------------------------
+
+    def _sync(self, wait: bool = False) -> None:
+        """Report finished jobs, mark stuck ones and claim for children with room: one round
+        trip, whose answers _land() takes when they come. We wait for them (wait) when the
+        channel cannot keep it in flight, and to reconcile: what we hold must be known."""
+        if self.reconcile:
+            self._land(block=True)
+        batch = scripts.Batch(self.redis)
+        now = time.monotonic()
+        load = self.outbox.put_into(batch, now)
+        slots = policy.slots(self.crew.children, self._depth(), now, self._spare()) if self._can_claim() else []
+        claim: list[Any] = []
+        if slots:
+            pairs = [v for c, ahead in slots for v in (c.pid, f"{ahead:.3f}")]
+            claim = claim_args(self.app, self.name, self.host, self.ip, pairs)
+            batch.call(scripts.CLAIM, claim_keys(self.app, self.prefixes), claim)
+        if len(batch):
+            self.flights.append(Flight(batch, load, slots, claim))
+            if self.channel is not None:
+                self.channel.send(batch.commands())
+            if wait or self.reconcile or self.channel is None:
+                self._land(block=True)
+        if self.reconcile:
+            self._release_orphans()
+
+    def _land(self, block: bool = False) -> None:
+        """Act on the answers to the syncs in flight that have come (block: wait for all)."""
+        # Without a channel, each runs now, the usual way.
+        answered = [None] * len(self.flights) if self.channel is None else self.channel.take(block)
+        for answers in answered:
+            f = self.flights[0]
+            results = f.batch.execute() if answers is None else f.batch.settle(answers)
+            self.flights.popleft()
+            self._landed(f, results)
+
+    def _landed(self, f: Flight, results: list[Any]) -> None:
+        for e, ack in self.outbox.answered(f.load, results):
+            if ack == 0:
+                log.warning("worker %s: job %s was requeued and taken by another worker while it ran "
+                            "here; this result was discarded", self.name, e.id)
+        if f.slots:
+            claimed = claim_rest(self.app, self.queues, f.claim, results[-1])
+            self.crew.deliver(f.slots, claimed)
+            if len(claimed) < len(f.slots):
+                self.may_claim = False
+
+    def _release_orphans(self) -> None:
+        """Deliveries the holding lists give to us that no child of ours has (a claim whose
+        answer never came, or a previous life under the same name): requeue them."""
+        mine = self.crew.job_ids() | set(self.outbox.waiting_ids())
+        acted = lose_held(self.app, self.queues, lambda w, job_id: w == self.name and job_id not in mine,
+                          "worker {} no longer ran it")
+        if acted:
+            log.warning("worker %s: released %d orphaned deliveries: %s", self.name, len(acted), acted)
+        self.reconcile = False
+
+    def _heartbeat(self) -> None:
+        held = self.crew.held()
+        batch = scripts.Batch(self.redis)
+        batch.call(scripts.HEARTBEAT, [self.keys.g], [self.name, codec.dumps(self.info()),
+                                                      int(self.s.dead_after * 3 + 60)])
+        for _, d in held:
+            batch.pipe.hmget(self.keys.job(d.queue, d.id), "attempts", "kill_requested")
+            batch.pipe.hexists(self.keys.q(d.queue) + "running", d.id)
+        results = batch.execute()
+        self.next_beat = time.monotonic() + self.s.heartbeat
+        if self.next_beat >= self.next_declare:
+            declarations.publish(self.app, self.queues, self.name, float(results[0]), overwrite=False)
+            self.next_declare = self.next_beat + declarations.REFRESH
+        for i, (c, d) in enumerate(held):
+            (attempts, kill_requested), mine = results[1 + 2 * i], results[2 + 2 * i]
+            lost = attempts != d.attempt or not mine
+            if d not in c.jobs or c.kill_reason or d.stop_reason or not (lost or kill_requested):
+                continue
+            if lost:
+                log.warning("worker %s: job %s is no longer ours (requeued while we were unreachable); "
+                            "stopping it", self.name, d.id)
+            self.crew.stop(c, d, "lost" if lost else "killed")
+
+    def info(self) -> dict[str, Any]:
+        rss, cpu = self.crew.usage()
+        try:
+            rss += self.proc.memory_info().rss
+            cpu += self.proc.cpu_percent(None)
+        except psutil.Error:
+            pass
+        return {"name": self.name, "host": self.host, "ip": self.ip, "pid": os.getpid(),
+                "create_time": self.proc.create_time(), **identity(),
+                "children": [c.pid for c in self.crew.children],
+                "queues": self.queues, "concurrency": self.concurrency, "prefetch": self.prefetch,
+                "threads": self.threads, "async_slots": self.async_slots, "busy": self.crew.busy(),
+                "processed": self.crew.processed, "rss": rss, "cpu": round(cpu, 1), "started_at": self.started_at}
