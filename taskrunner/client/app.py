@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
-from croniter import croniter
 
 from taskrunner.client import declarations, eager, steps
 from taskrunner.client.job import Job
@@ -110,7 +109,10 @@ class Schedule:
 def check_cron(cron: Any) -> str:
     """A cron expression with ticks both ways: croniter accepts e.g. "0 0 31 2 *" (February
     31st) but then finds no tick, which the dispatcher, looking for the last and next
-    tick at each pass, must never meet."""
+    tick at each pass, must never meet. croniter is imported here, by apps that declare
+    schedules: it is 3.6 MB and 0.1 s of every worker's and producer's start otherwise."""
+    from croniter import croniter
+
     if not isinstance(cron, str) or not croniter.is_valid(cron):
         raise ValueError(f"invalid cron expression {cron!r} (expected e.g. '*/5 * * * *')")
     try:
