@@ -10,6 +10,7 @@ All state lives in Redis (the session key, login attempts), so gunicorn workers 
 from __future__ import annotations
 
 import hmac
+import os
 import secrets
 from collections.abc import Callable
 from functools import wraps
@@ -125,12 +126,27 @@ def api_action(view: Callable) -> Callable:
         expected = current_app.config["TR_TOKEN"]
         if not expected:
             abort(403, "the API is read-only: set TASKRUNNER_DASHBOARD_TOKEN to act")
-        given = request.headers.get("Authorization", "")
-        if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), expected.encode()):
+        if not _bearer(expected):
             abort(401, "missing or wrong bearer token")
         return view(*args, **kwargs)
 
     return wrapper
+
+
+def metrics_allowed() -> None:
+    """GET /metrics: open, or with TASKRUNNER_METRICS_TOKEN set, only with that bearer token
+    (not the API's: a scraper that can read metrics must not be able to act)."""
+    expected = os.environ.get("TASKRUNNER_METRICS_TOKEN", "")
+    if not expected:
+        return
+    if not _bearer(expected):
+        abort(401, "missing or wrong bearer token (TASKRUNNER_METRICS_TOKEN)")
+
+
+def _bearer(expected: str) -> bool:
+    """The request carries `Authorization: Bearer <expected>` (compared in constant time)."""
+    given = request.headers.get("Authorization", "")
+    return given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), expected.encode())
 
 
 def check_bind(addresses: list[str], password: str | None) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from flask import (
     Blueprint,
+    Response,
     abort,
     current_app,
     flash,
@@ -268,6 +269,32 @@ def queue_action(name: str, action: str) -> Any:
 
 
 # -- JSON API --------------------------------------------------------------------------
+
+
+@pages.get("/metrics")
+def metrics() -> Any:
+    """Prometheus metrics (taskrunner/ops/metrics.py), read from Redis at each scrape. Open to
+    anyone who can reach the dashboard, unless TASKRUNNER_METRICS_TOKEN is set: then only with
+    "Authorization: Bearer <it>". They change nothing."""
+    from taskrunner.ops.metrics import CONTENT_TYPE, exposition
+
+    security.metrics_allowed()
+    return Response(exposition(runner()), mimetype=None, content_type=CONTENT_TYPE)
+
+
+@pages.get("/healthz")
+def healthz() -> Any:
+    """The dashboard's process is up (a liveness probe)."""
+    return jsonify(alive=True)
+
+
+@pages.get("/readyz")
+def readyz() -> Any:
+    """Redis answers and a dispatcher is alive: 200, else 503 with the reason."""
+    from taskrunner.ops.health import readiness
+
+    ok, body = readiness(runner())
+    return jsonify(body), 200 if ok else 503
 
 
 @api.get("/overview")

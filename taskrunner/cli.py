@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -375,6 +376,17 @@ def queues(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
 
 
 @main.command()
+@common
+def metrics(app_spec: str | None, redis_url: str | None) -> None:
+    """Print the Prometheus metrics, read from Redis now: what the dashboard serves at
+    GET /metrics (queue depths and ages, stuck jobs, workers and their slots, dispatchers'
+    last pass). For a scrape without the dashboard, or a look by eye."""
+    from taskrunner.ops.metrics import exposition
+
+    click.echo(exposition(_app(app_spec, redis_url)).decode(), nl=False)
+
+
+@main.command()
 @click.option("--json", "as_json", is_flag=True)
 @common
 def workers(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
@@ -396,6 +408,30 @@ def workers(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
 
 
 LOG_LEVELS = click.Choice(["debug", "info", "warning", "error"], case_sensitive=False)
+
+
+HEALTH_PORT = click.option(
+    "--health-port", metavar="[HOST:]PORT", help="Serve GET /healthz (this process's loop went round lately: "
+    "for liveness probes; never asks Redis) and GET /readyz (Redis answers and a dispatcher is alive: for "
+    "readiness) on this port, 200 or 503 with the reason as JSON. Loopback unless a host is given, e.g. "
+    "0.0.0.0:8080 for a pod's probes.")
+
+
+def _serve_health(spec: str | None, app: TaskRunner, looped_ago: Callable[[], float], limit: float,
+                  what: str) -> None:
+    """Start --health-port's server (a daemon thread) when asked."""
+    if not spec:
+        return
+    from taskrunner.ops import health
+
+    try:
+        address = health.parse_address(spec)
+        server = health.serve(address, {"/healthz": health.liveness(looped_ago, limit, what),
+                                        "/readyz": lambda: health.readiness(app)})
+    except (ValueError, OSError) as e:
+        raise click.BadParameter(str(e), param_hint="--health-port") from None
+    logging.getLogger("taskrunner").info("%s: health checks on http://%s:%d/healthz and /readyz", what,
+                                         *server.server_address[:2])
 
 
 def _setup_logging(level: str) -> None:
@@ -422,10 +458,11 @@ def _setup_logging(level: str) -> None:
 @click.option("--max-memory-per-child", type=click.FloatRange(min=1), metavar="MB", help="Replace a child process "
               "once its resident memory (RSS, checked after its jobs) exceeds this many MB. Default: never.")
 @click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True)
+@HEALTH_PORT
 @common
 def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch: int | None, threads: int,
            async_slots: int, max_jobs_per_child: int | None, max_memory_per_child: float | None, log_level: str,
-           app_spec: str | None, redis_url: str | None) -> None:
+           health_port: str | None, app_spec: str | None, redis_url: str | None) -> None:
     """Run jobs: claim from the queues, run each in a child process, report back."""
     from taskrunner.worker.main import Worker
 
@@ -436,15 +473,19 @@ def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch:
     qs = [q.strip() for q in queue_list.split(",") if q.strip()] if queue_list else \
         list(dict.fromkeys(["default", *(t.spec.queue for t in app.tasks.values())]))
     app.wait_for_redis("worker")
-    sys.exit(Worker(app, qs, concurrency, name, prefetch, max_jobs_per_child, max_memory_per_child, threads,
-                    async_slots).run())
+    w = Worker(app, qs, concurrency, name, prefetch, max_jobs_per_child, max_memory_per_child, threads,
+               async_slots)
+    _serve_health(health_port, app, lambda: time.monotonic() - w.stepped_at, app.settings.dead_after, "worker")
+    sys.exit(w.run())
 
 
 @main.command()
 @click.option("-n", "--name", help="Dispatcher name (default host.pid).")
 @click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True)
+@HEALTH_PORT
 @common
-def dispatcher(name: str | None, log_level: str, app_spec: str | None, redis_url: str | None) -> None:
+def dispatcher(name: str | None, log_level: str, health_port: str | None, app_spec: str | None,
+               redis_url: str | None) -> None:
     """Requeue jobs of dead workers, stop stuck jobs, promote delayed jobs, fire cron
     schedules (those of -A APP). Several may run at once."""
     from taskrunner.ops.dispatcher import Dispatcher
@@ -452,7 +493,11 @@ def dispatcher(name: str | None, log_level: str, app_spec: str | None, redis_url
     _setup_logging(log_level)
     app = _app(app_spec, redis_url, check=True)
     app.wait_for_redis("dispatcher")
-    sys.exit(Dispatcher(app, name).run())
+    d = Dispatcher(app, name)
+    # A pass may archive history for a while: a minute without a round is a hung loop.
+    _serve_health(health_port, app, lambda: time.monotonic() - d.looped_at, max(60.0, app.settings.dead_after),
+                  "dispatcher")
+    sys.exit(d.run())
 
 
 @main.command()

@@ -54,6 +54,7 @@ class Dispatcher:
         # Heartbeats are counted from then at the earliest: after a Redis outage no worker
         # could heartbeat, and each gets dead_after to do so before it is dead.
         self.heard_since: float | None = None
+        self.looped_at = time.monotonic()  # the loop's last round, for --health-port's liveness
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
@@ -63,7 +64,7 @@ class Dispatcher:
         backoff = 0.0
         published = False  # Redis may be down or still loading its AOF: wait for it, as later on
         while not self.stop_event.is_set():
-            started = time.monotonic()
+            started = self.looped_at = time.monotonic()
             try:
                 if not published:
                     self.publish_schedules()

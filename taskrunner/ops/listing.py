@@ -237,7 +237,17 @@ def overview(app: TaskRunner) -> dict[str, Any]:
     for i, q in enumerate(queues):
         q["completed_5m"], q["failed_5m"] = counts[2 * i], counts[2 * i + 1]
         q["stuck"] = sum(1 for r in stuck_rows if r["queue"] == q["name"])
-    dispatchers = []
+    ws = workers(app)
+    consumed = {q for w in ws if w["state"] == "alive" for q in w.get("queues", [])}
+    for q in queues:  # jobs wait with nobody to run them: the overview says so
+        q["unserved"] = q["name"] not in consumed and q["pending"] > 0
+    return {"now": now, "queues": queues, "workers": ws, "dispatchers": dispatchers(app, now)}
+
+
+def dispatchers(app: TaskRunner, now: float) -> list[dict[str, Any]]:
+    """The dispatchers' entries, most recent pass first, each with its `age` (seconds since
+    its last pass) and `health`: ok (`healthy`), late, or gone."""
+    out = []
     for raw in app.redis.hvals(app.keys.dispatchers):
         d = _entry(raw)
         if d is None:
@@ -247,12 +257,8 @@ def overview(app: TaskRunner) -> dict[str, Any]:
             d["history_backlog"] = {}
         d["healthy"] = d["age"] < max(5 * app.settings.dispatch_interval, 5)
         d["health"] = "ok" if d["healthy"] else "late" if d["age"] < DISPATCHER_GONE else "gone"
-        dispatchers.append(d)
-    ws = workers(app)
-    consumed = {q for w in ws if w["state"] == "alive" for q in w.get("queues", [])}
-    for q in queues:  # jobs wait with nobody to run them: the overview says so
-        q["unserved"] = q["name"] not in consumed and q["pending"] > 0
-    return {"now": now, "queues": queues, "workers": ws, "dispatchers": sorted(dispatchers, key=lambda d: d["age"])}
+        out.append(d)
+    return sorted(out, key=lambda d: d["age"])
 
 
 def schedules(app: TaskRunner) -> list[dict[str, Any]]:

@@ -109,6 +109,7 @@ class Worker:
         self.stop_at = 0.0
         self.reconcile = True  # release what Redis says we hold but we do not run
         self.next_beat = 0.0
+        self.stepped_at = time.monotonic()  # the loop's last round, for --health-port's liveness
         self.next_declare = 0.0  # when to put back declarations that went missing
         self.redis_ok_at = 0.0  # after a Redis error, talk to it again from this time
         self.backoff = 0.0
@@ -234,6 +235,7 @@ class Worker:
     # -- the loop ----------------------------------------------------------------------
 
     def _step(self) -> None:
+        self.stepped_at = time.monotonic()
         quiet = self._quiet()
         for c in quiet:
             self.crew.read(c)

@@ -1,0 +1,123 @@
+"""Prometheus metrics, read from Redis when scraped: the truth every worker and dispatcher
+writes there, so that a figure neither vanishes with a process nor multiplies with the
+number of workers (Flower's and Dramatiq's exporters scrape each process). Served at the
+dashboard's GET /metrics and printed by `taskrunner metrics`; reading them changes nothing.
+
+Series (every one a gauge unless it says total):
+- per queue: taskrunner_queue_{pending,delayed,running,stuck}, the age of its oldest pending
+  job (taskrunner_queue_oldest_pending_age_seconds, 0 when none), the finished jobs still
+  listed (taskrunner_queue_{completed,failed,killed}: kept for the result and failed TTLs),
+  taskrunner_queue_enqueued_total and taskrunner_queue_claimed_total (counters the enqueue and
+  claim scripts keep in the queue's meta hash), and its settings taskrunner_queue_closed (1
+  or 0) and taskrunner_queue_bound (0: none);
+- taskrunner_workers{state} (alive, dead: kept an hour), taskrunner_worker_slots (the jobs
+  alive workers can run at once) and taskrunner_worker_slots_busy;
+- per dispatcher: taskrunner_dispatcher_last_pass_age_seconds; taskrunner_dispatchers_alive.
+A scrape costs a few pipelined reads per queue; the stuck count reads the holding lists
+(as the overview does)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from taskrunner.ops import listing
+from taskrunner.protocol.holders import number
+
+if TYPE_CHECKING:
+    from taskrunner.client.app import TaskRunner
+
+#: The exposition's content type (text format 0.0.4), for an HTTP answer.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_QUEUE_GAUGES = (
+    ("pending", "Jobs waiting to run."),
+    ("delayed", "Jobs due later (a delay, a retry's backoff)."),
+    ("running", "Jobs held by a worker (claimed and not ended)."),
+    ("stuck", "Running jobs past their max duration or held by a dead worker."),
+    ("completed", "Completed jobs still listed (kept for the result TTL)."),
+    ("failed", "Failed jobs still listed (kept for the failed TTL)."),
+    ("killed", "Killed jobs still listed (kept for the failed TTL)."),
+)
+
+
+class RedisCollector:
+    """A prometheus_client collector that reads an app's Redis at each collect()."""
+
+    def __init__(self, app: TaskRunner) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[Metric]:
+        o = listing.overview(self.app)
+        now, queues = o["now"], o["queues"]
+        yield from self._queues(queues, now)
+        yield from self._workers(o["workers"])
+        alive = GaugeMetricFamily("taskrunner_dispatchers_alive", "Dispatchers that made a pass lately.")
+        age = GaugeMetricFamily("taskrunner_dispatcher_last_pass_age_seconds",
+                                "Seconds since each dispatcher's last pass.", labels=["dispatcher"])
+        for d in o["dispatchers"]:
+            age.add_metric([str(d.get("name", "?"))], d["age"])
+        alive.add_metric([], sum(1 for d in o["dispatchers"] if d["healthy"]))
+        yield alive
+        yield age
+
+    def _queues(self, queues: list[dict[str, Any]], now: float) -> Iterator[Metric]:
+        gauges = {f: GaugeMetricFamily(f"taskrunner_queue_{f}", doc, labels=["queue"]) for f, doc in _QUEUE_GAUGES}
+        oldest = GaugeMetricFamily("taskrunner_queue_oldest_pending_age_seconds",
+                                   "Seconds the oldest pending job has waited (0: none pending).", labels=["queue"])
+        enqueued = CounterMetricFamily("taskrunner_queue_enqueued", "Jobs enqueued, ever (the queue's meta hash).",
+                                       labels=["queue"])
+        claimed = CounterMetricFamily("taskrunner_queue_claimed", "Deliveries claimed, ever (the queue's meta hash).",
+                                      labels=["queue"])
+        closed = GaugeMetricFamily("taskrunner_queue_closed", "1 when the queue refuses new jobs.", labels=["queue"])
+        bound = GaugeMetricFamily("taskrunner_queue_bound", "Most jobs the queue holds pending (0: no bound).",
+                                  labels=["queue"])
+        pipe = self.app.redis.pipeline(transaction=False)
+        for q in queues:
+            pipe.lindex(self.app.keys.q(q["name"]) + "pending", -1)
+        heads = pipe.execute() if queues else []
+        pipe = self.app.redis.pipeline(transaction=False)
+        for q, head in zip(queues, heads):
+            pipe.hget(self.app.keys.job(q["name"], head), "enqueued_at") if head else pipe.echo("")
+        enqueued_at = pipe.execute() if queues else []
+        for q, since in zip(queues, enqueued_at):
+            name = [q["name"]]
+            for f, family in gauges.items():
+                family.add_metric(name, q.get(f) or 0)
+            oldest.add_metric(name, max(0.0, now - _seconds(since)) if _seconds(since) is not None else 0.0)
+            enqueued.add_metric(name, q["produced_messages"])
+            claimed.add_metric(name, q["consumed_messages"])
+            closed.add_metric(name, 1 if q.get("closed") else 0)
+            bound.add_metric(name, q.get("bound") or 0)
+        yield from gauges.values()
+        yield from (oldest, enqueued, claimed, closed, bound)
+
+    def _workers(self, workers: list[dict[str, Any]]) -> Iterator[Metric]:
+        counts = GaugeMetricFamily("taskrunner_workers", "Workers by state (dead ones are kept an hour).",
+                                   labels=["state"])
+        live = [w for w in workers if w["state"] == "alive"]
+        counts.add_metric(["alive"], len(live))
+        counts.add_metric(["dead"], len(workers) - len(live))
+        slots = GaugeMetricFamily("taskrunner_worker_slots", "Jobs the alive workers can run at once.")
+        busy = GaugeMetricFamily("taskrunner_worker_slots_busy", "Jobs the alive workers run now.")
+        slots.add_metric([], sum(number(w.get("concurrency")) or 0 for w in live))
+        busy.add_metric([], sum(number(w.get("busy")) or 0 for w in live))
+        yield from (counts, slots, busy)
+
+
+def _seconds(text: str | None) -> float | None:
+    """A record's time, or None when missing or not a number (a foreign producer's)."""
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
+def exposition(app: TaskRunner) -> bytes:
+    """The metrics in Prometheus's text format, read from Redis now."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RedisCollector(app))  # type: ignore[arg-type]
+    return generate_latest(registry)

@@ -1,0 +1,173 @@
+"""Operations: GET /metrics (and `taskrunner metrics`) read with prometheus_client's own
+parser and checked against Redis while real workers and a dispatcher run; /healthz and
+/readyz on the dashboard and on a worker's and a dispatcher's --health-port, with Redis up,
+down and back."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dashboard import create_app
+from taskrunner.ops import health
+from tests import apps
+from tests.conftest import wait_for
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of an exposition."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def q(name: str) -> tuple[tuple[str, str], ...]:
+    return (("queue", name),)
+
+
+def test_metrics_tell_what_redis_holds(app, stack):
+    """Two jobs running (hold), three pending behind them, one delayed, one worker of 2
+    slots, one dispatcher: each series says so, the dashboard's and the CLI's alike."""
+    held = [apps.hold.delay(f"m{i}", 60) for i in range(2)]
+    stack.dispatcher()
+    stack.worker("--prefetch", "1", "-Q", "default", concurrency=2)
+    wait_for(lambda: app.redis.hlen(app.keys.q("default") + "running") == 2, what="both hold jobs running")
+    pending = [apps.add.delay(i, i) for i in range(3)]
+    apps.add.apply_async((1, 1), delay=3600)
+    web = create_app(app, password="", token="").test_client()
+
+    def scrape() -> dict:
+        r = web.get("/metrics")
+        assert r.status_code == 200 and r.content_type.startswith("text/plain; version=0.0.4")
+        return samples(r.get_data(as_text=True))
+
+    # The worker's heartbeat says how many slots are busy: wait for one that has both.
+    m = wait_for(lambda: (s := scrape())[("taskrunner_worker_slots_busy", ())] == 2 and s, what="busy slots in a beat")
+    p = app.keys.q("default")
+    assert m[("taskrunner_queue_pending", q("default"))] == app.redis.llen(p + "pending") == 3
+    assert m[("taskrunner_queue_delayed", q("default"))] == app.redis.zcard(p + "delayed") == 1
+    assert m[("taskrunner_queue_running", q("default"))] == 2
+    assert m[("taskrunner_queue_stuck", q("default"))] == 0
+    assert m[("taskrunner_queue_enqueued_total", q("default"))] == int(app.redis.hget(p + "meta",
+                                                                                      "produced_messages")) == 6
+    assert m[("taskrunner_queue_claimed_total", q("default"))] == 2
+    oldest = float(app.redis.hget(app.keys.job("default", pending[0].id), "enqueued_at"))
+    age = m[("taskrunner_queue_oldest_pending_age_seconds", q("default"))]
+    assert 0 < age < 600 and age == pytest.approx(app.redis.time()[0] - oldest, abs=5)
+    assert m[("taskrunner_queue_closed", q("default"))] == 0
+    assert m[("taskrunner_workers", (("state", "alive"),))] == 1
+    assert m[("taskrunner_worker_slots", ())] == 2
+    assert m[("taskrunner_dispatchers_alive", ())] == 1
+    assert 0 <= next(v for (n, _), v in m.items() if n == "taskrunner_dispatcher_last_pass_age_seconds") < 30
+    # The CLI prints the same series.
+    out = stack.cli("metrics", "-A", "tests.apps", check=True).stdout
+    assert {k for k in samples(out)} == set(m)
+    for j in held:
+        j.kill()
+
+
+def test_metrics_count_stuck_jobs_and_empty_queues(app, stack):
+    """A queue with nothing pending has an oldest age of 0; a job held by a worker that is
+    gone counts as stuck."""
+    web = create_app(app, password="", token="").test_client()
+    apps.add.delay(1, 2)
+    app.redis.delete(app.keys.q("default") + "pending", app.keys.q("default") + "items")
+    app.redis.hset(app.keys.q("default") + "running", "ghost", json.dumps(
+        {"worker": "nobody.1", "host": "h", "ip": "127.0.0.1", "pid": 1, "started_at": 1.0, "max_duration": 5,
+         "attempt": 1}))
+    m = samples(web.get("/metrics").get_data(as_text=True))
+    assert m[("taskrunner_queue_oldest_pending_age_seconds", q("default"))] == 0
+    assert m[("taskrunner_queue_stuck", q("default"))] == 1
+    assert m[("taskrunner_workers", (("state", "alive"),))] == 0
+
+
+def test_metrics_token(app, monkeypatch):
+    """With TASKRUNNER_METRICS_TOKEN set, /metrics needs it as a bearer token (the API's
+    token does not do), and the rest of the dashboard is unchanged."""
+    monkeypatch.setenv("TASKRUNNER_METRICS_TOKEN", "scrape-me")
+    web = create_app(app, password="pw", token="api-token").test_client()
+    assert web.get("/metrics").status_code == 401
+    assert web.get("/metrics", headers={"Authorization": "Bearer api-token"}).status_code == 401
+    r = web.get("/metrics", headers={"Authorization": "Bearer scrape-me"})
+    assert r.status_code == 200 and "taskrunner_queue_pending" in r.get_data(as_text=True)
+
+
+def test_dashboard_health_with_redis_down_and_back(tmp_path, monkeypatch):
+    """/healthz answers whatever Redis does; /readyz is 503 with the reason while Redis is
+    down or no dispatcher runs, 200 once both are there."""
+    from taskrunner import TaskRunner
+    from taskrunner.ops.redis_server import RedisServer
+
+    server = RedisServer(tmp_path, appendonly=False)
+    runner = TaskRunner("health", redis_url=server.url)
+    try:
+        web = create_app(runner, password="", token="").test_client()
+        assert web.get("/healthz").status_code == 200
+        r = web.get("/readyz")
+        assert r.status_code == 503 and "cannot reach Redis" in r.get_json()["reason"]
+        server.start()
+        r = web.get("/readyz")
+        assert r.status_code == 503 and "no dispatcher" in r.get_json()["reason"]
+        entry = {"name": "d1", "last_pass": runner.redis.time()[0]}
+        runner.redis.hset(runner.keys.dispatchers, "d1", json.dumps(entry))
+        r = web.get("/readyz")
+        assert r.status_code == 200 and r.get_json() == {"ready": True, "dispatchers": 1}
+        server.stop()
+        assert web.get("/healthz").status_code == 200
+        assert web.get("/readyz").status_code == 503
+    finally:
+        server.stop()
+
+
+def _get(url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _health_url(p) -> str:
+    """The address a process started with --health-port ...:0 logged."""
+    found: list[str] = []
+
+    def logged() -> bool:
+        m = re.search(r"health checks on (http://[\d.]+:\d+)/healthz", p.stdout.readline())
+        if m:
+            found.append(m.group(1))
+        return bool(m)
+
+    wait_for(logged, what="the health address in the log")
+    return found[0]
+
+
+def test_health_port_of_a_worker_and_a_dispatcher(app, stack):
+    """A worker's /readyz waits for a dispatcher; both processes answer /healthz."""
+    w = _health_url(stack.worker("--health-port", "127.0.0.1:0"))
+    assert _get(w + "/healthz") == (200, {"alive": True})
+    status, body = _get(w + "/readyz")
+    assert status == 503 and "no dispatcher" in body["reason"]
+    d = _health_url(stack.spawn("dispatcher", "-A", "tests.apps", "--health-port", "0"))
+    assert _get(d + "/healthz") == (200, {"alive": True})
+    wait_for(lambda: _get(w + "/readyz")[0] == 200, what="the worker ready once the dispatcher passed")
+    assert _get(w + "/nope")[0] == 404
+
+
+def test_a_bad_health_port_is_refused_in_one_line(app, stack):
+    r = stack.cli("worker", "-A", "tests.apps", "--health-port", "localhost:http")
+    assert r.returncode == 2 and "--health-port" in r.stderr and "HOST:PORT" in r.stderr
+
+
+def test_liveness_says_when_the_loop_stopped_going_round():
+    check = health.liveness(lambda: 12.5, 10, "worker")
+    assert check() == (False, {"alive": False, "reason": "the worker's loop last went round 12 s ago (more than 10 s)"})
+    assert health.liveness(lambda: 0.2, 10, "worker")() == (True, {"alive": True})
+    assert health.parse_address("8080") == ("127.0.0.1", 8080)
+    assert health.parse_address("0.0.0.0:9") == ("0.0.0.0", 9)
+    with pytest.raises(ValueError):
+        health.parse_address("70000")
