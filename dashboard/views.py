@@ -38,6 +38,7 @@ api = Blueprint("api", __name__, url_prefix="/api")
 PAGE = 50
 ACTIONS = ("kill", "retry", "requeue", "delete")
 QUEUE_ACTIONS = ("purge", "close", "open")
+SCHEDULE_ACTIONS = ("pause", "resume", "run-now", "delete")
 FINISHED = ("completed", "failed", "killed")
 
 
@@ -127,6 +128,29 @@ def queue_act(name: str, action: str, who: str) -> dict[str, Any]:
     return out
 
 
+def schedule_act(name: str, action: str, who: str) -> dict[str, Any]:
+    """Pause, resume, run now or delete a schedule (taskrunner/ops/schedules.py); audited."""
+    from taskrunner.ops import schedules
+
+    if action not in SCHEDULE_ACTIONS:
+        abort(404, f"no schedule action {action!r}")
+    try:
+        if action in ("pause", "resume"):
+            schedules.pause(runner(), name, action == "pause")
+            out: dict[str, Any] = {"message": "paused" if action == "pause" else "resumed: it fires from its next tick"}
+        elif action == "run-now":
+            job = schedules.run_now(runner(), name)
+            out = {"message": f"enqueued job {job.id}", "job": job.id}
+        else:
+            out = {"message": schedules.delete(runner(), name).split(": ", 1)[1]}
+    except schedules.ScheduleNotFound as e:
+        abort(404, str(e))
+    except ValueError as e:  # deleting one the app declares
+        abort(409, str(e))
+    audit(f"{action} schedule {name}", who, True)
+    return out
+
+
 def audit(what: str, who: str, done: bool) -> None:
     r = runner()
     log.warning("dashboard: %s by %s: %s", what, who, "done" if done else "refused")
@@ -194,7 +218,9 @@ def job(job_id: str) -> str:
 
 @pages.get("/schedules")
 def schedules() -> str:
-    return render_template("schedules.html", schedules=listing.schedules(runner()),
+    from taskrunner.ops.schedules import rows
+
+    return render_template("schedules.html", schedules=rows(runner()),
                            now=server_time(runner().redis))
 
 
@@ -268,6 +294,13 @@ def queue_action(name: str, action: str) -> Any:
     return redirect(url_for("pages.queue", name=name))
 
 
+@pages.post("/schedules/<name>/<action>")
+@security.form_action
+def schedule_action(name: str, action: str) -> Any:
+    flash(f"schedule {name}: {schedule_act(name, action, security.who())['message']}")
+    return redirect(url_for("pages.schedules"))
+
+
 # -- JSON API --------------------------------------------------------------------------
 
 
@@ -314,7 +347,9 @@ def api_workers() -> Any:
 
 @api.get("/schedules")
 def api_schedules() -> Any:
-    return jsonify(listing.schedules(runner()))
+    from taskrunner.ops.schedules import rows
+
+    return jsonify(rows(runner()))
 
 
 @api.get("/tasks")
@@ -366,3 +401,9 @@ def api_job_action(job_id: str, action: str) -> Any:
 @security.api_action
 def api_queue_action(name: str, action: str) -> Any:
     return jsonify({"queue": name, "action": action, **queue_act(name, action, security.who())})
+
+
+@api.post("/schedules/<name>/<action>")
+@security.api_action
+def api_schedule_action(name: str, action: str) -> Any:
+    return jsonify({"schedule": name, "action": action, **schedule_act(name, action, security.who())})

@@ -95,15 +95,39 @@ def _enqueue_args(jobs: list[tuple[str, float, list[Any]]], limit: int | None = 
 
 @dataclass
 class Schedule:
-    """A cron schedule that enqueues a task; fired by the dispatcher."""
+    """A schedule that enqueues a task at each tick: a cron (in UTC, or in `tz`) or an
+    interval (`every` seconds); fired by the dispatcher (taskrunner/ops/schedules.py)."""
 
     name: str
-    cron: str
+    cron: str  # "" for an interval
     task: str
     args: list = field(default_factory=list)
     kwargs: dict = field(default_factory=dict)
     queue: str = "default"
     missed: str = "once"  # after downtime: "once" fires the latest missed tick, "skip" none
+    every: int | None = None  # seconds, instead of a cron
+    tz: str | None = None  # IANA time zone of the cron (None: UTC)
+    jitter: float = 0.0  # each tick's job is delayed by up to this many seconds
+    overlap: str = "allow"  # "skip": no tick while the previous tick's job has not ended
+    source: str = "code"  # or "runtime": added with `taskrunner schedule add`
+
+
+def check_schedule_options(tz: str | None, missed: str, overlap: str, jitter: float) -> None:
+    """A schedule's options, checked where it is declared or added (the dispatcher must
+    never meet a bad one): tz an IANA name (or None: UTC)."""
+    if tz is not None:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(tz)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {tz!r} (an IANA name, e.g. Europe/Berlin or UTC)") from None
+    if missed not in ("once", "skip"):
+        raise ValueError("missed must be 'once' or 'skip'")
+    if overlap not in ("allow", "skip"):
+        raise ValueError("overlap must be 'allow' or 'skip'")
+    if not 0 <= jitter < 86400:
+        raise ValueError("jitter must be seconds >= 0 and < 86400")
 
 
 def check_cron(cron: Any) -> str:
@@ -302,12 +326,13 @@ class TaskRunner:
         return register(fn) if fn is not None else register
 
     def periodic(self, cron: str, *, name: str | None = None, args: Iterable = (), kwargs: dict | None = None,
-                 missed: str = "once", **task_options: Any) -> Callable[[Callable], Task]:
-        """Declare a task and run it on a cron schedule (UTC), e.g. "*/5 * * * *".
-        Each tick is enqueued exactly once, however many dispatchers run."""
+                 missed: str = "once", tz: str | None = None, jitter: float = 0.0, overlap: str = "allow",
+                 **task_options: Any) -> Callable[[Callable], Task]:
+        """Declare a task and run it on a cron schedule, e.g. "*/5 * * * *", in UTC or in
+        `tz` (see taskrunner/ops/schedules.py for daylight-saving changes, `jitter` and
+        `overlap`). Each tick is enqueued exactly once, however many dispatchers run."""
         check_cron(cron)
-        if missed not in ("once", "skip"):
-            raise ValueError("missed must be 'once' or 'skip'")
+        check_schedule_options(tz, missed, overlap, jitter)
 
         def register(f: Callable) -> Task:
             t = f if isinstance(f, Task) else self.task(f, **task_options)
@@ -316,7 +341,7 @@ class TaskRunner:
             codec.check_id(cron_job_id(sname, 2**40))
             self._fields(t.name, args, kwargs, t.spec, None)
             self.schedules[sname] = Schedule(sname, cron, t.name, list(args), dict(kwargs or {}),
-                                             t.spec.queue, missed)
+                                             t.spec.queue, missed, tz=tz, jitter=jitter, overlap=overlap)
             return t
 
         return register

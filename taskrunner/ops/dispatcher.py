@@ -18,10 +18,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 import redis
-from croniter import croniter
 
 from taskrunner.client.app import Schedule, TaskRunner, cron_job_id
 from taskrunner.errors import MissingExtra, TaskRunnerError
+from taskrunner.ops import schedules
 from taskrunner.ops.history import WARN_BACKLOG, Archiver, backlog
 from taskrunner.ops.listing import DISPATCHER_FORGET
 from taskrunner.protocol import codec, scripts
@@ -245,22 +245,23 @@ class Dispatcher:
         pipe.zremrangebyscore(self.keys.workers_dead, "-inf", now - DEAD_KEPT).execute()
 
     def fire_schedules(self, now: float) -> int:
-        """Enqueue each schedule's due tick once (see Schedule.missed for downtime)."""
-        schedules = list(self.app.schedules.values())
-        if not schedules:
+        """Enqueue each schedule's due tick once (see Schedule.missed for downtime, and
+        taskrunner/ops/schedules.py for time zones, jitter and overlap)."""
+        found, paused = schedules.effective(self.app)
+        if not found:
             return 0
-        states = self.redis.hmget(self.keys.schedules, [s.name for s in schedules])
+        states = self.redis.hmget(self.keys.schedules, [s.name for s in found])
         fired = 0
-        at = datetime.fromtimestamp(now, timezone.utc)
-        for s, raw in zip(schedules, states):
+        for s, raw in zip(found, states):
             try:
-                fired += self._fire(s, raw, now, at)
+                fired += self._fire(s, raw, now, s.name in paused)
             except (TaskRunnerError, ValueError) as e:  # e.g. its queue closed, no tick left
-                log.error("dispatcher: schedule %s (%s) did not fire: %s", s.name, s.cron, e)
+                log.error("dispatcher: schedule %s (%s) did not fire: %s", s.name, s.cron or f"every {s.every}s", e)
         return fired
 
-    def _fire(self, s: Schedule, raw: str | None, now: float, at: datetime) -> int:
-        """Fire one schedule's due tick (if any) and record its state; 1 if it fired."""
+    def _fire(self, s: Schedule, raw: str | None, now: float, paused: bool) -> int:
+        """Fire one schedule's due tick (if any) and record its state; 1 if it fired. A
+        paused schedule's ticks pass unfired (resumed, it fires from the next one)."""
         try:
             state = codec.loads(raw) if raw else {}
         except ValueError:
@@ -268,26 +269,39 @@ class Dispatcher:
         last = state.get("last") if isinstance(state, dict) else None
         if not isinstance(last, (int, float)):
             state, last = {}, None  # corrupt: as if seen for the first time
-        latest = croniter(s.cron, at).get_prev(float)
-        if last is None or latest <= last:
+        latest, nxt = schedules.ticks(s, now)
+        if last is None or latest <= last or paused:
             tick = None  # first sight: start from now, fire nothing past
         elif s.missed == "skip" and now - latest > SKIP_GRACE:
             tick = None
         else:
             tick = latest
-        fired = 0
+        fired, skipped = 0, state.get("skipped", 0)
+        if tick is not None and s.overlap == "skip" and self._still_running(s, state.get("last_job")):
+            log.info("dispatcher: %s skipped its tick: job %s of the one before has not ended", s.name,
+                     state.get("last_job"))
+            tick, skipped = None, skipped + 1
+        last_job = state.get("last_job")
         if tick is not None:
             job = self.app.enqueue(s.task, s.args, s.kwargs, queue=s.queue, job_id=cron_job_id(s.name, tick),
-                                   block_timeout=0)
-            fired = int(job.created)
+                                   delay=schedules.jitter_of(s, tick) or None, block_timeout=0)
+            fired, last_job = int(job.created), job.id
             if job.created:
                 log.info("dispatcher: fired %s for %s (job %s)", s.name,
                          datetime.fromtimestamp(tick, timezone.utc).isoformat(), job.id)
-        nxt = croniter(s.cron, at).get_next(float)
-        new = {"name": s.name, "cron": s.cron, "task": s.task, "queue": s.queue, "last": max(latest, last or 0),
-               "next": nxt, "last_fired_at": now if tick is not None else state.get("last_fired_at")}
+        new = {"name": s.name, "cron": s.cron, "every": s.every, "tz": s.tz, "task": s.task, "queue": s.queue,
+               "args": s.args, "kwargs": s.kwargs, "source": s.source, "last": max(latest, last or 0), "next": nxt,
+               "last_fired_at": now if tick is not None else state.get("last_fired_at"), "last_job": last_job,
+               "skipped": skipped}
         self.redis.hset(self.keys.schedules, s.name, codec.dumps(new))
         return fired
+
+    def _still_running(self, s: Schedule, job_id: Any) -> bool:
+        """The job of a schedule's previous tick has not ended (pending, delayed, running)."""
+        if not isinstance(job_id, str):
+            return False
+        state = self.redis.hget(self.keys.job(s.queue, job_id), "state")
+        return state in ("pending", "delayed", "running")
 
 
 def _info(raw: str | None) -> dict[str, Any]:

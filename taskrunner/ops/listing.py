@@ -259,10 +259,3 @@ def dispatchers(app: TaskRunner, now: float) -> list[dict[str, Any]]:
         d["health"] = "ok" if d["healthy"] else "late" if d["age"] < DISPATCHER_GONE else "gone"
         out.append(d)
     return sorted(out, key=lambda d: d["age"])
-
-
-def schedules(app: TaskRunner) -> list[dict[str, Any]]:
-    out = []
-    for name, raw in sorted(app.redis.hgetall(app.keys.schedules).items()):
-        out.append({**(_entry(raw) or {}), "name": name})
-    return out

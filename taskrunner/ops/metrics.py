@@ -87,7 +87,8 @@ class RedisCollector:
             name = [q["name"]]
             for f, family in gauges.items():
                 family.add_metric(name, q.get(f) or 0)
-            oldest.add_metric(name, max(0.0, now - _seconds(since)) if _seconds(since) is not None else 0.0)
+            t = _seconds(since)
+            oldest.add_metric(name, max(0.0, now - t) if t is not None else 0.0)
             enqueued.add_metric(name, q["produced_messages"])
             claimed.add_metric(name, q["consumed_messages"])
             closed.add_metric(name, 1 if q.get("closed") else 0)

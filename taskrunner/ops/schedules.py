@@ -1,0 +1,203 @@
+"""Schedules: their ticks, and the ones kept in Redis that operators add, pause, resume, run
+now and delete at runtime (`taskrunner schedule ...`, the dashboard's Schedules page).
+
+Code-declared schedules (`@app.periodic`) are the defaults; a runtime schedule with the same
+name replaces one while it exists (deleting it brings the code's back). The dispatcher reads
+the runtime ones at each pass (one HGETALL), so a change takes effect within a pass.
+
+Ticks, each fired at most once however many dispatchers run (its job id names the tick):
+- cron, in UTC or in a time zone (`tz`, IANA name). A cron matches wall-clock times; around
+  daylight-saving changes each wall time that matches fires once: a time in the hour that is
+  skipped (spring forward, e.g. 02:30 in Europe/Berlin) fires once, shifted by the gap (at
+  03:30), and a time in the hour that repeats (fall back) fires once, at its first occurrence.
+- every N seconds (a whole number >= 1): ticks at the multiples of N since the Unix epoch,
+  so that every dispatcher agrees on them.
+Options: `jitter` S delays each tick's job by up to S seconds (the same for every dispatcher:
+it derives from the tick); `overlap="skip"` skips a tick while the job of the previous tick
+is still pending, delayed or running; `missed` ("once" or "skip") what happens to ticks missed
+while no dispatcher ran (see Schedule)."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import asdict
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+from zoneinfo import ZoneInfo
+
+from croniter import croniter
+
+from taskrunner.client.app import Schedule, check_cron, check_schedule_options, cron_job_id
+from taskrunner.errors import TaskRunnerError
+from taskrunner.protocol import codec
+
+if TYPE_CHECKING:
+    from taskrunner.client.app import TaskRunner
+    from taskrunner.client.job import Job
+
+
+class ScheduleNotFound(TaskRunnerError):
+    """No schedule of that name (neither in code nor added at runtime)."""
+
+
+def _defs_key(app: TaskRunner) -> str:
+    return app.keys.g + "schedules:defs"
+
+
+def _paused_key(app: TaskRunner) -> str:
+    return app.keys.g + "schedules:paused"
+
+
+_DURATION = re.compile(r"^(\d+)(s|m|h|d)?$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+
+
+def parse_every(text: str) -> int:
+    """'30s', '5m', '2h', '1d' or seconds: a whole number of seconds >= 1."""
+    m = _DURATION.match(text.strip())
+    if not m or int(m.group(1)) < 1:
+        raise ValueError(f"every must be a whole number of seconds >= 1, or with a unit (30s, 5m, 2h, 1d), "
+                         f"not {text!r}")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def ticks(s: Schedule, now: float) -> tuple[float, float]:
+    """(the latest tick at or before `now`, the next one after it), as Unix times."""
+    if s.every:
+        latest = (now // s.every) * s.every
+        return latest, latest + s.every
+    if not s.tz:
+        at = datetime.fromtimestamp(now, timezone.utc)
+        return croniter(s.cron, at).get_prev(float), croniter(s.cron, at).get_next(float)
+    zone = ZoneInfo(s.tz)
+    # Walk the cron over naive wall-clock times, and map each to the first instant it names
+    # (fold=0); a wall time that does not exist maps past the gap.
+    wall = datetime.fromtimestamp(now, zone).replace(tzinfo=None)
+
+    def instant(t: datetime) -> float:
+        return t.replace(tzinfo=zone, fold=0).timestamp()
+
+    back = croniter(s.cron, wall)
+    latest = instant(back.get_prev(datetime))
+    while latest > now:  # a skipped wall time maps after now: the one before
+        latest = instant(back.get_prev(datetime))
+    ahead = croniter(s.cron, wall)
+    nxt = instant(ahead.get_next(datetime))
+    while nxt <= now:  # in a repeated hour the wall clock is behind: its next may be past
+        nxt = instant(ahead.get_next(datetime))
+    return latest, nxt
+
+
+def jitter_of(s: Schedule, tick: float) -> float:
+    """The delay of a tick's job: up to s.jitter seconds, the same for every dispatcher."""
+    if not s.jitter:
+        return 0.0
+    return (zlib.crc32(f"{s.name}.{int(tick)}".encode()) % 10_000) / 10_000 * s.jitter
+
+
+def _from_json(name: str, raw: str) -> Schedule | None:
+    """A runtime schedule's definition, or None when it is not one (a hand edit)."""
+    try:
+        d = codec.loads(raw)
+        return Schedule(name=name, cron=d.get("cron") or "", task=d["task"], args=list(d.get("args", [])),
+                        kwargs=dict(d.get("kwargs", {})), queue=d.get("queue", "default"),
+                        missed=d.get("missed", "once"), every=d.get("every"), tz=d.get("tz"),
+                        jitter=float(d.get("jitter", 0)), overlap=d.get("overlap", "allow"), source="runtime")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def effective(app: TaskRunner) -> tuple[list[Schedule], set[str]]:
+    """Every schedule the dispatcher fires (the code's, replaced by runtime ones of the same
+    name), and the names paused."""
+    pipe = app.redis.pipeline(transaction=False)
+    pipe.hgetall(_defs_key(app)).smembers(_paused_key(app))
+    defs, paused = pipe.execute()
+    out = dict(app.schedules)
+    for name, raw in defs.items():
+        s = _from_json(name, raw)
+        if s is not None:
+            out[name] = s
+    return list(out.values()), set(paused)
+
+
+def add(app: TaskRunner, name: str, task: str, *, cron: str | None = None, every: str | int | None = None,
+        tz: str | None = None, args: list | None = None, kwargs: dict | None = None, queue: str = "default",
+        jitter: float = 0.0, overlap: str = "allow", missed: str = "once") -> Schedule:
+    """Add (or replace) a runtime schedule; checked here, so the dispatcher never meets a bad one."""
+    codec.check_name("schedule", name)
+    codec.check_name("task", task)
+    codec.check_name("queue", queue)
+    codec.check_id(cron_job_id(name, 2**40))
+    if (cron is None) == (every is None):
+        raise ValueError("give a schedule either a cron expression or an interval (every), not both")
+    if every is not None and tz is not None:
+        raise ValueError("a time zone applies to cron schedules, not to intervals")
+    seconds = parse_every(str(every)) if every is not None else None
+    if cron is not None:
+        check_cron(cron)
+    check_schedule_options(tz, missed, overlap, jitter)
+    if not isinstance(args or [], list) or not isinstance(kwargs or {}, dict):
+        raise ValueError("args must be a JSON array and kwargs a JSON object")
+    s = Schedule(name=name, cron=cron or "", task=task, args=list(args or []), kwargs=dict(kwargs or {}),
+                 queue=queue, missed=missed, every=seconds, tz=tz, jitter=jitter, overlap=overlap, source="runtime")
+    definition = {k: v for k, v in asdict(s).items() if k not in ("name", "source") and v not in (None, "")}
+    app.redis.hset(_defs_key(app), name, codec.dumps(definition))
+    return s
+
+
+def _must_exist(app: TaskRunner, name: str) -> Schedule:
+    found = {s.name: s for s in effective(app)[0]}
+    if name not in found:
+        raise ScheduleNotFound(f"no schedule {name!r} (see `taskrunner schedule list`; code-declared ones "
+                               "are known to the CLI with -A)")
+    return found[name]
+
+
+def delete(app: TaskRunner, name: str) -> str:
+    """Delete a runtime schedule; answers what happened (a code one cannot be deleted: pause it)."""
+    if app.redis.hdel(_defs_key(app), name):
+        if name in app.schedules:
+            return f"{name}: deleted; the app's own schedule of that name applies again"
+        app.redis.srem(_paused_key(app), name)
+        app.redis.hdel(app.keys.schedules, name)
+        return f"{name}: deleted"
+    if name in app.schedules:
+        raise ValueError(f"{name} is declared in the app's code: pause it (`taskrunner schedule pause {name}`)")
+    raise ScheduleNotFound(f"no runtime schedule {name!r} (see `taskrunner schedule list`)")
+
+
+def pause(app: TaskRunner, name: str, paused: bool = True) -> None:
+    _must_exist(app, name)
+    if paused:
+        app.redis.sadd(_paused_key(app), name)
+    else:
+        app.redis.srem(_paused_key(app), name)
+
+
+def run_now(app: TaskRunner, name: str) -> Job:
+    """Enqueue the schedule's job once, now (outside its ticks, paused or not)."""
+    s = _must_exist(app, name)
+    return app.enqueue(s.task, s.args, s.kwargs, queue=s.queue)
+
+
+def rows(app: TaskRunner) -> list[dict[str, Any]]:
+    """Every schedule known here (the app's, runtime ones, and those dispatchers published),
+    with its definition, state (last and next tick, last fired) and whether it is paused."""
+    pipe = app.redis.pipeline(transaction=False)
+    pipe.hgetall(app.keys.schedules)
+    states = pipe.execute()[0]
+    found, paused = effective(app)
+    rows: dict[str, dict[str, Any]] = {}
+    for name, raw in states.items():
+        try:
+            state = codec.loads(raw)
+        except ValueError:
+            state = {}
+        rows[name] = {**(state if isinstance(state, dict) else {}), "name": name}
+    for s in found:
+        rows[s.name] = {**rows.get(s.name, {}), **asdict(s)}
+    for row in rows.values():
+        row["paused"] = row["name"] in paused
+    return [rows[n] for n in sorted(rows)]

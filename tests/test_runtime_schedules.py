@@ -1,0 +1,189 @@
+"""Schedules changed at runtime (`taskrunner schedule ...`, the dashboard): intervals fired by
+two real dispatchers once per tick, pause, resume, run-now, delete; time zones across
+daylight-saving changes, overlap and jitter, with a dispatcher driven at chosen times."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from dashboard import create_app
+from taskrunner import TaskRunner
+from taskrunner.ops import schedules
+from taskrunner.ops.dispatcher import Dispatcher
+from tests.conftest import wait_for
+from tests.test_dashboard import csrf, login
+
+BERLIN = ZoneInfo("Europe/Berlin")
+
+
+def ticks_of(app, queue: str = "default") -> list[int]:
+    """The tick times of the schedule jobs of a queue, pending or done."""
+    p = app.keys.q(queue)
+    ids = app.redis.lrange(p + "pending", 0, -1) + app.redis.zrange(p + "completed", 0, -1) \
+        + app.redis.zrange(p + "delayed", 0, -1)
+    return sorted(int(i.rsplit(".", 1)[1]) for i in ids if i.startswith("cron."))
+
+
+def test_every_fires_each_tick_once_with_two_dispatchers_and_pause_stops_it(app, stack):
+    r = stack.cli("schedule", "add", "poll", "tests.apps.add", "--every", "2s", "--args", "[1, 2]")
+    assert r.returncode == 0 and "every 2 s" in r.stdout, r.stderr
+    stack.dispatcher()
+    stack.dispatcher()
+    stack.worker(concurrency=1)
+    p = app.keys.q("default")
+    wait_for(lambda: app.redis.zcard(p + "completed") >= 3, timeout=60, what="3 ticks run")
+    done = app.redis.zrange(p + "completed", 0, -1)
+    assert all(i.startswith("cron.poll.") for i in done) and len(done) == len(set(done))
+    ticks = sorted(int(i.rsplit(".", 1)[1]) for i in done)
+    assert all(t % 2 == 0 for t in ticks) and all(b - a >= 2 for a, b in zip(ticks, ticks[1:]))
+    for i in done:  # each tick's job ran once
+        assert app.redis.hget(app.keys.job("default", i), "attempts") == "1"
+    listed = json.loads(stack.cli("schedule", "list", "--json", check=True).stdout)
+    [row] = [s for s in listed if s["name"] == "poll"]
+    assert row["every"] == 2 and row["source"] == "runtime" and not row["paused"] and row["last_fired_at"]
+
+    assert stack.cli("schedule", "pause", "poll").returncode == 0
+    paused_at = app.redis.time()[0]
+    # Two dispatchers' passes well past two more ticks: nothing fired after the pause (a
+    # tick enqueued in the pass that raced the pause is the only one allowed).
+    wait_for(lambda: all(json.loads(v)["last_pass"] > paused_at + 5 for v in app.redis.hvals(app.keys.dispatchers)),
+             timeout=30, what="dispatcher passes 5 s after the pause")
+    assert [t for t in ticks_of(app) if t > paused_at + 1] == []
+    assert json.loads(stack.cli("schedule", "list", "--json", check=True).stdout)[0]["paused"] is True
+    job_id = stack.cli("schedule", "run-now", "poll", check=True).stdout.strip()
+    wait_for(lambda: app.redis.hget(app.keys.job("default", job_id), "state") == "completed", what="run-now's job")
+    assert stack.cli("schedule", "resume", "poll").returncode == 0
+    resumed_at = app.redis.time()[0]
+    wait_for(lambda: any(t > resumed_at for t in ticks_of(app)), timeout=30, what="a tick after resume")
+    r = stack.cli("schedule", "delete", "poll")
+    assert r.returncode == 0 and "deleted" in r.stdout
+    assert "poll" not in [s["name"] for s in json.loads(stack.cli("schedule", "list", "--json").stdout)]
+
+
+def _day(app: TaskRunner, name: str, start: datetime, hours: float, step: float = 600) -> list[float]:
+    """Drive a dispatcher every `step` seconds for `hours` from `start`; the ticks fired."""
+    d = Dispatcher(app)
+    t = start.timestamp()
+    fired: list[float] = []
+    while t < start.timestamp() + hours * 3600:
+        before = set(ticks_of(app))
+        d.fire_schedules(t)
+        fired += sorted(set(ticks_of(app)) - before)
+        t += step
+    return fired
+
+
+def _local(ts: float) -> str:
+    return datetime.fromtimestamp(ts, BERLIN).strftime("%H:%M %Z")
+
+
+def test_a_time_zone_cron_across_spring_forward_and_fall_back(app):
+    """Europe/Berlin: 02:30 does not exist on 2026-03-29 (it fires once, at 03:30 CEST) and
+    exists twice on 2026-10-25 (it fires once, the first time); an hourly cron fires 23 times
+    on the short day and 24 on the long one (each wall time once)."""
+    t = TaskRunner("dst", redis_url=app.settings.redis_url, prefix=app.settings.prefix + "dst1")
+    schedules.add(t, "nightly", "shop.nightly", cron="30 2 * * *", tz="Europe/Berlin")
+    spring = _day(t, "nightly", datetime(2026, 3, 28, 22, 0, tzinfo=timezone.utc), 24)
+    assert [_local(x) for x in spring] == ["03:30 CEST"]
+    f = TaskRunner("dst", redis_url=app.settings.redis_url, prefix=app.settings.prefix + "dst4")
+    schedules.add(f, "nightly", "shop.nightly", cron="30 2 * * *", tz="Europe/Berlin")
+    fall = _day(f, "nightly", datetime(2026, 10, 24, 21, 0, tzinfo=timezone.utc), 24)
+    assert [_local(x) for x in fall] == ["02:30 CEST"]  # the first 02:30 (summer time), not the second
+
+    h = TaskRunner("dst", redis_url=app.settings.redis_url, prefix=app.settings.prefix + "dst2")
+    schedules.add(h, "hourly", "shop.hourly", cron="0 * * * *", tz="Europe/Berlin")
+    short = _day(h, "hourly", datetime(2026, 3, 28, 22, 59, 30, tzinfo=timezone.utc), 23, step=300)
+    assert len(short) == 23 and len(set(short)) == 23 and "02:00" not in {_local(x)[:5] for x in short}
+    h2 = TaskRunner("dst", redis_url=app.settings.redis_url, prefix=app.settings.prefix + "dst3")
+    schedules.add(h2, "hourly", "shop.hourly", cron="0 * * * *", tz="Europe/Berlin")
+    long = _day(h2, "hourly", datetime(2026, 10, 24, 21, 59, 30, tzinfo=timezone.utc), 25, step=300)
+    walls = [_local(x)[:5] for x in long]
+    assert len(long) == 24 and walls.count("02:00") == 1 and sorted(set(walls)) == sorted(walls)
+
+
+def test_overlap_skip_and_jitter(app):
+    t = TaskRunner("ovl", redis_url=app.settings.redis_url, prefix=app.settings.prefix + "ovl")
+    schedules.add(t, "slow", "shop.slow", every="10s", overlap="skip")
+    d = Dispatcher(t)
+    base = 1_800_000_000.0
+    d.fire_schedules(base + 1)  # first sight: nothing
+    d.fire_schedules(base + 11)  # tick base+10
+    d.fire_schedules(base + 21)  # its job is still pending (no worker): skipped
+    assert ticks_of(t) == [int(base + 10)]
+    state = json.loads(t.redis.hget(t.keys.schedules, "slow"))
+    assert state["skipped"] == 1 and state["last_job"] == f"cron.slow.{int(base + 10)}"
+    t.redis.hset(t.keys.job("default", state["last_job"]), "state", "completed")  # as if it ended
+    d.fire_schedules(base + 31)
+    assert ticks_of(t) == [int(base + 10), int(base + 30)]
+
+    j = TaskRunner("jit", redis_url=app.settings.redis_url, prefix=app.settings.prefix + "jit")
+    schedules.add(j, "spread", "shop.spread", every="60s", jitter=30)
+    dj = Dispatcher(j)
+    dj.fire_schedules(base + 1)
+    now = j.redis.time()[0]
+    dj.fire_schedules(base + 61)
+    [job_id] = j.redis.zrange(j.keys.q("default") + "delayed", 0, -1)
+    due = j.redis.zscore(j.keys.q("default") + "delayed", job_id)
+    assert 0 < due - now <= 31  # up to 30 s later, from when it was enqueued
+    again = schedules.jitter_of(schedules.effective(j)[0][0], base + 60)
+    assert again == schedules.jitter_of(schedules.effective(j)[0][0], base + 60) and 0 < again < 30
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--cron", "not a cron"], "invalid cron expression"),
+    (["--cron", "0 3 * * *", "--tz", "Mars/Olympus"], "unknown time zone"),
+    (["--cron", "0 3 * * *", "--every", "5s"], "either a cron expression or an interval"),
+    ([], "either a cron expression or an interval"),
+    (["--every", "0s"], "whole number of seconds >= 1"),
+    (["--every", "1.5s"], "whole number of seconds >= 1"),
+    (["--every", "5s", "--tz", "UTC"], "time zone applies to cron"),
+    (["--every", "5s", "--args", "{}"], "must be a JSON array"),
+])
+def test_bad_schedules_are_refused_in_one_line(app, stack, args, error):
+    r = stack.cli("schedule", "add", "bad", "tests.apps.add", *args)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error")]
+    assert r.returncode == 2 and len(errors) == 1 and error in errors[0] and "Traceback" not in r.stderr, r.stderr
+    assert app.redis.hlen(app.keys.g + "schedules:defs") == 0
+
+
+def test_unknown_and_code_schedules(app, stack):
+    r = stack.cli("schedule", "pause", "nope")
+    assert r.returncode == 1 and "no schedule 'nope'" in r.stderr
+    r = stack.cli("schedule", "delete", "tests.cron_app.every_second", "-A", "tests.cron_app")
+    assert r.returncode == 2 and "pause it" in r.stderr
+    # A runtime schedule of a code schedule's name replaces it; deleting it brings the code's back.
+    from tests import cron_app
+
+    cron_app.app.configure(redis_url=stack.url, prefix=app.settings.prefix)
+    schedules.add(cron_app.app, "tests.cron_app.every_second", "tests.cron_app.every_second", every="60s")
+    [s] = [s for s in schedules.effective(cron_app.app)[0] if s.name == "tests.cron_app.every_second"]
+    assert s.every == 60 and s.source == "runtime"
+    assert "applies again" in schedules.delete(cron_app.app, "tests.cron_app.every_second")
+    [s] = schedules.effective(cron_app.app)[0]
+    assert s.cron == "* * * * * *" and s.source == "code"
+
+
+def test_dashboard_schedule_actions(app):
+    schedules.add(app, "web", "tests.apps.add", every="3600s", args=[2, 3])
+    web = create_app(app, password="pw", token="tok").test_client()
+    page = web.get("/schedules").get_data(as_text=True)
+    assert "every 3600 s" in page and "added at runtime" in page and 'data-action="pause"' not in page
+    token = login(web)
+    assert 'data-action="pause"' in web.get("/schedules").get_data(as_text=True)
+    assert web.post("/schedules/web/pause", data={}).status_code == 403  # no CSRF token
+    r = web.post("/schedules/web/pause", data={"csrf_token": token})
+    assert r.status_code == 302 and schedules.effective(app)[1] == {"web"}
+    assert 'data-action="resume"' in web.get("/schedules").get_data(as_text=True)
+    web.post("/schedules/web/resume", data={"csrf_token": csrf(web, "/schedules")})
+    assert schedules.effective(app)[1] == set()
+    api = create_app(app, password="pw", token="tok").test_client()
+    assert api.post("/api/schedules/web/run-now").status_code == 401
+    r = api.post("/api/schedules/web/run-now", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 200 and app.redis.hget(app.keys.job("default", r.get_json()["job"]), "args") == "[2,3]"
+    assert api.post("/api/schedules/nope/pause", headers={"Authorization": "Bearer tok"}).status_code == 404
+    r = api.post("/api/schedules/web/delete", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 200 and schedules.rows(app) == []
