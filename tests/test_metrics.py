@@ -171,3 +171,73 @@ def test_liveness_says_when_the_loop_stopped_going_round():
     assert health.parse_address("0.0.0.0:9") == ("0.0.0.0", 9)
     with pytest.raises(ValueError):
         health.parse_address("70000")
+
+
+def _stream_truth(app, queue: str = "default") -> dict[tuple[str, str], int]:
+    """(task, state) -> history entries, read from the stream itself."""
+    out: dict[tuple[str, str], int] = {}
+    for _, f in app.redis.xrange(app.keys.q(queue) + "history"):
+        out[(f["task"], f["state"])] = out.get((f["task"], f["state"]), 0) + 1
+    return out
+
+
+def test_job_counts_and_histograms_from_the_history(app, stack):
+    """taskrunner_jobs_total matches the history stream entry for entry (completed, failed,
+    retried); the run-time histogram counts every ended delivery, the queue wait every first
+    one; a second read counts nothing twice."""
+    web = create_app(app, password="", token="").test_client()
+    stack.dispatcher()  # promotes the retry of flaky
+    stack.worker(concurrency=2)
+    adds = [apps.add.delay(i, i) for i in range(7)]
+    booms = [apps.boom.delay(f"b{i}") for i in range(2)]
+    flaky = apps.flaky.delay("fl", 2)  # fails once (requeued), then completes
+    for j in [*adds, flaky]:
+        j.wait(timeout=30)
+    for j in booms:
+        wait_for(lambda j=j: j.refresh().state == "failed", what="boom failed")
+    truth = _stream_truth(app)
+    assert truth[("tests.apps.add", "completed")] == 7 and truth[("tests.apps.boom", "failed")] == 2
+    assert truth[("tests.apps.flaky", "requeued")] == 1
+    for _ in range(2):  # read twice: the second counts nothing again
+        m = samples(web.get("/metrics").get_data(as_text=True))
+        counted = {(dict(labels)["task"], dict(labels)["outcome"]): v for (n, labels), v in m.items()
+                   if n == "taskrunner_jobs_total"}
+        assert counted == truth
+    assert m[("taskrunner_job_runtime_seconds_count", (("queue", "default"), ("task", "tests.apps.add")))] == 7
+    assert m[("taskrunner_job_runtime_seconds_bucket",
+              (("le", "+Inf"), ("queue", "default"), ("task", "tests.apps.add")))] == 7
+    assert m[("taskrunner_job_runtime_seconds_count", (("queue", "default"), ("task", "tests.apps.boom")))] == 2
+    assert m[("taskrunner_job_queue_wait_seconds_count", (("queue", "default"), ("task", "tests.apps.flaky")))] == 1
+    assert 0 <= m[("taskrunner_job_runtime_seconds_sum", (("queue", "default"), ("task", "tests.apps.add")))] < 70
+
+
+def test_the_archiver_counts_what_it_trims_while_metrics_are_read(app, stack, tmp_path):
+    """With metrics read lately, archiving (which trims the stream) loses no count; the
+    counts then equal every delivery, archived or not."""
+    pytest.importorskip("pyarrow")
+    from taskrunner.ops.history import Archiver
+
+    web = create_app(app, password="", token="").test_client()
+    samples(web.get("/metrics").get_data(as_text=True))  # metrics are read: the archiver counts too
+    stack.worker(concurrency=2)
+    for j in [apps.add.delay(i, 1) for i in range(5)]:
+        j.wait(timeout=30)
+    Archiver(app, str(tmp_path)).archive(["default"])
+    assert app.redis.xlen(app.keys.q("default") + "history") == 0
+    for j in [apps.add.delay(i, 2) for i in range(3)]:
+        j.wait(timeout=30)
+    m = samples(web.get("/metrics").get_data(as_text=True))
+    labels = (("outcome", "completed"), ("queue", "default"), ("task", "tests.apps.add"))
+    assert m[("taskrunner_jobs_total", labels)] == 8
+
+
+def test_tally_refuses_a_bad_count_and_skips_hostile_task_names(app):
+    from redis.exceptions import ResponseError
+
+    from taskrunner.protocol import scripts
+
+    with pytest.raises(ResponseError, match="whole number >= 1"):
+        scripts.TALLY(app.redis, [app.keys.q("default")], ["0"])
+    app.redis.xadd(app.keys.q("default") + "history", {"task": "a|b", "state": "completed", "started_at": "x"})
+    assert scripts.TALLY(app.redis, [app.keys.q("default")], [10]) == 1
+    assert app.redis.hget(app.keys.q("default") + "stats", "jobs|?|completed") == "1"

@@ -133,6 +133,11 @@ class Archiver:
                 first, last = entries[0][0], entries[-1][0]
                 r.set(mark, f"{first} {last}")
             self._write(queue, first, last, entries)
+            if r.exists(self.app.keys.g + "metrics:on"):  # someone reads the job counts: count before trimming
+                from taskrunner.ops.metrics import tally
+
+                while tally(self.app, queue):
+                    pass
             # Trim, then forget the batch, in this order and without MULTI (redis-py before
             # 6.1 has no transactions on a cluster): a death between the two is the case above.
             pipe = r.pipeline(transaction=False)

@@ -252,7 +252,7 @@ def dispatchers(app: TaskRunner, now: float) -> list[dict[str, Any]]:
         d = _entry(raw)
         if d is None:
             continue
-        d["age"] = now - (number(d.get("last_pass")) or 0)
+        d["age"] = max(0.0, now - (number(d.get("last_pass")) or 0))  # a pass may begin after our clock read
         if not isinstance(d.get("history_backlog"), dict):
             d["history_backlog"] = {}
         d["healthy"] = d["age"] < max(5 * app.settings.dispatch_interval, 5)

@@ -1,9 +1,16 @@
 """Prometheus metrics, read from Redis when scraped: the truth every worker and dispatcher
 writes there, so that a figure neither vanishes with a process nor multiplies with the
 number of workers (Flower's and Dramatiq's exporters scrape each process). Served at the
-dashboard's GET /metrics and printed by `taskrunner metrics`; reading them changes nothing.
+dashboard's GET /metrics and printed by `taskrunner metrics`; reading them changes no job.
 
-Series (every one a gauge unless it says total):
+Series (every one a gauge unless it says total or histogram):
+- per task, queue and outcome: taskrunner_jobs_total (deliveries that ended, or went back in
+  line: outcome completed, failed, killed, requeued), and per task and queue the histograms
+  taskrunner_job_runtime_seconds (deliveries that ended) and taskrunner_job_queue_wait_seconds
+  (first deliveries: enqueued to started). Counted from each queue's history stream by
+  tally.lua when metrics are read, exactly once per entry whoever reads; while someone reads
+  them (the last hour), the archiver counts a batch before it trims it. Exact as long as a
+  queue's stream is read (scraped or archived) before it holds 500,000 entries (its cap).
 - per queue: taskrunner_queue_{pending,delayed,running,stuck}, the age of its oldest pending
   job (taskrunner_queue_oldest_pending_age_seconds, 0 when none), the finished jobs still
   listed (taskrunner_queue_{completed,failed,killed}: kept for the result and failed TTLs),
@@ -22,13 +29,21 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from taskrunner.ops import listing
+from taskrunner.protocol import scripts
 from taskrunner.protocol.holders import number
 
 if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
+
+#: The buckets (seconds) of the run time and queue wait histograms: tally.lua's BOUNDS.
+BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+#: History entries counted per tally.lua call.
+TALLY_CHUNK = 5000
+#: Seconds after a read of the metrics during which the archiver counts what it trims.
+METRICS_ON = 3600
 
 #: The exposition's content type (text format 0.0.4), for an HTTP answer.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,6 +69,7 @@ class RedisCollector:
         o = listing.overview(self.app)
         now, queues = o["now"], o["queues"]
         yield from self._queues(queues, now)
+        yield from self._jobs([q["name"] for q in queues])
         yield from self._workers(o["workers"])
         alive = GaugeMetricFamily("taskrunner_dispatchers_alive", "Dispatchers that made a pass lately.")
         age = GaugeMetricFamily("taskrunner_dispatcher_last_pass_age_seconds",
@@ -96,6 +112,38 @@ class RedisCollector:
         yield from gauges.values()
         yield from (oldest, enqueued, claimed, closed, bound)
 
+    def _jobs(self, queues: list[str]) -> Iterator[Metric]:
+        app = self.app
+        app.redis.set(app.keys.g + "metrics:on", "1", ex=METRICS_ON)
+        pipe = app.redis.pipeline(transaction=False)
+        for q in queues:
+            tally(app, q)
+            pipe.hgetall(app.keys.q(q) + "stats")
+        jobs = CounterMetricFamily("taskrunner_jobs", "Deliveries by how they ended (requeued: back in line).",
+                                   labels=["task", "queue", "outcome"])
+        runtime = HistogramMetricFamily("taskrunner_job_runtime_seconds", "Run time of deliveries that ended.",
+                                        labels=["task", "queue"])
+        wait = HistogramMetricFamily("taskrunner_job_queue_wait_seconds",
+                                     "From enqueued to started, of first deliveries.", labels=["task", "queue"])
+        for q, stats in zip(queues, pipe.execute() if queues else []):
+            hist: dict[tuple[str, str], list[float]] = {}
+            for field, value in stats.items():
+                kind, _, rest = field.partition("|")
+                if kind == "jobs":
+                    task, _, outcome = rest.rpartition("|")
+                    jobs.add_metric([task, q, outcome], float(value))
+                elif kind in ("run", "wait"):
+                    task, _, i = rest.rpartition("|")
+                    hist.setdefault((kind, task), [0.0] * (len(BOUNDS) + 1))[int(i) - 1] += float(value)
+            for (kind, task), counts in sorted(hist.items()):
+                cumulative, buckets = 0.0, []
+                for bound, n in zip([*map(str, BOUNDS), "+Inf"], counts):
+                    cumulative += n
+                    buckets.append((bound, cumulative))
+                family = runtime if kind == "run" else wait
+                family.add_metric([task, q], buckets, float(stats.get(f"{kind}_sum|{task}", 0)))
+        yield from (jobs, runtime, wait)
+
     def _workers(self, workers: list[dict[str, Any]]) -> Iterator[Metric]:
         counts = GaugeMetricFamily("taskrunner_workers", "Workers by state (dead ones are kept an hour).",
                                    labels=["state"])
@@ -115,6 +163,19 @@ def _seconds(text: str | None) -> float | None:
         return float(text) if text else None
     except ValueError:
         return None
+
+
+def tally(app: TaskRunner, queue: str, chunks: int = 20) -> int:
+    """Count a queue's new history entries into its stats (tally.lua), up to `chunks` calls
+    of TALLY_CHUNK entries (a long backlog is caught up over several reads, each call short
+    for Redis); returns how many were counted."""
+    done = 0
+    for _ in range(chunks):
+        n = scripts.TALLY(app.redis, [app.keys.q(queue)], [TALLY_CHUNK])
+        done += n
+        if n < TALLY_CHUNK:
+            break
+    return done
 
 
 def exposition(app: TaskRunner) -> bytes:

@@ -1,0 +1,75 @@
+-- Count a queue's history into its stats hash, from where the last count stopped: the jobs
+-- per task and state, and histograms of run time and queue wait per task (GET /metrics).
+-- Each history entry is counted once, whoever calls this and however often: the stream id
+-- counted last is kept in the same hash, moved in the same call. The finish scripts do no
+-- work for it; it runs when metrics are read (and before the archiver trims the stream,
+-- while someone reads them), so a queue nobody scrapes pays nothing.
+-- KEYS[1]  queue key prefix p
+-- ARGV[1]  most history entries to count in this call (a whole number >= 1)
+-- Sets, in p stats (HASH): cursor = the last stream id counted;
+--   jobs|<task>|<state>  deliveries that ended or went back in line, by history state
+--                        (completed, failed, killed, requeued);
+--   run|<task>|<i>       deliveries that ended (completed, failed, killed) whose run time
+--                        (finished_at - started_at) falls in bucket i (1..#BOUNDS: <= BOUNDS[i];
+--                        #BOUNDS + 1: above the last), run_sum|<task> the sum of those times;
+--   wait|<task>|<i>, wait_sum|<task>  the same for the queue wait of first deliveries
+--                        (attempt 1: started_at - enqueued_at).
+-- A task name that is missing, or holds '|', is counted as '?'. Times that are missing or
+-- not numbers count in jobs only.
+-- Returns the number of entries counted (0: none new).
+local p = KEYS[1]
+local count = tonumber(ARGV[1])
+if not count or count < 1 or count % 1 ~= 0 then
+  return redis.error_reply('ERR tally: ARGV[1] must be the most entries to count, a whole number >= 1')
+end
+local stats = p .. 'stats'
+local cursor = redis.call('HGET', stats, 'cursor')
+local entries = redis.call('XRANGE', p .. 'history', cursor and ('(' .. cursor) or '-', '+', 'COUNT', count)
+if #entries == 0 then
+  return 0
+end
+local BOUNDS = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600}
+local ENDED = {completed = true, failed = true, killed = true}
+local add, sums = {}, {}
+local function observe(kind, task, seconds)
+  if not seconds or seconds ~= seconds or seconds < 0 or seconds == math.huge then return end
+  local i = #BOUNDS + 1
+  for k = 1, #BOUNDS do
+    if seconds <= BOUNDS[k] then
+      i = k
+      break
+    end
+  end
+  local f = kind .. '|' .. task .. '|' .. i
+  add[f] = (add[f] or 0) + 1
+  f = kind .. '_sum|' .. task
+  sums[f] = (sums[f] or 0) + seconds
+end
+for _, e in ipairs(entries) do
+  local v, fields = {}, e[2]
+  for i = 1, #fields, 2 do
+    v[fields[i]] = fields[i + 1]
+  end
+  local task = v.task
+  if not task or task == '' or string.find(task, '|', 1, true) then task = '?' end
+  local state = v.state or '?'
+  if string.find(state, '|', 1, true) then state = '?' end
+  local f = 'jobs|' .. task .. '|' .. state
+  add[f] = (add[f] or 0) + 1
+  local started, finished = tonumber(v.started_at), tonumber(v.finished_at)
+  if ENDED[state] and started and finished then
+    observe('run', task, finished - started)
+  end
+  local enqueued = tonumber(v.enqueued_at)
+  if v.attempt == '1' and started and enqueued then
+    observe('wait', task, started - enqueued)
+  end
+end
+for f, n in pairs(add) do
+  redis.call('HINCRBY', stats, f, n)
+end
+for f, x in pairs(sums) do
+  redis.call('HINCRBYFLOAT', stats, f, x)
+end
+redis.call('HSET', stats, 'cursor', entries[#entries][1])
+return #entries
