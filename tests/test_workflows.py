@@ -84,8 +84,35 @@ def test_a_failed_step_cancels_the_steps_after_it_and_wait_names_it(app, stack):
         assert (d["state"], d["canceled_by"], d["error_type"]) == ("canceled", f"default {failed_id}", "Canceled")
         assert d["attempts"] == "0"  # never ran
     assert app.redis.zcard(app.keys.q("default") + "canceled") == 2
+    history = app.redis.xrange(app.keys.q("default") + "history")
+    assert {e["state"] for _, e in history} == {"completed", "failed"}  # a canceled job had no delivery
     assert app.redis.zcard(app.keys.q("default") + "waiting") == 0
     assert stack.cli("jobs", "--state", "canceled", check=True).stdout.count("canceled") >= 2
+
+
+def test_steps_that_fail_for_good_otherwise_cancel_theirs_too(app, stack):
+    stack.worker()
+    stack.dispatcher()
+    lost = (apps.crash.s("c") | apps.add.s(1)).delay()  # its process dies twice: WorkerLost (max_lost=2)
+    rejected = (apps.reject.s("no thanks") | apps.add.s(1)).delay()  # Reject: failed at once, retries or not
+    with pytest.raises(JobFailed, match=r"\(task tests.apps.crash\) failed: WorkerLost"):
+        lost.wait(60)
+    with pytest.raises(JobFailed, match=r"\(task tests.apps.reject\) failed: Rejected: no thanks"):
+        rejected.wait(30)
+    assert ledger(app, "c") == 2
+
+
+def test_a_step_gets_its_parents_result_even_after_the_parent_expired(app, stack):
+    handle = (apps.add.s(1, 2) | apps.mul.s(10).set(queue="later")).delay()
+    w = stack.worker("-Q", "default")
+    first = app.job(record(app, "later", handle.id)["parents"].split()[1])
+    wait_for(lambda: first.state == "completed", what="the first step")
+    assert record(app, "later", handle.id)["args"] == "[3,10]"
+    app.redis.delete(app.keys.job("default", first.id))  # its result_ttl passed
+    os.killpg(w.pid, signal.SIGKILL)
+    w.wait()
+    stack.worker("-Q", "later")
+    assert handle.wait(30) == 30
 
 
 def test_killing_or_deleting_a_waiting_step_cancels_its_children(app):

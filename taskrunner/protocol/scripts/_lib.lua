@@ -136,7 +136,9 @@ local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
     ttl = own
   end
   redis.call('HSET', job, 'state', state, 'finished_at', fmt(t), unpack(fields))
-  history(p, id, r, state, t, error_type)
+  if state ~= 'canceled' then  -- a canceled job had no delivery: nothing for the history
+    history(p, id, r, state, t, error_type)
+  end
   if index then
     local ids = index[state] or {}
     index[state] = ids
