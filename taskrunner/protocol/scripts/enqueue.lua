@@ -208,7 +208,7 @@ local function declared(jp, task)
 end
 
 -- A workflow step's parents ("<queue> <id> ..."), checked: a list of {queue, id}, or nil and
--- why not. `here`: "<queue> <id>" -> true for the jobs before it in this call.
+-- why not. `here`: "<queue prefix><id>" -> true for the jobs before it in this call.
 local FINAL = {completed = true, failed = true, killed = true, canceled = true}
 local function parents_of(text, jq, id, here)
   local list, seen = {}, {}
@@ -221,12 +221,12 @@ local function parents_of(text, jq, id, here)
   end
   for _, e in ipairs(list) do
     local q, pid = e[1], e[2]
-    local key = q .. ' ' .. pid
+    local key = (prefixes[q] or '') .. pid
     if not prefixes[q] then
       return nil, 'parent ' .. pid .. ' is in queue ' .. quote(q) .. ', which is not among KEYS (a queue of '
         .. 'another slot: cross-queue workflows need a single Redis server, not a cluster)'
     elseif seen[key] or (q == jq and pid == id) then
-      return nil, 'parent ' .. key .. ' listed twice, or the job itself'
+      return nil, 'parent ' .. q .. ' ' .. pid .. ' listed twice, or the job itself'
     end
     seen[key] = true
     local state = redis.call('HGET', prefixes[q] .. 'job:' .. pid, 'state')
@@ -248,7 +248,9 @@ end
 -- its cost): id, delay, the index in ARGV of its first field or its record, size.
 local tasks_ok = n_jobs ~= 1 and {}  -- task names found valid in this call (a batch's)
 local plan = {}
-local queues_of, steps, here = {}, {}, {}  -- job n -> its queue prefix when not p; its parents, takes
+-- job n -> its queue prefix when not p; its parents and takes. `here`: made at the first job
+-- with parents (jobs outside workflows pay nothing for it), see parents_of().
+local queues_of, steps, here = {}, {}, nil
 local largest, i = 0, 2
 for n = 1, n_jobs do
   local id, delay_s, k = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
@@ -319,6 +321,10 @@ for n = 1, n_jobs do
     elseif delay > 0 then
       return refuse('BadValue', 'job ' .. id .. ': a job with parents cannot have a delay')
     end
+    if not here then
+      here = {}
+      for k = 1, n - 1 do here[(queues_of[k] or p) .. plan[4 * k - 3]] = true end
+    end
     local list, bad = parents_of(parents, jq, id, here)
     if not list then return refuse('BadValue', 'job ' .. id .. ': ' .. bad) end
     if takes and (takes ~= 'result' or #list ~= 1) then
@@ -328,7 +334,7 @@ for n = 1, n_jobs do
     steps[n] = {list, takes}
   end
   if jp ~= p then queues_of[n] = jp end
-  here[jq .. ' ' .. id] = true
+  if here then here[jp .. id] = true end
   if tasks_ok then tasks_ok[task] = true end
   changed = changed or not (args and kwargs and queue_f)  -- the record gets them all
   args, kwargs = args or '[]', kwargs or '{}'
