@@ -71,6 +71,18 @@ def test_depends_on_jobs_of_two_queues(app, stack):
     assert apps.add.apply_async((2, 3), depends_on=[a]).wait(30) == 5
 
 
+def test_a_failed_parent_in_another_queue_cancels_a_depends_on_job(app, stack):
+    bad = apps.boom.apply_async(["no"], queue="one")
+    after = apps.add.apply_async((1, 2), depends_on=[bad])
+    then = apps.add.apply_async((3, 4), depends_on=[after])
+    stack.worker("-Q", "one,default")
+    with pytest.raises(JobFailed, match=rf"step {bad.id} \(task tests.apps.boom\) failed: ValueError: no"):
+        then.wait(30)
+    assert record(app, "default", after.id)["canceled_by"] == f"one {bad.id}"
+    with pytest.raises(ValueError, match="ended failed: the job would never run"):
+        apps.add.apply_async((1, 2), depends_on=[bad])
+
+
 def test_a_failed_step_cancels_the_steps_after_it_and_wait_names_it(app, stack):
     stack.worker()
     handle = (apps.add.s(1, 2) | apps.boom.si("bad input") | apps.add.s(1) | apps.mul.s(2)).delay()
@@ -127,6 +139,14 @@ def test_killing_or_deleting_a_waiting_step_cancels_its_children(app):
     assert (d["state"], d["error"]) == ("canceled", f"step {first.id} (task tests.apps.add) deleted")
     with pytest.raises(JobFailed, match="deleted"):
         other.wait(5)
+
+
+def test_purging_a_queue_cancels_what_waits_for_its_jobs(app):
+    handle = (apps.add.s(1, 2) | apps.mul.s(10).set(queue="later")).delay()
+    assert app.purge("default") == 1
+    d = record(app, "later", handle.id)
+    assert d["state"] == "canceled" and d["error"].endswith("(task tests.apps.add) deleted")
+    assert app.redis.zcard(app.keys.q("later") + "waiting") == 0
 
 
 def test_a_chain_survives_a_sigkilled_worker_each_step_made_pending_once(app, stack):
@@ -186,6 +206,7 @@ def test_eager_mode_runs_chains_and_depends_on_inline(redis_server):
     boom = eager.task(apps.boom.fn, name="boom")
     assert chain(add.s(1, 2), mul.s(10)).delay().wait() == 30
     assert (add.s(1, 2) | mul.si(2, 3)).delay().wait() == 6
+    assert ((add.s(1, 2) | mul.s(2)) | (add.s(1) | mul.s(3))).delay().wait() == 21  # chains of chains
     a = add.delay(1, 1)
     assert add.apply_async((3, 4), depends_on=[a]).wait() == 7
     handle = (add.s(1, 2) | boom.si("no") | mul.s(2)).delay()
