@@ -192,7 +192,7 @@ def mul(a, b):
 
 
 @app.task
-def tally(x, key: str):
+def counted(x, key: str):
     """A chain step that counts its runs in the ledger and passes x + 1 on."""
     mark(key)
     return x + 1

@@ -152,7 +152,7 @@ def test_purging_a_queue_cancels_what_waits_for_its_jobs(app):
 def test_a_chain_survives_a_sigkilled_worker_each_step_made_pending_once(app, stack):
     stack.dispatcher()
     w1 = stack.worker(concurrency=1)
-    handle = (apps.tally.s(0, "s1") | apps.gate.s("s2") | apps.tally.s("s3") | apps.tally.s("s4")).delay()
+    handle = (apps.counted.s(0, "s1") | apps.gate.s("s2") | apps.counted.s("s3") | apps.counted.s("s4")).delay()
     started_pid(app, "s2")
     os.killpg(w1.pid, signal.SIGKILL)  # the worker and its child, in the middle of step 2
     w1.wait()

@@ -252,7 +252,8 @@ local function join(cp, id, pjob)
     return
   end
   redis.call('ZREM', cp .. 'waiting', id)
-  to_pending(cp, id, job, false, c[2] == 'result' and {'args', prepend(redis.call('HGET', pjob, 'result') or 'null', c[3])})
+  local args = c[2] == 'result' and {'args', prepend(redis.call('HGET', pjob, 'result') or 'null', c[3])}
+  to_pending(cp, id, job, false, args)
 end
 
 -- A job with children ended in `state` (finalize(), or deleted: "deleted"). Completed: each
@@ -261,14 +262,15 @@ end
 -- do the children of those, in this same call. `ttl`: the failed TTL (setting) for them.
 settle_children = function(p, id, job, r, state, t, ttl)
   local by, why
-  if state ~= 'completed' then
-    local e = redis.call('HMGET', job, 'error_type', 'error', 'canceled_by')
-    if state == 'canceled' then
-      by, why = e[3], e[2]
-    else
-      by = string.match(p, '{([^{}]*)}:$') .. ' ' .. id
-      why = string.format('step %s (task %s) %s', id, r.task or '?', state)
-        .. (e[1] and ': ' .. e[1] .. ': ' .. string.sub(e[2] or '', 1, 200) or '')
+  if state == 'canceled' then
+    local e = redis.call('HMGET', job, 'canceled_by', 'error')
+    by, why = e[1], e[2]
+  elseif state ~= 'completed' then
+    by = string.match(p, '{([^{}]*)}:$') .. ' ' .. id
+    why = string.format('step %s (task %s) %s', id, r.task or '?', state)
+    if state ~= 'deleted' then  -- its error, as finalize() just wrote it
+      local e = redis.call('HMGET', job, 'error_type', 'error')
+      why = why .. ': ' .. (e[1] or '?') .. ': ' .. string.sub(e[2] or '', 1, 200)
     end
   end
   for q, cid in string.gmatch(r.children, '(%S+) (%S+)') do
