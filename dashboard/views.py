@@ -39,7 +39,7 @@ PAGE = 50
 ACTIONS = ("kill", "retry", "requeue", "delete")
 QUEUE_ACTIONS = ("purge", "close", "open")
 SCHEDULE_ACTIONS = ("pause", "resume", "run-now", "delete")
-FINISHED = ("completed", "failed", "killed")
+FINISHED = ("completed", "failed", "killed", "canceled")
 
 
 def runner() -> Any:
@@ -200,8 +200,8 @@ def failed() -> str:
 def queue(name: str) -> str:
     queue_arg(name)
     state = request.args.get("state", "pending")
-    if state not in ("pending", "delayed", *FINISHED):
-        abort(400, "state must be pending, delayed, completed, failed or killed")
+    if state not in ("pending", "delayed", "waiting", *FINISHED):
+        abort(400, "state must be pending, delayed, waiting, completed, failed, killed or canceled")
     page = page_arg()
     total, rows = listing.page_of(runner(), name, state, (page - 1) * PAGE, PAGE)
     return render_template("jobs.html", rows=rows, pager=pager(total, page), title=f"Queue {name}",
@@ -374,12 +374,12 @@ def api_jobs() -> Any:
         total, rows = listing.running(runner(), queue_name, offset, PAGE, only_stuck=state == "stuck")
     elif state in FINISHED and queue_name is None:
         total, rows = listing.finished(runner(), state, offset, PAGE)
-    elif state in ("pending", "delayed", *FINISHED):
+    elif state in ("pending", "delayed", "waiting", *FINISHED):
         if queue_name is None:
             abort(400, f"state={state} needs queue=NAME")
         total, rows = listing.page_of(runner(), queue_name, state, offset, PAGE)
     else:
-        abort(400, "state must be running, stuck, pending, delayed, completed, failed or killed")
+        abort(400, "state must be running, stuck, pending, delayed, waiting, completed, failed, killed or canceled")
     response = jsonify(rows)
     response.headers["X-Total-Count"] = str(total)
     return response

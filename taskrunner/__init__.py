@@ -1,6 +1,7 @@
 """taskrunner: a reliable task runner on Redis."""
 
 from taskrunner.client.app import JobSpec, Schedule, Task, TaskRunner
+from taskrunner.client.canvas import Chain, Signature, chain
 from taskrunner.client.job import Job
 from taskrunner.errors import (
            InvalidName,
@@ -19,7 +20,7 @@ from taskrunner.errors import (
 )
 from taskrunner.worker.context import JobContext, current_job
 
-__all__ = ["TaskRunner", "Task", "Job", "current_job", "JobContext",
+__all__ = ["TaskRunner", "Task", "Job", "current_job", "JobContext", "chain", "Chain", "Signature",
            "JobSpec", "Schedule", "Retry", "Reject", "SoftTimeLimit", "TaskRunnerError", "JobFailed",
            "JobNotFound", "NotJSONError", "PayloadTooLarge", "InvalidName", "Timeout", "QueueFull", "QueueClosed",
            "QueueNotFound"]

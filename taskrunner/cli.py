@@ -265,6 +265,9 @@ def status(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | No
         rows.append(("result", json.dumps(d["result"])))
     if d.get("error_type"):
         rows.append(("error", f"{d['error_type']}: {d.get('error')}"))
+    for k in ("parents", "children"):
+        if d[k]:
+            rows.append((k, "  ".join(f"{j['id']} ({j['queue']})" for j in d[k])))
     for k, v in rows:
         click.echo(f"{k:>9}  {v}")
     if d["logs"]:
@@ -366,8 +369,8 @@ def queues(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
     stats = listing.queue_stats(_app(app_spec, redis_url))
     if as_json:
         return _emit(stats)
-    cols = ("pending", "delayed", "running", "completed", "failed", "killed", "produced_messages",
-            "consumed_messages")
+    cols = ("waiting", "pending", "delayed", "running", "completed", "failed", "killed", "canceled",
+            "produced_messages", "consumed_messages")
     click.echo(f"{'QUEUE':20}" + "".join(f"{c.split('_')[0].upper():>11}" for c in cols) + "  SETTINGS")
     for s in stats:
         flags = " ".join(f for f, on in (("bound=" + str(s["bound"]), s["bound"]), ("closed", s["closed"]),

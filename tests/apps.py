@@ -184,3 +184,27 @@ def soft_spinner(key: str) -> str:
     finally:
         mark(f"{key}:cleanup")
     return "spun"
+
+
+@app.task
+def mul(a, b):
+    return a * b
+
+
+@app.task
+def counted(x, key: str):
+    """A chain step that counts its runs in the ledger and passes x + 1 on."""
+    mark(key)
+    return x + 1
+
+
+@app.task(max_duration=60)
+def gate(x, key: str):
+    """A chain step that counts its runs, says it started, waits for its release key (a test
+    kills its worker meanwhile), then passes x on."""
+    mark(key)
+    app.redis.rpush(f"{app.settings.prefix}:started", f"{key}:{os.getpid()}")
+    deadline = time.time() + 30
+    while time.time() < deadline and not app.redis.get(f"{app.settings.prefix}:release:{key}"):
+        time.sleep(0.02)
+    return x

@@ -156,7 +156,7 @@ def test_destructive_commands_ask_at_a_terminal(app, stack):
             os.close(follower)
 
     r = at_a_terminal("queue", "delete", "asked", answer="n")
-    assert "delete queue asked and its 3 pending, 0 delayed, 0 running, 0 finished jobs?" in r.stdout
+    assert "delete queue asked and its 3 pending, 0 delayed, 0 waiting, 0 running, 0 finished jobs?" in r.stdout
     assert r.returncode == 1 and "asked" in app.queue_names()
     r = at_a_terminal("purge", "-q", "asked", answer="n")
     assert "delete 3 pending jobs of asked?" in r.stdout and r.returncode == 1 and app.redis.llen(pending) == 3

@@ -265,3 +265,17 @@ def test_declared_settings_and_queue_registration_on_a_cluster(capp, stack, clus
     late = capp.enqueue("tests.nobody.declares", [1], queue=queues[1], delay=0.3)  # no worker serves it
     assert queues[1] in capp.queue_names()
     wait_for(lambda: late.refresh().state == "pending", what="the delayed job promoted")
+
+
+def test_a_chain_in_one_queue_runs_and_one_over_slots_is_refused(capp, stack, queues):
+    stack.worker("-Q", queues[0], name="w1")
+    chain = apps.add.s(1, 2).set(queue=queues[0]) | apps.mul.s(10).set(queue=queues[0])
+    assert chain.delay().wait(30) == 30
+    first = apps.add.apply_async([1, 1], queue=queues[0])
+    before = capp.redis.dbsize()
+    with pytest.raises(ValueError, match="spans slots: on a Redis Cluster all its jobs"):
+        (apps.add.s(1, 2).set(queue=queues[0]) | apps.mul.s(10).set(queue=queues[1])).delay()
+    with pytest.raises(ValueError, match="spans slots"):
+        apps.add.apply_async([1, 1], queue=queues[1], depends_on=[first])
+    assert capp.redis.dbsize() == before  # nothing written
+    assert apps.add.apply_async([2, 2], queue=queues[0], depends_on=[first]).wait(30) == 4

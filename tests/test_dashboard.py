@@ -275,3 +275,17 @@ def test_a_jobs_headers_show_as_json_and_escaped(app, web):
     page = web.get(f"/jobs/{job.id}").get_data(as_text=True)
     assert ("<tr><th>headers</th><td><code>{&#34;trace&#34;: &#34;&lt;script&gt;alert(1)&lt;/script&gt;&#34;, "
             "&#34;n&#34;: 1}</code></td></tr>") in page  # JSON (not a Python repr), escaped
+
+
+def test_a_workflow_steps_page_links_its_parents_and_children_and_waiting_is_listed(app, web):
+    handle = (apps.add.s(1, 2) | apps.mul.s(10) | apps.mul.s(2)).delay()
+    middle = app.redis.hget(app.keys.job("default", handle.id), "parents").split()[1]
+    first = app.redis.hget(app.keys.job("default", middle), "parents").split()[1]
+    page = web.get(f"/jobs/{middle}").get_data(as_text=True)
+    assert '<span class="badge waiting">waiting</span>' in page
+    assert f'<tr><th>parents</th><td><a href="/jobs/{first}">' in page
+    assert f'<tr><th>children</th><td><a href="/jobs/{handle.id}">' in page
+    listed = web.get("/queues/default?state=waiting").get_data(as_text=True)
+    assert middle in listed and handle.id in listed and first not in listed
+    assert '<th class="n">waiting</th>' in web.get("/").get_data(as_text=True)
+    assert web.get("/api/jobs?state=waiting&queue=default").headers["X-Total-Count"] == "2"

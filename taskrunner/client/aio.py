@@ -54,7 +54,7 @@ class AsyncClient:
         if isinstance(r, steps.Script):
             return await self._script(r.script, r.keys, r.args)
         if isinstance(r, steps.Enqueue):
-            keys = self.app.enqueue_keys(r.queue)
+            keys = self.app.enqueue_keys(r.queue, r.others)
             if len(keys) == 1 and r.queue not in self._known_queues:  # a cluster: the script cannot register it
                 await self.redis.sadd(self.keys.queues, r.queue)
                 self._known_queues.add(r.queue)

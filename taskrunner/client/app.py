@@ -16,6 +16,7 @@ from typing import Any
 import redis
 
 from taskrunner.client import declarations, eager, steps
+from taskrunner.client.canvas import Signature
 from taskrunner.client.job import Job
 from taskrunner.client.middleware import Enqueued, Middleware
 from taskrunner.config import Settings
@@ -204,15 +205,31 @@ class Task:
     def delay(self, *args: Any, **kwargs: Any) -> Job:
         return self.apply_async(args, kwargs)
 
+    def s(self, *args: Any, **kwargs: Any) -> Signature:
+        """A signature of this task: a step of a chain (`add.s(1, 2) | mul.s(10)`), given its
+        parent's result as its first argument."""
+        return Signature(self, args, kwargs)
+
+    def si(self, *args: Any, **kwargs: Any) -> Signature:
+        """An immutable signature: a step that does not receive its parent's result."""
+        return Signature(self, args, kwargs, immutable=True)
+
     def apply_async(self, args: Iterable = (), kwargs: dict | None = None, *, queue: str | None = None,
                     delay: float | None = None, max_duration: float | None = None, job_id: str | None = None,
                     retries: int | None = None, max_retries: int | None = None,
-                    block_timeout: float | None = None, headers: dict[str, Any] | None = None) -> Job:
+                    block_timeout: float | None = None, headers: dict[str, Any] | None = None,
+                    depends_on: Iterable[Job | str] | None = None) -> Job:
         """Enqueue with options; `headers`, a dict of JSON values, travel with the job
-        (current_job().headers; counted in its payload size)."""
-        spec = self.spec.merged(queue=queue, max_duration=max_duration, retries=retries, max_retries=max_retries)
-        return self.app.enqueue(self.name, args, kwargs, spec=spec, delay=delay, job_id=job_id,
-                                block_timeout=block_timeout, headers=headers)
+        (current_job().headers; counted in its payload size). `depends_on`: jobs (Job
+        objects or ids, of any queue) that must complete first (TaskRunner.enqueue)."""
+        return self.app.enqueue(self.name, args, kwargs, spec=self.job_spec(queue, max_duration, retries, max_retries),
+                                delay=delay, job_id=job_id, block_timeout=block_timeout, headers=headers,
+                                depends_on=depends_on)
+
+    def job_spec(self, queue: str | None = None, max_duration: float | None = None, retries: int | None = None,
+                 max_retries: int | None = None) -> JobSpec:
+        """This task's spec with the options of one job (None: the task's)."""
+        return self.spec.merged(queue=queue, max_duration=max_duration, retries=retries, max_retries=max_retries)
 
 
 class TaskRunner:
@@ -413,7 +430,8 @@ class TaskRunner:
 
     def enqueue(self, task: str, args: Iterable = (), kwargs: dict | None = None, *, spec: JobSpec | None = None,
                 delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
-                headers: dict[str, Any] | None = None, **options: Any) -> Job:
+                headers: dict[str, Any] | None = None, depends_on: Iterable[Job | str] | None = None,
+                **options: Any) -> Job:
         """Enqueue by task name (the task need not be importable here). Options are those
         of JobSpec (queue, max_duration, retries, ...); for a task not declared in this app,
         those not given (the queue too) are the ones its workers declared in Redis, as the
@@ -422,12 +440,20 @@ class TaskRunner:
         Into a full bounded queue it waits up to `block_timeout` seconds (default: the
         block_timeout setting; 0: not at all) for room, then raises QueueFull.
         `headers` (a dict of JSON values) travel with the job: current_job().headers.
+        `depends_on`: jobs (Job objects, or ids) that must complete first; the job waits
+        (state `waiting`) until they have, and ends `canceled` if one fails (docs/PROTOCOL.md,
+        Workflows). Jobs of other queues are allowed, except on a Redis Cluster.
         In eager mode the job runs here before this returns (taskrunner/eager.py)."""
         draft = steps.run(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id, headers))
         if self.settings.eager:
-            return eager.enqueue(self, draft.id, draft.fields)
+            return eager.enqueue(self, draft.id, draft.fields, eager.parents_of(depends_on))
+        others: tuple[str, ...] = ()
+        if depends_on is not None:
+            parents = steps.run(self, steps.parents(self, depends_on))
+            draft.fields += ["parents", " ".join(f"{q} {i}" for q, i in parents)]
+            others = tuple(sorted({q for q, _ in parents} - {draft.queue}))
         job = Job(self, draft.id, draft.queue)
-        job.created = bool(steps.run(self, steps.enqueue(self, draft, block_timeout)))
+        job.created = bool(steps.run(self, steps.enqueue(self, draft, block_timeout, others)))
         return job
 
     def enqueue_many(self, jobs: Iterable[dict[str, Any]], chunk: int = 1000,
@@ -527,18 +553,27 @@ class TaskRunner:
                        job_id, dict(headers or {}))
         return self.middleware.before_enqueue(job)
 
-    def enqueue_keys(self, queue: str) -> list[str]:
+    def enqueue_keys(self, queue: str, others: Iterable[str] = ()) -> list[str]:
         """KEYS of enqueue.lua: the queue's prefix, and the global queue set where one script
-        may touch both (not on a Redis Cluster: there the producer registers the queue)."""
+        may touch both (not on a Redis Cluster: there the producer registers the queue), then
+        the prefixes of `others`, the other queues of a workflow (refused on a cluster:
+        one script touches one slot)."""
         q = self.keys.q(queue)
-        return [q] if is_cluster(self.redis) else [q, self.keys.queues]
+        others = list(others)
+        if is_cluster(self.redis):
+            if others:
+                raise ValueError(f"a workflow over queues {', '.join([queue, *others])} spans slots: on a Redis "
+                                 "Cluster all its jobs (and depends_on jobs) must be in one queue")
+            return [q]
+        return [q, self.keys.queues, *(self.keys.q(o) for o in others)]
 
     def _queue_enqueue(self, batch: scripts.Batch, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> None:
         batch.call(scripts.ENQUEUE, self.enqueue_keys(queue), _enqueue_args(jobs, self.settings.max_payload))
 
-    def _enqueue_batch(self, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> list[int]:
+    def _enqueue_batch(self, queue: str, jobs: list[tuple[str, float, list[Any]]],
+                       others: Iterable[str] = ()) -> list[int]:
         client = self.redis  # first: a new client (new process or settings) knows no queue yet
-        keys = self.enqueue_keys(queue)
+        keys = self.enqueue_keys(queue, others)
         if len(keys) == 1 and queue not in self._known_queues:  # a cluster: once per process and queue
             client.sadd(self.keys.queues, queue)
             self._known_queues.add(queue)
@@ -558,7 +593,8 @@ class TaskRunner:
         """Delete every pending job of a queue, a thousand per call; returns how many."""
         total = 0
         while True:
-            deleted, left = scripts.PURGE(self.redis, [self.keys.q(codec.check_name("queue", queue))], [1000])
+            deleted, left = scripts.PURGE(self.redis, [self.keys.q(codec.check_name("queue", queue))],
+                                          [1000, self.settings.failed_ttl])
             total += deleted
             if progress:
                 progress(deleted)

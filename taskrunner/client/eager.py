@@ -8,7 +8,12 @@ BadArguments, Rejected, a result that is not JSON), and the record ends as finis
 end it: an exception is retried while the task's retries last, a `raise Retry(...)` while
 its max_retries last (then MaxRetriesExceeded). Differences, on purpose: those run again at
 once, without sleeping the backoff or the Retry's delay, and a `delay` given at enqueue is
-not waited either. The record is not expired (result_ttl, failed_ttl)."""
+not waited either. The record is not expired (result_ttl, failed_ttl).
+
+Workflows too: a chain runs its steps in order, each given its parent's result first (unless
+immutable); a job with depends_on runs once its parents (Job objects: there is no Redis to
+look ids up in) completed. A step after one that did not complete ends `canceled`, as
+finish.lua ends it."""
 
 from __future__ import annotations
 
@@ -16,10 +21,12 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from taskrunner.client.job import Job
 from taskrunner.errors import MAX_RETRIES, JobNotFound
+from taskrunner.protocol import codec
 from taskrunner.worker.child import message as job_message
 from taskrunner.worker.child import run as run_in_child
 from taskrunner.worker.context import LOG_LINES, JobContext, JobLogHandler, log_line
@@ -71,13 +78,50 @@ class EagerJob(Job):
         return True
 
 
-def enqueue(app: TaskRunner, job_id: str, fields: list[Any]) -> EagerJob:
+def enqueue(app: TaskRunner, job_id: str, fields: list[Any], parents: list[Job] | None = None) -> EagerJob:
     """Run the job that enqueue.lua would have stored with `fields` (app._fields's list);
-    returns it ended."""
+    returns it ended. With `parents` (depends_on), only if they all completed: else it ends
+    canceled, naming the first that did not."""
     data = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in zip(fields[::2], fields[1::2])}
     data.update(enqueued_at=_now(), attempts="0", failures="0", requeues="0", retry_requests="0")
     job = EagerJob(app, job_id, data["queue"], data)
-    _run(app, job)
+    failed = next((p for p in parents or () if p.data.get("state") != "completed"), None)
+    if parents:
+        data["parents"] = " ".join(f"{p.queue} {p.id}" for p in parents)
+    if failed is None:
+        _run(app, job)
+    else:
+        d = failed.data
+        by = d.get("canceled_by") or f"{failed.queue} {failed.id}"
+        why = d.get("error") if d.get("state") == "canceled" else (
+            f"step {failed.id} (task {d.get('task')}) {d.get('state')}: {d.get('error_type')}: {d.get('error')}")
+        data.update(state="canceled", finished_at=_now(), canceled_by=by, error_type="Canceled", error=why or "")
+    return job
+
+
+def parents_of(depends_on: Iterable[Job | str] | None) -> list[Job] | None:
+    """depends_on in eager mode: Job objects only (an id names a job kept nowhere)."""
+    if depends_on is None:
+        return None
+    given = list(depends_on)
+    jobs = [j for j in given if isinstance(j, Job)]
+    if len(jobs) != len(given):
+        raise TypeError("in eager mode depends_on takes the Job objects that enqueue returned, not ids")
+    return jobs
+
+
+def chain(app: TaskRunner, steps: list[tuple[str, list[Any]]], immutable: list[bool]) -> EagerJob:
+    """Run a chain's steps ((id, fields) each) in order: each given its parent's result
+    first in its args unless immutable; after one that did not complete, canceled. The
+    last step's job."""
+    job: EagerJob | None = None
+    for (job_id, fields), fixed in zip(steps, immutable):
+        if job is not None and not fixed and job.data.get("state") == "completed":
+            fields = list(fields)
+            at = fields[::2].index("args") * 2 + 1
+            fields[at] = codec.dumps([job.result, *codec.loads(fields[at])])
+        job = enqueue(app, job_id, fields, None if job is None else [job])
+    assert job is not None
     return job
 
 

@@ -13,13 +13,13 @@ from taskrunner.protocol import codec, scripts
 if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
 
-STATES = ("pending", "delayed", "running", "completed", "failed", "killed")
+STATES = ("waiting", "pending", "delayed", "running", "completed", "failed", "killed", "canceled")
 # Fields holding numbers; everything else in the record is text.
 _FLOATS = ("enqueued_at", "started_at", "finished_at", "due_at", "stuck_at", "kill_requested",
            "last_requeued_at", "max_duration", "retry_backoff", "retry_backoff_max", "soft_limit", "progress",
            "progress_at")
 _INTS = ("attempts", "requeues", "failures", "lost", "retries", "max_lost", "pid", "logs_dropped", "max_retries",
-         "retry_requests", "result_ttl", "failed_ttl")
+         "retry_requests", "result_ttl", "failed_ttl", "waiting_on")
 
 
 class Job:
@@ -124,8 +124,10 @@ class Job:
         return self._act(scripts.REQUEUE, who) in ("delayed", "running")
 
     def delete(self) -> bool:
-        """Delete the job unless it runs (kill it first); False when it runs."""
-        return scripts.DELETE(self.app.redis, [self._prefix], [self.id]) not in ("", "running")
+        """Delete the job unless it runs (kill it first); False when it runs. The jobs
+        waiting for it, unless it had completed, end canceled."""
+        return scripts.DELETE(self.app.redis, [self._prefix], [self.id, self.app.settings.failed_ttl]) not in (
+            "", "running")
 
     def to_dict(self) -> dict[str, Any]:
         """Every recorded field, typed: numbers as numbers, JSON fields decoded, the
@@ -142,6 +144,9 @@ class Job:
             else:
                 out[k] = typed(k, v)
         out["stuck"] = self.data.get("stuck") == "1"
+        for k in ("parents", "children"):  # workflows: "<queue> <id> ..." as [{"queue", "id"}]
+            words = self.data.get(k, "").split()
+            out[k] = [{"queue": q, "id": i} for q, i in zip(words[::2], words[1::2])]
         out["logs"] = log_lines(self.data.get("logs"))
         out.setdefault("attempts", 0)
         out.setdefault("headers", {})

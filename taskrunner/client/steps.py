@@ -33,7 +33,7 @@ REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 #: Seconds between a waiter's looks at the job's state while no notification came: one
 #: lost with a Redis restart or failover would otherwise leave it waiting forever.
 LOOK_AGAIN = 5.0
-FINAL = frozenset(("completed", "failed", "killed"))
+FINAL = frozenset(("completed", "failed", "killed", "canceled"))
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,12 @@ class Script:
 class Enqueue:
     """enqueue.lua for `jobs` ((id, delay, fields) each) into `queue`: one int per job
     (1 created, 0 exists, -1 full, -2 closed). The queue joins the index of queues (on a
-    cluster a separate command: the script touches the queue's slot only)."""
+    cluster a separate command: the script touches the queue's slot only). `others`: the
+    other queues a workflow's jobs are in or name as parents (not on a cluster)."""
 
     queue: str
     jobs: list[tuple[str, float, list[Any]]]
+    others: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def _answer(app: TaskRunner, r: Request) -> Any:
     if isinstance(r, Script):
         return r.script(app.redis, r.keys, r.args)
     if isinstance(r, Enqueue):
-        return app._enqueue_batch(r.queue, r.jobs)
+        return app._enqueue_batch(r.queue, r.jobs, r.others)
     if isinstance(r, Pipeline):
         pipe = app.redis.pipeline(transaction=False)
         for c in r.commands:
@@ -171,13 +173,14 @@ def draft(app: TaskRunner, task: str, args: Any, kwargs: dict | None, spec: JobS
     return Draft(job_id, spec.queue, codec.seconds("delay", delay) if delay is not None else 0.0, fields)
 
 
-def enqueue(app: TaskRunner, job: Draft, block_timeout: float | None) -> Steps[int]:
+def enqueue(app: TaskRunner, job: Draft, block_timeout: float | None, others: tuple[str, ...] = ()) -> Steps[int]:
     """Enqueue a drafted job: 1 created, 0 a job with its id existed. Into a full bounded
-    queue it waits up to `block_timeout` seconds for room (QueueFull)."""
+    queue it waits up to `block_timeout` seconds for room (QueueFull). `others`: the queues
+    of its parents but its own (Enqueue)."""
     wait = codec.seconds("block_timeout", app.settings.block_timeout if block_timeout is None else block_timeout)
     deadline = None
     while True:
-        [created] = yield Enqueue(job.queue, [(job.id, job.delay, job.fields)])
+        [created] = yield Enqueue(job.queue, [(job.id, job.delay, job.fields)], others)
         if created == -2:
             raise QueueClosed(f"queue {job.queue} is closed: it takes no new jobs")
         if created != -1:
@@ -188,6 +191,25 @@ def enqueue(app: TaskRunner, job: Draft, block_timeout: float | None) -> Steps[i
             raise QueueFull(f"queue {job.queue} is full (its bound is reached)"
                             + (f" and had no room within {wait:g}s" if wait else ""))
         yield Pop("BRPOP", app.keys.q(job.queue) + "notfull", max(0.01, min(left, 1.0)))
+
+
+def parents(app: TaskRunner, jobs: Any) -> Steps[list[tuple[str, str]]]:
+    """(queue, id) of each job of a depends_on list: Job objects, or ids (their queue
+    looked up, JobNotFound when there is no such job)."""
+    if isinstance(jobs, (str, bytes)) or not hasattr(jobs, "__iter__"):
+        raise TypeError("depends_on takes a list of jobs (Job objects or ids)")
+    out = []
+    for j in jobs:
+        if isinstance(j, str):
+            queue, _ = yield from find(app, j)
+            out.append((queue, j))
+        elif hasattr(j, "queue") and hasattr(j, "id"):
+            out.append((codec.check_name("queue", j.queue), codec.check_id(j.id)))
+        else:
+            raise TypeError(f"depends_on takes Job objects or job ids, not {type(j).__name__}")
+    if not out:
+        raise ValueError("depends_on is empty: give the jobs to wait for, or leave it out")
+    return out
 
 
 def find(app: TaskRunner, job_id: str, queue: str | None = None) -> Steps[tuple[str, dict[str, str]]]:

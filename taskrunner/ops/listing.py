@@ -16,7 +16,7 @@ from taskrunner.protocol.holders import Holding, number
 if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
 
-LIST_STATES = ("pending", "delayed", "running", "stuck", "completed", "failed", "killed")
+LIST_STATES = ("waiting", "pending", "delayed", "running", "stuck", "completed", "failed", "killed", "canceled")
 
 
 def queue_stats(app: TaskRunner) -> list[dict[str, Any]]:
@@ -24,22 +24,24 @@ def queue_stats(app: TaskRunner) -> list[dict[str, Any]]:
     pipe = app.redis.pipeline(transaction=False)
     for q in names:
         p = app.keys.q(q)
-        pipe.llen(p + "pending").zcard(p + "delayed").hlen(p + "running")
-        pipe.zcard(p + "completed").zcard(p + "failed").zcard(p + "killed")
+        pipe.zcard(p + "waiting").llen(p + "pending").zcard(p + "delayed").hlen(p + "running")
+        pipe.zcard(p + "completed").zcard(p + "failed").zcard(p + "killed").zcard(p + "canceled")
     r = pipe.execute()
-    fields = ("pending", "delayed", "running", "completed", "failed", "killed")
-    return [{"name": q, **dict(zip(fields, r[i * 6:(i + 1) * 6])), **meta}
+    fields = ("waiting", "pending", "delayed", "running", "completed", "failed", "killed", "canceled")
+    n = len(fields)
+    return [{"name": q, **dict(zip(fields, r[i * n:(i + 1) * n])), **meta}
             for i, (q, meta) in enumerate(zip(names, queue.settings(app, names)))]
 
 
 def job_ids(app: TaskRunner, queue: str, state: str, limit: int = 50, offset: int = 0) -> list[str]:
-    """Ids in a state, oldest pending first, soonest delayed first, newest finished first."""
+    """Ids in a state, oldest pending (and waiting) first, soonest delayed first, newest
+    finished first."""
     p, r = app.keys.q(queue), app.redis
     end = offset + limit - 1
     if state == "pending":
         return r.lrange(p + "pending", -end - 1, -offset - 1 if offset else -1)[::-1]
-    if state == "delayed":
-        return r.zrange(p + "delayed", offset, end)
+    if state in ("delayed", "waiting"):
+        return r.zrange(p + state, offset, end)
     if state in ("running", "stuck"):
         ids = sorted(r.hkeys(p + "running"))
         return ids if state == "stuck" else ids[offset:end + 1]
@@ -51,7 +53,8 @@ def list_jobs(app: TaskRunner, queue: str | None = None, state: str | None = Non
     if state is not None and state not in LIST_STATES:
         raise ValueError(f"state must be one of {', '.join(LIST_STATES)}")
     queues = [queue] if queue else app.queue_names()
-    states = [state] if state else ["running", "pending", "delayed", "failed", "killed", "completed"]
+    states = [state] if state else ["running", "pending", "waiting", "delayed", "failed", "killed", "canceled",
+                                    "completed"]
     found: list[tuple[str, str]] = []
     for q in queues:
         for s in states:

@@ -47,12 +47,14 @@ def deletable(app: TaskRunner, name: str, force: bool = False) -> dict[str, int]
     (no such queue; jobs running and not forced), so that a caller can ask first."""
     must_exist(app, name)
     p, r = app.keys.q(name), app.redis
-    pending, delayed, running, *finished = (r.pipeline(transaction=False).llen(p + "pending").zcard(p + "delayed")
-                                            .hlen(p + "running").zcard(p + "completed").zcard(p + "failed")
-                                            .zcard(p + "killed").execute())
+    pending, delayed, waiting, running, *finished = (
+        r.pipeline(transaction=False).llen(p + "pending").zcard(p + "delayed").zcard(p + "waiting")
+        .hlen(p + "running").zcard(p + "completed").zcard(p + "failed").zcard(p + "killed").zcard(p + "canceled")
+        .execute())
     if running and not force:
         raise TaskRunnerError(f"queue {name} has {running} running jobs: kill them, wait, or force")
-    return {"pending": pending, "delayed": delayed, "running": running, "finished": sum(finished)}
+    return {"pending": pending, "delayed": delayed, "waiting": waiting, "running": running,
+            "finished": sum(finished)}
 
 
 def delete(app: TaskRunner, name: str, force: bool = False) -> int:

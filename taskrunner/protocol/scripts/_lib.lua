@@ -14,7 +14,8 @@
 --   <p>meta         HASH  bound, closed, exclusive; produced_/consumed_ messages and bytes;
 --                          longest_result_ttl, longest_failed_ttl (see finalize())
 --   <p>notfull      LIST  0 or 1 token; producers blocked on a full bounded queue BRPOP it
---   <p>completed|failed|killed  ZSET  id -> finish time
+--   <p>completed|failed|killed|canceled  ZSET  id -> finish time
+--   <p>waiting      ZSET  id -> enqueue time, for jobs waiting for their parents (workflows)
 --   <p>job:<id>     HASH  the job record; its timeline: run:<n> (the holding entry of
 --                          delivery n) and end:<n> ("<time> <how it ended>")
 --   <p>notify:<id>  LIST  one token per waiter when the job ends
@@ -57,10 +58,11 @@ end
 -- built by one constructor: a loop setting them one by one costs more than the HMGET).
 local function load(job)
   local v = redis.call('HMGET', job, 'attempts', 'bucket', 'waiters', 'task', 'enqueued_at', 'started_at', 'worker',
-    'host', 'pid', 'queue', 'kill_requested', 'max_lost', 'retries', 'retry_backoff', 'result_ttl', 'failed_ttl')
+    'host', 'pid', 'queue', 'kill_requested', 'max_lost', 'retries', 'retry_backoff', 'result_ttl', 'failed_ttl',
+    'children')
   return {attempts = v[1], bucket = v[2], waiters = v[3], task = v[4], enqueued_at = v[5], started_at = v[6],
     worker = v[7], host = v[8], pid = v[9], queue = v[10], kill_requested = v[11], max_lost = v[12],
-    retries = v[13], retry_backoff = v[14], result_ttl = v[15], failed_ttl = v[16]}
+    retries = v[13], retry_backoff = v[14], result_ttl = v[15], failed_ttl = v[16], children = v[17]}
 end
 
 -- Forget that a job runs: holding entry (unless the caller removed it already), processing
@@ -122,6 +124,8 @@ end
 -- sweep trims the finished sets by the longest, so that such a job stays listed.
 -- With `index`, a table state -> ids, the caller adds the id to the finished set itself
 -- (one ZADD for many jobs).
+local settle_children  -- below: finalize() and it call each other (a chain cancels step by step)
+
 local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
   local kind = state == 'completed' and 'result_ttl' or 'failed_ttl'
   local own = tonumber(r[kind])
@@ -132,7 +136,9 @@ local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
     ttl = own
   end
   redis.call('HSET', job, 'state', state, 'finished_at', fmt(t), unpack(fields))
-  history(p, id, r, state, t, error_type)
+  if state ~= 'canceled' then  -- a canceled job had no delivery: nothing for the history
+    history(p, id, r, state, t, error_type)
+  end
   if index then
     local ids = index[state] or {}
     index[state] = ids
@@ -149,6 +155,9 @@ local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
     end
     redis.call('EXPIRE', nk, 60)
     redis.call('HDEL', job, 'waiters')
+  end
+  if r.children then
+    settle_children(p, id, job, r, state, t, ttl)
   end
 end
 
@@ -210,4 +219,71 @@ end
 local function json_decimal(s)
   return type(s) == 'string' and (string.find(s, '^%d+$') or string.find(s, '^%d+%.%d+$')) ~= nil
     and string.find(s, '^0%d') == nil
+end
+
+-- Workflows (docs/PROTOCOL.md, Workflows). A job that others wait for has `children`:
+-- "<queue> <id> <queue> <id> ..."; a child has `parents` (the same form), `waiting_on` (its
+-- parents not yet completed), state `waiting` and an entry in <p>waiting until they are,
+-- and `takes` = "result" when its parent's result goes first in its args (a chain's step).
+-- A child in another queue lives beside the parent's queue under the same prefix; only
+-- off a Redis Cluster (enqueue.lua refuses such an edge there: the child is in another slot).
+
+-- The key prefix of queue q beside the key prefix p ("tr:{a}:", "b" -> "tr:{b}:").
+local function sibling(p, q)
+  return string.match(p, '^(.*){[^{}]*}:$') .. '{' .. q .. '}:'
+end
+
+-- A JSON array's text with `value` (JSON text) put first: '[1,2]' -> '[<value>,1,2]'.
+local function prepend(value, args)
+  local rest = string.sub(args, string.find(args, '[', 1, true) + 1)
+  if string.find(rest, '^%s*%]') then
+    return '[' .. value .. ']'
+  end
+  return '[' .. value .. ',' .. rest
+end
+
+-- Parent `pjob` completed: count it for child `id` of queue prefix `cp`; the last one makes
+-- the child pending, its parent's result first in its args if it takes it. A child no longer
+-- waiting (killed, deleted, canceled by another parent) is left as it is.
+local function join(cp, id, pjob)
+  local job = cp .. 'job:' .. id
+  local c = redis.call('HMGET', job, 'state', 'takes', 'args')
+  if c[1] ~= 'waiting' or redis.call('HINCRBY', job, 'waiting_on', -1) > 0 then
+    return
+  end
+  redis.call('ZREM', cp .. 'waiting', id)
+  local args = c[2] == 'result' and {'args', prepend(redis.call('HGET', pjob, 'result') or 'null', c[3])}
+  to_pending(cp, id, job, false, args)
+end
+
+-- A job with children ended in `state` (finalize(), or deleted: "deleted"). Completed: each
+-- child counts it. Else each child still waiting ends canceled, naming the step that failed
+-- (`canceled_by` "<queue> <id>", the first failed step for those canceled in turn), and so
+-- do the children of those, in this same call. `ttl`: the failed TTL (setting) for them.
+settle_children = function(p, id, job, r, state, t, ttl)
+  local by, why
+  if state == 'canceled' then
+    local e = redis.call('HMGET', job, 'canceled_by', 'error')
+    by, why = e[1], e[2]
+  elseif state ~= 'completed' then
+    by = string.match(p, '{([^{}]*)}:$') .. ' ' .. id
+    why = string.format('step %s (task %s) %s', id, r.task or '?', state)
+    if state ~= 'deleted' then  -- its error, as finalize() just wrote it
+      local e = redis.call('HMGET', job, 'error_type', 'error')
+      why = why .. ': ' .. (e[1] or '?') .. ': ' .. string.sub(e[2] or '', 1, 200)
+    end
+  end
+  for q, cid in string.gmatch(r.children, '(%S+) (%S+)') do
+    local cp = sibling(p, q)
+    if state == 'completed' then
+      join(cp, cid, job)
+    else
+      local cjob = cp .. 'job:' .. cid
+      if redis.call('HGET', cjob, 'state') == 'waiting' then
+        redis.call('ZREM', cp .. 'waiting', cid)
+        finalize(cp, cid, cjob, load(cjob), 'canceled', t, ttl,
+          {'canceled_by', by, 'error_type', 'Canceled', 'error', why}, 'Canceled')
+      end
+    end
+  end
 end

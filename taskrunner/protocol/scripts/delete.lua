@@ -1,6 +1,7 @@
--- Delete a job that is not running (kill it first): every trace of it goes.
+-- Delete a job that is not running (kill it first): every trace of it goes. The jobs
+-- waiting for one that had not completed end canceled (they would wait for ever).
 -- KEYS[1]  queue key prefix
--- ARGV[1]  id
+-- ARGV[1]  id   ARGV[2] (optional) failed TTL (s) for those canceled; default 604800
 -- Returns the state before; "" when there is no such job; "running" (refused).
 local p = KEYS[1]
 local id = ARGV[1]
@@ -11,8 +12,13 @@ if not state or state == 'running' then
 end
 redis.call('SREM', p .. 'items', id)
 redis.call('LREM', p .. 'pending', 0, id)
-for _, k in ipairs({'delayed', 'completed', 'failed', 'killed'}) do
+for _, k in ipairs({'delayed', 'waiting', 'completed', 'failed', 'killed', 'canceled'}) do
   redis.call('ZREM', p .. k, id)
+end
+local children = redis.call('HGET', job, 'children')
+if children and state ~= 'completed' then
+  settle_children(p, id, job, {children = children, task = redis.call('HGET', job, 'task')}, 'deleted', now(),
+    tonumber(ARGV[2]) or 604800)
 end
 redis.call('DEL', job, p .. 'notify:' .. id)
 return state

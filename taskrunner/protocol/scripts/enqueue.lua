@@ -3,6 +3,8 @@
 -- KEYS[1]  queue key prefix "<P>:{<Q>}:"; Q must be a valid queue name
 -- KEYS[2]  optional, never on a Redis Cluster (another slot): the global queue set
 --          "<P>:{_}:queues"; Q is added to it (the dispatcher sweeps the queues listed there)
+-- KEYS[3..] optional, after KEYS[2], off a cluster only: the key prefixes of other queues
+--          (same prefix P) whose jobs this call writes (field queue) or names as parents
 -- ARGV[1]  number of jobs N; then per job: id, delay (s, 0 = now), K, then K field/value
 --          pairs; then, optionally, the payload limit in bytes (default 1048576)
 -- Fields a producer may send (any other is refused): task (required), queue (if sent, Q;
@@ -10,7 +12,10 @@
 -- default {}), headers (JSON object; none when not sent), max_duration (s > 0), retries
 -- (0 to 2^31-1), retry_backoff (s >= 0), timeout_policy (kill|flag), max_lost (1 to
 -- 2^31-1), max_retries (0 to 2^31-1), retry_backoff_max (s >= 0), result_ttl and failed_ttl
--- (whole s, 1 to 2^31-1), soft_limit (s > 0, < max_duration), producer (text). A producer
+-- (whole s, 1 to 2^31-1), soft_limit (s > 0, < max_duration), producer (text); for a
+-- workflow's step (docs/PROTOCOL.md, Workflows): parents ("<queue> <id> ..."; each an
+-- earlier job of this call or an existing one that has not failed; no delay) and takes
+-- ("result": its one parent's result goes first in its args). A producer
 -- that leaves out any of max_duration, retries, retry_backoff, timeout_policy and max_lost
 -- gets those, and any of max_retries, retry_backoff_max, result_ttl, failed_ttl and
 -- soft_limit it left out too, from the task's declaration, <p>tasks[task] (JSON, written
@@ -18,7 +23,8 @@
 -- five it did not send are left out of the record (their defaults apply; no soft limit),
 -- and no declaration is read. Numbers not in plain decimal notation are written back in it.
 -- Returns one integer per job: 1 added, 0 an id that already exists (nothing changed),
--- -1 the queue is full (its bound is reached; delayed jobs do not count), -2 it is closed.
+-- -1 the queue is full (its bound is reached; delayed jobs and jobs with parents do not
+-- count), -2 it is closed; a job whose parent in this call was refused gets its answer.
 -- Errors: "ERR taskrunner: <Kind>: <message>", Kind one of InvalidName, NotJSON,
 -- PayloadTooLarge, BadValue, BadCall.
 -- Sets: job:<id> (fields + state, enqueued_at), then pending+items (+wake) or delayed;
@@ -155,9 +161,19 @@ if not queue or not is_name(queue) then
   return refuse('InvalidName', 'KEYS[1] must be "<prefix>:{<queue>}:" with a queue name of letters, digits and '
     .. '_.:@- (at most 200, starting with a letter or digit), not ' .. quote(p))
 end
+local base = string.sub(p, 1, #p - #queue - 3)
 local registry = KEYS[2]
-if registry and registry ~= string.sub(p, 1, #p - #queue - 3) .. '{_}:queues' then
+if registry and registry ~= base .. '{_}:queues' then
   return refuse('BadCall', 'KEYS[2] must be the global queue set "<prefix>:{_}:queues" of KEYS[1]\'s prefix')
+end
+local prefixes = {[queue] = p}  -- queue -> key prefix, for every queue this call may touch
+for k = 3, #KEYS do
+  local q = string.match(KEYS[k], '{([^{}]*)}:$')
+  if not q or not is_name(q) or KEYS[k] ~= base .. '{' .. q .. '}:' then
+    return refuse('BadCall', 'KEYS[' .. k .. '] must be the key prefix of a queue, "<prefix>:{<queue>}:" with '
+      .. 'KEYS[1]\'s prefix, not ' .. quote(KEYS[k]))
+  end
+  prefixes[q] = KEYS[k]
 end
 if not n_jobs or n_jobs < 0 or n_jobs % 1 ~= 0 then
   return refuse('BadCall', 'ARGV[1] must be the number of jobs')
@@ -169,17 +185,17 @@ end
 -- refusal when it is not a JSON object.
 local DECLARED = {'max_duration', 'retries', 'retry_backoff', 'timeout_policy', 'max_lost', 'max_retries',
   'retry_backoff_max', 'result_ttl', 'failed_ttl', 'soft_limit'}
-local declarations  -- task -> fill, made when needed
-local function declared(task)
+local declarations  -- queue prefix .. task -> fill, made when needed
+local function declared(jp, task)
   declarations = declarations or {}
-  local fill = declarations[task]
+  local fill = declarations[jp .. task]
   if fill ~= nil then return fill end
   fill = false
-  local raw = redis.call('HGET', p .. 'tasks', task)
+  local raw = redis.call('HGET', jp .. 'tasks', task)
   if raw then
     local ok, d = pcall(cjson.decode, raw)
     if not ok or type(d) ~= 'table' then
-      return nil, refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. p .. 'tasks is not a JSON object')
+      return nil, refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. jp .. 'tasks is not a JSON object')
     end
     fill = {}
     for k, name in ipairs(DECLARED) do
@@ -187,8 +203,43 @@ local function declared(task)
       fill[k] = v ~= nil and v ~= cjson.null and (setting(name, v) or true)
     end
   end
-  declarations[task] = fill
+  declarations[jp .. task] = fill
   return fill
+end
+
+-- A workflow step's parents ("<queue> <id> ..."), checked: a list of {queue, id}, or nil and
+-- why not. `here`: "<queue prefix><id>" -> true for the jobs before it in this call.
+local FINAL = {completed = true, failed = true, killed = true, canceled = true}
+local function parents_of(text, jq, id, here)
+  local list, seen = {}, {}
+  local rest = string.gsub(text, '(%S+)%s+(%S+)', function(q, pid)
+    list[#list + 1] = {q, pid}
+    return ''
+  end)
+  if #list == 0 or string.find(rest, '%S') then
+    return nil, 'parents must be "<queue> <id>" pairs separated by spaces, not ' .. quote(text)
+  end
+  for _, e in ipairs(list) do
+    local q, pid = e[1], e[2]
+    local key = (prefixes[q] or '') .. pid
+    if not prefixes[q] then
+      return nil, 'parent ' .. pid .. ' is in queue ' .. quote(q) .. ', which is not among KEYS (a queue of '
+        .. 'another slot: cross-queue workflows need a single Redis server, not a cluster)'
+    elseif seen[key] or (q == jq and pid == id) then
+      return nil, 'parent ' .. q .. ' ' .. pid .. ' listed twice, or the job itself'
+    end
+    seen[key] = true
+    local state = redis.call('HGET', prefixes[q] .. 'job:' .. pid, 'state')
+    if not here[key] or state then  -- an existing job (one of this call may be one: answer 0)
+      if not state then
+        return nil, 'parent ' .. pid .. ' not found in queue ' .. q .. ' (never enqueued, expired, or not before it '
+          .. 'in this call)'
+      elseif FINAL[state] and state ~= 'completed' then
+        return nil, 'parent ' .. pid .. ' (queue ' .. q .. ') ended ' .. state .. ': the job would never run'
+      end
+    end
+  end
+  return list
 end
 
 -- Pass 1: check every job, and build what each one writes: the producer's fields as they
@@ -197,6 +248,9 @@ end
 -- its cost): id, delay, the index in ARGV of its first field or its record, size.
 local tasks_ok = n_jobs ~= 1 and {}  -- task names found valid in this call (a batch's)
 local plan = {}
+-- job n -> its queue prefix when not p; its parents and takes. `here`: made at the first job
+-- with parents (jobs outside workflows pay nothing for it), see parents_of().
+local queues_of, steps, here = {}, {}, nil
 local largest, i = 0, 2
 for n = 1, n_jobs do
   local id, delay_s, k = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
@@ -212,7 +266,7 @@ for n = 1, n_jobs do
     return refuse('BadValue', 'job ' .. id .. ': delay must be a number of seconds >= 0 and < 2^53')
   end
   -- Fields in locals, not a table: this loop is most of the script's cost.
-  local task, queue_f, args, kwargs, headers, producer, md, rt, rb, tp, ml, mr, bm, rtl, ftl, sl
+  local task, queue_f, args, kwargs, headers, producer, md, rt, rb, tp, ml, mr, bm, rtl, ftl, sl, parents, takes
   local changed = false  -- a setting written otherwise than sent
   for a = i + 3, i + 1 + 2 * k, 2 do
     local name, value = ARGV[a], ARGV[a + 1]
@@ -223,6 +277,8 @@ for n = 1, n_jobs do
     elseif name == 'headers' then seen = headers; headers = value
     elseif name == 'queue' then seen = queue_f; queue_f = value
     elseif name == 'producer' then seen = producer; producer = value
+    elseif name == 'parents' then seen = parents; parents = value
+    elseif name == 'takes' then seen = takes; takes = value
     else
       local v = setting_of(name, value)
       if name == 'max_duration' then seen = md; md = v
@@ -253,10 +309,32 @@ for n = 1, n_jobs do
   elseif not (tasks_ok and tasks_ok[task]) and not is_name(task) then
     return refuse('InvalidName', 'job ' .. id .. ': invalid task name ' .. quote(task)
       .. ': use letters, digits and _.:@- (at most 200, starting with a letter or digit)')
-  elseif queue_f and queue_f ~= queue then
+  elseif queue_f and not prefixes[queue_f] then
     return refuse('BadValue', 'job ' .. id .. ': field queue is ' .. quote(queue_f)
-      .. ' but KEYS[1] is queue ' .. queue)
+      .. ' but KEYS[1] is queue ' .. queue .. (#KEYS > 2 and ' and KEYS[3..] name others' or ''))
   end
+  local jq = queue_f or queue
+  local jp = prefixes[jq]
+  if parents or takes then
+    if not parents then
+      return refuse('BadCall', 'job ' .. id .. ': takes needs parents')
+    elseif delay > 0 then
+      return refuse('BadValue', 'job ' .. id .. ': a job with parents cannot have a delay')
+    end
+    if not here then
+      here = {}
+      for k = 1, n - 1 do here[(queues_of[k] or p) .. plan[4 * k - 3]] = true end
+    end
+    local list, bad = parents_of(parents, jq, id, here)
+    if not list then return refuse('BadValue', 'job ' .. id .. ': ' .. bad) end
+    if takes and (takes ~= 'result' or #list ~= 1) then
+      return refuse('BadValue', 'job ' .. id .. ': takes must be "result", for a job with one parent, not '
+        .. quote(takes))
+    end
+    steps[n] = {list, takes}
+  end
+  if jp ~= p then queues_of[n] = jp end
+  if here then here[jp .. id] = true end
   if tasks_ok then tasks_ok[task] = true end
   changed = changed or not (args and kwargs and queue_f)  -- the record gets them all
   args, kwargs = args or '[]', kwargs or '{}'
@@ -267,7 +345,7 @@ for n = 1, n_jobs do
   why = headers and bad_json(headers, '{')
   if why then return refuse('NotJSON', 'job ' .. id .. ': headers ' .. why) end
   if not (md and rt and rb and tp and ml) then  -- what the producer left to the declaration
-    local fill, refusal = declared(task)
+    local fill, refusal = declared(jp, task)
     if refusal then return refusal end
     if fill then
       md, rt, rb, tp, ml = md or fill[1], rt or fill[2], rb or fill[3], tp or fill[4], ml or fill[5]
@@ -275,7 +353,7 @@ for n = 1, n_jobs do
       local bad = md == true and 1 or rt == true and 2 or rb == true and 3 or tp == true and 4 or ml == true and 5
         or mr == true and 6 or bm == true and 7 or rtl == true and 8 or ftl == true and 9 or sl == true and 10
       if bad then
-        return refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. p .. 'tasks: ' .. DECLARED[bad]
+        return refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. jp .. 'tasks: ' .. DECLARED[bad]
           .. ' must be ' .. rule(DECLARED[bad]))
       end
       changed = true
@@ -286,7 +364,7 @@ for n = 1, n_jobs do
       .. md .. 's): the hard kill comes at max_duration')
   end
   if changed then
-    local record = {'queue', queue, 'task', task, 'args', args, 'kwargs', kwargs}
+    local record = {'queue', jq, 'task', task, 'args', args, 'kwargs', kwargs}
     if headers then record[#record + 1] = 'headers'; record[#record + 1] = headers end
     if md then record[#record + 1] = 'max_duration'; record[#record + 1] = md end
     if rt then record[#record + 1] = 'retries'; record[#record + 1] = rt end
@@ -299,6 +377,8 @@ for n = 1, n_jobs do
     if ftl then record[#record + 1] = 'failed_ttl'; record[#record + 1] = ftl end
     if sl then record[#record + 1] = 'soft_limit'; record[#record + 1] = sl end
     if producer then record[#record + 1] = 'producer'; record[#record + 1] = producer end
+    if parents then record[#record + 1] = 'parents'; record[#record + 1] = parents end
+    if takes then record[#record + 1] = 'takes'; record[#record + 1] = takes end
     plan[4 * n - 1] = record
   else
     plan[4 * n - 1] = i + 3
@@ -324,38 +404,67 @@ if largest > limit then
   end
 end
 
--- Pass 2: write. The ids of the jobs made pending go to items and pending in one SADD and
--- one LPUSH per CHUNK jobs, and one wake token is left at the end: the same end state as
--- making each job pending on its own, for a fraction of the commands.
-if registry then
-  redis.call('SADD', registry, queue)
-end
+-- Pass 2: write, per queue. The ids of the jobs made pending go to items and pending in one
+-- SADD and one LPUSH per CHUNK jobs, and one wake token is left at the end: the same end
+-- state as making each job pending on its own, for a fraction of the commands.
 local CHUNK = 1000
 local t = now()
 local enqueued_at = fmt(t)
-local meta = redis.call('HMGET', p .. 'meta', 'bound', 'closed')
-local bound, closed = tonumber(meta[1]) or 0, meta[2] == '1'
-local items, pending = p .. 'items', p .. 'pending'
-local waiting = bound > 0 and not closed and redis.call('LLEN', pending)  -- counted here on
-local out, fresh = {}, {}
-local added, bytes, pushed = 0, 0, 0
-local function push()
-  redis.call('SADD', items, unpack(fresh))
-  redis.call('LPUSH', pending, unpack(fresh))
-  pushed = pushed + #fresh
-  fresh = {}
+local into = {}  -- queue prefix -> what this call does there
+local function queue_at(jp)
+  local meta = redis.call('HMGET', jp .. 'meta', 'bound', 'closed')
+  local bound, closed = tonumber(meta[1]) or 0, meta[2] == '1'
+  -- room: the pending jobs, counted here on, of a bounded queue
+  local qs = {bound = bound, closed = closed, room = bound > 0 and not closed and redis.call('LLEN', jp .. 'pending'),
+    fresh = {}, added = 0, bytes = 0, pushed = 0}
+  into[jp] = qs
+  return qs
 end
+local function push(jp, qs)
+  redis.call('SADD', jp .. 'items', unpack(qs.fresh))
+  redis.call('LPUSH', jp .. 'pending', unpack(qs.fresh))
+  qs.pushed = qs.pushed + #qs.fresh
+  qs.fresh = {}
+end
+if registry then
+  redis.call('SADD', registry, queue)
+end
+local main = queue_at(p)
+local workflow = next(steps) ~= nil
+local out, answer = {}, {}  -- answer: "<queue prefix><id>" -> out of a job of this call
 for n = 1, n_jobs do
   local id, delay, fields, size = plan[4 * n - 3], plan[4 * n - 2], plan[4 * n - 1], plan[4 * n]
-  local job = p .. 'job:' .. id
-  if closed then
+  local jp = queues_of[n] or p
+  local qs = jp == p and main or into[jp] or queue_at(jp)
+  local job = jp .. 'job:' .. id
+  local step, left, refused = steps[n], 0, nil
+  if step then  -- a parent of this call that was refused: so is this job
+    for _, e in ipairs(step[1]) do
+      local a = answer[prefixes[e[1]] .. e[2]]
+      if a and a < 0 then refused = a end
+    end
+  end
+  if qs.closed then
     out[n] = -2
   elseif redis.call('EXISTS', job) == 1 then
     out[n] = 0
-  elseif delay <= 0 and waiting and waiting >= bound then
+  elseif refused then
+    out[n] = refused
+  elseif not step and delay <= 0 and qs.room and qs.room >= qs.bound then
     out[n] = -1
   else
-    local state = delay > 0 and 'delayed' or 'pending'
+    if step then  -- each parent not completed yet gets it among its children
+      for _, e in ipairs(step[1]) do
+        local pjob = prefixes[e[1]] .. 'job:' .. e[2]
+        local f = redis.call('HMGET', pjob, 'state', 'children')
+        if f[1] ~= 'completed' then
+          redis.call('HSET', pjob, 'children', (f[2] and f[2] .. ' ' or '') .. string.match(jp, '{([^{}]*)}:$') .. ' '
+            .. id)
+          left = left + 1
+        end
+      end
+    end
+    local state = left > 0 and 'waiting' or delay > 0 and 'delayed' or 'pending'
     if type(fields) == 'number' then  -- the producer's fields as sent
       redis.call('HSET', job, 'id', id, 'enqueued_at', enqueued_at, 'attempts', '0', 'state', state,
         unpack(ARGV, fields, fields + 2 * tonumber(ARGV[fields - 1]) - 1))
@@ -363,25 +472,40 @@ for n = 1, n_jobs do
       redis.call('HSET', job, 'id', id, 'enqueued_at', enqueued_at, 'attempts', '0', 'state', state,
         unpack(fields))
     end
-    bytes = bytes + size
-    if delay > 0 then
-      to_delayed(p, id, job, t + delay)
+    qs.bytes = qs.bytes + size
+    if left > 0 then
+      redis.call('HSET', job, 'waiting_on', left)
+      redis.call('ZADD', jp .. 'waiting', t, id)
+    elseif delay > 0 then
+      to_delayed(jp, id, job, t + delay)
     else
+      if step and step[2] then  -- its parent completed already: its result now
+        local e = step[1][1]
+        redis.call('HSET', job, 'args', prepend(redis.call('HGET', prefixes[e[1]] .. 'job:' .. e[2], 'result')
+          or 'null', redis.call('HGET', job, 'args')))
+      end
+      local fresh = qs.fresh
       fresh[#fresh + 1] = id
-      if #fresh == CHUNK then push() end
-      if waiting then waiting = waiting + 1 end
+      if #fresh == CHUNK then push(jp, qs) end
+      if qs.room then qs.room = qs.room + 1 end
     end
-    added = added + 1
+    qs.added = qs.added + 1
     out[n] = 1
   end
+  if workflow then answer[jp .. id] = out[n] end
 end
-if #fresh > 0 then push() end
-if pushed > 0 then
-  wake(p)
-end
-if added > 0 then
-  redis.call('HINCRBY', p .. 'meta', 'produced_messages', added)
-  redis.call('HINCRBY', p .. 'meta', 'produced_bytes', bytes)
-  signal_room(p, bound)
+for jp, qs in pairs(into) do
+  if #qs.fresh > 0 then push(jp, qs) end
+  if qs.pushed > 0 then
+    wake(jp)
+  end
+  if qs.added > 0 then
+    if registry and jp ~= p then
+      redis.call('SADD', registry, string.match(jp, '{([^{}]*)}:$'))
+    end
+    redis.call('HINCRBY', jp .. 'meta', 'produced_messages', qs.added)
+    redis.call('HINCRBY', jp .. 'meta', 'produced_bytes', qs.bytes)
+    signal_room(jp, qs.bound)
+  end
 end
 return out

@@ -21,6 +21,8 @@
 -- The fence and the release are batched: one HMGET of the holding hash for all jobs, one
 -- HDEL/SREM each for those released; the finished sets get one ZADD per state.
 -- An exclusive queue with jobs waiting gets a wake token (its next job may run now).
+-- A job that ends with children (a workflow's, see finalize() and settle_children() in
+-- _lib.lua) settles them in this same call: pending once it completed, else canceled.
 -- Arguments that are not so are refused (an error, nothing changed): a bad TTL used to fail
 -- in the middle, after some jobs had changed, and an unknown outcome failed the job.
 local p = KEYS[1]

@@ -1,4 +1,5 @@
--- Kill a job. Pending or delayed: it ends killed at once. Running: flag the request and
+-- Kill a job. Pending, delayed or waiting: it ends killed at once (the jobs waiting for it
+-- end canceled). Running: flag the request and
 -- tell the caller which worker holds it, so the caller can message that worker; a
 -- delivery that is later lost with the flag set also ends killed (see lose()).
 -- KEYS[1]  queue key prefix
@@ -14,10 +15,11 @@ if not state then
   return {''}
 end
 local why = 'killed by ' .. ARGV[2]
-if state == 'pending' or state == 'delayed' then
+if state == 'pending' or state == 'delayed' or state == 'waiting' then
   redis.call('SREM', p .. 'items', id)
   redis.call('LREM', p .. 'pending', 0, id)
   redis.call('ZREM', p .. 'delayed', id)
+  redis.call('ZREM', p .. 'waiting', id)
   finalize(p, id, job, load(job), 'killed', t, tonumber(ARGV[3]),
     {'error_type', 'Killed', 'error', why, 'killed_by', ARGV[2]}, 'Killed')
   return {'killed'}

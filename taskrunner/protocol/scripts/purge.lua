@@ -1,7 +1,8 @@
 -- Delete up to N pending jobs of a queue (callers repeat until none is left, so that one
--- call never blocks Redis for long). Running, delayed and finished jobs are untouched.
+-- call never blocks Redis for long). Running, delayed, waiting and finished jobs are
+-- untouched; the jobs waiting for one deleted end canceled (as for delete.lua).
 -- KEYS[1]  queue key prefix
--- ARGV[1]  N
+-- ARGV[1]  N   ARGV[2] (optional) failed TTL (s) for those canceled; default 604800
 -- Returns {deleted, pending left}.
 local p = KEYS[1]
 local deleted = 0
@@ -9,7 +10,12 @@ for _ = 1, tonumber(ARGV[1]) do
   local id = redis.call('RPOP', p .. 'pending')
   if not id then break end
   if redis.call('SREM', p .. 'items', id) == 1 then
-    redis.call('DEL', p .. 'job:' .. id)
+    local job = p .. 'job:' .. id
+    local f = redis.call('HMGET', job, 'children', 'task')
+    if f[1] then
+      settle_children(p, id, job, {children = f[1], task = f[2]}, 'deleted', now(), tonumber(ARGV[2]) or 604800)
+    end
+    redis.call('DEL', job)
     deleted = deleted + 1
   end
 end

@@ -3,7 +3,7 @@
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  most delayed jobs to promote   ARGV[2] most deadline buckets to read
 -- ARGV[3]  result TTL (s): entries of `completed` older than this are trimmed
--- ARGV[4]  failed TTL (s): the same for `failed` and `killed` (the dead letters)
+-- ARGV[4]  failed TTL (s): the same for `failed`, `killed` (the dead letters) and `canceled`
 -- A TTL of meta longest_result_ttl / longest_failed_ttl (a task's own, see finalize()) wins
 -- when it is longer: its jobs stay listed as long as their records live.
 -- Returns {promoted count, id, holding entry, id, holding entry, ...} for every job in a
@@ -47,7 +47,7 @@ end
 local longest = redis.call('HMGET', p .. 'meta', 'longest_result_ttl', 'longest_failed_ttl')
 local result_ttl = math.max(tonumber(ARGV[3]), tonumber(longest[1]) or 0)
 local failed_ttl = math.max(tonumber(ARGV[4]), tonumber(longest[2]) or 0)
-for _, state in ipairs({'completed', 'failed', 'killed'}) do
+for _, state in ipairs({'completed', 'failed', 'killed', 'canceled'}) do
   redis.call('ZREMRANGEBYSCORE', p .. state, '-inf', t - (state == 'completed' and result_ttl or failed_ttl))
 end
 return out

@@ -7,7 +7,7 @@ local state = redis.call('HGET', job, 'state')
 if not state then
   return ''
 end
-if state ~= 'completed' and state ~= 'failed' and state ~= 'killed' then
+if state ~= 'completed' and state ~= 'failed' and state ~= 'killed' and state ~= 'canceled' then
   redis.call('HINCRBY', job, 'waiters', 1)
 end
 return state
