@@ -68,7 +68,7 @@ def _app(app_spec: str | None, redis_url: str | None, check: bool = False) -> Ta
             problem = explain(e, app.settings.redis_url)
             if problem is None or problem.lasting:
                 raise
-            click.echo(f"Warning: {problem.message}; waiting for it", err=True)
+            logging.getLogger("taskrunner").warning("%s; waiting for it", problem.message)  # in its --log-format
     return app
 
 
@@ -439,7 +439,8 @@ def log_options(f: Callable) -> Callable:
     """--log-level and --log-format, for the commands that run until stopped."""
     f = click.option("--log-format", type=click.Choice(logs.FORMATS), default="text", show_default=True,
                      envvar="TASKRUNNER_LOG_FORMAT", help=logs.FORMAT_HELP)(f)
-    return click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True)(f)
+    return click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True,
+                        help="The least severe records written.")(f)
 
 
 @main.command()

@@ -8,10 +8,15 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from taskrunner import logs
 from tests import apps
@@ -145,3 +150,50 @@ def test_dispatcher_json_log_names_the_job_it_requeues(app, stack, tmp_path):
     assert len(lost) == 1 and "lost its process" in lost[0]["message"], lines
     assert {k: lost[0][k] for k in JOB_FIELDS} == {"job_id": job.id, "task": apps.hold.name, "queue": "default",
                                                    "attempt": 1, "worker": "doomed"}
+
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def status_of(url: str) -> int | None:
+    """The HTTP status of GET url; None while nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+@pytest.mark.parametrize("server", ["gunicorn", "taskrunner"])
+def test_dashboard_json_log_under_gunicorn_and_the_development_server(stack, tmp_path, server):
+    """Redis is down: the dashboard's page logs a warning; gunicorn's own lines (and its
+    access lines, on stdout) and the development server's are JSON objects too."""
+    env = {**stack.env, "REDIS_URL": f"redis://127.0.0.1:{free_port()}", "TASKRUNNER_APP": "tests.apps",
+           "TASKRUNNER_LOG_FORMAT": "json"}
+    port = free_port()
+    args = (["gunicorn", "-c", "python:dashboard.gunicorn_conf", "-w", "1", "-b", f"127.0.0.1:{port}",
+             "--access-logfile", "-", "dashboard:create_app()"] if server == "gunicorn"
+            else ["taskrunner", "dashboard", "--port", str(port)])
+    err, out = tmp_path / "err", tmp_path / "out"
+    with err.open("w") as e, out.open("w") as o:
+        p = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, start_new_session=True, stdout=o,
+                             stderr=e)
+    stack.procs.append(p)
+    assert wait_for(lambda: p.poll() is not None or status_of(f"http://127.0.0.1:{port}/"),
+                    what=f"{server} to answer") == 503
+    wait_for(lambda: "taskrunner.dashboard" in err.read_text(), what="the warning")
+    p.send_signal(signal.SIGTERM)
+    p.wait(30)
+    lines = parsed(err)
+    assert any(x["logger"] == "taskrunner.dashboard" and x["level"] == "WARNING" for x in lines), lines
+    if server == "gunicorn":
+        assert any(x["logger"] == "gunicorn.error" for x in lines), lines
+        assert any(x["logger"] == "gunicorn.access" for x in parsed(out)), out.read_text()
+    else:
+        assert any(x["logger"] == "werkzeug" for x in lines), lines
