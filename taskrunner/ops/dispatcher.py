@@ -309,7 +309,8 @@ class Dispatcher:
             fired, last_job = int(job.created), job.id
             if job.created:
                 log.info("dispatcher: fired %s for %s (job %s)", s.name,
-                         datetime.fromtimestamp(tick, timezone.utc).isoformat(), job.id)
+                         datetime.fromtimestamp(tick, timezone.utc).isoformat(), job.id,
+                         extra={**job_fields(Run(job.id, s.task, job.queue, 0)), "schedule": s.name})
         new = {"name": s.name, "cron": s.cron, "every": s.every, "tz": s.tz, "task": s.task, "queue": s.queue,
                "args": s.args, "kwargs": s.kwargs, "source": s.source, "last": max(latest, last or 0), "next": nxt,
                "last_fired_at": now if tick is not None else state.get("last_fired_at"), "last_job": last_job,
