@@ -139,8 +139,8 @@ class Crew:
 
     def _raised(self, d: Delivery, outcome: Outcome) -> None:
         """Log a run that ended in an exception (the job's record keeps its traceback; in
-        JSON logs it is the `exc` field too). A failed job for good is an error; an "error"
-        outcome is retried while its retries last (finish.lua decides), so a warning."""
+        JSON logs it is the `exc` field too): an error when it failed the job for good, a
+        warning when its job is retried while retries last (finish.lua decides, later)."""
         failed = outcome.kind == "failed"
         log.log(logging.ERROR if failed else logging.WARNING, "worker %s: job %s (%s) %s %s: %s", self.name, d.id,
                 d.task, "failed:" if failed else "raised", outcome.error_type, outcome.message,
