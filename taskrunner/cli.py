@@ -17,6 +17,7 @@ import click
 import redis
 from click.core import ParameterSource
 
+from taskrunner import logs
 from taskrunner.client.app import TaskRunner
 from taskrunner.client.loader import load_app
 from taskrunner.errors import (
@@ -67,7 +68,7 @@ def _app(app_spec: str | None, redis_url: str | None, check: bool = False) -> Ta
             problem = explain(e, app.settings.redis_url)
             if problem is None or problem.lasting:
                 raise
-            click.echo(f"Warning: {problem.message}; waiting for it", err=True)
+            logging.getLogger("taskrunner").warning("%s; waiting for it", problem.message)  # in its --log-format
     return app
 
 
@@ -437,9 +438,12 @@ def _serve_health(spec: str | None, app: TaskRunner, looped_ago: Callable[[], fl
                                          *server.server_address[:2])
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(message)s")
+def log_options(f: Callable) -> Callable:
+    """--log-level and --log-format, for the commands that run until stopped."""
+    f = click.option("--log-format", type=click.Choice(logs.FORMATS), default="text", show_default=True,
+                     envvar="TASKRUNNER_LOG_FORMAT", help=logs.FORMAT_HELP)(f)
+    return click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True,
+                        help="The least severe records written.")(f)
 
 
 @main.command()
@@ -460,16 +464,16 @@ def _setup_logging(level: str) -> None:
               "after it ran this many jobs (recycling: for leaks; nothing is lost or counted). Default: never.")
 @click.option("--max-memory-per-child", type=click.FloatRange(min=1), metavar="MB", help="Replace a child process "
               "once its resident memory (RSS, checked after its jobs) exceeds this many MB. Default: never.")
-@click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True)
+@log_options
 @HEALTH_PORT
 @common
 def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch: int | None, threads: int,
            async_slots: int, max_jobs_per_child: int | None, max_memory_per_child: float | None, log_level: str,
-           health_port: str | None, app_spec: str | None, redis_url: str | None) -> None:
+           log_format: str, health_port: str | None, app_spec: str | None, redis_url: str | None) -> None:
     """Run jobs: claim from the queues, run each in a child process, report back."""
     from taskrunner.worker.main import Worker
 
-    _setup_logging(log_level)
+    logs.configure(log_level, log_format)
     if not app_spec:
         raise click.UsageError("the worker needs your app: -A module (or TASKRUNNER_APP)")
     app = _app(app_spec, redis_url, check=True)
@@ -478,22 +482,24 @@ def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch:
     app.wait_for_redis("worker")
     w = Worker(app, qs, concurrency, name, prefetch, max_jobs_per_child, max_memory_per_child, threads,
                async_slots)
+    who = {"worker": w.name}
+    logs.add_fields(lambda: who)  # what it and its children log names it
     _serve_health(health_port, app, lambda: time.monotonic() - w.stepped_at, app.settings.dead_after, "worker")
     sys.exit(w.run())
 
 
 @main.command()
 @click.option("-n", "--name", help="Dispatcher name (default host.pid).")
-@click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True)
+@log_options
 @HEALTH_PORT
 @common
-def dispatcher(name: str | None, log_level: str, health_port: str | None, app_spec: str | None,
+def dispatcher(name: str | None, log_level: str, log_format: str, health_port: str | None, app_spec: str | None,
                redis_url: str | None) -> None:
     """Requeue jobs of dead workers, stop stuck jobs, promote delayed jobs, fire cron
     schedules (those of -A APP). Several may run at once."""
     from taskrunner.ops.dispatcher import Dispatcher
 
-    _setup_logging(log_level)
+    logs.configure(log_level, log_format)
     app = _app(app_spec, redis_url, check=True)
     app.wait_for_redis("dispatcher")
     d = Dispatcher(app, name)
@@ -508,8 +514,10 @@ def dispatcher(name: str | None, log_level: str, health_port: str | None, app_sp
               help="Address to serve on; beyond loopback only with a password.")
 @click.option("--port", type=click.IntRange(0, 65535), default=5000, show_default=True, envvar="PORT",
               help="0: any free port.")
+@log_options
 @common
-def dashboard(host: str, port: int, app_spec: str | None, redis_url: str | None) -> None:
+def dashboard(host: str, port: int, log_level: str, log_format: str, app_spec: str | None,
+              redis_url: str | None) -> None:
     """Serve the web dashboard (development server; the Procfile runs it under gunicorn).
 
     \b
@@ -521,6 +529,7 @@ def dashboard(host: str, port: int, app_spec: str | None, redis_url: str | None)
     from dashboard.security import check_bind
 
     check_bind([host], os.environ.get("TASKRUNNER_DASHBOARD_PASSWORD"))
+    logs.configure(log_level, log_format)  # the server's request lines too (werkzeug logs through the root)
     app = _app(app_spec, redis_url, check=True)
     create_app(app).run(host=host, port=port)
 
@@ -530,8 +539,11 @@ def dashboard(host: str, port: int, app_spec: str | None, redis_url: str | None)
 @click.option("-c", "--concurrency", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=5000, show_default=True, help="Dashboard port.")
 @click.option("--exit", "exit_after", is_flag=True, help="With --demo: stop when the demo workload is done.")
+@click.option("--log-format", type=click.Choice(logs.FORMATS), default="text", show_default=True,
+              envvar="TASKRUNNER_LOG_FORMAT", help="Of the dispatcher, the workers and the dashboard. "
+              + logs.FORMAT_HELP + " What `up` itself says stays text, on stdout.")
 @common
-def up(demo: bool, concurrency: int, port: int, exit_after: bool, app_spec: str | None,
+def up(demo: bool, concurrency: int, port: int, exit_after: bool, log_format: str, app_spec: str | None,
        redis_url: str | None) -> None:
     """Run everything locally: Redis (its own, under ./var, unless REDIS_URL is set), a
     dispatcher, a worker and the dashboard. Ctrl-C stops it all cleanly."""
@@ -540,7 +552,8 @@ def up(demo: bool, concurrency: int, port: int, exit_after: bool, app_spec: str 
     if not app_spec and not demo:
         raise click.UsageError("give your app with -A module, or try --demo")
     require_extra("dashboard", "up (it serves the dashboard)", "flask", "gunicorn")
-    sys.exit(run_stack(app_spec or "taskrunner.demo:app", redis_url, concurrency, port, demo, exit_after))
+    sys.exit(run_stack(app_spec or "taskrunner.demo:app", redis_url, concurrency, port, demo, exit_after,
+                       log_format))
 
 
 
@@ -725,9 +738,10 @@ def purge(queue_name: str, yes: bool, app_spec: str | None, redis_url: str | Non
 @click.option("--timeout", type=click.FloatRange(min=0), default=0, show_default=True,
               help="Wait this long for a job (exit 2 if none).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@log_options
 @common
-def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec: str | None,
-            redis_url: str | None) -> None:
+def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level: str, log_format: str,
+            app_spec: str | None, redis_url: str | None) -> None:
     """Take one job from the shell. With `-- CMD ...`, CMD gets the job as JSON on stdin;
     exit 0 acks it (CMD's stdout, JSON if it parses, is the result), anything else fails
     it. Without CMD the job's JSON is printed and acked. Exit: CMD's code, 2 if no job."""
@@ -739,6 +753,7 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], app_spec:
     from taskrunner.client.consumer import Consumer
     from taskrunner.protocol.connection import Backoff
 
+    logs.configure(log_level, log_format)  # what it logs: waiting out a Redis outage
     app = _app(app_spec, redis_url)
     c = Consumer(app, [q.strip() for q in queue_list.split(",") if q.strip()])
     try:

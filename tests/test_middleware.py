@@ -127,6 +127,9 @@ def test_a_raising_hook_is_logged_with_the_job_id_and_the_job_is_neither_lost_no
     with pytest.raises(RuntimeError, match="before_enqueue hook failed on purpose"):
         mw.work.apply_async(["never"], job_id="refused", headers={"raise": "before_enqueue"})
     assert "raised for job refused; not enqueued" in caplog.text
+    [refused] = [r for r in caplog.records if "not enqueued" in r.getMessage()]
+    assert (refused.job_id, refused.task, refused.queue, refused.attempt) == (
+        "refused", mw.work.name, mw.work.spec.queue, 0)  # its log fields (--log-format json)
     with pytest.raises(JobNotFound):
         app.job("refused")  # nothing written
     w = stack.worker("--async-slots", "0", app="tests.middleware_app", concurrency=1)
@@ -220,3 +223,5 @@ def test_a_redis_that_cannot_be_read_to_tell_retry_from_failure_costs_no_child(t
     outcome = child.run(down, message, link)
     assert (outcome.kind, outcome.error_type) == ("error", "ValueError") and calls == []
     assert "could not read job j1's record" in caplog.text
+    [r] = [r for r in caplog.records if "could not read job" in r.getMessage()]
+    assert (r.job_id, r.task, r.queue, r.attempt) == ("j1", "t.boom", "default", 1)

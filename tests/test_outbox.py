@@ -32,7 +32,8 @@ def test_a_failed_sync_puts_its_load_back_first_and_answers_pair_with_outcomes(a
     load = box.put_into(batch, 0.0)
     answers = box.answered(load, batch.execute())
     # Neither delivery holds a job in Redis: finish.lua answers 0 (not this delivery) for each.
-    assert [(e.id, ack) for e, ack in answers] == [("a", 0), ("b", 0)]
+    assert [(q, e.id, e.task, ack) for q, e, ack in answers] == [("default", "a", "tests.apps.add", 0),
+                                                                  ("default", "b", "tests.apps.add", 0)]
     assert box.empty()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -154,6 +155,25 @@ def test_up_stops_everything_on_sigterm(tmp_path):
     assert p.returncode == 0, out
     assert "redis-server stopped" in out, out
     assert alive == [], [q.cmdline() for q in alive]
+
+
+def test_up_gives_its_log_format_to_its_processes(tmp_path):
+    """`up --log-format json`: its dispatcher, worker and dashboard (gunicorn) log JSON
+    objects; only what `up` itself says stays text."""
+    p = start_up(tmp_path, "--log-format", "json")
+    family = psutil.Process(p.pid).children(recursive=True)
+    try:
+        # gunicorn, at --log-level warning, says nothing here: it is given the format
+        assert _dashboard(psutil.Process(p.pid)).environ()["TASKRUNNER_LOG_FORMAT"] == "json"
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        stop_up(p, family)
+    assert p.returncode == 0, out
+    objects = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert {"taskrunner.worker", "taskrunner.dispatcher"} <= {x["logger"] for x in objects}, out
+    own = [line for line in out.splitlines() if not line.startswith("{")]
+    assert all(line.startswith(("redis-server", "dashboard:", "stopping")) for line in own), own
 
 
 def test_second_up_in_the_same_directory_says_so_and_leaves_the_first_alone(tmp_path):

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from taskrunner.logs import job_fields
+
 if TYPE_CHECKING:
     from taskrunner.protocol.outcome import Outcome
     from taskrunner.worker.context import JobContext
@@ -56,6 +58,11 @@ class Enqueued:
     queue: str
     id: str
     headers: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def attempt(self) -> int:
+        """0: not delivered yet (as the record's `attempts` at enqueue), in its log fields."""
+        return 0
 
 
 class Middleware:
@@ -101,7 +108,7 @@ class Middleware:
                 retry = job.will_retry(outcome)
             except Exception:  # Redis unreachable: which is unknown, and the outcome must still go
                 log.exception("middleware: could not read job %s's record to tell on_retry from on_failure; "
-                              "neither runs", job.id)
+                              "neither runs", job.id, extra=job_fields(job))
             else:
                 self._each("on_retry" if retry else "on_failure", job, error)
         self._each("after_run", job, outcome)
@@ -113,7 +120,8 @@ class Middleware:
             try:
                 hook(job)
             except Exception:
-                log.exception("middleware %s raised for job %s; %s", _name(hook), job.id, then)
+                log.exception("middleware %s raised for job %s; %s", _name(hook), job.id, then,
+                              extra=job_fields(job))
                 raise
 
     def _each(self, name: str, job: JobContext | None, *args: Any) -> None:
@@ -124,7 +132,8 @@ class Middleware:
                 if job is None:
                     log.exception("middleware %s raised; ignored", _name(hook))
                 else:
-                    log.exception("middleware %s raised for job %s; ignored", _name(hook), job.id)
+                    log.exception("middleware %s raised for job %s; ignored", _name(hook), job.id,
+                                  extra=job_fields(job))
 
 
 def _name(hook: Callable[..., Any]) -> str:

@@ -21,12 +21,13 @@ import redis
 
 from taskrunner.client.app import Schedule, TaskRunner, cron_job_id
 from taskrunner.errors import MissingExtra, TaskRunnerError
+from taskrunner.logs import Run, job_fields
 from taskrunner.ops import schedules
 from taskrunner.ops.history import WARN_BACKLOG, Archiver, backlog
 from taskrunner.ops.listing import DISPATCHER_FORGET
 from taskrunner.protocol import codec, scripts
 from taskrunner.protocol.connection import server_time
-from taskrunner.protocol.holders import Holding, boot_id, lose, lose_held, pid_namespace, process_gone
+from taskrunner.protocol.holders import Holding, Lost, boot_id, lose, lose_held, pid_namespace, process_gone
 
 log = logging.getLogger("taskrunner.dispatcher")
 # Back off and retry (every action is fenced); on a cluster also when no node is reachable.
@@ -108,6 +109,7 @@ class Dispatcher:
         for q, res in zip(queues, batch.execute()):
             stats["promoted"] += int(res[0])
             lost: list[Any] = []
+            holders: list[str] = []  # who held each of `lost`, for the log
             for job_id, raw in zip(res[1::2], res[2::2]):
                 holder = Holding.parse(raw)
                 if holder is None:
@@ -115,13 +117,15 @@ class Dispatcher:
                     log.error("dispatcher: corrupt holding entry for job %s in %s: %r", job_id, q, raw[:200])
                     attempt = self.redis.hget(self.keys.job(q, job_id), "attempts") or ""
                     lost += [job_id, attempt, f"its holding entry was corrupt: {raw[:200]!r}", ""]
+                    holders.append("")
                     continue
                 worker, attempt = holder.worker, str(holder.attempt)
                 if worker not in alive:
                     lost += [job_id, attempt, f"worker {worker} is dead", ""]
+                    holders.append(worker)
                 else:
                     self._stuck(q, job_id, attempt, stats)
-            self._tally([(q, job_id, state) for job_id, state in lose(self.app, q, lost)], stats)
+            self._tally(lose(self.app, q, lost, holders), stats)
         if dead:
             self._reap(queues, dead, now, stats)
         stats["fired"] = self.fire_schedules(now)
@@ -224,22 +228,39 @@ class Dispatcher:
         worker, policy, first = res
         stats["stuck"] += 1
         if first:
-            log.warning("dispatcher: job %s in %s passed its max duration on %s", job_id, queue, worker)
+            log.warning("dispatcher: job %s in %s passed its max duration on %s", job_id, queue, worker,
+                        extra=self._fields([(queue, job_id, attempt, worker)])[0])
         if policy == "kill":
             self.app.send_control(worker, {"kill": job_id, "attempt": int(attempt), "reason": "timeout"})
 
-    @staticmethod
-    def _tally(acted: list[tuple[str, str, str]], stats: dict[str, int]) -> None:
-        for queue, job_id, state in acted:
-            stats["requeued" if state == "pending" else state] += 1
-            log.warning("dispatcher: job %s in %s lost its process -> %s", job_id, queue, state)
+    def _tally(self, acted: list[Lost], stats: dict[str, int]) -> None:
+        for lost, fields in zip(acted, self._fields([(x.queue, x.id, x.attempt, x.worker) for x in acted])):
+            stats["requeued" if lost.state == "pending" else lost.state] += 1
+            log.warning("dispatcher: job %s in %s lost its process -> %s", lost.id, lost.queue, lost.state,
+                        extra=fields)
+
+    def _fields(self, runs: list[tuple[str, str, str, str]]) -> list[dict[str, Any]]:
+        """The log fields of each run (queue, id, attempt, worker; "": unknown) the
+        dispatcher acted on, with its task from the job's record: one round trip, only for
+        the rare job lost or stuck."""
+        if not runs:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for queue, job_id, _, _ in runs:
+            pipe.hget(self.keys.job(queue, job_id), "task")
+        try:
+            tasks = pipe.execute()
+        except _REDIS_ERRORS:  # what was done is done: logged without the task names
+            tasks = [None] * len(runs)
+        return [job_fields(Run(job_id, task or "", queue, attempt), worker or None)
+                for (queue, job_id, attempt, worker), task in zip(runs, tasks)]
 
     def _reap(self, queues: list[str], dead: set[str], now: float, stats: dict[str, int]) -> None:
         """Requeue every job the dead workers held, then list them as dead."""
         self._tally(lose_held(self.app, queues, lambda w, _: w in dead, "worker {} is dead"), stats)
         pipe = self.redis.pipeline(transaction=False)
         for n in dead:
-            log.warning("dispatcher: worker %s is dead", n)
+            log.warning("dispatcher: worker %s is dead", n, extra={"worker": n})
             pipe.zrem(self.keys.workers, n).zadd(self.keys.workers_dead, {n: now})
             self._hosts.pop(n, None)
         pipe.zremrangebyscore(self.keys.workers_dead, "-inf", now - DEAD_KEPT).execute()
@@ -288,7 +309,8 @@ class Dispatcher:
             fired, last_job = int(job.created), job.id
             if job.created:
                 log.info("dispatcher: fired %s for %s (job %s)", s.name,
-                         datetime.fromtimestamp(tick, timezone.utc).isoformat(), job.id)
+                         datetime.fromtimestamp(tick, timezone.utc).isoformat(), job.id,
+                         extra={**job_fields(Run(job.id, s.task, job.queue, 0)), "schedule": s.name})
         new = {"name": s.name, "cron": s.cron, "every": s.every, "tz": s.tz, "task": s.task, "queue": s.queue,
                "args": s.args, "kwargs": s.kwargs, "source": s.source, "last": max(latest, last or 0), "next": nxt,
                "last_fired_at": now if tick is not None else state.get("last_fired_at"), "last_job": last_job,

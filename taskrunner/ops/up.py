@@ -84,7 +84,7 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int, demo: bool,
-              exit_after: bool) -> int:
+              exit_after: bool, log_format: str) -> int:
     server = None
     if not redis_url:
         _claim(EMBEDDED_DIR)
@@ -93,7 +93,7 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
         server = _embedded_redis()
         redis_url = server.url
         click.echo(f"redis-server: {redis_url} (AOF on, data in {Path(EMBEDDED_DIR).resolve()})")
-    env = {**os.environ, "REDIS_URL": redis_url, "TASKRUNNER_APP": app_spec}
+    env = {**os.environ, "REDIS_URL": redis_url, "TASKRUNNER_APP": app_spec, "TASKRUNNER_LOG_FORMAT": log_format}
     procs = {
         "dispatcher": _spawn(["taskrunner", "dispatcher"], env),
         "worker": _spawn(["taskrunner", "worker", "-c", str(concurrency), *(["-Q", "default"] if demo else [])], env),

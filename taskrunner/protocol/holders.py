@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psutil
 
@@ -91,13 +91,25 @@ def identity() -> dict[str, str]:
     return {"pidns": pid_namespace(), "boot_id": boot_id()}
 
 
-def lose(app: TaskRunner, queue: str, values: list[Any]) -> list[tuple[str, str]]:
-    """lose.lua on deliveries (id, attempt, reason, owner per job; fenced); returns
-    (id, new state) for each it acted on."""
+class Lost(NamedTuple):
+    """A delivery lose.lua acted on: the job's new state (pending, failed, killed), and the
+    worker ("" when unknown) and attempt it was lost from, to log it by."""
+
+    queue: str
+    id: str
+    state: str
+    worker: str
+    attempt: str
+
+
+def lose(app: TaskRunner, queue: str, values: list[Any], workers: list[str] | None = None) -> list[Lost]:
+    """lose.lua on deliveries (id, attempt, reason, owner per job; fenced); each it acted
+    on. `workers`: who held each (default: the owners given)."""
     if not values:
         return []
     states = scripts.LOSE(app.redis, [app.keys.q(queue)], [app.settings.failed_ttl, *values])
-    return [(job_id, state) for job_id, state in zip(values[::4], states) if state]
+    return [Lost(queue, job_id, state, worker, attempt) for job_id, attempt, worker, state
+            in zip(values[::4], values[1::4], values[3::4] if workers is None else workers, states) if state]
 
 
 def held(app: TaskRunner, queues: list[str]) -> list[tuple[str, str, str, str]]:
@@ -116,11 +128,11 @@ def held(app: TaskRunner, queues: list[str]) -> list[tuple[str, str, str, str]]:
 
 
 def lose_held(app: TaskRunner, queues: list[str], gone: Callable[[str, str], bool],
-              why: str) -> list[tuple[str, str, str]]:
+              why: str) -> list[Lost]:
     """Lose, fenced by owner and delivery, every running job for which gone(worker, id) is
-    true; `why` is formatted with the worker's name. Returns (queue, id, new state)."""
+    true; `why` is formatted with the worker's name. Returns those it acted on."""
     by_queue: dict[str, list[Any]] = {q: [] for q in queues}
     for q, job_id, worker, attempt in held(app, queues):
         if gone(worker, job_id):
             by_queue[q] += [job_id, attempt, why.format(worker), worker]
-    return [(q, job_id, state) for q, values in by_queue.items() for job_id, state in lose(app, q, values)]
+    return [lost for q, values in by_queue.items() for lost in lose(app, q, values)]

@@ -110,12 +110,14 @@ class Outcome(NamedTuple):
 
 class Ended(NamedTuple):
     """A delivery's outcome waiting to be reported: `began` is when it began to run
-    (time.monotonic()), None when unknown (finish.lua keeps the claim's start)."""
+    (time.monotonic()), None when unknown (finish.lua keeps the claim's start); `task`
+    names the job in the worker's log (when its result is discarded)."""
 
     id: str
     attempt: str
     outcome: Outcome
     began: float | None = None
+    task: str = ""
 
 
 def finish_args(settings: Settings, ended: list[Ended], now: float) -> list[Any]:

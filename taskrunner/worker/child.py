@@ -30,11 +30,12 @@ from typing import Any
 
 import orjson
 
+from taskrunner import logs
 from taskrunner.errors import NotJSONError, Reject, Retry
 from taskrunner.protocol import codec
 from taskrunner.protocol.outcome import Outcome
 from taskrunner.worker import frames, soft_limit
-from taskrunner.worker.context import JobContext, JobLogHandler, Reporter, _current, log_line
+from taskrunner.worker.context import JobContext, JobLogHandler, Reporter, _current, log_line, running_job_fields
 
 
 class _Killed(BaseException):
@@ -134,6 +135,7 @@ def begin_child(conn: Any, app: Any, kill_flag: Any, parent: int, inherited: lis
     die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
+    logs.add_fields(running_job_fields)  # on the handlers inherited from the worker: a task's records name its job
     logging.getLogger().addHandler(JobLogHandler())
     return link
 

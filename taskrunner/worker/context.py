@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from taskrunner.errors import MAX_RETRIES, TaskRunnerError
+from taskrunner.logs import job_fields
 
 if TYPE_CHECKING:
     from taskrunner.protocol.outcome import Outcome
@@ -109,6 +110,13 @@ def current_job() -> JobContext:
 def log_line(job: JobContext, line: str) -> bytes:
     """A log line as the record keeps it: the JSON array [time, attempt, text]."""
     return orjson.dumps([round(time.time(), 6), job.attempt, line])
+
+
+def running_job_fields() -> dict[str, Any]:
+    """The log fields of the job the caller runs ({} outside a job): a worker's children
+    give them to every record (logs.add_fields), so that what a task logs names its job."""
+    job = _current.get()
+    return {} if job is None else job_fields(job)
 
 
 class JobLogHandler(logging.Handler):

@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 
 from taskrunner.client.app import TaskRunner
+from taskrunner.logs import job_fields
 from taskrunner.protocol import codec
 from taskrunner.protocol.claims import Delivery
 from taskrunner.protocol.outcome import Outcome
@@ -124,6 +125,8 @@ class Crew:
                             reply[:3])
                 continue
             c.jobs.remove(d)
+            if outcome.kind in ("failed", "error"):
+                self._raised(d, outcome)
             self.runtime = runtime if self.runtime is None else 0.8 * self.runtime + 0.2 * runtime
             self.outbox.report(d, outcome, now - runtime)
             self.processed += 1
@@ -133,6 +136,15 @@ class Crew:
         if replies and (self.max_jobs_per_child or self.max_memory_per_child):
             self._recycle(c)
         return True
+
+    def _raised(self, d: Delivery, outcome: Outcome) -> None:
+        """Log a run that ended in an exception (the job's record keeps its traceback; in
+        JSON logs it is the `exc` field too): an error when it failed the job for good, a
+        warning when its job is retried while retries last (finish.lua decides, later)."""
+        failed = outcome.kind == "failed"
+        log.log(logging.ERROR if failed else logging.WARNING, "worker %s: job %s (%s) %s %s: %s", self.name, d.id,
+                d.task, "failed:" if failed else "raised", outcome.error_type, outcome.message,
+                extra={**job_fields(d, self.name), **({"exc": outcome.v3} if outcome.v3 else {})})
 
     def _note(self, c: Child, message: dict[str, Any], now: float) -> None:
         """Keep a report about a job the child runs, for the next sync; a loop child's
@@ -193,7 +205,8 @@ class Crew:
                 report(d, Outcome.requeue(front=True, why=f"its process was stopped ({c.kill_reason}) on "
                                                           f"{self.host}"), d.began)
             else:
-                log.warning("worker %s: child %d died (%s) running job %s", self.name, c.pid, why, d.id)
+                log.warning("worker %s: child %d died (%s) running job %s", self.name, c.pid, why, d.id,
+                            extra=job_fields(d, self.name))
                 report(d, Outcome.lost(f"child process died ({why}) on {self.host}"), d.began)
         c.jobs.clear()
         self.children.remove(c)
@@ -223,11 +236,12 @@ class Crew:
                     d.stuck = True
                     self.outbox.mark_stuck(d)
                     if d.timeout_policy == "kill":
-                        log.warning("worker %s: job %s passed its max duration; stopping it", self.name, d.id)
+                        log.warning("worker %s: job %s passed its max duration; stopping it", self.name, d.id,
+                                    extra=job_fields(d, self.name))
                         self.stop(c, d, "timeout")
                 if d.stop_at is not None and now >= d.stop_at:
                     log.warning("worker %s: job %s did not stop within kill_grace; stopping child %d", self.name,
-                                d.id, c.pid)
+                                d.id, c.pid, extra=job_fields(d, self.name))
                     d.stop_at = None
                     self.stop(c, d, d.stop_reason or "killed", whole=True)
             if now >= policy.hand_back_due(c, stopping):
@@ -240,7 +254,8 @@ class Crew:
         for c in self.children:
             for d in list(c.jobs):
                 if d.id == job_id and d.attempt == attempt:
-                    log.info("worker %s: killing job %s in child %d (%s)", self.name, job_id, c.pid, reason)
+                    log.info("worker %s: killing job %s in child %d (%s)", self.name, job_id, c.pid, reason,
+                             extra=job_fields(d, self.name))
                     self.stop(c, d, reason)
                     return True
         return False

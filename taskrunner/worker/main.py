@@ -32,6 +32,7 @@ import redis
 from taskrunner.client import declarations
 from taskrunner.client.app import TaskRunner
 from taskrunner.errors import NameInUse
+from taskrunner.logs import Run, job_fields
 from taskrunner.protocol import codec, scripts
 from taskrunner.protocol.claims import claim_args, claim_keys, claim_rest
 from taskrunner.protocol.connection import Blocker, Channel, is_cluster, server_time
@@ -425,10 +426,11 @@ class Worker:
             self._landed(f, results)
 
     def _landed(self, f: Flight, results: list[Any]) -> None:
-        for e, ack in self.outbox.answered(f.load, results):
+        for q, e, ack in self.outbox.answered(f.load, results):
             if ack == 0:
                 log.warning("worker %s: job %s was requeued and taken by another worker while it ran "
-                            "here; this result was discarded", self.name, e.id)
+                            "here; this result was discarded", self.name, e.id,
+                            extra=job_fields(Run(e.id, e.task, q, e.attempt), self.name))
         if f.slots:
             claimed = claim_rest(self.app, self.queues, f.claim, results[-1])
             self.crew.deliver(f.slots, claimed)
@@ -442,7 +444,8 @@ class Worker:
         acted = lose_held(self.app, self.queues, lambda w, job_id: w == self.name and job_id not in mine,
                           "worker {} no longer ran it")
         if acted:
-            log.warning("worker %s: released %d orphaned deliveries: %s", self.name, len(acted), acted)
+            log.warning("worker %s: released %d orphaned deliveries: %s", self.name, len(acted),
+                        ", ".join(f"{x.id} in {x.queue} -> {x.state}" for x in acted))
         self.reconcile = False
 
     def _heartbeat(self) -> None:
@@ -465,7 +468,7 @@ class Worker:
                 continue
             if lost:
                 log.warning("worker %s: job %s is no longer ours (requeued while we were unreachable); "
-                            "stopping it", self.name, d.id)
+                            "stopping it", self.name, d.id, extra=job_fields(d, self.name))
             self.crew.stop(c, d, "lost" if lost else "killed")
 
     def info(self) -> dict[str, Any]:

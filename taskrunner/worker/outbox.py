@@ -36,7 +36,7 @@ class Outbox:
     def report(self, d: Delivery, outcome: Outcome, began: float | None = None) -> None:
         if not self.load.ended:
             self.since = time.monotonic()
-        self.load.ended.setdefault(d.queue, []).append(Ended(d.id, d.attempt, outcome, began))
+        self.load.ended.setdefault(d.queue, []).append(Ended(d.id, d.attempt, outcome, began, d.task))
 
     def mark_stuck(self, d: Delivery) -> None:
         self.load.marks.append((d.queue, d.id, d.attempt))
@@ -78,12 +78,12 @@ class Outbox:
             self.on_the_way.append(load)
         return load
 
-    def answered(self, load: Load, results: list[Any]) -> list[tuple[Ended, int]]:
+    def answered(self, load: Load, results: list[Any]) -> list[tuple[str, Ended, int]]:
         """Redis ran the load's calls (`results`: their answers, first in the batch): each
-        outcome with finish.lua's answer (0: another delivery holds the job)."""
+        outcome with its queue and finish.lua's answer (0: another delivery holds the job)."""
         self.on_the_way = [x for x in self.on_the_way if x is not load]
         acks = results[len(load.notes):]
-        return [(e, ack) for ended, answers in zip(load.ended.values(), acks) for e, ack in zip(ended, answers)]
+        return [(q, e, ack) for (q, ended), answers in zip(load.ended.items(), acks) for e, ack in zip(ended, answers)]
 
     def failed(self) -> None:
         """The syncs on their way failed: what they carried waits here again, before what
