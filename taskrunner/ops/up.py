@@ -79,8 +79,23 @@ class _Terminated(Exception):
     """SIGTERM to `up` itself (a supervisor, `kill`): stop everything, as Ctrl-C does."""
 
 
-def _terminated(signum: int, frame: object) -> None:
-    raise _Terminated
+class _Signals:
+    """`up`'s one handler of SIGINT and SIGTERM, from start to end: the first interrupts its
+    wait (KeyboardInterrupt, _Terminated); once stopping, each is noted in `caught` for
+    _stop() to act on. One handler throughout, so that a second Ctrl-C is seen whenever it
+    comes: when _stop() installed its own, one that came before it did was lost (the test of
+    Ctrl-C twice failed 1 run in 4)."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.caught: list[int] = []  # told by _stop(), not here: a handler writing could cut a line
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.stopping:
+            self.caught.append(signum)
+            return
+        self.stopping = True
+        raise KeyboardInterrupt if signum == signal.SIGINT else _Terminated
 
 
 def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int, demo: bool,
@@ -109,7 +124,9 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
                    "TASKRUNNER_DASHBOARD_PASSWORD=pick-one " + ("make demo" if demo else "taskrunner up ..."))
     code = 0
     interrupted = False
-    signal.signal(signal.SIGTERM, _terminated)  # else it dies at once, leaving everything running
+    signals = _Signals()  # SIGTERM: else it dies at once, leaving everything running
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signals)
     try:
         if demo:
             code = _demo(app_spec, redis_url, exit_after)
@@ -127,22 +144,21 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
         click.echo("stopping (SIGTERM)...")
         code = 0
     finally:
-        _stop(list(procs.values()), signalled=interrupted)
+        _stop(list(procs.values()), signals, signalled=interrupted)
         if server:
             server.stop()
             click.echo("redis-server stopped")
     return code
 
 
-def _stop(procs: list[subprocess.Popen], signalled: bool) -> None:
+def _stop(procs: list[subprocess.Popen], signals: _Signals, signalled: bool) -> None:
     """Stop the stack's processes (SIGTERM, unless the terminal's Ctrl-C reached them
     already) and wait for them, Redis kept until they are gone: running jobs have their
     grace. Meanwhile SIGTERM again is ignored, as the worker ignores it, and Ctrl-C again
     stops running jobs now (SIGINT to each process: the worker requeues them). Past 30 s
     they get SIGINT, past 40 s SIGKILL."""
-    caught: list[int] = []  # told here, not in the handler: a handler writing could cut a line
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: caught.append(signum))
+    signals.stopping = True
+    caught = signals.caught
     if not signalled:
         _send(procs, signal.SIGTERM)
     began, hurried = time.monotonic(), False
