@@ -1,7 +1,7 @@
 """taskrunner: a reliable task runner on Redis."""
 
 from taskrunner.client.app import JobSpec, Schedule, Task, TaskRunner
-from taskrunner.client.canvas import Chain, Signature, chain
+from taskrunner.client.canvas import Chain, Chord, Group, GroupJob, Signature, chain, chord, group
 from taskrunner.client.job import Job
 from taskrunner.errors import (
            InvalidName,
@@ -20,7 +20,8 @@ from taskrunner.errors import (
 )
 from taskrunner.worker.context import JobContext, current_job
 
-__all__ = ["TaskRunner", "Task", "Job", "current_job", "JobContext", "chain", "Chain", "Signature",
+__all__ = ["TaskRunner", "Task", "Job", "current_job", "JobContext", "chain", "Chain", "Signature", "group", "Group",
+           "GroupJob", "chord", "Chord",
            "JobSpec", "Schedule", "Retry", "Reject", "SoftTimeLimit", "TaskRunnerError", "JobFailed",
            "JobNotFound", "NotJSONError", "PayloadTooLarge", "InvalidName", "Timeout", "QueueFull", "QueueClosed",
            "QueueNotFound"]

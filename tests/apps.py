@@ -208,3 +208,9 @@ def gate(x, key: str):
     while time.time() < deadline and not app.redis.get(f"{app.settings.prefix}:release:{key}"):
         time.sleep(0.02)
     return x
+
+
+@app.task
+def tsum(values: list) -> int:
+    """A chord's callback: the sum of its members' results (None for one that failed)."""
+    return sum(v or 0 for v in values)

@@ -183,7 +183,9 @@ def test_the_enqueue_script_refuses_bad_edges_and_changes_nothing(app, redis_ser
         (["parents", "other p1"], "not among KEYS"),
         (["parents", "default p1 default p1"], "listed twice"),
         (["parents", "default c"], "listed twice, or the job itself"),
-        (["takes", "result"], "takes needs parents"),
+        (["takes", "result"], "need parents"),
+        (["on_parent_failure", "continue"], "need parents"),
+        (["parents", "default p1", "on_parent_failure", "maybe"], "on_parent_failure must be"),
         (["parents", "default p1", "takes", "everything"], 'takes must be "result"'),
     ]
     for fields, why in bad:

@@ -1,15 +1,19 @@
-"""Workflows: signatures and chains (docs/PROTOCOL.md, Workflows).
+"""Workflows: signatures, chains, groups and chords (docs/PROTOCOL.md, Workflows).
 
 A chain is written by one enqueue.lua call: every step's record and the edges between them.
 The first step is pending; each other step waits (state `waiting`) for its parent, and the
 finish script that ends the parent makes it pending in the same call, its parent's result
 first in its args (unless the step is immutable, `.si`). A step that fails for good ends the
 steps after it `canceled`, in that same call. So a chain survives any kill with each step
-made pending exactly once, with no process of its own to join the steps.
+made pending exactly once, with no process of its own to join the steps. A group is jobs
+side by side, written by one call; a chord a group and a callback that waits for all of its
+members, given the array of their results (read when the last one completes).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +22,7 @@ from taskrunner.client.job import Job
 from taskrunner.errors import QueueClosed, QueueFull
 
 if TYPE_CHECKING:
-    from taskrunner.client.app import Task
+    from taskrunner.client.app import Task, TaskRunner
 
 #: The options a signature may carry: those of Task.apply_async that belong to one job.
 OPTIONS = frozenset(("queue", "max_duration", "retries", "max_retries", "job_id", "headers", "delay"))
@@ -90,28 +94,126 @@ class Chain:
         steps run here, in order. QueueClosed or QueueFull when the first step's queue
         refused it (then no step was enqueued)."""
         app = self.steps[0].task.app
-        drafts, immutable = [], []
-        for sig in self.steps:
-            o = sig.options
-            spec = sig.task.job_spec(o.get("queue"), o.get("max_duration"), o.get("retries"), o.get("max_retries"))
-            drafts.append(steps.run(app, steps.draft(app, sig.task.name, sig.args, sig.kwargs, spec, {},
-                                                     o.get("delay"), o.get("job_id"), o.get("headers"))))
-            immutable.append(sig.immutable)
+        drafts = _drafts(self.steps)
         if app.settings.eager:
-            return eager.chain(app, [(d.id, d.fields) for d in drafts], immutable)
-        for parent, child, fixed in zip(drafts, drafts[1:], immutable[1:]):
-            child.fields += ["parents", f"{parent.queue} {parent.id}", *(() if fixed else ("takes", "result"))]
-        first = drafts[0].queue
-        others = tuple(sorted({d.queue for d in drafts} - {first}))
-        answers = steps.run(app, _enqueue(first, [(d.id, d.delay, d.fields) for d in drafts], others))
-        if -2 in answers:
-            raise QueueClosed(f"queue {drafts[answers.index(-2)].queue} is closed: the chain was not enqueued")
-        if -1 in answers:
-            raise QueueFull(f"queue {first} is full (its bound is reached): the chain was not enqueued")
-        last = drafts[-1]
-        job = Job(app, last.id, last.queue)
-        job.created = answers[-1] == 1
-        return job
+            return eager.chain(app, [(d.id, d.fields) for d in drafts], [s.immutable for s in self.steps])
+        for parent, child, sig in zip(drafts, drafts[1:], self.steps[1:]):
+            child.fields += ["parents", f"{parent.queue} {parent.id}", *(() if sig.immutable else ("takes", "result"))]
+        return _write(app, drafts, "chain")[-1]
+
+
+class Group:
+    """Jobs that run side by side: delay() enqueues them all in one call and returns a
+    GroupJob, whose wait() gives their results in the group's order."""
+
+    def __init__(self, *parts: Signature | Iterable[Signature]) -> None:
+        sigs: list[Signature] = []
+        for part in parts:
+            sigs += [part] if isinstance(part, Signature) else list(part)
+        bad = [s for s in sigs if not isinstance(s, Signature)]
+        if bad:
+            raise TypeError(f"a group takes signatures (task.s(...)), not {type(bad[0]).__name__}")
+        if not sigs:
+            raise ValueError("a group needs at least one member")
+        self.members = sigs
+
+    def __repr__(self) -> str:
+        return f"group({', '.join(map(repr, self.members))})"
+
+    def delay(self) -> GroupJob:
+        return self.apply_async()
+
+    def apply_async(self) -> GroupJob:
+        """Enqueue every member in one enqueue.lua call (in eager mode: run each here)."""
+        app = self.members[0].task.app
+        drafts = _drafts(self.members)
+        if app.settings.eager:
+            return GroupJob([eager.enqueue(app, d.id, d.fields) for d in drafts])
+        return GroupJob(_write(app, drafts, "group"))
+
+
+class GroupJob:
+    """The jobs of a group, in order."""
+
+    def __init__(self, jobs: list[Job]) -> None:
+        self.jobs = jobs
+
+    @property
+    def ids(self) -> list[str]:
+        return [j.id for j in self.jobs]
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """Every member's result, in order, once all ended; JobFailed for the first member
+        (in order) that did not complete; Timeout after `timeout` seconds in all."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return [j.wait(None if deadline is None else max(0.0, deadline - time.monotonic())) for j in self.jobs]
+
+    def __repr__(self) -> str:
+        return f"GroupJob({self.ids})"
+
+
+class Chord:
+    """A group and a callback run once all members ended, given the array of their results
+    (in the group's order) first in its args, unless immutable. A member that does not
+    complete cancels the callback, or with on_member_failure="continue" gives it null
+    (None) in its place."""
+
+    def __init__(self, header: Group | Iterable[Signature], body: Signature, on_member_failure: str = "cancel") -> None:
+        if on_member_failure not in ("cancel", "continue"):
+            raise ValueError("on_member_failure must be 'cancel' or 'continue'")
+        if not isinstance(body, Signature):
+            raise TypeError(f"a chord's callback is a signature (task.s(...)), not {type(body).__name__}")
+        self.header = header if isinstance(header, Group) else Group(header)
+        self.body, self.on_member_failure = body, on_member_failure
+
+    def delay(self) -> Job:
+        return self.apply_async()
+
+    def apply_async(self) -> Job:
+        """Enqueue the members and the callback in one enqueue.lua call; the callback's Job
+        (its wait() gives the chord's result)."""
+        app = self.body.task.app
+        drafts = _drafts([*self.header.members, self.body])
+        members, callback = drafts[:-1], drafts[-1]
+        if app.settings.eager:
+            done: list[Job] = [eager.enqueue(app, d.id, d.fields) for d in members]
+            return eager.chord(app, (callback.id, callback.fields), done, self.body.immutable,
+                               self.on_member_failure == "continue")
+        callback.fields += ["parents", " ".join(f"{d.queue} {d.id}" for d in members)]
+        if not self.body.immutable:
+            callback.fields += ["takes", "results"]
+        if self.on_member_failure == "continue":
+            callback.fields += ["on_parent_failure", "continue"]
+        return _write(app, drafts, "chord")[-1]
+
+
+def _drafts(sigs: list[Signature]) -> list[steps.Draft]:
+    """Each signature's job as enqueue.lua takes it (ids made here)."""
+    out = []
+    for sig in sigs:
+        app, o = sig.task.app, sig.options
+        spec = sig.task.job_spec(o.get("queue"), o.get("max_duration"), o.get("retries"), o.get("max_retries"))
+        out.append(steps.run(app, steps.draft(app, sig.task.name, sig.args, sig.kwargs, spec, {}, o.get("delay"),
+                                              o.get("job_id"), o.get("headers"))))
+    return out
+
+
+def _write(app: TaskRunner, drafts: list[steps.Draft], what: str) -> list[Job]:
+    """Enqueue the drafts in one call; their Jobs. Nothing is written when a queue refuses one
+    (QueueClosed, QueueFull of the first queue)."""
+    first = drafts[0].queue
+    others = tuple(sorted({d.queue for d in drafts} - {first}))
+    answers = steps.run(app, _enqueue(first, [(d.id, d.delay, d.fields) for d in drafts], others))
+    if -2 in answers:
+        raise QueueClosed(f"queue {drafts[answers.index(-2)].queue} is closed: the {what} was not enqueued")
+    if -1 in answers:
+        raise QueueFull(f"queue {first} is full (its bound is reached): the {what} was not enqueued")
+    jobs = []
+    for d, answer in zip(drafts, answers):
+        job = Job(app, d.id, d.queue)
+        job.created = answer == 1
+        jobs.append(job)
+    return jobs
 
 
 def _enqueue(queue: str, jobs: list[tuple[str, float, list[Any]]], others: tuple[str, ...]) -> steps.Steps[list[int]]:
@@ -121,3 +223,13 @@ def _enqueue(queue: str, jobs: list[tuple[str, float, list[Any]]], others: tuple
 def chain(*parts: Signature | Chain) -> Chain:
     """`chain(add.s(1, 2), mul.s(10))`, the same as `add.s(1, 2) | mul.s(10)`."""
     return Chain(*parts)
+
+
+def group(*parts: Signature | Iterable[Signature]) -> Group:
+    """`group(add.s(i, i) for i in range(10))` or `group(add.s(1, 1), add.s(2, 2))`."""
+    return Group(*parts)
+
+
+def chord(header: Group | Iterable[Signature], body: Signature, on_member_failure: str = "cancel") -> Chord:
+    """`chord(group(add.s(i, i) for i in range(10)), tsum.s())`: tsum gets [0, 2, ..., 18]."""
+    return Chord(header, body, on_member_failure)

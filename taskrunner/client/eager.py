@@ -125,6 +125,20 @@ def chain(app: TaskRunner, steps: list[tuple[str, list[Any]]], immutable: list[b
     return job
 
 
+def chord(app: TaskRunner, callback: tuple[str, list[Any]], members: list[Job], immutable: bool,
+          go_on: bool) -> EagerJob:
+    """Run a chord's callback ((id, fields)) after its members ran: given the array of their
+    results first in its args unless immutable; canceled after a member that did not
+    complete, unless `go_on` (on_member_failure="continue": None in its place)."""
+    job_id, fields = callback
+    if not immutable:
+        fields = list(fields)
+        at = fields[::2].index("args") * 2 + 1
+        results = [m.result if m.data.get("state") == "completed" else None for m in members]
+        fields[at] = codec.dumps([results, *codec.loads(fields[at])])
+    return enqueue(app, job_id, fields, None if go_on else members)
+
+
 def _run(app: TaskRunner, job: EagerJob) -> None:
     """Deliveries of the job until it ends, each recorded as finish.lua records it."""
     d = job.data

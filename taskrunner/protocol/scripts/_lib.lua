@@ -242,17 +242,30 @@ local function prepend(value, args)
   return '[' .. value .. ',' .. rest
 end
 
--- Parent `pjob` completed: count it for child `id` of queue prefix `cp`; the last one makes
--- the child pending, its parent's result first in its args if it takes it. A child no longer
--- waiting (killed, deleted, canceled by another parent) is left as it is.
+-- Parent `pjob` completed (or ended otherwise, for a child that continues then): count it
+-- for child `id` of queue prefix `cp`; the last one makes the child pending, with what it
+-- takes first in its args: its parent's result ("result"), or the array of its parents'
+-- results in the order of its `parents` ("results", a chord's callback: read now, from the
+-- parents' records; one that did not complete, or whose record is gone, gives null). A child
+-- no longer waiting (killed, deleted, canceled by another parent) is left as it is.
 local function join(cp, id, pjob)
   local job = cp .. 'job:' .. id
-  local c = redis.call('HMGET', job, 'state', 'takes', 'args')
+  local c = redis.call('HMGET', job, 'state', 'takes', 'args', 'parents')
   if c[1] ~= 'waiting' or redis.call('HINCRBY', job, 'waiting_on', -1) > 0 then
     return
   end
   redis.call('ZREM', cp .. 'waiting', id)
-  local args = c[2] == 'result' and {'args', prepend(redis.call('HGET', pjob, 'result') or 'null', c[3])}
+  local args
+  if c[2] == 'result' then
+    args = {'args', prepend(redis.call('HGET', pjob, 'result') or 'null', c[3])}
+  elseif c[2] == 'results' then
+    local results = {}
+    for q, pid in string.gmatch(c[4], '(%S+) (%S+)') do
+      local r = redis.call('HMGET', sibling(cp, q) .. 'job:' .. pid, 'state', 'result')
+      results[#results + 1] = r[1] == 'completed' and r[2] or 'null'
+    end
+    args = {'args', prepend('[' .. table.concat(results, ',') .. ']', c[3])}
+  end
   to_pending(cp, id, job, false, args)
 end
 
@@ -279,7 +292,10 @@ settle_children = function(p, id, job, r, state, t, ttl)
       join(cp, cid, job)
     else
       local cjob = cp .. 'job:' .. cid
-      if redis.call('HGET', cjob, 'state') == 'waiting' then
+      local c = redis.call('HMGET', cjob, 'state', 'on_parent_failure')
+      if c[1] == 'waiting' and c[2] == 'continue' then  -- the edge says go on: null for this parent
+        join(cp, cid, job)
+      elseif c[1] == 'waiting' then
         redis.call('ZREM', cp .. 'waiting', cid)
         finalize(cp, cid, cjob, load(cjob), 'canceled', t, ttl,
           {'canceled_by', by, 'error_type', 'Canceled', 'error', why}, 'Canceled')

@@ -14,8 +14,11 @@
 -- 2^31-1), max_retries (0 to 2^31-1), retry_backoff_max (s >= 0), result_ttl and failed_ttl
 -- (whole s, 1 to 2^31-1), soft_limit (s > 0, < max_duration), producer (text); for a
 -- workflow's step (docs/PROTOCOL.md, Workflows): parents ("<queue> <id> ..."; each an
--- earlier job of this call or an existing one that has not failed; no delay) and takes
--- ("result": its one parent's result goes first in its args). A producer
+-- earlier job of this call or an existing one that has not failed; no delay), takes
+-- ("result": its one parent's result goes first in its args; "results": a JSON array of
+-- its parents' results, in the order of parents, goes first: a chord's callback) and
+-- on_parent_failure ("cancel", the default: a parent that does not complete cancels it;
+-- "continue": such a parent counts as done, its result null). A producer
 -- that leaves out any of max_duration, retries, retry_backoff, timeout_policy and max_lost
 -- gets those, and any of max_retries, retry_backoff_max, result_ttl, failed_ttl and
 -- soft_limit it left out too, from the task's declaration, <p>tasks[task] (JSON, written
@@ -267,6 +270,7 @@ for n = 1, n_jobs do
   end
   -- Fields in locals, not a table: this loop is most of the script's cost.
   local task, queue_f, args, kwargs, headers, producer, md, rt, rb, tp, ml, mr, bm, rtl, ftl, sl, parents, takes
+  local opf
   local changed = false  -- a setting written otherwise than sent
   for a = i + 3, i + 1 + 2 * k, 2 do
     local name, value = ARGV[a], ARGV[a + 1]
@@ -279,6 +283,7 @@ for n = 1, n_jobs do
     elseif name == 'producer' then seen = producer; producer = value
     elseif name == 'parents' then seen = parents; parents = value
     elseif name == 'takes' then seen = takes; takes = value
+    elseif name == 'on_parent_failure' then seen = opf; opf = value
     else
       local v = setting_of(name, value)
       if name == 'max_duration' then seen = md; md = v
@@ -315,9 +320,9 @@ for n = 1, n_jobs do
   end
   local jq = queue_f or queue
   local jp = prefixes[jq]
-  if parents or takes then
+  if parents or takes or opf then
     if not parents then
-      return refuse('BadCall', 'job ' .. id .. ': takes needs parents')
+      return refuse('BadCall', 'job ' .. id .. ': takes and on_parent_failure need parents')
     elseif delay > 0 then
       return refuse('BadValue', 'job ' .. id .. ': a job with parents cannot have a delay')
     end
@@ -327,9 +332,11 @@ for n = 1, n_jobs do
     end
     local list, bad = parents_of(parents, jq, id, here)
     if not list then return refuse('BadValue', 'job ' .. id .. ': ' .. bad) end
-    if takes and (takes ~= 'result' or #list ~= 1) then
-      return refuse('BadValue', 'job ' .. id .. ': takes must be "result", for a job with one parent, not '
+    if takes and not (takes == 'result' and #list == 1 or takes == 'results') then
+      return refuse('BadValue', 'job ' .. id .. ': takes must be "result" (a job with one parent) or "results", not '
         .. quote(takes))
+    elseif opf and opf ~= 'cancel' and opf ~= 'continue' then
+      return refuse('BadValue', 'job ' .. id .. ': on_parent_failure must be "cancel" or "continue", not ' .. quote(opf))
     end
     steps[n] = {list, takes}
   end
@@ -379,6 +386,7 @@ for n = 1, n_jobs do
     if producer then record[#record + 1] = 'producer'; record[#record + 1] = producer end
     if parents then record[#record + 1] = 'parents'; record[#record + 1] = parents end
     if takes then record[#record + 1] = 'takes'; record[#record + 1] = takes end
+    if opf then record[#record + 1] = 'on_parent_failure'; record[#record + 1] = opf end
     plan[4 * n - 1] = record
   else
     plan[4 * n - 1] = i + 3
