@@ -214,3 +214,9 @@ def gate(x, key: str):
 def tsum(values: list) -> int:
     """A chord's callback: the sum of its members' results (None for one that failed)."""
     return sum(v or 0 for v in values)
+
+
+@app.task
+def echo(value):
+    """Returns what it is given (a callback's argument, to look at)."""
+    return value

@@ -4,6 +4,7 @@ it None, members on several queues, a SIGKILLed worker in the middle, and eager 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -86,3 +87,29 @@ def test_eager_groups_and_chords(redis_server):
         chord([add.s(1, 1), boom.s("no")], tsum.s()).delay().wait()
     assert chord([add.s(1, 1), boom.s("no")], tsum.s(), on_member_failure="continue").delay().wait() == 2
     assert chain(add.s(1, 1), add.s(1)).delay().wait() == 3
+
+
+def test_callbacks_on_success_and_on_failure_run_once_and_the_other_is_canceled(app, stack):
+    stack.worker()
+    ok = apps.add.apply_async((1, 2), on_success=apps.mul.s(10), on_failure=apps.record.si("never"))
+    assert ok.wait(30) == 3
+    p = app.keys.q("default")
+    [success, failure] = app.redis.hget(app.keys.job("default", ok.id), "children").split()[1::2]
+    wait_for(lambda: app.redis.hget(p + f"job:{success}", "state") == "completed", what="on_success")
+    assert app.redis.hget(p + f"job:{success}", "result") == "30"
+    assert app.redis.hmget(p + f"job:{failure}", "state", "error") == [
+        "canceled", f"not run: step {ok.id} (task tests.apps.add) completed (an on_failure callback)"]
+    bad = apps.boom.apply_async(("no",), on_success=apps.record.si("never"), on_failure=apps.echo.s())
+    [success, failure] = app.redis.hget(app.keys.job("default", bad.id), "children").split()[1::2]
+    wait_for(lambda: app.redis.hget(p + f"job:{failure}", "state") == "completed", what="on_failure")
+    got = json.loads(app.redis.hget(p + f"job:{failure}", "result"))
+    assert got == {"id": bad.id, "task": "tests.apps.boom", "state": "failed", "error_type": "ValueError",
+                   "error": "no"}
+    assert app.redis.hget(p + f"job:{success}", "state") == "canceled"
+    assert ledger(app, "never") == 0
+    # eager mode: the one that applies runs
+    eager = TaskRunner("eager", eager=True)
+    add, echo = eager.task(apps.add.fn, name="add"), eager.task(apps.echo.fn, name="echo")
+    boom = eager.task(apps.boom.fn, name="boom")
+    assert add.apply_async((1, 1), on_success=echo.s()).wait() == 2
+    boom.apply_async(("x",), on_failure=echo.s())

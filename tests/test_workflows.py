@@ -186,6 +186,8 @@ def test_the_enqueue_script_refuses_bad_edges_and_changes_nothing(app, redis_ser
         (["takes", "result"], "need parents"),
         (["on_parent_failure", "continue"], "need parents"),
         (["parents", "default p1", "on_parent_failure", "maybe"], "on_parent_failure must be"),
+        (["parents", "default p1", "takes", "error"], 'takes "error" goes with'),
+        (["parents", "default p1", "on_parent_failure", "only", "takes", "result"], 'takes "error" goes with'),
         (["parents", "default p1", "takes", "everything"], 'takes must be "result"'),
     ]
     for fields, why in bad:

@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from taskrunner.client import declarations, eager, steps
+from taskrunner.client import canvas, declarations, eager, steps
 from taskrunner.client.canvas import Signature
 from taskrunner.client.job import Job
 from taskrunner.client.middleware import Enqueued, Middleware
@@ -218,13 +218,15 @@ class Task:
                     delay: float | None = None, max_duration: float | None = None, job_id: str | None = None,
                     retries: int | None = None, max_retries: int | None = None,
                     block_timeout: float | None = None, headers: dict[str, Any] | None = None,
-                    depends_on: Iterable[Job | str] | None = None) -> Job:
+                    depends_on: Iterable[Job | str] | None = None, on_success: Signature | None = None,
+                    on_failure: Signature | None = None) -> Job:
         """Enqueue with options; `headers`, a dict of JSON values, travel with the job
         (current_job().headers; counted in its payload size). `depends_on`: jobs (Job
-        objects or ids, of any queue) that must complete first (TaskRunner.enqueue)."""
+        objects or ids, of any queue) that must complete first; `on_success`, `on_failure`:
+        callbacks (TaskRunner.enqueue)."""
         return self.app.enqueue(self.name, args, kwargs, spec=self.job_spec(queue, max_duration, retries, max_retries),
                                 delay=delay, job_id=job_id, block_timeout=block_timeout, headers=headers,
-                                depends_on=depends_on)
+                                depends_on=depends_on, on_success=on_success, on_failure=on_failure)
 
     def job_spec(self, queue: str | None = None, max_duration: float | None = None, retries: int | None = None,
                  max_retries: int | None = None) -> JobSpec:
@@ -431,7 +433,7 @@ class TaskRunner:
     def enqueue(self, task: str, args: Iterable = (), kwargs: dict | None = None, *, spec: JobSpec | None = None,
                 delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
                 headers: dict[str, Any] | None = None, depends_on: Iterable[Job | str] | None = None,
-                **options: Any) -> Job:
+                on_success: Signature | None = None, on_failure: Signature | None = None, **options: Any) -> Job:
         """Enqueue by task name (the task need not be importable here). Options are those
         of JobSpec (queue, max_duration, retries, ...); for a task not declared in this app,
         those not given (the queue too) are the ones its workers declared in Redis, as the
@@ -443,15 +445,23 @@ class TaskRunner:
         `depends_on`: jobs (Job objects, or ids) that must complete first; the job waits
         (state `waiting`) until they have, and ends `canceled` if one fails (docs/PROTOCOL.md,
         Workflows). Jobs of other queues are allowed, except on a Redis Cluster.
+        `on_success`, `on_failure`: signatures (task.s(...)) enqueued with the job, in the same
+        call, waiting for it: on_success runs once it completed (its result first in its args,
+        unless .si), on_failure once it ended otherwise (failed for good, killed, canceled;
+        given {"id", "task", "state", "error_type", "error"} first, unless .si); the other is
+        canceled. Durable: they are records in Redis, settled by the script that ends the job.
         In eager mode the job runs here before this returns (taskrunner/eager.py)."""
         draft = steps.run(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id, headers))
         if self.settings.eager:
-            return eager.enqueue(self, draft.id, draft.fields, eager.parents_of(depends_on))
+            ran = eager.enqueue(self, draft.id, draft.fields, eager.parents_of(depends_on))
+            return canvas.eager_callbacks(self, ran, on_success, on_failure)
         others: tuple[str, ...] = ()
         if depends_on is not None:
             parents = steps.run(self, steps.parents(self, depends_on))
             draft.fields += ["parents", " ".join(f"{q} {i}" for q, i in parents)]
             others = tuple(sorted({q for q, _ in parents} - {draft.queue}))
+        if on_success is not None or on_failure is not None:
+            return canvas.with_callbacks(self, draft, others, on_success, on_failure)
         job = Job(self, draft.id, draft.queue)
         job.created = bool(steps.run(self, steps.enqueue(self, draft, block_timeout, others)))
         return job

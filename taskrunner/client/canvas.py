@@ -198,11 +198,39 @@ def _drafts(sigs: list[Signature]) -> list[steps.Draft]:
     return out
 
 
-def _write(app: TaskRunner, drafts: list[steps.Draft], what: str) -> list[Job]:
+def with_callbacks(app: TaskRunner, draft: steps.Draft, others: tuple[str, ...], on_success: Signature | None,
+                   on_failure: Signature | None) -> Job:
+    """Enqueue a job and its callbacks in one call (TaskRunner.enqueue); the job's Job."""
+    drafts = [draft]
+    # (callback, how it waits for the job, what it takes unless immutable)
+    for sig, edge, takes in ((on_success, (), ("takes", "result")),
+                             (on_failure, ("on_parent_failure", "only"), ("takes", "error"))):
+        if sig is None:
+            continue
+        if not isinstance(sig, Signature):
+            raise TypeError(f"a callback is a signature (task.s(...)), not {type(sig).__name__}")
+        [callback] = _drafts([sig])
+        callback.fields += ["parents", f"{draft.queue} {draft.id}", *edge, *(() if sig.immutable else takes)]
+        drafts.append(callback)
+    queues = {d.queue for d in drafts} - {draft.queue}
+    return _write(app, drafts, "job", tuple(sorted(set(others) | queues)))[0]
+
+
+def eager_callbacks(app: TaskRunner, job: Job, on_success: Signature | None, on_failure: Signature | None) -> Job:
+    """Eager mode: run the callback that applies, after the job ran."""
+    completed = job.data.get("state") == "completed"
+    sig = on_success if completed else on_failure
+    if sig is not None:
+        arg = job.result if completed else {k: job.data.get(k) for k in ("id", "task", "state", "error_type", "error")}
+        (sig if sig.immutable else Signature(sig.task, (arg, *sig.args), sig.kwargs, sig.options)).apply_async()
+    return job
+
+
+def _write(app: TaskRunner, drafts: list[steps.Draft], what: str, also: tuple[str, ...] = ()) -> list[Job]:
     """Enqueue the drafts in one call; their Jobs. Nothing is written when a queue refuses one
     (QueueClosed, QueueFull of the first queue)."""
     first = drafts[0].queue
-    others = tuple(sorted({d.queue for d in drafts} - {first}))
+    others = tuple(sorted(({d.queue for d in drafts} | set(also)) - {first}))
     answers = steps.run(app, _enqueue(first, [(d.id, d.delay, d.fields) for d in drafts], others))
     if -2 in answers:
         raise QueueClosed(f"queue {drafts[answers.index(-2)].queue} is closed: the {what} was not enqueued")

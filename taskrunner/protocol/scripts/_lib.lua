@@ -246,9 +246,11 @@ end
 -- for child `id` of queue prefix `cp`; the last one makes the child pending, with what it
 -- takes first in its args: its parent's result ("result"), or the array of its parents'
 -- results in the order of its `parents` ("results", a chord's callback: read now, from the
--- parents' records; one that did not complete, or whose record is gone, gives null). A child
--- no longer waiting (killed, deleted, canceled by another parent) is left as it is.
-local function join(cp, id, pjob)
+-- parents' records; one that did not complete, or whose record is gone, gives null), or how
+-- its parent failed ("error", an on_failure callback: {"id", "task", "state", "error_type",
+-- "error"} of the parent `parent`). A child no longer waiting (killed, deleted, canceled by
+-- another parent) is left as it is.
+local function join(cp, id, pjob, parent)
   local job = cp .. 'job:' .. id
   local c = redis.call('HMGET', job, 'state', 'takes', 'args', 'parents')
   if c[1] ~= 'waiting' or redis.call('HINCRBY', job, 'waiting_on', -1) > 0 then
@@ -256,7 +258,11 @@ local function join(cp, id, pjob)
   end
   redis.call('ZREM', cp .. 'waiting', id)
   local args
-  if c[2] == 'result' then
+  if c[2] == 'error' then
+    local e = redis.call('HMGET', pjob, 'error_type', 'error')
+    args = {'args', prepend(cjson.encode({id = parent.id, task = parent.task, state = parent.state,
+      error_type = e[1] or cjson.null, error = e[2] or cjson.null}), c[3])}
+  elseif c[2] == 'result' then
     args = {'args', prepend(redis.call('HGET', pjob, 'result') or 'null', c[3])}
   elseif c[2] == 'results' then
     local results = {}
@@ -269,10 +275,13 @@ local function join(cp, id, pjob)
   to_pending(cp, id, job, false, args)
 end
 
--- A job with children ended in `state` (finalize(), or deleted: "deleted"). Completed: each
--- child counts it. Else each child still waiting ends canceled, naming the step that failed
--- (`canceled_by` "<queue> <id>", the first failed step for those canceled in turn), and so
--- do the children of those, in this same call. `ttl`: the failed TTL (setting) for them.
+-- A job with children ended in `state` (finalize(), or deleted: "deleted"). Each child still
+-- waiting counts it (join) when the edge says so — it completed, and the child is not an
+-- on_failure callback (on_parent_failure "only"); or it did not, and the child goes on
+-- ("continue") or is such a callback — else ends canceled, naming the step that failed
+-- (`canceled_by` "<queue> <id>", the first failed step for those canceled in turn; for an
+-- on_failure callback whose parent completed, that parent), and so do the children of those,
+-- in this same call. `ttl`: the failed TTL (setting) for them.
 settle_children = function(p, id, job, r, state, t, ttl)
   local by, why
   if state == 'canceled' then
@@ -286,19 +295,24 @@ settle_children = function(p, id, job, r, state, t, ttl)
       why = why .. ': ' .. (e[1] or '?') .. ': ' .. string.sub(e[2] or '', 1, 200)
     end
   end
+  local parent = {id = id, task = r.task or '?', state = state}
   for q, cid in string.gmatch(r.children, '(%S+) (%S+)') do
     local cp = sibling(p, q)
-    if state == 'completed' then
-      join(cp, cid, job)
-    else
-      local cjob = cp .. 'job:' .. cid
-      local c = redis.call('HMGET', cjob, 'state', 'on_parent_failure')
-      if c[1] == 'waiting' and c[2] == 'continue' then  -- the edge says go on: null for this parent
-        join(cp, cid, job)
-      elseif c[1] == 'waiting' then
+    local cjob = cp .. 'job:' .. cid
+    local c = redis.call('HMGET', cjob, 'state', 'on_parent_failure')
+    if c[1] == 'waiting' then
+      local only = c[2] == 'only'
+      if state == 'completed' and not only or state ~= 'completed' and (only or c[2] == 'continue') then
+        join(cp, cid, job, parent)
+      else
+        local cby, cwhy = by, why
+        if state == 'completed' then
+          cby = string.match(p, '{([^{}]*)}:$') .. ' ' .. id
+          cwhy = string.format('not run: step %s (task %s) completed (an on_failure callback)', id, r.task or '?')
+        end
         redis.call('ZREM', cp .. 'waiting', cid)
         finalize(cp, cid, cjob, load(cjob), 'canceled', t, ttl,
-          {'canceled_by', by, 'error_type', 'Canceled', 'error', why}, 'Canceled')
+          {'canceled_by', cby, 'error_type', 'Canceled', 'error', cwhy}, 'Canceled')
       end
     end
   end

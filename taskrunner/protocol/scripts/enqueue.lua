@@ -18,7 +18,10 @@
 -- ("result": its one parent's result goes first in its args; "results": a JSON array of
 -- its parents' results, in the order of parents, goes first: a chord's callback) and
 -- on_parent_failure ("cancel", the default: a parent that does not complete cancels it;
--- "continue": such a parent counts as done, its result null). A producer
+-- "continue": such a parent counts as done, its result null; "only": it runs only if its
+-- one parent does not complete, an on_failure callback, canceled when it completes; with
+-- takes "error" it gets {"id", "task", "state", "error_type", "error"} of that parent
+-- first in its args). A producer
 -- that leaves out any of max_duration, retries, retry_backoff, timeout_policy and max_lost
 -- gets those, and any of max_retries, retry_backoff_max, result_ttl, failed_ttl and
 -- soft_limit it left out too, from the task's declaration, <p>tasks[task] (JSON, written
@@ -332,11 +335,15 @@ for n = 1, n_jobs do
     end
     local list, bad = parents_of(parents, jq, id, here)
     if not list then return refuse('BadValue', 'job ' .. id .. ': ' .. bad) end
-    if takes and not (takes == 'result' and #list == 1 or takes == 'results') then
-      return refuse('BadValue', 'job ' .. id .. ': takes must be "result" (a job with one parent) or "results", not '
-        .. quote(takes))
-    elseif opf and opf ~= 'cancel' and opf ~= 'continue' then
-      return refuse('BadValue', 'job ' .. id .. ': on_parent_failure must be "cancel" or "continue", not ' .. quote(opf))
+    if takes and not ((takes == 'result' or takes == 'error') and #list == 1 or takes == 'results') then
+      return refuse('BadValue', 'job ' .. id .. ': takes must be "result" or "error" (a job with one parent) or '
+        .. '"results", not ' .. quote(takes))
+    elseif opf and opf ~= 'cancel' and opf ~= 'continue' and opf ~= 'only' then
+      return refuse('BadValue', 'job ' .. id .. ': on_parent_failure must be "cancel", "continue" or "only", not '
+        .. quote(opf))
+    elseif takes == 'error' and opf ~= 'only' or opf == 'only' and takes and takes ~= 'error' then
+      return refuse('BadValue', 'job ' .. id .. ': takes "error" goes with on_parent_failure "only" (an on_failure '
+        .. 'callback)')
     end
     steps[n] = {list, takes}
   end
