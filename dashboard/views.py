@@ -209,6 +209,18 @@ def queue(name: str) -> str:
                            info=taskqueue.info(runner(), name))
 
 
+@pages.get("/workflows/<job_id>")
+def workflow(job_id: str) -> str:
+    """The workflow a job belongs to, drawn as an SVG on the server (taskrunner/ops/workflow.py)."""
+    from markupsafe import Markup
+
+    from taskrunner.ops.workflow import graph, svg
+
+    find_job(job_id)  # 404 for an unknown or invalid id
+    g = graph(runner(), job_id)
+    return render_template("workflow.html", g=g, drawing=Markup(svg(g)), root=job_id)  # svg() escapes its text
+
+
 @pages.get("/jobs/<job_id>")
 def job(job_id: str) -> str:
     j = find_job(job_id)
@@ -383,6 +395,14 @@ def api_jobs() -> Any:
     response = jsonify(rows)
     response.headers["X-Total-Count"] = str(total)
     return response
+
+
+@api.get("/workflows/<job_id>")
+def api_workflow(job_id: str) -> Any:
+    from taskrunner.ops.workflow import graph
+
+    find_job(job_id)
+    return jsonify(graph(runner(), job_id))
 
 
 @api.get("/jobs/<job_id>")

@@ -282,6 +282,30 @@ def status(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | No
 
 @main.command()
 @click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="The graph as JSON: every job with its parents and children.")
+@common
+def workflow(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
+    """The workflow JOB_ID belongs to (chain, group, chord, depends_on, callbacks): every job
+    linked to it, in layers (a job's parents come before it), with its state."""
+    from taskrunner.ops.workflow import graph
+
+    g = graph(_app(app_spec, redis_url), job_id)
+    if as_json:
+        return _emit(g)
+    width = _width(26, [n["id"] for n in g["jobs"]])
+    click.echo(f"{'STEP':>4}  {'ID':{width}} {'QUEUE':12} {'STATE':9} {'TASK':30} AFTER")
+    for n in g["jobs"]:
+        mark = "*" if n["id"] == g["root"] else " "
+        after = ", ".join(p["id"] for p in n["parents"][:3]) + (f" (+{len(n['parents']) - 3})" if len(n["parents"]) > 3
+                                                                  else "")
+        click.echo(f"{n['depth']:>4}{mark} {n['id']:{width}} {n['queue'][:12]:12} {n['state']:9} "
+                   f"{str(n['task'])[:30]:30} {after or '-'}")
+    if g["truncated"]:
+        click.echo(f"(the first {len(g['jobs'])} jobs only)")
+
+
+@main.command()
+@click.argument("job_id")
 @click.option("--timeout", type=click.FloatRange(min=0), help="Give up after this many seconds (exit 2); default: as "
               "long as it takes.")
 @common
