@@ -40,6 +40,13 @@ on: a loss not put down to everysec; a job still pending, delayed or running aft
 drain; a record that disagrees with the ledger; an extra run that no delivery on record
 explains; and under always, any enqueue or delivery Redis forgot.
 
+--workflows adds, at the start of the window, a chord of --chord members (500) and a chain
+of --chain steps (50) on queue wf, and its own fault schedule (from --seed + 1000) to the
+run's: every member and step must complete (each ran at least once, by the ledger), the
+chain's last step give its length, and the chord's callback complete, every run of it given
+all the members' results in order (the ledger keeps each list it was given); its deliveries
+and runs are reported (more than one only after a fault that hit it).
+
 Progress goes to stderr; the report to stdout, its last line a one-line summary. Logs of
 every process and the Redis dirs stay in the run directory (printed) when a run fails.
 --max-time bounds everything; every process started here is killed (as a group) at the
@@ -82,7 +89,7 @@ KINDS = ("worker-kill", "child-kill", "dispatcher-kill", "worker-pause",
 #: Extra faults beyond the minimum are drawn with these weights: mostly process deaths.
 WEIGHTS = (4, 4, 2, 2, 1, 1, 1, 2)
 PREFIX = "chaos"
-QUEUES = ("default", "cron")
+QUEUES = ("default", "cron", "wf")  # wf: the workflow mode's jobs (--workflows)
 DISPATCHERS = 2
 CONCURRENCY = 2
 RESTART_DELAY = 0.5
@@ -632,6 +639,53 @@ def check(run: Run, planned: list[dict[str, Any]]) -> dict[str, Any]:
     return res
 
 
+def enqueue_workflows(args: argparse.Namespace, ledger: redis.Redis) -> None:
+    """The chord and the chain of --workflows, each written by one call (fixed ids: a call
+    repeated after a lost answer adds nothing); the time Redis acknowledged them, in the ledger."""
+    from taskrunner import chain, chord
+
+    t = tasks_chaos
+    members = [t.member.s(f"wf-m-{i}", i).set(job_id=f"wf-m-{i}") for i in range(args.chord)]
+    steps = [t.step.s(0, "wf-s-0").set(job_id="wf-s-0")]
+    steps += [t.step.s(f"wf-s-{i}").set(job_id=f"wf-s-{i}") for i in range(1, args.chain)]
+    for what in (chord(members, t.collect.s("wf-collect").set(job_id="wf-collect")), chain(*steps)):
+        for _ in range(50):
+            try:
+                what.apply_async()
+                break
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                time.sleep(0.2)
+    ledger.set("wf:acked", f"{time.time():.6f}")
+
+
+def check_workflows(run: Run) -> dict[str, Any]:
+    """The chord and the chain of --workflows against their records and the ledger."""
+    n, length = run.args.chord, run.args.chain
+    members, steps = [f"wf-m-{i}" for i in range(n)], [f"wf-s-{i}" for i in range(length)]
+    recs = records(run, [*members, *steps, "wf-collect"], queue="wf")
+    runs = {k: int(v) for k, v in run.ledger.hgetall("runs").items()}
+    collected = [json.loads(x) for x in run.ledger.lrange("wf:collected", 0, -1)]
+    expected = [i * i for i in range(n)]
+    callback = recs.get("wf-collect") or {}
+    res: dict[str, Any] = {
+        "members": n, "members_completed": sum(recs[m].get("state") == "completed" for m in members),
+        "members_never_ran": [m for m in members if not runs.get(m)],
+        "steps": length, "steps_completed": sum(recs[s].get("state") == "completed" for s in steps),
+        "chain_result": (recs.get(steps[-1]) or {}).get("result"),
+        "callback_state": callback.get("state"), "callback_deliveries": int(callback.get("attempts", 0)),
+        "callback_runs": len(collected),
+        "callback_runs_with_every_result_in_order": sum(c == expected for c in collected),
+        "extra_member_runs": sum(max(0, runs.get(m, 0) - 1) for m in [*members, *steps]),
+    }
+    acked = float(run.ledger.get("wf:acked") or 0)
+    res["dropped_by_everysec"] = not callback and in_cut(run, acked)
+    res["ok"] = res["dropped_by_everysec"] or (
+        res["members_completed"] == n and not res["members_never_ran"] and res["steps_completed"] == length
+        and res["chain_result"] == str(length) and res["callback_state"] == "completed" and res["callback_runs"] >= 1
+        and res["callback_runs_with_every_result_in_order"] == res["callback_runs"])
+    return res
+
+
 def unmatched_starts(starts: list[str], rec: dict[str, str]) -> list[str]:
     """Runs in the ledger ("<time> <pid>") that no delivery on record accounts for: each
     delivery that began (`run:<n>`, not ended "returned before it began") accounts for one
@@ -720,7 +774,7 @@ def wait_drained(run: Run, deadline: float, enqueuer: Enqueuer) -> int:
             open_ids = {i for i, s in found.items() if s is not None and s not in FINAL}
         except redis.RedisError:
             pass
-        if not open_ids and not enqueuer.is_alive():
+        if not open_ids and not enqueuer.is_alive() and workflows_final(run):
             return 0
         if time.monotonic() > deadline:
             return len(open_ids)
@@ -728,6 +782,20 @@ def wait_drained(run: Run, deadline: float, enqueuer: Enqueuer) -> int:
             log(f"  draining: {len(open_ids)} of {len(seen)} acknowledged jobs not final")
             last_log = time.monotonic()
         time.sleep(0.5)
+
+
+def workflows_final(run: Run) -> bool:
+    """--workflows: the chord's callback and the chain's last step ended (or are gone: a
+    workflow dropped by a power loss); True without --workflows."""
+    if not run.args.workflows:
+        return True
+    try:
+        p = tasks_chaos.app.keys.q("wf")
+        ends = run.r.pipeline(transaction=False).hget(p + "job:wf-collect", "state").hget(
+            p + f"job:wf-s-{run.args.chain - 1}", "state").execute()
+    except redis.RedisError:
+        return False
+    return all(s is None or s in (*FINAL, "canceled") for s in ends)
 
 
 def run_once(args: argparse.Namespace, fsync: str, base: Path) -> dict[str, Any]:
@@ -756,6 +824,9 @@ def run_once(args: argparse.Namespace, fsync: str, base: Path) -> dict[str, Any]
         sup = Supervisor(run_dir, env, args.workers)
         run = Run(args, fsync, run_dir, server, r, ledger, sup, aof)
         faults = fault_schedule(args.seed, args.window, args.workers)
+        if args.workflows:  # its own schedule beside the run's
+            faults = sorted(faults + fault_schedule(args.seed + 1000, args.window, args.workers), key=lambda f: f.at)
+            enqueue_workflows(args, ledger)
         plan = job_plan(args.seed, args.jobs)
         log(f"run fsync={fsync}: redis on 127.0.0.1:{port}, {args.workers} workers (-c {CONCURRENCY}), "
             f"{DISPATCHERS} dispatchers, {len(plan)} jobs over {0.7 * args.window:.0f}s, "
@@ -789,6 +860,7 @@ def run_once(args: argparse.Namespace, fsync: str, base: Path) -> dict[str, Any]
         sup.stop("worker", grace=15)
         run.delayed_fsyncs += int(r.info("persistence").get("aof_delayed_fsync", 0))
         res = check(run, plan)
+        res["workflows"] = check_workflows(run) if args.workflows else None
         res.update(fsync=fsync, seed=args.seed, workers=args.workers, window=args.window, seconds=drained_after,
                    not_final_at_deadline=not_final, faults=dict(run.injected), skipped=dict(run.skipped),
                    planned_faults=len(faults), redis_down=run.redis_restarts, aof_cuts=run.cuts,
@@ -810,6 +882,8 @@ def run_once(args: argparse.Namespace, fsync: str, base: Path) -> dict[str, Any]
 
 
 def ok(res: dict[str, Any]) -> bool:
+    if res.get("workflows") is not None and not res["workflows"]["ok"]:
+        return False
     return not (res["lost"] or res["stuck"] or res["cron"]["stuck"] or res["inconsistent"]
                 or res["why"].get("unexplained")
                 or (res["fsync"] == "always" and (res["lost_to_everysec"] or res["why"].get(FORGOT))))
@@ -864,6 +938,19 @@ def report(res: dict[str, Any]) -> str:
         f"processes                      {res['process_starts']} started, "
         f"{len(res['unexpected_exits'])} exited on their own",
     ]
+    wf = res.get("workflows")
+    if wf is not None:
+        lines += [
+            f"workflows                      {'OK' if wf['ok'] else 'FAIL'}"
+            + (" (dropped whole by everysec: enqueued in the second a power loss cut)" if wf["dropped_by_everysec"]
+               else ""),
+            f"  chord                        {wf['members_completed']} of {wf['members']} members completed "
+            f"({len(wf['members_never_ran'])} never ran); callback {wf['callback_state']}, "
+            f"{wf['callback_deliveries']} deliveries, {wf['callback_runs']} runs, "
+            f"{wf['callback_runs_with_every_result_in_order']} of them given all {wf['members']} results in order",
+            f"  chain                        {wf['steps_completed']} of {wf['steps']} steps completed, "
+            f"last result {wf['chain_result']}; extra runs of members and steps {wf['extra_member_runs']}",
+        ]
     for title, items in (("LOST", res["lost"]), ("dropped by Redis (everysec)", everysec),
                          ("run with no delivery on record", res["unmatched_starts"]),
                          ("failed otherwise", res["failed_otherwise"]), ("inconsistent", res["inconsistent"]),
@@ -904,6 +991,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stop everything after this many seconds (default 1800)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs, AOF) even when the run passes")
+    p.add_argument("--workflows", action="store_true", help="also a chord and a chain, with their own faults (above)")
+    p.add_argument("--chord", type=int, default=500, help="members of --workflows' chord (default 500)")
+    p.add_argument("--chain", type=int, default=50, help="steps of --workflows' chain (default 50)")
     a = p.parse_args(argv)
     if a.jobs < 1 or a.workers < 1 or a.window < 20:
         p.error("--jobs and --workers must be >= 1, --window >= 20")

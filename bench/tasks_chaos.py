@@ -12,6 +12,7 @@ can be checked against what the faulted Redis says:
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -94,3 +95,33 @@ def soak(payload: dict, seconds: float) -> int:
     time.sleep(seconds)
     ledger().incr("soak:done")
     return len(payload)
+
+
+# -- workflow mode (bench/chaos.py --workflows): a chord and a chain on queue "wf" ----------------
+
+
+@app.task(name="chaos.member", max_duration=MAX_DURATION, queue="wf")
+def member(key: str, i: int) -> int:
+    """A chord's member: its result is i*i, so the callback's argument proves the order."""
+    started(key)
+    time.sleep(0.15)  # 500 of them keep the 6 slots of a run busy for ~12 s: faults land among them
+    done(key)
+    return i * i
+
+
+@app.task(name="chaos.collect", max_duration=MAX_DURATION, queue="wf")
+def collect(results: list, key: str) -> int:
+    """The chord's callback: every run records the results it was given."""
+    started(key)
+    ledger().rpush("wf:collected", json.dumps(results))
+    done(key)
+    return len(results)
+
+
+@app.task(name="chaos.step", max_duration=MAX_DURATION, queue="wf")
+def step(x: int, key: str) -> int:
+    """A chain's step: x + 1, so the last step's result is the chain's length."""
+    started(key)
+    time.sleep(0.3)  # 50 steps one after the other: ~15 s of the fault window
+    done(key)
+    return x + 1

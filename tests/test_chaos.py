@@ -18,7 +18,8 @@ from tests.conftest import ROOT
 def test_chaos_run_loses_nothing(tmp_path):
     out = tmp_path / "chaos.json"
     cmd = [sys.executable, "-m", "bench.chaos", "--jobs", "2000", "--seed", "7", "--fsync", "always",
-           "--window", "45", "--drain", "120", "--max-time", "360", "--json", str(out)]
+           "--window", "45", "--drain", "120", "--max-time", "360", "--json", str(out),
+           "--workflows", "--chord", "200", "--chain", "30"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=380)
     assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
     assert r.stdout.strip().splitlines()[-1].startswith("chaos OK: ")
@@ -29,4 +30,7 @@ def test_chaos_run_loses_nothing(tmp_path):
     assert res["inconsistent"] == {} and "unexplained" not in res["why"]
     assert res["completed"] + sum(res["failed_as_designed"].values()) + len(res["failed_otherwise"]) == 2000
     assert res["cron"]["ticks"] > 0
+    wf = res["workflows"]  # a chord of 200 and a chain of 30 under faults of their own
+    assert wf["ok"] and wf["members_completed"] == 200 and wf["chain_result"] == "30"
+    assert wf["callback_runs"] >= 1 and wf["callback_runs_with_every_result_in_order"] == wf["callback_runs"]
     assert {k: res["faults"].get(k, 0) >= 1 for k in KINDS} == {k: True for k in KINDS}
