@@ -248,31 +248,35 @@ end
 -- results in the order of its `parents` ("results", a chord's callback: read now, from the
 -- parents' records; one that did not complete, or whose record is gone, gives null), or how
 -- its parent failed ("error", an on_failure callback: {"id", "task", "state", "error_type",
--- "error"} of the parent `parent`). A child no longer waiting (killed, deleted, canceled by
--- another parent) is left as it is.
-local function join(cp, id, pjob, parent)
-  local job = cp .. 'job:' .. id
-  local c = redis.call('HMGET', job, 'state', 'takes', 'args', 'parents')
-  if c[1] ~= 'waiting' or redis.call('HINCRBY', job, 'waiting_on', -1) > 0 then
+-- "error"} of the parent `parent`). `c`: the child's state, on_parent_failure, takes, args and
+-- waiting_on, as settle_children() read them (the child is waiting). A waiting job has no
+-- due_at (it cannot be delayed), so none is cleared: about 7 commands a child, the last parent.
+local function join(cp, id, job, pjob, parent, c)
+  if (tonumber(c[5]) or 1) > 1 then
+    redis.call('HINCRBY', job, 'waiting_on', -1)
     return
   end
   redis.call('ZREM', cp .. 'waiting', id)
-  local args
-  if c[2] == 'error' then
+  local takes, own = c[3], c[4]
+  local fields = {'state', 'pending', 'waiting_on', '0'}
+  if takes == 'error' then
     local e = redis.call('HMGET', pjob, 'error_type', 'error')
-    args = {'args', prepend(cjson.encode({id = parent.id, task = parent.task, state = parent.state,
-      error_type = e[1] or cjson.null, error = e[2] or cjson.null}), c[3])}
-  elseif c[2] == 'result' then
-    args = {'args', prepend(redis.call('HGET', pjob, 'result') or 'null', c[3])}
-  elseif c[2] == 'results' then
+    fields[5], fields[6] = 'args', prepend(cjson.encode({id = parent.id, task = parent.task, state = parent.state,
+      error_type = e[1] or cjson.null, error = e[2] or cjson.null}), own)
+  elseif takes == 'result' then
+    fields[5], fields[6] = 'args', prepend(redis.call('HGET', pjob, 'result') or 'null', own)
+  elseif takes == 'results' then
     local results = {}
-    for q, pid in string.gmatch(c[4], '(%S+) (%S+)') do
+    for q, pid in string.gmatch(redis.call('HGET', job, 'parents') or '', '(%S+) (%S+)') do
       local r = redis.call('HMGET', sibling(cp, q) .. 'job:' .. pid, 'state', 'result')
       results[#results + 1] = r[1] == 'completed' and r[2] or 'null'
     end
-    args = {'args', prepend('[' .. table.concat(results, ',') .. ']', c[3])}
+    fields[5], fields[6] = 'args', prepend('[' .. table.concat(results, ',') .. ']', own)
   end
-  to_pending(cp, id, job, false, args)
+  redis.call('HSET', job, unpack(fields))
+  redis.call('SADD', cp .. 'items', id)
+  redis.call('LPUSH', cp .. 'pending', id)
+  wake(cp)
 end
 
 -- A job with children ended in `state` (finalize(), or deleted: "deleted"). Each child still
@@ -299,11 +303,11 @@ settle_children = function(p, id, job, r, state, t, ttl)
   for q, cid in string.gmatch(r.children, '(%S+) (%S+)') do
     local cp = sibling(p, q)
     local cjob = cp .. 'job:' .. cid
-    local c = redis.call('HMGET', cjob, 'state', 'on_parent_failure')
+    local c = redis.call('HMGET', cjob, 'state', 'on_parent_failure', 'takes', 'args', 'waiting_on')
     if c[1] == 'waiting' then
       local only = c[2] == 'only'
       if state == 'completed' and not only or state ~= 'completed' and (only or c[2] == 'continue') then
-        join(cp, cid, job, parent)
+        join(cp, cid, cjob, job, parent, c)
       else
         local cby, cwhy = by, why
         if state == 'completed' then
