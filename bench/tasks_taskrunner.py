@@ -22,3 +22,9 @@ def latency(enqueued_at):
 @app.task(name="bench.sleep", max_duration=120)
 def sleep(seconds):
     record.sleep(seconds)
+
+
+@app.task(name="bench.step", max_duration=60)
+def step(*_: object) -> int:
+    """A workflow step that does nothing (bench/workflow_cost.py): takes its parent's result."""
+    return 1
