@@ -59,7 +59,7 @@ def parse_address(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected PORT or HOST:PORT, not {text!r}")
+        raise ValueError(f"expected PORT or HOST:PORT (a port from 0 to 65535), not {text!r}")
     return host, int(port)
 
 
