@@ -1,8 +1,9 @@
 """What a workflow's join costs Redis: the same number of no-op jobs drained as plain jobs
 and as 2-step chains (the second step made pending by the first one's finish), on a
-redis-server of our own, one worker -c 2 --prefetch 1 (a job per claim, as real jobs that take
-time are claimed: so that both kinds are claimed alike, and the difference is the join's); Redis CPU (used_cpu_sys + used_cpu_user) and
-commands per job from the worker's start to the last job, rounds alternating.
+redis-server of our own, one worker -c 2 --prefetch 1 (a job per claim, as real jobs that
+take time are claimed: both kinds are claimed alike, and the difference is the join's);
+Redis CPU (used_cpu_sys + used_cpu_user) and commands per job from the worker's start to the
+last job, rounds alternating.
 
     python -m bench.workflow_cost                 # 4,000 jobs, 3 rounds
     python -m bench.workflow_cost --jobs 10000 --rounds 5
