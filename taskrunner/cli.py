@@ -978,10 +978,14 @@ def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -
 @click.option("--master", envvar="TASKRUNNER_SPARK_MASTER", help="Spark master (default local[2]; e.g. "
               "spark://host:7077). Env: TASKRUNNER_SPARK_MASTER.")
 @click.option("--history-dir", envvar="TASKRUNNER_HISTORY_DIR", help="The archive (default ./var/history).")
+@click.option("--conf", "conf", multiple=True, metavar="KEY=VALUE",
+              help="A Spark setting, repeatable (e.g. --conf spark.driver.memory=4g); over TASKRUNNER_SPARK_CONF, "
+                   "comma-separated KEY=VALUE pairs (e.g. spark.sql.shuffle.partitions=8,spark.driver.memory=2g), "
+                   "over the defaults: spark.sql.shuffle.partitions=4, spark.driver.memory=1g, UI off, UTC.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @common
-def analyze(since: str, master: str | None, history_dir: str | None, as_json: bool, app_spec: str | None,
-            redis_url: str | None) -> None:
+def analyze(since: str, master: str | None, history_dir: str | None, conf: tuple[str, ...], as_json: bool,
+            app_spec: str | None, redis_url: str | None) -> None:
     """Statistics of the archived job history, with PySpark: per task, queue, worker host
     and hour (counts, outcome rates, runtime and wait percentiles, top errors). Writes them
     next to the archive and into Redis for the dashboard's History page."""
@@ -993,13 +997,14 @@ def analyze(since: str, master: str | None, history_dir: str | None, as_json: bo
         seconds = analysis.parse_since(since)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--since") from None
+    settings = analysis.spark_conf(list(conf))  # a bad entry: ValueError, one line, exit 2
     app = _app(app_spec, redis_url)
     where = history_dir or default_dir()
     if "://" not in where and not os.path.isdir(where):  # a typo, or another directory than the dispatcher's
         raise TaskRunnerError(f"no job history at {os.path.abspath(where)}: the dispatcher archives finished jobs "
                               "into ./var/history of its directory (or TASKRUNNER_HISTORY_DIR) every 5 s; "
                               "`taskrunner history archive` does it now; or give --history-dir")
-    summary = analysis.analyze(history_dir, seconds, master,
+    summary = analysis.analyze(history_dir, seconds, master, conf=settings,
                                progress=lambda stage: click.echo(f"analyze: {stage}...", err=True))
     analysis.publish(app, summary)
     if as_json:

@@ -119,11 +119,38 @@ def test_cli_analyze_json_and_dashboard_history(app, stack, tmp_path, spark):
     assert "<svg" in page and "a.send" in page and "Throughput per hour" in page
     api = create_app(app).test_client().get("/api/history").get_json()
     assert api["records"] == 500
-    r = stack.cli("analyze", "--since", "3650d", "--history-dir", str(tmp_path), "--json", timeout=300)
+    stack.env["TASKRUNNER_SPARK_CONF"] = "spark.driver.memory=600m, spark.sql.shuffle.partitions=5"
+    r = stack.cli("analyze", "--since", "3650d", "--history-dir", str(tmp_path), "--json",
+                  "--conf", "spark.sql.shuffle.partitions=3", timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["records"] == 500 and {t["task"] for t in out["tasks"]} == {"a.send", "b.resize", "c.report"}
     assert "analyze: starting Spark" in r.stderr
+    # --conf over TASKRUNNER_SPARK_CONF over the defaults, as the session has them
+    assert out["spark"]["conf"] == {**analyze.DEFAULT_CONF, "spark.driver.memory": "600m",
+                                    "spark.sql.shuffle.partitions": "3"}
+
+
+def test_spark_conf_defaults_env_and_flags(monkeypatch):
+    monkeypatch.delenv("TASKRUNNER_SPARK_CONF", raising=False)
+    assert analyze.spark_conf() == analyze.DEFAULT_CONF
+    assert analyze.DEFAULT_CONF["spark.sql.shuffle.partitions"] == "4"
+    assert analyze.DEFAULT_CONF["spark.driver.memory"] == "1g"
+    monkeypatch.setenv("TASKRUNNER_SPARK_CONF", "spark.sql.shuffle.partitions=8,spark.driver.memory=2g,")
+    conf = analyze.spark_conf(["spark.driver.memory=3g", "spark.executor.extraJavaOptions=-Da=b=c"])
+    assert conf["spark.sql.shuffle.partitions"] == "8" and conf["spark.driver.memory"] == "3g"
+    assert conf["spark.executor.extraJavaOptions"] == "-Da=b=c" and conf["spark.ui.enabled"] == "false"
+
+
+@pytest.mark.parametrize("args, env, line", [
+    (["--conf", "spark.driver.memory"], "", "Error: bad --conf entry 'spark.driver.memory': use key=value, e.g. "
+                                            "spark.driver.memory=2g\n"),
+    ([], "spark.a=1,oops", "Error: bad TASKRUNNER_SPARK_CONF entry 'oops': use key=value, e.g. "
+                           "spark.driver.memory=2g\n")])
+def test_cli_analyze_bad_conf_is_a_usage_error(app, stack, tmp_path, args, env, line):
+    stack.env["TASKRUNNER_SPARK_CONF"] = env
+    r = stack.cli("analyze", "--history-dir", str(tmp_path), *args)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr == line, r
 
 
 def test_analysis_as_a_periodic_job(app, tmp_path, spark, monkeypatch):
