@@ -989,7 +989,7 @@ def analyze(since: str, master: str | None, history_dir: str | None, conf: tuple
     """Statistics of the archived job history, with PySpark: per task, queue, worker host
     and hour (counts, outcome rates, runtime and wait percentiles, top errors). Writes them
     next to the archive and into Redis for the dashboard's History page."""
-    require_extra("spark", "analyze (PySpark)", "pyspark")
+    require_extra("spark", "analyze (PySpark)", "pyspark", "pyarrow")
     from taskrunner.ops import analyze as analysis
     from taskrunner.ops.history import default_dir
 

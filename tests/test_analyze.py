@@ -28,16 +28,16 @@ def spark():
     session.stop()
 
 
-def generate(app, n: int, seed: int = 7) -> list[dict]:
-    """n history records across tasks, queues, hosts and hours, written through the stream
-    and the real archiver."""
+def generate(app, n: int, seed: int = 7, days: float = 3) -> list[dict]:
+    """n history records across tasks, queues, hosts and hours (finished over the `days`
+    before NOW), written to the streams, for the real archiver."""
     rnd = random.Random(seed)
     records = []
     pipe = app.redis.pipeline(transaction=False)
     for i in range(n):
         queue = rnd.choice(["q1", "q2"])
         state = rnd.choice(STATES)
-        finished = NOW - rnd.uniform(0, 3 * 86400)
+        finished = NOW - rnd.uniform(0, days * 86400)
         runtime = rnd.lognormvariate(-2, 1)
         wait = rnd.expovariate(5)
         rec = {"id": f"j{i}", "task": rnd.choice(["a.send", "b.resize", "c.report"]), "queue": queue,
@@ -74,11 +74,8 @@ def expected(records: list[dict], key: str, since: float) -> dict[str, dict]:
     return groups
 
 
-@pytest.mark.parametrize("since", [7 * 86400, 86400])
-def test_every_figure_matches_plain_python(app, tmp_path, spark, since):
-    records = generate(app, 3000)
-    assert Archiver(app, str(tmp_path), batch=1000).archive() == 3000
-    summary = analyze.analyze(str(tmp_path), since, now=NOW, spark=spark)
+def check_figures(summary: dict, records: list[dict], since: float) -> None:
+    """Every figure of `summary` against a plain-Python computation over `records`."""
     in_window = [r for r in records if float(r["finished_at"]) >= NOW - since]
     assert summary["records"] == len(in_window)
     for name, key in analyze.GROUPS.items():
@@ -101,7 +98,35 @@ def test_every_figure_matches_plain_python(app, tmp_path, spark, since):
             assert {e["error_type"]: e["count"] for e in row["top_errors"]} == dict(errors.most_common(5))
     all_errors = Counter(r["error_type"] for r in in_window if r["error_type"])
     assert {e["error_type"]: e["count"] for e in summary["errors"]} == dict(all_errors)
+
+
+@pytest.mark.parametrize("since", [7 * 86400, 86400])
+def test_every_figure_matches_plain_python(app, tmp_path, spark, since):
+    records = generate(app, 3000)
+    assert Archiver(app, str(tmp_path), batch=1000).archive() == 3000
+    summary = analyze.analyze(str(tmp_path), since, now=NOW, spark=spark)
+    check_figures(summary, records, since)
     assert (tmp_path / "_analysis" / "tasks").is_dir()
+
+
+def test_since_reads_only_the_partitions_of_its_window(app, tmp_path, spark):
+    """An archive of 40 days; --since 3d reads the last days' partitions (4: today and the 3
+    before), their files and no others, and its figures are exact."""
+    records = generate(app, 4000, seed=3, days=40)
+    assert Archiver(app, str(tmp_path), batch=250).archive() == 4000
+    days = sorted(p.name[5:] for p in tmp_path.glob("date=*"))
+    assert len(days) == 41
+    recent = [d for d in days if d >= datetime.fromtimestamp(NOW - 3 * 86400, timezone.utc).strftime("%Y-%m-%d")]
+    files = [f for d in recent for f in (tmp_path / f"date={d}").rglob("*.parquet")]
+    archived = list(tmp_path.glob("date=*/queue=*/*.parquet"))
+    assert len(recent) == 4 and len(files) < len(archived) / 5
+    summary = analyze.analyze(str(tmp_path), 3 * 86400, now=NOW, spark=spark)
+    assert summary["read"] == {"partitions": 4, "partitions_total": 41, "files": len(files),
+                               "bytes": sum(f.stat().st_size for f in files)}
+    check_figures(summary, records, 3 * 86400)
+    whole = analyze.analyze(str(tmp_path), 50 * 86400, now=NOW, spark=spark)
+    assert whole["read"]["partitions"] == 41 and whole["read"]["files"] == len(archived)
+    check_figures(whole, records, 50 * 86400)
 
 
 def test_cli_analyze_json_and_dashboard_history(app, stack, tmp_path, spark):

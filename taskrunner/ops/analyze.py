@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from taskrunner.ops.history import default_dir
@@ -131,16 +132,17 @@ def analyze(history_dir: str | None = None, since: float = 7 * 86400, master: st
     spark = spark or spark_session(master, conf)
     root = history_dir if "://" in history_dir else os.path.abspath(history_dir)
     progress(f"reading {root}")
-    if "://" not in root and not any(n.startswith("date=") for n in (os.listdir(root) if os.path.isdir(root) else [])):
+    files, read = plan(history_dir, now - since)
+    if not files:
         df = spark.createDataFrame([], _spark_schema())
     else:
-        df = spark.read.schema(_spark_schema()).option("basePath", root).parquet(f"{root}/date=*/queue=*")
+        df = spark.read.schema(_spark_schema()).option("basePath", root).parquet(*(root + f for f in files))
     df = (df.where(F.col("finished_at") >= F.to_timestamp(F.lit(now - since)))
           .withColumn("hour", F.date_format(F.date_trunc("hour", "finished_at"), "yyyy-MM-dd'T'HH:00'Z'")))
     df.cache()
     records = df.count()
     summary: dict[str, Any] = {"generated_at": now, "since": since, "records": records, "history_dir": root,
-                               "accuracy": ACCURACY,
+                               "read": read, "accuracy": ACCURACY,
                                "spark": {"master": spark.sparkContext.master,
                                          "conf": {k: spark.conf.get(k, None) for k in sorted(conf)}}}
     for name, key in GROUPS.items():
@@ -159,6 +161,24 @@ def analyze(history_dir: str | None = None, since: float = 7 * 86400, master: st
     df.unpersist()
     summary["seconds"] = round(time.monotonic() - started, 2)
     return summary
+
+
+def plan(history_dir: str, start: float) -> tuple[list[str], dict[str, int]]:
+    """The archive's files that may hold records finished at `start` or later, as paths
+    relative to the archive ("/date=.../queue=.../x.parquet"), and what they are: the date
+    partitions from `start`'s UTC day on (the archiver files a record under its finished_at
+    day), read from one listing of the archive's root and one of each such day; no other
+    day's files are listed."""
+    from taskrunner.ops.history import dates, live_files, open_dir, queue_dirs
+
+    fs, root = open_dir(history_dir)
+    every = dates(fs, root)
+    first = datetime.fromtimestamp(max(start, 0), timezone.utc).strftime("%Y-%m-%d")
+    wanted = [d for d in every if d >= first]
+    files = [f for d in wanted for q in queue_dirs(fs, root, d) for f in live_files(fs, q)]
+    read = {"partitions": len(wanted), "partitions_total": len(every), "files": len(files),
+            "bytes": sum(f.size for f in files)}
+    return [f.path[len(root):] for f in files], read
 
 
 def _group(df: Any, key: str, F: Any) -> list[dict[str, Any]]:
