@@ -959,6 +959,30 @@ def history_archive(history_dir: str | None, batch: int, app_spec: str | None, r
     click.echo(f"{n} records archived to {archiver.directory}")
 
 
+@history.command("compact")
+@click.option("--history-dir", envvar="TASKRUNNER_HISTORY_DIR", help="The archive (default ./var/history). "
+              "Env: TASKRUNNER_HISTORY_DIR.")
+@click.option("--date", "day", type=click.DateTime(["%Y-%m-%d"]), help="Only this day's partitions (YYYY-MM-DD; "
+              "default: every day but today, UTC).")
+@click.option("--target-mb", type=click.FloatRange(min=1), default=128, show_default=True,
+              help="About how large each merged file is.")
+@click.option("--json", "as_json", is_flag=True)
+@common
+def history_compact(history_dir: str | None, day: datetime | None, target_mb: float, as_json: bool,
+                    app_spec: str | None, redis_url: str | None) -> None:
+    """Merge each (date, queue) partition's small files into files of about --target-mb;
+    safe to interrupt and run again (every record stays exactly once; readers never see a
+    half state). The dispatcher does it once a day."""
+    from taskrunner.ops.compact import Compactor
+
+    c = Compactor(_app(app_spec, redis_url), history_dir, target_mb)
+    stats = c.run([day.strftime("%Y-%m-%d")] if day else None)
+    if as_json:
+        return _emit(stats)
+    click.echo(f"{stats['merged']} files merged into {stats['written']} in {stats['partitions']} partitions "
+               f"of {c.directory}")
+
+
 @history.command("status")
 @click.option("--json", "as_json", is_flag=True)
 @common

@@ -80,13 +80,24 @@ def queue_dirs(fs: Any, root: str, day: str) -> list[str]:
 
 
 def live_files(fs: Any, folder: str) -> list[Any]:
-    """The Parquet files of one (date, queue) partition that hold its records, in stream
-    order (FileInfo: path, size). Not the temporary files of a write under way (`.`)."""
+    """The Parquet files of one (date, queue) partition that hold its records, each once,
+    in stream order (FileInfo: path, size). Not a write under way (`.` names). Not a file
+    whose stream-id range lies within another's: that is an input of a compaction whose
+    merged file is in place (taskrunner/ops/compact.py), deleted next. Decided from the
+    names of one listing, so a reader never sees both an input and its merged file, nor
+    neither, whatever the listing's order."""
     import pyarrow.fs as pafs
 
-    files = [i for i in _listing(fs, folder) if i.type == pafs.FileType.File]
-    return sorted((i for i in files if i.base_name.endswith(".parquet") and not i.base_name.startswith((".", "_"))),
-                  key=lambda i: _range(i.base_name))
+    files = sorted((i for i in _listing(fs, folder) if i.type == pafs.FileType.File
+                    and i.base_name.endswith(".parquet") and not i.base_name.startswith((".", "_"))),
+                   key=lambda i: (_range(i.base_name)[0], tuple(-n for n in _range(i.base_name)[1])))
+    live, reach = [], (-1, -1)
+    for i in files:  # ranges are disjoint or nested: one sweep finds the nested ones
+        last = _range(i.base_name)[1]
+        if last > reach:
+            live.append(i)
+            reach = last
+    return live
 
 
 def _range(name: str) -> tuple[tuple[int, int], tuple[int, int]]:
