@@ -129,6 +129,25 @@ def test_since_reads_only_the_partitions_of_its_window(app, tmp_path, spark):
     check_figures(whole, records, 50 * 86400)
 
 
+def test_files_compacted_away_while_listed_are_read_again(app, tmp_path, spark, monkeypatch):
+    """A compaction may delete the files analyze listed (merged into one) before Spark reads
+    them: analyze lists again and reads the merged file, each record once."""
+    from taskrunner.ops.compact import Compactor
+    from taskrunner.ops.history import dates, open_dir
+
+    records = generate(app, 1500, seed=5)
+    assert Archiver(app, str(tmp_path), batch=100).archive() == 1500
+    stale = analyze.plan(str(tmp_path), NOW - 7 * 86400)
+    Compactor(app, str(tmp_path)).run(dates(*open_dir(str(tmp_path))))
+    listings, real = [stale], analyze.plan  # the first listing: taken before the compaction
+    monkeypatch.setattr(analyze, "plan", lambda *a: listings.pop() if listings else real(*a))
+    said: list[str] = []
+    summary = analyze.analyze(str(tmp_path), 7 * 86400, now=NOW, spark=spark, progress=said.append)
+    assert "a file was compacted away while read: reading again" in said
+    assert summary["read"]["files"] < stale[1]["files"]
+    check_figures(summary, records, 7 * 86400)
+
+
 def test_cli_analyze_json_and_dashboard_history(app, stack, tmp_path, spark):
     generate(app, 500)
     Archiver(app, str(tmp_path)).archive()

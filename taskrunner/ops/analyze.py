@@ -132,15 +132,19 @@ def analyze(history_dir: str | None = None, since: float = 7 * 86400, master: st
     spark = spark or spark_session(master, conf)
     root = history_dir if "://" in history_dir else os.path.abspath(history_dir)
     progress(f"reading {root}")
-    files, read = plan(history_dir, now - since)
-    if not files:
-        df = spark.createDataFrame([], _spark_schema())
-    else:
-        df = spark.read.schema(_spark_schema()).option("basePath", root).parquet(*(root + f for f in files))
-    df = (df.where(F.col("finished_at") >= F.to_timestamp(F.lit(now - since)))
-          .withColumn("hour", F.date_format(F.date_trunc("hour", "finished_at"), "yyyy-MM-dd'T'HH:00'Z'")))
-    df.cache()
-    records = df.count()
+    for tries_left in (2, 1, 0):  # a compaction may delete files listed (merged): list again
+        files, read = plan(history_dir, now - since)
+        df: Any = None
+        try:
+            df = _load(spark, root, files, now - since, F)
+            records = df.count()  # reads every file now, into the cache
+            break
+        except Exception as e:
+            if df is not None:
+                df.unpersist()
+            if not tries_left or not _vanished(e):
+                raise
+            progress("a file was compacted away while read: reading again")
     summary: dict[str, Any] = {"generated_at": now, "since": since, "records": records, "history_dir": root,
                                "read": read, "accuracy": ACCURACY,
                                "spark": {"master": spark.sparkContext.master,
@@ -161,6 +165,23 @@ def analyze(history_dir: str | None = None, since: float = 7 * 86400, master: st
     df.unpersist()
     summary["seconds"] = round(time.monotonic() - started, 2)
     return summary
+
+
+def _load(spark: Any, root: str, files: list[str], start: float, F: Any) -> Any:
+    """The records of `files` finished at `start` or later, with their hour, cached."""
+    if not files:
+        df = spark.createDataFrame([], _spark_schema())
+    else:
+        df = spark.read.schema(_spark_schema()).option("basePath", root).parquet(*(root + f for f in files))
+    df = (df.where(F.col("finished_at") >= F.to_timestamp(F.lit(start)))
+          .withColumn("hour", F.date_format(F.date_trunc("hour", "finished_at"), "yyyy-MM-dd'T'HH:00'Z'")))
+    return df.cache()
+
+
+def _vanished(e: Exception) -> bool:
+    """Did Spark fail because a file it was given is gone?"""
+    text = str(e)
+    return any(s in text for s in ("FileNotFoundException", "PATH_NOT_FOUND", "FILE_NOT_EXIST"))
 
 
 def plan(history_dir: str, start: float) -> tuple[list[str], dict[str, int]]:
