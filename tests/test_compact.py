@@ -4,6 +4,8 @@ every record exactly once for a reader and for the next compaction whatever step
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from datetime import datetime, timezone
 
@@ -14,6 +16,7 @@ from taskrunner.ops.analyze import plan
 from taskrunner.ops.compact import Compactor
 from taskrunner.ops.dispatcher import Dispatcher
 from taskrunner.ops.history import Archiver, live_files, open_dir
+from tests.conftest import wait_for
 from tests.test_history import DiesBeforeTrim
 
 NOW = time.time()
@@ -79,6 +82,9 @@ def test_compaction_merges_small_files_and_keeps_every_record(app, stack, archiv
     assert read(archive) == before and on_disk(archive) == [r["stream_id"] for r in before]
     r = stack.cli("history", "compact", "--date", "yesterday", "--history-dir", str(archive))
     assert r.returncode == 2 and "--date" in r.stderr
+    app.redis.set(app.keys.g + "history:compact:lock", "the dispatcher's", ex=60)
+    r = stack.cli("history", "compact", "--history-dir", str(archive))
+    assert r.returncode == 1 and r.stderr.startswith("Error: another compaction of the job history runs"), r
 
 
 class Dies(Compactor):
@@ -162,3 +168,18 @@ def test_dispatchers_compact_once_a_day(app, archive, monkeypatch):
     tomorrow.join(30)
     assert app.redis.get(app.keys.g + "history:compacted") == day(0) and len(files(archive)) == 8
     assert read(archive) == before and on_disk(archive) == [r["stream_id"] for r in before]
+
+
+def test_sigkilled_compaction_loses_and_duplicates_nothing(app, stack, tmp_path):
+    put(app, 3000, list(range(1, 31)), queue="q1")
+    assert Archiver(app, str(tmp_path), batch=150).archive() == 3000  # 600 files over 30 days
+    before = read(tmp_path)
+    p = stack.spawn("history", "compact", "--history-dir", str(tmp_path))
+    wait_for(lambda: len(files(tmp_path)) < 600, what="compaction under way")
+    os.killpg(p.pid, signal.SIGKILL)  # mid-run: maybe mid-merge, maybe mid-deletion
+    p.wait()
+    assert read(tmp_path) == before
+    app.redis.delete(app.keys.g + "history:compact:lock")  # its lock would expire after 600 s
+    r = stack.cli("history", "compact", "--history-dir", str(tmp_path), check=True)
+    assert "files merged into" in r.stdout and len(files(tmp_path)) == 30
+    assert read(tmp_path) == before and on_disk(tmp_path) == [r["stream_id"] for r in before]
