@@ -21,7 +21,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from taskrunner.errors import TaskRunnerError, require_extra
-from taskrunner.ops.history import dates, default_dir, live_files, open_dir, queue_dirs, schema
+from taskrunner.ops.history import dates, default_dir, listing, live, live_files, open_dir, queue_dirs, schema
 
 if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
@@ -89,13 +89,17 @@ class Compactor:
         """Runs of consecutive files of about the target size; a file of an unfinished batch
         ends a run and joins none (so no merged range spans it)."""
         groups: list[list[Any]] = [[]]
+        size = 0
         for f in files:
             if f.base_name == unfinished:
                 groups.append([])
+                size = 0
                 continue
-            if sum(g.size for g in groups[-1]) >= self.target:
+            if size >= self.target:
                 groups.append([])
+                size = 0
             groups[-1].append(f)
+            size += f.size
         return [g for g in groups if len(g) > 1]
 
     def _clean(self, folder: str) -> None:
@@ -104,13 +108,14 @@ class Compactor:
         lock, so no other compaction writes here."""
         import pyarrow.fs as pafs
 
-        live = {f.path for f in live_files(self.fs, folder)}
-        for i in self.fs.get_file_info(pafs.FileSelector(folder, allow_not_found=True)):
+        entries = listing(self.fs, folder)  # one listing: a file written after it is not touched
+        kept = {f.path for f in live(entries)}
+        for i in entries:
             name = i.base_name
             if i.type != pafs.FileType.File:
                 continue
             if name.startswith(".compact-") or (name.endswith(".parquet") and not name.startswith((".", "_"))
-                                                and i.path not in live):
+                                                and i.path not in kept):
                 self._drop(i.path)
 
     def _merge(self, group: list[Any], tmp: str) -> None:

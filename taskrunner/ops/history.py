@@ -57,7 +57,8 @@ def open_dir(directory: str) -> tuple[Any, str]:
     return pafs.LocalFileSystem(), os.path.abspath(directory)
 
 
-def _listing(fs: Any, folder: str) -> list[Any]:
+def listing(fs: Any, folder: str) -> list[Any]:
+    """The entries of a folder (FileInfo); none when it does not exist."""
     import pyarrow.fs as pafs
 
     return fs.get_file_info(pafs.FileSelector(folder, allow_not_found=True))
@@ -67,7 +68,7 @@ def dates(fs: Any, root: str) -> list[str]:
     """The archive's date partitions (YYYY-MM-DD), in order: one listing of its root."""
     import pyarrow.fs as pafs
 
-    return sorted(i.base_name[5:] for i in _listing(fs, root)
+    return sorted(i.base_name[5:] for i in listing(fs, root)
                   if i.type == pafs.FileType.Directory and _DATE.fullmatch(i.base_name))
 
 
@@ -75,7 +76,7 @@ def queue_dirs(fs: Any, root: str, day: str) -> list[str]:
     """The (date, queue) partitions of one day, as paths."""
     import pyarrow.fs as pafs
 
-    return sorted(i.path for i in _listing(fs, f"{root}/date={day}")
+    return sorted(i.path for i in listing(fs, f"{root}/date={day}")
                   if i.type == pafs.FileType.Directory and i.base_name.startswith("queue="))
 
 
@@ -86,18 +87,23 @@ def live_files(fs: Any, folder: str) -> list[Any]:
     merged file is in place (taskrunner/ops/compact.py), deleted next. Decided from the
     names of one listing, so a reader never sees both an input and its merged file, nor
     neither, whatever the listing's order."""
+    return live(listing(fs, folder))
+
+
+def live(listing: list[Any]) -> list[Any]:
+    """live_files of a folder's listing (FileInfo of each entry)."""
     import pyarrow.fs as pafs
 
-    files = sorted((i for i in _listing(fs, folder) if i.type == pafs.FileType.File
+    files = sorted((i for i in listing if i.type == pafs.FileType.File
                     and i.base_name.endswith(".parquet") and not i.base_name.startswith((".", "_"))),
                    key=lambda i: (_range(i.base_name)[0], tuple(-n for n in _range(i.base_name)[1])))
-    live, reach = [], (-1, -1)
+    kept, reach = [], (-1, -1)
     for i in files:  # ranges are disjoint or nested: one sweep finds the nested ones
         last = _range(i.base_name)[1]
         if last > reach:
-            live.append(i)
+            kept.append(i)
             reach = last
-    return live
+    return kept
 
 
 def _range(name: str) -> tuple[tuple[int, int], tuple[int, int]]:
