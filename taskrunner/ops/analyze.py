@@ -130,7 +130,7 @@ def analyze(history_dir: str | None = None, since: float = 7 * 86400, master: st
     progress("starting Spark")
     conf = conf if conf is not None else spark_conf()
     spark = spark or spark_session(master, conf)
-    root = history_dir if "://" in history_dir else os.path.abspath(history_dir)
+    root = history_dir.rstrip("/") if "://" in history_dir else os.path.abspath(history_dir)
     progress(f"reading {root}")
     for tries_left in (2, 1, 0):  # a compaction may delete files listed (merged): list again
         files, read = plan(history_dir, now - since)
