@@ -959,6 +959,30 @@ def history_archive(history_dir: str | None, batch: int, app_spec: str | None, r
     click.echo(f"{n} records archived to {archiver.directory}")
 
 
+@history.command("compact")
+@click.option("--history-dir", envvar="TASKRUNNER_HISTORY_DIR", help="The archive (default ./var/history). "
+              "Env: TASKRUNNER_HISTORY_DIR.")
+@click.option("--date", "day", type=click.DateTime(["%Y-%m-%d"]), help="Only this day's partitions (YYYY-MM-DD; "
+              "default: every day but today, UTC).")
+@click.option("--target-mb", type=click.FloatRange(min=1), default=128, show_default=True,
+              help="About how large each merged file is.")
+@click.option("--json", "as_json", is_flag=True)
+@common
+def history_compact(history_dir: str | None, day: datetime | None, target_mb: float, as_json: bool,
+                    app_spec: str | None, redis_url: str | None) -> None:
+    """Merge each (date, queue) partition's small files into files of about --target-mb;
+    safe to interrupt and run again (every record stays exactly once; readers never see a
+    half state). The dispatcher does it once a day."""
+    from taskrunner.ops.compact import Compactor
+
+    c = Compactor(_app(app_spec, redis_url), history_dir, target_mb)
+    stats = c.run([day.strftime("%Y-%m-%d")] if day else None)
+    if as_json:
+        return _emit(stats)
+    click.echo(f"{stats['merged']} files merged into {stats['written']} in {stats['partitions']} partitions "
+               f"of {c.directory}")
+
+
 @history.command("status")
 @click.option("--json", "as_json", is_flag=True)
 @common
@@ -978,14 +1002,18 @@ def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -
 @click.option("--master", envvar="TASKRUNNER_SPARK_MASTER", help="Spark master (default local[2]; e.g. "
               "spark://host:7077). Env: TASKRUNNER_SPARK_MASTER.")
 @click.option("--history-dir", envvar="TASKRUNNER_HISTORY_DIR", help="The archive (default ./var/history).")
+@click.option("--conf", "conf", multiple=True, metavar="KEY=VALUE",
+              help="A Spark setting, repeatable (e.g. --conf spark.driver.memory=4g); over TASKRUNNER_SPARK_CONF, "
+                   "comma-separated KEY=VALUE pairs (e.g. spark.sql.shuffle.partitions=8,spark.driver.memory=2g), "
+                   "over the defaults: spark.sql.shuffle.partitions=4, spark.driver.memory=1g, UI off, UTC.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @common
-def analyze(since: str, master: str | None, history_dir: str | None, as_json: bool, app_spec: str | None,
-            redis_url: str | None) -> None:
+def analyze(since: str, master: str | None, history_dir: str | None, conf: tuple[str, ...], as_json: bool,
+            app_spec: str | None, redis_url: str | None) -> None:
     """Statistics of the archived job history, with PySpark: per task, queue, worker host
     and hour (counts, outcome rates, runtime and wait percentiles, top errors). Writes them
     next to the archive and into Redis for the dashboard's History page."""
-    require_extra("spark", "analyze (PySpark)", "pyspark")
+    require_extra("spark", "analyze (PySpark)", "pyspark", "pyarrow")
     from taskrunner.ops import analyze as analysis
     from taskrunner.ops.history import default_dir
 
@@ -993,13 +1021,14 @@ def analyze(since: str, master: str | None, history_dir: str | None, as_json: bo
         seconds = analysis.parse_since(since)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--since") from None
+    settings = analysis.spark_conf(list(conf))  # a bad entry: ValueError, one line, exit 2
     app = _app(app_spec, redis_url)
     where = history_dir or default_dir()
     if "://" not in where and not os.path.isdir(where):  # a typo, or another directory than the dispatcher's
         raise TaskRunnerError(f"no job history at {os.path.abspath(where)}: the dispatcher archives finished jobs "
                               "into ./var/history of its directory (or TASKRUNNER_HISTORY_DIR) every 5 s; "
                               "`taskrunner history archive` does it now; or give --history-dir")
-    summary = analysis.analyze(history_dir, seconds, master,
+    summary = analysis.analyze(history_dir, seconds, master, conf=settings,
                                progress=lambda stage: click.echo(f"analyze: {stage}...", err=True))
     analysis.publish(app, summary)
     if as_json:

@@ -28,16 +28,16 @@ def spark():
     session.stop()
 
 
-def generate(app, n: int, seed: int = 7) -> list[dict]:
-    """n history records across tasks, queues, hosts and hours, written through the stream
-    and the real archiver."""
+def generate(app, n: int, seed: int = 7, days: float = 3) -> list[dict]:
+    """n history records across tasks, queues, hosts and hours (finished over the `days`
+    before NOW), written to the streams, for the real archiver."""
     rnd = random.Random(seed)
     records = []
     pipe = app.redis.pipeline(transaction=False)
     for i in range(n):
         queue = rnd.choice(["q1", "q2"])
         state = rnd.choice(STATES)
-        finished = NOW - rnd.uniform(0, 3 * 86400)
+        finished = NOW - rnd.uniform(0, days * 86400)
         runtime = rnd.lognormvariate(-2, 1)
         wait = rnd.expovariate(5)
         rec = {"id": f"j{i}", "task": rnd.choice(["a.send", "b.resize", "c.report"]), "queue": queue,
@@ -74,11 +74,8 @@ def expected(records: list[dict], key: str, since: float) -> dict[str, dict]:
     return groups
 
 
-@pytest.mark.parametrize("since", [7 * 86400, 86400])
-def test_every_figure_matches_plain_python(app, tmp_path, spark, since):
-    records = generate(app, 3000)
-    assert Archiver(app, str(tmp_path), batch=1000).archive() == 3000
-    summary = analyze.analyze(str(tmp_path), since, now=NOW, spark=spark)
+def check_figures(summary: dict, records: list[dict], since: float) -> None:
+    """Every figure of `summary` against a plain-Python computation over `records`."""
     in_window = [r for r in records if float(r["finished_at"]) >= NOW - since]
     assert summary["records"] == len(in_window)
     for name, key in analyze.GROUPS.items():
@@ -101,7 +98,54 @@ def test_every_figure_matches_plain_python(app, tmp_path, spark, since):
             assert {e["error_type"]: e["count"] for e in row["top_errors"]} == dict(errors.most_common(5))
     all_errors = Counter(r["error_type"] for r in in_window if r["error_type"])
     assert {e["error_type"]: e["count"] for e in summary["errors"]} == dict(all_errors)
+
+
+@pytest.mark.parametrize("since", [7 * 86400, 86400])
+def test_every_figure_matches_plain_python(app, tmp_path, spark, since):
+    records = generate(app, 3000)
+    assert Archiver(app, str(tmp_path), batch=1000).archive() == 3000
+    summary = analyze.analyze(str(tmp_path), since, now=NOW, spark=spark)
+    check_figures(summary, records, since)
     assert (tmp_path / "_analysis" / "tasks").is_dir()
+
+
+def test_since_reads_only_the_partitions_of_its_window(app, tmp_path, spark):
+    """An archive of 40 days; --since 3d reads the last days' partitions (4: today and the 3
+    before), their files and no others, and its figures are exact."""
+    records = generate(app, 4000, seed=3, days=40)
+    assert Archiver(app, str(tmp_path), batch=250).archive() == 4000
+    days = sorted(p.name[5:] for p in tmp_path.glob("date=*"))
+    assert len(days) == 41
+    recent = [d for d in days if d >= datetime.fromtimestamp(NOW - 3 * 86400, timezone.utc).strftime("%Y-%m-%d")]
+    files = [f for d in recent for f in (tmp_path / f"date={d}").rglob("*.parquet")]
+    archived = list(tmp_path.glob("date=*/queue=*/*.parquet"))
+    assert len(recent) == 4 and len(files) < len(archived) / 5
+    summary = analyze.analyze(str(tmp_path), 3 * 86400, now=NOW, spark=spark)
+    assert summary["read"] == {"partitions": 4, "partitions_total": 41, "files": len(files),
+                               "bytes": sum(f.stat().st_size for f in files)}
+    check_figures(summary, records, 3 * 86400)
+    whole = analyze.analyze(str(tmp_path), 50 * 86400, now=NOW, spark=spark)
+    assert whole["read"]["partitions"] == 41 and whole["read"]["files"] == len(archived)
+    check_figures(whole, records, 50 * 86400)
+
+
+def test_files_compacted_away_while_listed_are_read_again(app, tmp_path, spark, monkeypatch):
+    """A compaction may delete the files analyze listed (merged into one) before Spark reads
+    them: analyze lists again and reads the merged file, each record once."""
+    from taskrunner.ops.compact import Compactor
+    from taskrunner.ops.history import dates, open_dir
+
+    records = generate(app, 1500, seed=5)
+    assert Archiver(app, str(tmp_path), batch=100).archive() == 1500
+    stale = analyze.plan(str(tmp_path), NOW - 7 * 86400)
+    Compactor(app, str(tmp_path)).run(dates(*open_dir(str(tmp_path))))
+    listings, real = [stale], analyze.plan  # the first listing: taken before the compaction
+    monkeypatch.setattr(analyze, "plan", lambda *a: listings.pop() if listings else real(*a))
+    said: list[str] = []
+    summary = analyze.analyze(str(tmp_path), 7 * 86400, now=NOW, spark=spark, progress=said.append)
+    assert "a file was compacted away while read: reading again" in said
+    assert summary["read"]["files"] < stale[1]["files"]
+    check_figures(summary, records, 7 * 86400)
 
 
 def test_cli_analyze_json_and_dashboard_history(app, stack, tmp_path, spark):
@@ -119,11 +163,38 @@ def test_cli_analyze_json_and_dashboard_history(app, stack, tmp_path, spark):
     assert "<svg" in page and "a.send" in page and "Throughput per hour" in page
     api = create_app(app).test_client().get("/api/history").get_json()
     assert api["records"] == 500
-    r = stack.cli("analyze", "--since", "3650d", "--history-dir", str(tmp_path), "--json", timeout=300)
+    stack.env["TASKRUNNER_SPARK_CONF"] = "spark.driver.memory=600m, spark.sql.shuffle.partitions=5"
+    r = stack.cli("analyze", "--since", "3650d", "--history-dir", str(tmp_path), "--json",
+                  "--conf", "spark.sql.shuffle.partitions=3", timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["records"] == 500 and {t["task"] for t in out["tasks"]} == {"a.send", "b.resize", "c.report"}
     assert "analyze: starting Spark" in r.stderr
+    # --conf over TASKRUNNER_SPARK_CONF over the defaults, as the session has them
+    assert out["spark"]["conf"] == {**analyze.DEFAULT_CONF, "spark.driver.memory": "600m",
+                                    "spark.sql.shuffle.partitions": "3"}
+
+
+def test_spark_conf_defaults_env_and_flags(monkeypatch):
+    monkeypatch.delenv("TASKRUNNER_SPARK_CONF", raising=False)
+    assert analyze.spark_conf() == analyze.DEFAULT_CONF
+    assert analyze.DEFAULT_CONF["spark.sql.shuffle.partitions"] == "4"
+    assert analyze.DEFAULT_CONF["spark.driver.memory"] == "1g"
+    monkeypatch.setenv("TASKRUNNER_SPARK_CONF", "spark.sql.shuffle.partitions=8,spark.driver.memory=2g,")
+    conf = analyze.spark_conf(["spark.driver.memory=3g", "spark.executor.extraJavaOptions=-Da=b=c"])
+    assert conf["spark.sql.shuffle.partitions"] == "8" and conf["spark.driver.memory"] == "3g"
+    assert conf["spark.executor.extraJavaOptions"] == "-Da=b=c" and conf["spark.ui.enabled"] == "false"
+
+
+@pytest.mark.parametrize("args, env, line", [
+    (["--conf", "spark.driver.memory"], "", "Error: bad --conf entry 'spark.driver.memory': use key=value, e.g. "
+                                            "spark.driver.memory=2g\n"),
+    ([], "spark.a=1,oops", "Error: bad TASKRUNNER_SPARK_CONF entry 'oops': use key=value, e.g. "
+                           "spark.driver.memory=2g\n")])
+def test_cli_analyze_bad_conf_is_a_usage_error(app, stack, tmp_path, args, env, line):
+    stack.env["TASKRUNNER_SPARK_CONF"] = env
+    r = stack.cli("analyze", "--history-dir", str(tmp_path), *args)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr == line, r
 
 
 def test_analysis_as_a_periodic_job(app, tmp_path, spark, monkeypatch):

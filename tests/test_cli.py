@@ -286,7 +286,8 @@ def test_a_bad_name_or_value_in_the_arguments_exits_2(app, stack):
     ["worker", "-A", "tests.apps", "--log-level", "loud"], ["dispatcher", "--log-level", "verbose"],
     ["worker", "-A", "tests.apps", "-c", "0"], ["up", "-A", "tests.apps", "-c", "0"],
     ["dashboard", "--port", "99999"], ["up", "-A", "tests.apps", "--port", "0"],
-    ["history", "archive", "--batch", "0"], ["queue", "create", "q", "--bound", "-1"],
+    ["history", "archive", "--batch", "0"], ["history", "compact", "--target-mb", "0"],
+    ["queue", "create", "q", "--bound", "-1"],
     ["consume", "-q", "default", "--timeout", "-1"], ["wait", "someid", "--timeout", "-1"]])
 def test_option_out_of_range_is_a_usage_error(stack, args):
     """A value an option cannot take is refused before anything runs: exit 2, one Error line,

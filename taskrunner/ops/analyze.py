@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from taskrunner.ops.history import default_dir
@@ -53,11 +54,37 @@ def parse_since(value: str) -> float:
         raise ValueError(f"bad duration {value!r}: use e.g. 7d, 12h, 30m") from None
 
 
-def spark_session(master: str | None = None) -> Any:
-    """A SparkSession on `master` (default TASKRUNNER_SPARK_MASTER, else local[2]). In local
-    mode its Python workers run our interpreter (PYSPARK_PYTHON, unless set): Spark's default
-    is the first python3 on PATH, another Python than a virtualenv's, without its packages.
-    On a cluster the executors' Python is theirs: set PYSPARK_PYTHON if python3 is not it."""
+#: The settings analyze uses unless TASKRUNNER_SPARK_CONF or --conf say otherwise (small on
+#: purpose: local mode on 2 shared cores; raise them for a cluster or a bigger archive).
+DEFAULT_CONF = {"spark.sql.shuffle.partitions": "4", "spark.driver.memory": "1g", "spark.ui.enabled": "false",
+                "spark.ui.showConsoleProgress": "false", "spark.sql.session.timeZone": "UTC"}
+
+
+def parse_conf(entries: list[str], where: str = "--conf") -> dict[str, str]:
+    """`k=v` entries as a dict; ValueError (one line) for one without a key or `=`."""
+    conf = {}
+    for entry in entries:
+        key, eq, value = entry.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"bad {where} entry {entry!r}: use key=value, e.g. spark.driver.memory=2g")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def spark_conf(overrides: list[str] | None = None) -> dict[str, str]:
+    """DEFAULT_CONF, then TASKRUNNER_SPARK_CONF ("k=v,k=v"), then `overrides` (--conf k=v),
+    each over the one before."""
+    env = os.environ.get("TASKRUNNER_SPARK_CONF", "")
+    return {**DEFAULT_CONF, **parse_conf([e for e in env.split(",") if e.strip()], "TASKRUNNER_SPARK_CONF"),
+            **parse_conf(overrides or [])}
+
+
+def spark_session(master: str | None = None, conf: dict[str, str] | None = None) -> Any:
+    """A SparkSession on `master` (default TASKRUNNER_SPARK_MASTER, else local[2]) with `conf`
+    (default spark_conf()). In local mode its Python workers run our interpreter
+    (PYSPARK_PYTHON, unless set): Spark's default is the first python3 on PATH, another
+    Python than a virtualenv's, without its packages. On a cluster the executors' Python is
+    theirs: set PYSPARK_PYTHON if python3 is not it."""
     from pyspark.sql import SparkSession
 
     master = master or os.environ.get("TASKRUNNER_SPARK_MASTER") or "local[2]"
@@ -68,16 +95,12 @@ def spark_session(master: str | None = None) -> Any:
     with open(log4j, "w") as f:
         f.write(_LOG4J)
     java_opts = f"-Dlog4j2.configurationFile=file:{log4j}"
-    return (SparkSession.builder.appName("taskrunner-analyze")
-            .master(master)
-            .config("spark.sql.shuffle.partitions", "4")
-            .config("spark.ui.enabled", "false")
-            .config("spark.ui.showConsoleProgress", "false")
-            .config("spark.sql.session.timeZone", "UTC")
-            .config("spark.driver.memory", "1g")
-            .config("spark.driver.extraJavaOptions", java_opts)
-            .config("spark.executor.extraJavaOptions", java_opts)
-            .getOrCreate())
+    builder = SparkSession.builder.appName("taskrunner-analyze").master(master)
+    settings = {"spark.driver.extraJavaOptions": java_opts, "spark.executor.extraJavaOptions": java_opts,
+                **(conf if conf is not None else spark_conf())}
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
 
 
 def _spark_schema() -> Any:
@@ -96,27 +119,36 @@ def _spark_schema() -> Any:
 
 def analyze(history_dir: str | None = None, since: float = 7 * 86400, master: str | None = None,
             now: float | None = None, progress: Callable[[str], Any] = lambda _: None,
-            spark: Any = None) -> dict[str, Any]:
-    """Compute the summary (see the module doc) over records finished in the last `since` s."""
+            spark: Any = None, conf: dict[str, str] | None = None) -> dict[str, Any]:
+    """Compute the summary (see the module doc) over records finished in the last `since` s,
+    with Spark settings `conf` (default spark_conf()) unless `spark` is a running session."""
     from pyspark.sql import functions as F
 
     history_dir = history_dir or default_dir()
     now = now if now is not None else time.time()
     started = time.monotonic()
     progress("starting Spark")
-    spark = spark or spark_session(master)
-    root = history_dir if "://" in history_dir else os.path.abspath(history_dir)
+    conf = conf if conf is not None else spark_conf()
+    spark = spark or spark_session(master, conf)
+    root = history_dir.rstrip("/") if "://" in history_dir else os.path.abspath(history_dir)
     progress(f"reading {root}")
-    if "://" not in root and not any(n.startswith("date=") for n in (os.listdir(root) if os.path.isdir(root) else [])):
-        df = spark.createDataFrame([], _spark_schema())
-    else:
-        df = spark.read.schema(_spark_schema()).option("basePath", root).parquet(f"{root}/date=*/queue=*")
-    df = (df.where(F.col("finished_at") >= F.to_timestamp(F.lit(now - since)))
-          .withColumn("hour", F.date_format(F.date_trunc("hour", "finished_at"), "yyyy-MM-dd'T'HH:00'Z'")))
-    df.cache()
-    records = df.count()
+    for tries_left in (2, 1, 0):  # a compaction may delete files listed (merged): list again
+        files, read = plan(history_dir, now - since)
+        df: Any = None
+        try:
+            df = _load(spark, root, files, now - since, F)
+            records = df.count()  # reads every file now, into the cache
+            break
+        except Exception as e:
+            if df is not None:
+                df.unpersist()
+            if not tries_left or not _vanished(e):
+                raise
+            progress("a file was compacted away while read: reading again")
     summary: dict[str, Any] = {"generated_at": now, "since": since, "records": records, "history_dir": root,
-                               "accuracy": ACCURACY}
+                               "read": read, "accuracy": ACCURACY,
+                               "spark": {"master": spark.sparkContext.master,
+                                         "conf": {k: spark.conf.get(k, None) for k in sorted(conf)}}}
     for name, key in GROUPS.items():
         progress(f"per {key}")
         summary[name] = _group(df, key, F)
@@ -133,6 +165,41 @@ def analyze(history_dir: str | None = None, since: float = 7 * 86400, master: st
     df.unpersist()
     summary["seconds"] = round(time.monotonic() - started, 2)
     return summary
+
+
+def _load(spark: Any, root: str, files: list[str], start: float, F: Any) -> Any:
+    """The records of `files` finished at `start` or later, with their hour, cached."""
+    if not files:
+        df = spark.createDataFrame([], _spark_schema())
+    else:
+        df = spark.read.schema(_spark_schema()).option("basePath", root).parquet(*(root + f for f in files))
+    df = (df.where(F.col("finished_at") >= F.to_timestamp(F.lit(start)))
+          .withColumn("hour", F.date_format(F.date_trunc("hour", "finished_at"), "yyyy-MM-dd'T'HH:00'Z'")))
+    return df.cache()
+
+
+def _vanished(e: Exception) -> bool:
+    """Did Spark fail because a file it was given is gone?"""
+    text = str(e)
+    return any(s in text for s in ("FileNotFoundException", "PATH_NOT_FOUND", "FILE_NOT_EXIST"))
+
+
+def plan(history_dir: str, start: float) -> tuple[list[str], dict[str, int]]:
+    """The archive's files that may hold records finished at `start` or later, as paths
+    relative to the archive ("/date=.../queue=.../x.parquet"), and what they are: the date
+    partitions from `start`'s UTC day on (the archiver files a record under its finished_at
+    day), read from one listing of the archive's root and one of each such day; no other
+    day's files are listed."""
+    from taskrunner.ops.history import dates, live_files, open_dir, queue_dirs
+
+    fs, root = open_dir(history_dir)
+    every = dates(fs, root)
+    first = datetime.fromtimestamp(max(start, 0), timezone.utc).strftime("%Y-%m-%d")
+    wanted = [d for d in every if d >= first]
+    files = [f for d in wanted for q in queue_dirs(fs, root, d) for f in live_files(fs, q)]
+    read = {"partitions": len(wanted), "partitions_total": len(every), "files": len(files),
+            "bytes": sum(f.size for f in files)}
+    return [f.path[len(root):] for f in files], read
 
 
 def _group(df: Any, key: str, F: Any) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ import redis
 from taskrunner.client.app import Schedule, TaskRunner, cron_job_id
 from taskrunner.errors import MissingExtra, TaskRunnerError
 from taskrunner.logs import Run, job_fields
-from taskrunner.ops import schedules
+from taskrunner.ops import compact, schedules
 from taskrunner.ops.history import WARN_BACKLOG, Archiver, backlog
 from taskrunner.ops.listing import DISPATCHER_FORGET
 from taskrunner.protocol import codec, scripts
@@ -50,6 +50,8 @@ class Dispatcher:
         self.passes = 0
         self.next_archive = 0.0
         self.next_forget = 0.0
+        self.next_compact = 0.0
+        self.compacting: threading.Thread | None = None
         self.history_backlog: dict[str, int] = {}
         # Redis time of our first pass since we last failed to reach Redis (None: not yet).
         # Heartbeats are counted from then at the earliest: after a Redis outage no worker
@@ -131,6 +133,8 @@ class Dispatcher:
         stats["fired"] = self.fire_schedules(now)
         if self.s.history_interval and time.monotonic() >= self.next_archive:
             stats["archived"] = self.archive_history(queues)
+        if self.s.history_interval and time.monotonic() >= self.next_compact:
+            self.compact_history(now)
         self.passes += 1
         self.redis.hset(self.keys.dispatchers, self.name, codec.dumps({
             "name": self.name, "host": self.host, "pid": os.getpid(), "last_pass": now,
@@ -178,6 +182,33 @@ class Dispatcher:
                           "most %d: archive faster (taskrunner history archive) or records will be lost",
                           waiting, q, 2 * WARN_BACKLOG)
         return n
+
+    def compact_history(self, now: float) -> threading.Thread | None:
+        """Once a day after midnight UTC, the archive's compaction (compact.daily: one
+        dispatcher does it, under a lock, and records the day, so the others skip it), in
+        a thread: merging a day may take minutes, and a pass must not. Checked once a minute
+        (one GET); returns the thread started, if one was."""
+        self.next_compact = time.monotonic() + 60
+        today = datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d")
+        if (self.compacting is not None and self.compacting.is_alive()) or \
+                compact.done(self.redis.get(self.keys.g + "history:compacted"), today):
+            return None
+        self.compacting = threading.Thread(target=self._compact, args=(today,), name="compact", daemon=True)
+        self.compacting.start()
+        return self.compacting
+
+    def _compact(self, today: str) -> None:
+        try:
+            stats = compact.daily(self.app, today)
+        except MissingExtra:  # archive_history says so, once
+            self.next_compact = float("inf")
+            return
+        except Exception:  # a disk or Redis error: logged, and tried again in a minute
+            log.exception("dispatcher: compacting the job history failed")
+            return
+        if stats:
+            log.info("dispatcher %s: history compacted up to %s: %s", self.name, today,
+                     " ".join(f"{k}={v}" for k, v in stats.items()))
 
     def liveness(self, now: float) -> tuple[set[str], set[str]]:
         """Workers whose heartbeat is fresh, and the others. A worker on this machine (same

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 from collections import defaultdict
 from collections.abc import Callable
@@ -27,6 +28,7 @@ log = logging.getLogger("taskrunner.history")
 #: Half of HISTORY_MAX in _lib.lua: beyond this backlog the dispatcher warns (the stream
 #: is capped at HISTORY_MAX; entries past it would be trimmed before being archived).
 WARN_BACKLOG = 250_000
+_DATE = re.compile(r"date=\d{4}-\d{2}-\d{2}")
 
 
 def schema() -> Any:
@@ -42,6 +44,77 @@ def schema() -> Any:
 
 def default_dir() -> str:
     return os.environ.get("TASKRUNNER_HISTORY_DIR") or os.path.join("var", "history")
+
+
+def open_dir(directory: str) -> tuple[Any, str]:
+    """The pyarrow filesystem of an archive and the archive's path in it (a local directory
+    made absolute, or any pyarrow filesystem URI)."""
+    import pyarrow.fs as pafs
+
+    if "://" in directory:
+        fs, root = pafs.FileSystem.from_uri(directory)
+        return fs, root.rstrip("/")
+    return pafs.LocalFileSystem(), os.path.abspath(directory)
+
+
+def listing(fs: Any, folder: str) -> list[Any]:
+    """The entries of a folder (FileInfo); none when it does not exist."""
+    import pyarrow.fs as pafs
+
+    return fs.get_file_info(pafs.FileSelector(folder, allow_not_found=True))
+
+
+def dates(fs: Any, root: str) -> list[str]:
+    """The archive's date partitions (YYYY-MM-DD), in order: one listing of its root."""
+    import pyarrow.fs as pafs
+
+    return sorted(i.base_name[5:] for i in listing(fs, root)
+                  if i.type == pafs.FileType.Directory and _DATE.fullmatch(i.base_name))
+
+
+def queue_dirs(fs: Any, root: str, day: str) -> list[str]:
+    """The (date, queue) partitions of one day, as paths."""
+    import pyarrow.fs as pafs
+
+    return sorted(i.path for i in listing(fs, f"{root}/date={day}")
+                  if i.type == pafs.FileType.Directory and i.base_name.startswith("queue="))
+
+
+def live_files(fs: Any, folder: str) -> list[Any]:
+    """The Parquet files of one (date, queue) partition that hold its records, each once,
+    in stream order (FileInfo: path, size). Not a write under way (`.` names). Not a file
+    whose stream-id range lies within another's: that is an input of a compaction whose
+    merged file is in place (taskrunner/ops/compact.py), deleted next. Decided from the
+    names of one listing, so a reader never sees both an input and its merged file, nor
+    neither, whatever the listing's order."""
+    return live(listing(fs, folder))
+
+
+def live(listing: list[Any]) -> list[Any]:
+    """live_files of a folder's listing (FileInfo of each entry)."""
+    import pyarrow.fs as pafs
+
+    files = sorted((i for i in listing if i.type == pafs.FileType.File
+                    and i.base_name.endswith(".parquet") and not i.base_name.startswith((".", "_"))),
+                   key=lambda i: (_range(i.base_name)[0], tuple(-n for n in _range(i.base_name)[1])))
+    kept, reach = [], (-1, -1)
+    for i in files:  # ranges are disjoint or nested: one sweep finds the nested ones
+        last = _range(i.base_name)[1]
+        if last > reach:
+            kept.append(i)
+            reach = last
+    return kept
+
+
+def _range(name: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The stream ids `<first>_<last>.parquet` spans, as numbers (for ordering)."""
+    first, _, last = name[:-len(".parquet")].partition("_")
+    return _id(first), _id(last)
+
+
+def _id(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _next_id(stream_id: str) -> str:
@@ -88,14 +161,9 @@ class Archiver:
     def __init__(self, app: TaskRunner, directory: str | None = None, batch: int = 10_000):
         """Raises MissingExtra without pyarrow (the `history` extra)."""
         require_extra("history", "archiving job history to Parquet", "pyarrow")
-        import pyarrow.fs as pafs
-
         self.app, self.batch = app, batch
         self.directory = directory or default_dir()
-        if "://" in self.directory:
-            self.fs, self.root = pafs.FileSystem.from_uri(self.directory)
-        else:
-            self.fs, self.root = pafs.LocalFileSystem(), os.path.abspath(self.directory)
+        self.fs, self.root = open_dir(self.directory)
         self.token = secrets.token_hex(8)
 
     def archive(self, queues: list[str] | None = None, progress: Callable[[int], Any] | None = None,
