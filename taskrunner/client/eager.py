@@ -117,9 +117,7 @@ def chain(app: TaskRunner, steps: list[tuple[str, list[Any]]], immutable: list[b
     job: EagerJob | None = None
     for (job_id, fields), fixed in zip(steps, immutable):
         if job is not None and not fixed and job.data.get("state") == "completed":
-            fields = list(fields)
-            at = fields[::2].index("args") * 2 + 1
-            fields[at] = codec.dumps([job.result, *codec.loads(fields[at])])
+            fields = _taking(fields, job.result)
         job = enqueue(app, job_id, fields, None if job is None else [job])
     assert job is not None
     return job
@@ -132,11 +130,17 @@ def chord(app: TaskRunner, callback: tuple[str, list[Any]], members: list[Job], 
     complete, unless `go_on` (on_member_failure="continue": None in its place)."""
     job_id, fields = callback
     if not immutable:
-        fields = list(fields)
-        at = fields[::2].index("args") * 2 + 1
-        results = [m.result if m.data.get("state") == "completed" else None for m in members]
-        fields[at] = codec.dumps([results, *codec.loads(fields[at])])
+        fields = _taking(fields, [m.result if m.data.get("state") == "completed" else None for m in members])
     return enqueue(app, job_id, fields, None if go_on else members)
+
+
+def _taking(fields: list[Any], value: Any) -> list[Any]:
+    """A job's fields with `value` first in its args: what the join does in Redis
+    (_lib.lua's prepend()) for a step that takes its parents' results."""
+    fields = list(fields)
+    at = fields[::2].index("args") * 2 + 1
+    fields[at] = codec.dumps([value, *codec.loads(fields[at])])
+    return fields
 
 
 def _run(app: TaskRunner, job: EagerJob) -> None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from taskrunner.client.job import typed
 from taskrunner.ops import listing
 from taskrunner.protocol import scripts
 from taskrunner.protocol.holders import number
@@ -103,8 +104,8 @@ class RedisCollector:
             name = [q["name"]]
             for f, family in gauges.items():
                 family.add_metric(name, q.get(f) or 0)
-            t = _seconds(since)
-            oldest.add_metric(name, max(0.0, now - t) if t is not None else 0.0)
+            t = typed("enqueued_at", since)  # not a number in a foreign producer's record: none
+            oldest.add_metric(name, max(0.0, now - t) if isinstance(t, float) else 0.0)
             enqueued.add_metric(name, q["produced_messages"])
             claimed.add_metric(name, q["consumed_messages"])
             closed.add_metric(name, 1 if q.get("closed") else 0)
@@ -155,14 +156,6 @@ class RedisCollector:
         slots.add_metric([], sum(number(w.get("concurrency")) or 0 for w in live))
         busy.add_metric([], sum(number(w.get("busy")) or 0 for w in live))
         yield from (counts, slots, busy)
-
-
-def _seconds(text: str | None) -> float | None:
-    """A record's time, or None when missing or not a number (a foreign producer's)."""
-    try:
-        return float(text) if text else None
-    except ValueError:
-        return None
 
 
 def tally(app: TaskRunner, queue: str, chunks: int = 20) -> int:
