@@ -32,11 +32,16 @@ def _module_name(path: Path) -> str:
 
 
 MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+# Parsed once, at collection, before any test runs: on 3.11 ast.parse is not reentrant, and
+# a finalizer that the garbage collector runs inside it (an object a test left behind) and
+# that prints a traceback (which calls ast.parse) failed one parse with "AST constructor
+# recursion depth mismatch".
+TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
 
 
-def _edges(path: Path) -> set[str]:
+def _edges(name: str) -> set[str]:
     """The package modules a module imports, anywhere but under `if TYPE_CHECKING:`."""
-    tree = ast.parse(path.read_text())
+    tree = TREES[name]
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                    and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
     out = set()
@@ -51,17 +56,17 @@ def _edges(path: Path) -> set[str]:
                 out.add(full if full in MODULES else node.module)
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
-    return {m for m in out if m in MODULES and m != _module_name(path)}
+    return {m for m in out if m in MODULES and m != name}
 
 
-GRAPH = {name: _edges(path) for name, path in MODULES.items() if path.name != "__init__.py"}
+GRAPH = {name: _edges(name) for name, path in MODULES.items() if path.name != "__init__.py"}
 
 
 def test_imports_are_absolute():
     """Modules name each other by their full path, so a module's imports say which group
     each comes from (the layering below reads them)."""
-    relative = [f"{name}:{node.lineno}" for name, path in MODULES.items()
-                for node in ast.walk(ast.parse(path.read_text()))
+    relative = [f"{name}:{node.lineno}" for name, tree in TREES.items()
+                for node in ast.walk(tree)
                 if isinstance(node, ast.ImportFrom) and node.level]
     assert not relative
 
