@@ -18,7 +18,7 @@ from taskrunner.ops import analyze  # noqa: E402
 from taskrunner.ops.history import Archiver  # noqa: E402
 
 NOW = 1_800_000_000.0
-STATES = ["completed"] * 7 + ["failed", "killed", "requeued"]
+STATES = ["completed"] * 7 + ["failed", "killed", "requeued", "canceled"]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def check_figures(summary: dict, records: list[dict], since: float) -> None:
             row = got[k]
             states = Counter(r["state"] for r in rows)
             assert row["count"] == len(rows)
-            for s in ("completed", "failed", "killed", "requeued"):
+            for s in ("completed", "failed", "killed", "requeued", "canceled"):
                 assert row[s] == states[s] and row[f"{s}_rate"] == pytest.approx(states[s] / len(rows), abs=1e-6)
             runtimes = [float(r["runtime"]) for r in rows]
             waits = [float(r["wait"]) for r in rows]

@@ -241,3 +241,34 @@ def test_tally_refuses_a_bad_count_and_skips_hostile_task_names(app):
     app.redis.xadd(app.keys.q("default") + "history", {"task": "a|b", "state": "completed", "started_at": "x"})
     assert scripts.TALLY(app.redis, [app.keys.q("default")], [10]) == 1
     assert app.redis.hget(app.keys.q("default") + "stats", "jobs|?|completed") == "1"
+
+
+def test_canceled_steps_are_in_the_history_the_metrics_and_the_archive(app, stack, tmp_path):
+    """A workflow step canceled by its failed parent writes a history entry (state canceled,
+    attempt 0, never started), so metrics count outcome canceled and the archive holds it."""
+    pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from taskrunner.ops.history import Archiver
+
+    web = create_app(app, password="", token="").test_client()
+    stack.worker()
+    handle = (apps.boom.si("bad") | apps.add.s(1) | apps.mul.s(2)).delay()
+    with pytest.raises(Exception, match="bad"):
+        handle.wait(30)
+    canceled = [f for _, f in app.redis.xrange(app.keys.q("default") + "history") if f["state"] == "canceled"]
+    assert sorted(f["task"] for f in canceled) == ["tests.apps.add", "tests.apps.mul"]
+    assert {(f["attempt"], f["started_at"], f["worker"], f["error_type"]) for f in canceled} == {
+        ("0", "", "", "Canceled")}
+    assert handle.id in {f["id"] for f in canceled}
+    m = samples(web.get("/metrics").get_data(as_text=True))
+    for task in ("tests.apps.add", "tests.apps.mul"):
+        assert m[("taskrunner_jobs_total", (("outcome", "canceled"), ("queue", "default"), ("task", task)))] == 1
+        # never ran: no run time, no queue wait
+        assert ("taskrunner_job_runtime_seconds_count", (("queue", "default"), ("task", task))) not in m
+    assert m[("taskrunner_queue_canceled", q("default"))] == 2
+    Archiver(app, str(tmp_path)).archive(["default"])
+    [path] = tmp_path.glob("date=*/queue=default/*.parquet")
+    rows = pq.read_table(path).to_pylist()
+    assert sorted(r["task"] for r in rows if r["state"] == "canceled") == ["tests.apps.add", "tests.apps.mul"]
+    assert {r["runtime"] for r in rows if r["state"] == "canceled"} == {None}

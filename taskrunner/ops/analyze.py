@@ -1,10 +1,11 @@
 """`taskrunner analyze`: a PySpark job over the archived job history.
 
-Per task, queue, worker host and hour: counts; completed/failed/killed/requeued counts and
-rates; runtime p50/p95/p99 (how long each delivery ran, whatever its outcome); queue wait
-p50/p95 (start of a delivery minus the job's enqueue time); the top error types. Results
-go next to the archive (`<history dir>/_analysis/<group>/`, Parquet) and a summary into
-Redis (`tr:{_}:history:summary`) for the dashboard, which never imports pyspark.
+Per task, queue, worker host and hour: counts; completed/failed/killed/requeued/canceled
+counts and rates (canceled: workflow steps that never ran, canceled by a failed parent);
+runtime p50/p95/p99 (how long each delivery ran, whatever its outcome); queue wait p50/p95
+(start of a delivery minus the job's enqueue time); the top error types. Results go next to
+the archive (`<history dir>/_analysis/<group>/`, Parquet) and a summary into Redis
+(`tr:{_}:history:summary`) for the dashboard, which never imports pyspark.
 
 Local mode on this machine by default (`local[2]`, few shuffle partitions, no UI, quiet
 logs); a cluster with --master / TASKRUNNER_SPARK_MASTER, same code."""
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 ACCURACY = 10_000
 GROUPS = {"tasks": "task", "queues": "queue", "workers": "host", "hours": "hour"}
 TOP_ERRORS = 5
+#: The states of history records counted (and their rates) per group.
+OUTCOMES = ("completed", "failed", "killed", "requeued", "canceled")
 _LOG4J = """rootLogger.level = warn
 rootLogger.appenderRef.stderr.ref = console
 appender.console.type = Console
@@ -204,7 +207,7 @@ def plan(history_dir: str, start: float) -> tuple[list[str], dict[str, int]]:
 
 def _group(df: Any, key: str, F: Any) -> list[dict[str, Any]]:
     counts = [F.sum(F.when(F.col("state") == s, 1).otherwise(0)).alias(s)
-              for s in ("completed", "failed", "killed", "requeued")]
+              for s in OUTCOMES]
     pct = F.percentile_approx
     agg = (df.groupBy(key).agg(F.count(F.lit(1)).alias("count"), *counts,
                                pct("runtime", [0.5, 0.95, 0.99], ACCURACY).alias("runtime_pct"),
@@ -219,7 +222,7 @@ def _group(df: Any, key: str, F: Any) -> list[dict[str, Any]]:
         n = r["count"]
         rp, wp = r["runtime_pct"] or [None] * 3, r["wait_pct"] or [None] * 2
         row: dict[str, Any] = {key: r[key], "count": n}
-        for s in ("completed", "failed", "killed", "requeued"):
+        for s in OUTCOMES:
             row[s] = int(r[s])
             row[f"{s}_rate"] = round(r[s] / n, 6) if n else 0.0
         row.update(runtime_p50=rp[0], runtime_p95=rp[1], runtime_p99=rp[2], wait_p50=wp[0], wait_p95=wp[1])

@@ -5,15 +5,16 @@ dashboard's GET /metrics and printed by `taskrunner metrics`; reading them chang
 
 Series (every one a gauge unless it says total or histogram):
 - per task, queue and outcome: taskrunner_jobs_total (deliveries that ended, or went back in
-  line: outcome completed, failed, killed, requeued), and per task and queue the histograms
+  line: outcome completed, failed, killed, requeued; and workflow steps canceled by a failed
+  parent, which never ran: outcome canceled), and per task and queue the histograms
   taskrunner_job_runtime_seconds (deliveries that ended) and taskrunner_job_queue_wait_seconds
   (first deliveries: enqueued to started). Counted from each queue's history stream by
   tally.lua when metrics are read, exactly once per entry whoever reads; while someone reads
   them (the last hour), the archiver counts a batch before it trims it. Exact as long as a
   queue's stream is read (scraped or archived) before it holds 500,000 entries (its cap).
-- per queue: taskrunner_queue_{pending,delayed,running,stuck}, the age of its oldest pending
+- per queue: taskrunner_queue_{waiting,pending,delayed,running,stuck}, the age of its oldest pending
   job (taskrunner_queue_oldest_pending_age_seconds, 0 when none), the finished jobs still
-  listed (taskrunner_queue_{completed,failed,killed}: kept for the result and failed TTLs),
+  listed (taskrunner_queue_{completed,failed,killed,canceled}: kept for the result and failed TTLs),
   taskrunner_queue_enqueued_total and taskrunner_queue_claimed_total (counters the enqueue and
   claim scripts keep in the queue's meta hash), and its settings taskrunner_queue_closed (1
   or 0) and taskrunner_queue_bound (0: none);
@@ -50,6 +51,7 @@ METRICS_ON = 3600
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _QUEUE_GAUGES = (
+    ("waiting", "Workflow steps waiting for their parents."),
     ("pending", "Jobs waiting to run."),
     ("delayed", "Jobs due later (a delay, a retry's backoff)."),
     ("running", "Jobs held by a worker (claimed and not ended)."),
@@ -57,6 +59,7 @@ _QUEUE_GAUGES = (
     ("completed", "Completed jobs still listed (kept for the result TTL)."),
     ("failed", "Failed jobs still listed (kept for the failed TTL)."),
     ("killed", "Killed jobs still listed (kept for the failed TTL)."),
+    ("canceled", "Workflow steps canceled by a failed parent, still listed (kept for the failed TTL)."),
 )
 
 
@@ -120,8 +123,8 @@ class RedisCollector:
         for q in queues:
             tally(app, q)
             pipe.hgetall(app.keys.q(q) + "stats")
-        jobs = CounterMetricFamily("taskrunner_jobs", "Deliveries by how they ended (requeued: back in line).",
-                                   labels=["task", "queue", "outcome"])
+        jobs = CounterMetricFamily("taskrunner_jobs", "Deliveries by how they ended (requeued: back in line; "
+                                   "canceled: a workflow step that never ran).", labels=["task", "queue", "outcome"])
         runtime = HistogramMetricFamily("taskrunner_job_runtime_seconds", "Run time of deliveries that ended.",
                                         labels=["task", "queue"])
         wait = HistogramMetricFamily("taskrunner_job_queue_wait_seconds",

@@ -115,7 +115,8 @@ local function history(p, id, r, state, t, error_type)
     'error_type', error_type or '')
 end
 
--- A job reached completed, failed or killed: index it, expire it, wake its waiters.
+-- A job reached completed, failed, killed or canceled: record it in the history, index it,
+-- expire it, wake its waiters.
 -- `fields` is a flat list of extra field/value pairs for the record.
 -- `r` is the record as load() read it before this change; `error_type` the new one.
 -- `ttl`: the caller's setting for that state (result TTL for completed, failed TTL for
@@ -136,9 +137,7 @@ local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
     ttl = own
   end
   redis.call('HSET', job, 'state', state, 'finished_at', fmt(t), unpack(fields))
-  if state ~= 'canceled' then  -- a canceled job had no delivery: nothing for the history
-    history(p, id, r, state, t, error_type)
-  end
+  history(p, id, r, state, t, error_type)  -- a canceled step too (attempt 0: it never ran)
   if index then
     local ids = index[state] or {}
     index[state] = ids

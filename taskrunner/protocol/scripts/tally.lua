@@ -8,7 +8,8 @@
 -- ARGV[1]  most history entries to count in this call (a whole number >= 1)
 -- Sets, in p stats (HASH): cursor = the last stream id counted;
 --   jobs|<task>|<state>  deliveries that ended or went back in line, by history state
---                        (completed, failed, killed, requeued);
+--                        (completed, failed, killed, requeued), and workflow steps canceled
+--                        (canceled: never ran, so in no histogram);
 --   run|<task>|<i>       deliveries that ended (completed, failed, killed) whose run time
 --                        (finished_at - started_at) falls in bucket i (1..#BOUNDS: <= BOUNDS[i];
 --                        #BOUNDS + 1: above the last), run_sum|<task> the sum of those times;
