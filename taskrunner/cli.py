@@ -19,6 +19,7 @@ from click.core import ParameterSource
 
 from taskrunner import logs
 from taskrunner.client.app import TaskRunner
+from taskrunner.client.canvas import Signature
 from taskrunner.client.loader import load_app
 from taskrunner.errors import (
     AppNotFound,
@@ -193,14 +194,25 @@ def _warn_undeclared(task: str, queues: list[str]) -> None:
 @click.option("--id", "job_id", help="Job id (default: a new time-sortable id). An existing id is not enqueued twice.")
 @click.option("--block-timeout", type=float, help="Into a full bounded queue: wait this long for room "
               "(0: fail at once; default 10), then fail with QueueFull.")
+@click.option("--depends-on", "depends_on", multiple=True, metavar="ID",
+              help="Run only once job ID completed (repeat for several; any queue); the job waits in state "
+              "waiting, and ends canceled if ID does not complete.")
+@click.option("--on-success", metavar="CALLBACK", help="A job to run once this one completed, given its result "
+              'first in its args: a task name, or {"task": ..., "args": [...], "kwargs": {...}, "queue": ..., '
+              '"immutable": true (not given the result)}.')
+@click.option("--on-failure", metavar="CALLBACK", help="A job to run if this one does not complete (failed for "
+              'good, killed, canceled), given {"id", "task", "state", "error_type", "error"} of it first in its '
+              "args; as --on-success.")
 @click.option("--from-file", "from_file", type=click.File("r"), metavar="JOBS.jsonl",
               help='Enqueue many: one JSON object a line, {"task": ..., "args": [...], "kwargs": {...}, '
-              '"queue": ..., "delay": s, "max_duration": s, "id": ...}; "-" reads stdin. One round trip '
+              '"queue": ..., "delay": s, "max_duration": s, "id": ..., "depends_on": [ids of earlier lines or '
+              'existing jobs], "on_success": CALLBACK, "on_failure": CALLBACK}; "-" reads stdin. One round trip '
               "per 1,000 jobs; prints one id a line.")
 @common
 def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, queue: str | None,
             delay: float | None, max_duration: float | None, retries: int | None, job_id: str | None,
-            block_timeout: float | None, from_file: Any, app_spec: str | None, redis_url: str | None) -> None:
+            block_timeout: float | None, depends_on: tuple[str, ...], on_success: str | None, on_failure: str | None,
+            from_file: Any, app_spec: str | None, redis_url: str | None) -> None:
     """Enqueue TASK by name; prints the job id alone.
 
     \b
@@ -208,22 +220,43 @@ def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, qu
     lost) are the task's: from -A APP, else as the workers that run it declared them in
     Redis. With -A, a task APP does not declare is an error (exit 2); without, a name no
     worker declared is enqueued with a warning on stderr (default settings, queue
-    'default' unless -q)."""
+    'default' unless -q).
+
+    \b
+    A workflow step:  a=$(taskrunner enqueue shop.fetch --args '["x"]')
+                      taskrunner enqueue shop.resize --depends-on $a --on-failure shop.alert
+    (`taskrunner workflow ID` shows the graph)."""
     app = _app(app_spec, redis_url)
     if from_file is not None:
+        if task or depends_on or on_success or on_failure:
+            raise click.UsageError("--from-file takes no TASK, --depends-on, --on-success, --on-failure: give "
+                                   "them on each line")
         return _enqueue_file(app, app_spec, from_file)
     if not task:
         raise click.UsageError("give a TASK, or --from-file")
     args = _json_arg(args_json, list, "--args")
     kwargs = _json_arg(kwargs_json, dict, "--kwargs")
-    undeclared = _undeclared(app, app_spec, [task])
+    success, failure = _callback(app, on_success, "--on-success"), _callback(app, on_failure, "--on-failure")
+    queues = {c.task.name: c.options.get("queue") or "default" for c in (success, failure) if c is not None}
+    undeclared = _undeclared(app, app_spec, [task, *queues])
     job = app.enqueue(task, args, kwargs, queue=queue, delay=delay, max_duration=max_duration,
-                      retries=retries, job_id=job_id, block_timeout=block_timeout)
+                      retries=retries, job_id=job_id, block_timeout=block_timeout, depends_on=list(depends_on) or None,
+                      on_success=success, on_failure=failure)
     if not job.created:
         click.echo(f"job {job.id} exists already; not enqueued again", err=True)
-    elif undeclared:
-        _warn_undeclared(task, [job.queue])
+    else:
+        for name in undeclared:
+            _warn_undeclared(name, [job.queue] if name == task else [queues[name]])
     click.echo(job.id)
+
+
+def _callback(app: TaskRunner, value: str | None, what: str) -> Signature | None:
+    """--on-success / --on-failure: a task name, or a JSON object (TaskRunner.callback_of)."""
+    if value is None:
+        return None
+    if not value.lstrip().startswith("{"):
+        return app.callback_of(value, what)
+    return app.callback_of(_json_arg(value, dict, what), what)
 
 
 def _enqueue_file(app: TaskRunner, app_spec: str | None, f: Any) -> None:

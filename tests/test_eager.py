@@ -215,6 +215,22 @@ def test_enqueue_many_runs_each_in_order() -> None:
     assert jobs[4].wait() == {"sum": 8}
 
 
+def test_enqueue_many_links_in_eager_mode() -> None:
+    """depends_on names earlier jobs of the call by id; callbacks run after their job."""
+    app, calls = make_app()
+    jobs = app.enqueue_many([
+        {"task": "add", "args": [1, 2], "id": "a"},
+        {"task": "add", "args": [3, 4], "depends_on": ["a"], "on_success": {"task": "add", "args": [5, 5],
+                                                                            "immutable": True}},
+        {"task": "reject", "id": "r"},
+        {"task": "add", "args": [6, 6], "depends_on": ["r"], "on_failure": {"task": "add", "args": [7, 7],
+                                                                            "immutable": True}}])
+    assert [j.state for j in jobs] == ["completed", "completed", "failed", "canceled"]
+    assert calls["add"] == [(1, 2, 1), (3, 4, 1), (5, 5, 1), (7, 7, 1)]
+    with pytest.raises(TypeError, match="job 1: in eager mode depends_on takes the Job objects"):
+        app.enqueue_many([{"task": "add", "args": [1, 1], "depends_on": ["elsewhere"]}])
+
+
 def test_kill_requeue_delete_of_an_ended_job() -> None:
     app, _ = make_app()
     job = app.tasks["add"].delay(1, 1)

@@ -11,13 +11,15 @@ scripts and record format as the synchronous API.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
-from taskrunner.client import steps
+from taskrunner.client import canvas, steps
 from taskrunner.client.app import TaskRunner, _enqueue_args
+from taskrunner.client.canvas import Signature
 from taskrunner.client.job import Job
 from taskrunner.protocol import connection, scripts
 from taskrunner.protocol.connection import connect_async, slack
@@ -82,11 +84,14 @@ class AsyncClient:
 
     async def enqueue(self, task: str, args: list | tuple = (), kwargs: dict | None = None, *,
                       delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
-                      headers: dict[str, Any] | None = None, **options: Any) -> str:
-        """Enqueue by task name; returns the job id. Same options and errors as
-        TaskRunner.enqueue (QueueFull after block_timeout, QueueClosed, NotJSONError...)."""
+                      headers: dict[str, Any] | None = None, depends_on: Iterable[Job | str] | None = None,
+                      on_success: Signature | None = None, on_failure: Signature | None = None,
+                      **options: Any) -> str:
+        """Enqueue by task name; returns the job id. Same options, links (depends_on: Job
+        objects or ids; on_success, on_failure: signatures, e.g. app.signature("name")) and
+        errors as TaskRunner.enqueue (QueueFull after block_timeout, QueueClosed, NotJSONError...)."""
         draft = await self._run(steps.draft(self.app, task, args, kwargs, None, options, delay, job_id, headers))
-        await self._run(steps.enqueue(self.app, draft, block_timeout))
+        await self._run(canvas.linked(self.app, draft, depends_on, on_success, on_failure, block_timeout))
         return draft.id
 
     async def _pop(self, command: str, key: str, timeout: float) -> Any:

@@ -455,27 +455,46 @@ class TaskRunner:
         if self.settings.eager:
             ran = eager.enqueue(self, draft.id, draft.fields, eager.parents_of(depends_on))
             return canvas.eager_callbacks(self, ran, on_success, on_failure)
-        others: tuple[str, ...] = ()
-        if depends_on is not None:
-            parents = steps.run(self, steps.parents(self, depends_on))
-            draft.fields += ["parents", " ".join(f"{q} {i}" for q, i in parents)]
-            others = tuple(sorted({q for q, _ in parents} - {draft.queue}))
-        if on_success is not None or on_failure is not None:
-            return canvas.with_callbacks(self, draft, others, on_success, on_failure)
         job = Job(self, draft.id, draft.queue)
-        job.created = bool(steps.run(self, steps.enqueue(self, draft, block_timeout, others)))
+        job.created = steps.run(self, canvas.linked(self, draft, depends_on, on_success, on_failure,
+                                                    block_timeout)) == 1
         return job
+
+    def signature(self, task: str, args: Iterable = (), kwargs: dict | None = None, *, immutable: bool = False,
+                  **options: Any) -> Signature:
+        """A signature of a task by name, `app.signature("shop.send", ["a@b.c"])`: a step,
+        callback or chord member for a producer that does not import the task. A task this
+        app declares is that Task's; any other gets the queue and settings its workers
+        declared in Redis (enqueue.lua fills them in), but for the options given (queue,
+        max_duration, retries, max_retries, job_id, headers, delay)."""
+        codec.check_name("task", task)
+        if isinstance(args, (str, bytes, dict)) or not isinstance(args, Iterable):
+            raise TypeError(f"args must be a list or tuple of arguments, not {type(args).__name__}")
+        if not isinstance(kwargs or {}, dict):
+            raise TypeError(f"kwargs must be a dict, not {type(kwargs).__name__}")
+        t = self.tasks.get(task) or canvas.Named(self, task)
+        return Signature(t, tuple(args), dict(kwargs or {}), immutable=immutable).set(**options)
 
     def enqueue_many(self, jobs: Iterable[dict[str, Any]], chunk: int = 1000,
                      progress: Callable[[int], Any] | None = None) -> list[Job]:
         """Enqueue many jobs, one round trip per `chunk`. Each job is a dict with `task`
-        and optionally args, kwargs, queue, delay, max_duration, retries, max_retries, id, headers. Never blocks:
-        jobs refused by a full or closed queue raise QueueFull/QueueClosed after the chunk
-        (the jobs before them are enqueued). While Redis runs a chunk, the next one is built;
-        it is sent once the answers came. In eager mode each job runs here, in order."""
+        and optionally args, kwargs, queue, delay, max_duration, retries, max_retries, id, headers,
+        and the links of TaskRunner.enqueue: `depends_on` (ids, of this call's earlier jobs or
+        of existing ones, or Job objects), `on_success`, `on_failure` (signatures, or objects
+        as callback_of() reads them). Never blocks: jobs refused by a full or closed queue raise
+        QueueFull/QueueClosed after the chunk (the jobs before them are enqueued). While Redis
+        runs a chunk, the next one is built; it is sent once the answers came. A job whose
+        parent is in this chunk in another queue goes in the next chunk (its parent is written
+        first); one whose callbacks are in another queue than its own is written with them by
+        a call of its own. In eager mode each job runs here, in order. Returns one Job per
+        job given (not its callbacks)."""
         out: list[Job] = []
         pending: list[tuple[str, str, float, list[Any]]] = []
         sent: tuple[scripts.Batch, dict[str, list[Any]], int] | None = None  # what Redis runs meanwhile
+        seen: dict[str, Job] = {}  # the jobs of this call by id, for depends_on
+        unsent: dict[str, str] = {}  # id -> queue of those in `pending`
+        parent_queues: dict[str, set[str]] = {}  # queue -> the other queues its pending jobs' parents are in
+        callbacks: set[str] = set()  # ids of callbacks: they are not among the jobs answered
 
         def send() -> None:
             nonlocal sent
@@ -484,12 +503,14 @@ class TaskRunner:
                 by_queue.setdefault(queue, []).append((job_id, delay, fields))
             batch = scripts.Batch(self.redis, self._direct)
             for queue, items in by_queue.items():
-                self._queue_enqueue(batch, queue, items)
+                self._queue_enqueue(batch, queue, items, parent_queues.get(queue, ()))
             if is_cluster(self.redis):  # elsewhere the script registers the queue
                 batch.pipe.sadd(self.keys.queues, *by_queue)
             batch.send()
-            sent = batch, by_queue, len(pending)
+            sent = batch, by_queue, len(pending) - len(callbacks & unsent.keys())
             pending.clear()
+            unsent.clear()
+            parent_queues.clear()
 
         def settle() -> None:
             """Read the answers of the chunk sent: a refused job raises before another is sent."""
@@ -503,6 +524,8 @@ class TaskRunner:
             refused = []
             for queue, items in by_queue.items():
                 for (job_id, _, _), created in zip(items, answers[queue]):
+                    if job_id in callbacks:
+                        continue
                     job = Job(self, job_id, queue)
                     job.created = created == 1
                     out.append(job)
@@ -516,16 +539,63 @@ class TaskRunner:
                 raise kind(f"{len(refused)} jobs refused: queue {refused[0][0]} is "
                            f"{'closed' if kind is QueueClosed else 'full'}")
 
+        def linked(draft: steps.Draft, links: tuple[list[tuple[str, str]], Signature | None, Signature | None],
+                   group: list[steps.Draft]) -> None:
+            """A job with depends_on or callbacks: in the chunk, or in a call of its own."""
+            parents = links[0]
+            queues = {q for q, _ in parents} - {draft.queue}
+            if len({d.queue for d in group}) > 1:  # callbacks in another queue: written with it, at once
+                settle()
+                if pending:
+                    send()
+                    settle()
+                [created, *_] = steps.run(self, canvas.written(group, "job", tuple(sorted(queues))))
+                job = Job(self, draft.id, draft.queue)
+                job.created = created == 1
+                out.append(job)
+                if progress:
+                    progress(1)
+                return
+            if any(i in unsent and q != draft.queue for q, i in parents):  # its parent goes first
+                settle()
+                send()
+            for d in group:
+                pending.append((d.queue, d.id, d.delay, d.fields))
+                unsent[d.id] = d.queue
+            callbacks.update(d.id for d in group[1:])
+            parent_queues.setdefault(draft.queue, set()).update(queues)
+
         for n, spec_ in enumerate(jobs, 1):
             try:
-                pending.append(self._job_of(spec_))
+                queue, job_id, delay, fields = self._job_of(spec_)
+                links = self._links_of(spec_, seen)
+                draft = steps.Draft(job_id, queue, delay, fields)
+                if links is not None and links[0]:
+                    if delay:
+                        raise ValueError("a job with depends_on cannot have a delay (it runs once its parents "
+                                         "completed)")
+                    fields += ["parents", " ".join(f"{q} {i}" for q, i in links[0])]
+                group = [draft] if links is None or self.settings.eager else [
+                    draft, *steps.run(self, canvas.callbacks(self, draft, links[1], links[2]))]
             except (TaskRunnerError, ValueError, TypeError) as e:
                 settle()
                 raise type(e)(f"job {n}: {e}") from None
             if self.settings.eager:
-                out.append(eager.enqueue(self, pending[-1][1], pending.pop()[3]))
+                parents = None if links is None or not links[0] else [seen[i] for _, i in links[0]]
+                ran: Job = eager.enqueue(self, job_id, fields, parents)
+                if links is not None:
+                    ran = canvas.eager_callbacks(self, ran, links[1], links[2])
+                out.append(ran)
+                seen[job_id] = ran
                 if progress:
                     progress(1)
+                continue
+            seen[job_id] = Job(self, job_id, queue)
+            if links is None:
+                pending.append((queue, job_id, delay, fields))
+                unsent[job_id] = queue
+            else:
+                linked(draft, links, group)
             if len(pending) >= chunk:
                 settle()
                 send()
@@ -540,7 +610,7 @@ class TaskRunner:
         if not isinstance(spec, dict) or "task" not in spec:
             raise ValueError("expected an object with a 'task' field")
         unknown = set(spec) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "max_retries",
-                               "id", "headers"}
+                               "id", "headers", "depends_on", "on_success", "on_failure"}
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)}")
         task = codec.check_name("task", spec["task"])
@@ -550,6 +620,50 @@ class TaskRunner:
         args = spec.get("args") or []
         headers = self._headers(task, args, spec.get("kwargs"), job.queue, job_id, spec.get("headers"))
         return job.queue, job_id, delay, self._fields(task, args, spec.get("kwargs"), job, sent, headers)
+
+    def _links_of(self, spec: dict[str, Any], seen: dict[str, Job]) -> tuple[
+            list[tuple[str, str]], Signature | None, Signature | None] | None:
+        """The depends_on (as (queue, id)), on_success and on_failure of one job of
+        enqueue_many; None when it has none. An id of a job given earlier in the same call
+        names that job (in eager mode, only those and Job objects can be named)."""
+        depends_on, on_success, on_failure = (spec.get(k) for k in ("depends_on", "on_success", "on_failure"))
+        if depends_on is None and on_success is None and on_failure is None:
+            return None
+        parents: list[tuple[str, str]] = []
+        if depends_on is not None:
+            given = depends_on if isinstance(depends_on, (list, tuple)) else None
+            if given is None:
+                raise TypeError("depends_on takes a list of jobs (ids or Job objects)")
+            here = [seen.get(j, j) if isinstance(j, str) else j for j in given]
+            if self.settings.eager:
+                parents = [(j.queue, j.id) for j in eager.parents_of(here) or ()]
+            else:
+                parents = steps.run(self, steps.parents(self, here))
+        return parents, self.callback_of(on_success, "on_success"), self.callback_of(on_failure, "on_failure")
+
+    def callback_of(self, value: Any, what: str) -> Signature | None:
+        """A callback as enqueue_many and `taskrunner enqueue` take it: a Signature, a task
+        name, or an object {"task", and optionally "args", "kwargs", "queue", "max_duration",
+        "retries", "max_retries", "id", "headers", "immutable" (true: it is not given the
+        job's result or error)}."""
+        if value is None or isinstance(value, Signature):
+            return value
+        if isinstance(value, str):
+            return self.signature(value)
+        if not isinstance(value, dict) or "task" not in value:
+            raise ValueError(f"{what} must be a signature or an object with a 'task' field")
+        unknown = set(value) - {"task", "args", "kwargs", "queue", "max_duration", "retries", "max_retries", "id",
+                                "headers", "immutable"}
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)} in {what}")
+        if not isinstance(value.get("immutable", False), bool):
+            raise TypeError(f"immutable in {what} must be true or false")
+        options = {k: value[k] for k in ("queue", "max_duration", "retries", "max_retries", "headers")
+                   if value.get(k) is not None}
+        if value.get("id") is not None:
+            options["job_id"] = value["id"]
+        return self.signature(value["task"], value.get("args") or [], value.get("kwargs"),
+                              immutable=value.get("immutable", False), **options)
 
     def _headers(self, task: str, args: Any, kwargs: dict | None, queue: str, job_id: str,
                  headers: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -577,8 +691,9 @@ class TaskRunner:
             return [q]
         return [q, self.keys.queues, *(self.keys.q(o) for o in others)]
 
-    def _queue_enqueue(self, batch: scripts.Batch, queue: str, jobs: list[tuple[str, float, list[Any]]]) -> None:
-        batch.call(scripts.ENQUEUE, self.enqueue_keys(queue), _enqueue_args(jobs, self.settings.max_payload))
+    def _queue_enqueue(self, batch: scripts.Batch, queue: str, jobs: list[tuple[str, float, list[Any]]],
+                       others: Iterable[str] = ()) -> None:
+        batch.call(scripts.ENQUEUE, self.enqueue_keys(queue, others), _enqueue_args(jobs, self.settings.max_payload))
 
     def _enqueue_batch(self, queue: str, jobs: list[tuple[str, float, list[Any]]],
                        others: Iterable[str] = ()) -> list[int]:

@@ -29,11 +29,29 @@ OPTIONS = frozenset(("queue", "max_duration", "retries", "max_retries", "job_id"
 
 
 @dataclass(frozen=True)
+class Named:
+    """A task known by its name alone (TaskRunner.signature of a task this app does not
+    declare): its jobs get the settings its workers declared in Redis, as enqueue.lua fills
+    them in, and the queue they declared."""
+
+    app: TaskRunner
+    name: str
+
+    def job_spec(self, *_: Any) -> None:
+        """No spec here: the options given are sent, the rest comes from the declaration."""
+        return None
+
+    def apply_async(self, args: Any = (), kwargs: dict | None = None, *, delay: float | None = None,
+                    job_id: str | None = None, headers: dict[str, Any] | None = None, **options: Any) -> Job:
+        return self.app.enqueue(self.name, args, kwargs, delay=delay, job_id=job_id, headers=headers, **options)
+
+
+@dataclass(frozen=True)
 class Signature:
     """A task with its arguments and options, to be enqueued later (a step of a chain).
     `immutable`: the step does not receive its parent's result."""
 
-    task: Task
+    task: Task | Named
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
@@ -94,7 +112,7 @@ class Chain:
         steps run here, in order. QueueClosed or QueueFull when the first step's queue
         refused it (then no step was enqueued)."""
         app = self.steps[0].task.app
-        drafts = _drafts(self.steps)
+        drafts = steps.run(app, make_drafts(app, self.steps))
         if app.settings.eager:
             return eager.chain(app, [(d.id, d.fields) for d in drafts], [s.immutable for s in self.steps])
         for parent, child, sig in zip(drafts, drafts[1:], self.steps[1:]):
@@ -126,7 +144,7 @@ class Group:
     def apply_async(self) -> GroupJob:
         """Enqueue every member in one enqueue.lua call (in eager mode: run each here)."""
         app = self.members[0].task.app
-        drafts = _drafts(self.members)
+        drafts = steps.run(app, make_drafts(app, self.members))
         if app.settings.eager:
             return GroupJob([eager.enqueue(app, d.id, d.fields) for d in drafts])
         return GroupJob(_write(app, drafts, "group"))
@@ -173,7 +191,7 @@ class Chord:
         """Enqueue the members and the callback in one enqueue.lua call; the callback's Job
         (its wait() gives the chord's result)."""
         app = self.body.task.app
-        drafts = _drafts([*self.header.members, self.body])
+        drafts = steps.run(app, make_drafts(app, [*self.header.members, self.body]))
         members, callback = drafts[:-1], drafts[-1]
         if app.settings.eager:
             done: list[Job] = [eager.enqueue(app, d.id, d.fields) for d in members]
@@ -187,21 +205,42 @@ class Chord:
         return _write(app, drafts, "chord")[-1]
 
 
-def _drafts(sigs: list[Signature]) -> list[steps.Draft]:
-    """Each signature's job as enqueue.lua takes it (ids made here)."""
+def make_drafts(app: TaskRunner, sigs: list[Signature]) -> steps.Steps[list[steps.Draft]]:
+    """Each signature's job as enqueue.lua takes it (ids made here). A task known by name
+    only sends the options given; its declaration in Redis gives the rest."""
     out = []
     for sig in sigs:
-        app, o = sig.task.app, sig.options
-        spec = sig.task.job_spec(o.get("queue"), o.get("max_duration"), o.get("retries"), o.get("max_retries"))
-        out.append(steps.run(app, steps.draft(app, sig.task.name, sig.args, sig.kwargs, spec, {}, o.get("delay"),
-                                              o.get("job_id"), o.get("headers"))))
+        o = sig.options
+        settings = {k: o.get(k) for k in ("queue", "max_duration", "retries", "max_retries")}
+        spec = sig.task.job_spec(*settings.values())
+        out.append((yield from steps.draft(app, sig.task.name, sig.args, sig.kwargs, spec,
+                                           {} if spec is not None else settings, o.get("delay"), o.get("job_id"),
+                                           o.get("headers"))))
     return out
 
 
-def with_callbacks(app: TaskRunner, draft: steps.Draft, others: tuple[str, ...], on_success: Signature | None,
-                   on_failure: Signature | None) -> Job:
-    """Enqueue a job and its callbacks in one call (TaskRunner.enqueue); the job's Job."""
-    drafts = [draft]
+def linked(app: TaskRunner, draft: steps.Draft, depends_on: Any, on_success: Signature | None,
+           on_failure: Signature | None, block_timeout: float | None) -> steps.Steps[int]:
+    """Enqueue a drafted job after the jobs of `depends_on` (Job objects or ids), with its
+    callbacks, in one enqueue.lua call (TaskRunner.enqueue says what each means); what the
+    script answered for the job (1 created, 0 it existed). A job without callbacks waits up
+    to `block_timeout` for room in a full bounded queue; one with callbacks does not."""
+    others: tuple[str, ...] = ()
+    if depends_on is not None:
+        parents = yield from steps.parents(app, depends_on)
+        draft.fields += ["parents", " ".join(f"{q} {i}" for q, i in parents)]
+        others = tuple(sorted({q for q, _ in parents} - {draft.queue}))
+    if on_success is None and on_failure is None:
+        return (yield from steps.enqueue(app, draft, block_timeout, others))
+    drafts = [draft, *(yield from callbacks(app, draft, on_success, on_failure))]
+    return (yield from written(drafts, "job", others))[0]
+
+
+def callbacks(app: TaskRunner, draft: steps.Draft, on_success: Signature | None,
+              on_failure: Signature | None) -> steps.Steps[list[steps.Draft]]:
+    """The drafts of a job's callbacks, each waiting for it: on_success given its result,
+    on_failure how it failed (unless immutable)."""
+    out = []
     # (callback, how it waits for the job, what it takes unless immutable)
     for sig, edge, takes in ((on_success, (), ("takes", "result")),
                              (on_failure, ("on_parent_failure", "only"), ("takes", "error"))):
@@ -209,11 +248,10 @@ def with_callbacks(app: TaskRunner, draft: steps.Draft, others: tuple[str, ...],
             continue
         if not isinstance(sig, Signature):
             raise TypeError(f"a callback is a signature (task.s(...)), not {type(sig).__name__}")
-        [callback] = _drafts([sig])
+        [callback] = yield from make_drafts(app, [sig])
         callback.fields += ["parents", f"{draft.queue} {draft.id}", *edge, *(() if sig.immutable else takes)]
-        drafts.append(callback)
-    queues = {d.queue for d in drafts} - {draft.queue}
-    return _write(app, drafts, "job", tuple(sorted(set(others) | queues)))[0]
+        out.append(callback)
+    return out
 
 
 def eager_callbacks(app: TaskRunner, job: Job, on_success: Signature | None, on_failure: Signature | None) -> Job:
@@ -226,26 +264,28 @@ def eager_callbacks(app: TaskRunner, job: Job, on_success: Signature | None, on_
     return job
 
 
-def _write(app: TaskRunner, drafts: list[steps.Draft], what: str, also: tuple[str, ...] = ()) -> list[Job]:
-    """Enqueue the drafts in one call; their Jobs. Nothing is written when a queue refuses one
+def written(drafts: list[steps.Draft], what: str, also: tuple[str, ...] = ()) -> steps.Steps[list[int]]:
+    """Enqueue the drafts in one call (the first one's queue; `also`: other queues their
+    parents are in); the script's answers. Nothing is written when a queue refuses one
     (QueueClosed, QueueFull of the first queue)."""
     first = drafts[0].queue
     others = tuple(sorted(({d.queue for d in drafts} | set(also)) - {first}))
-    answers = steps.run(app, _enqueue(first, [(d.id, d.delay, d.fields) for d in drafts], others))
+    answers = yield steps.Enqueue(first, [(d.id, d.delay, d.fields) for d in drafts], others)
     if -2 in answers:
         raise QueueClosed(f"queue {drafts[answers.index(-2)].queue} is closed: the {what} was not enqueued")
     if -1 in answers:
         raise QueueFull(f"queue {first} is full (its bound is reached): the {what} was not enqueued")
+    return answers
+
+
+def _write(app: TaskRunner, drafts: list[steps.Draft], what: str) -> list[Job]:
+    """Enqueue the drafts in one call (written); their Jobs."""
     jobs = []
-    for d, answer in zip(drafts, answers):
+    for d, answer in zip(drafts, steps.run(app, written(drafts, what))):
         job = Job(app, d.id, d.queue)
         job.created = answer == 1
         jobs.append(job)
     return jobs
-
-
-def _enqueue(queue: str, jobs: list[tuple[str, float, list[Any]]], others: tuple[str, ...]) -> steps.Steps[list[int]]:
-    return (yield steps.Enqueue(queue, jobs, others))
 
 
 def chain(*parts: Signature | Chain) -> Chain:
