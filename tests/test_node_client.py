@@ -155,3 +155,69 @@ def test_a_node_consumer_stopped_mid_job_puts_it_back_and_leaves(app, stack):
     assert (d["state"], d["attempts"]) == ("pending", 1) and "node-s shutting down" in job.data["end:1"]
     assert app.redis.lrange(app.keys.q("default") + "pending", -1, -1) == [job.id]
     assert app.redis.zscore(app.keys.workers, "node-s") is None and not app.redis.exists(app.keys.worker("node-s"))
+
+
+def node_script(stack: Stack, source: str) -> dict:
+    """Run `source` (it may await; `tr` is a TaskRunner) with node; what it printed, as JSON."""
+    program = ("const { TaskRunner } = require('./taskrunner');\n"
+               "(async () => { const tr = new TaskRunner();\n"
+               f"try {{ {source} }} finally {{ tr.redis.disconnect(); }} }})()"
+               ".catch((e) => { console.error(e.message); process.exitCode = 2; });")
+    r = subprocess.run(["node", "-e", program], cwd=NODE_DIR, env=stack.env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_workflows_enqueued_from_node_run_on_python_workers(app, stack):
+    """A chain, a group, a chord and depends_on with callbacks, written by the Node client with
+    the fields Python writes (docs/PROTOCOL.md, Workflows), run by a Python worker."""
+    got = node_script(stack, """
+      const last = await tr.chain([{ task: 'tests.apps.add', args: [1, 2] },
+        { task: 'tests.apps.mul', args: [10], queue: 'other' }, { task: 'tests.apps.add', args: [5] },
+        { task: 'tests.apps.mul', args: [2, 2], immutable: true }]);
+      const members = await tr.group([{ task: 'tests.apps.add', args: [1, 1] },
+        { task: 'tests.apps.add', args: [2, 2], queue: 'other' }]);
+      const chord = await tr.chord([{ task: 'tests.apps.add', args: [3, 3] }, { task: 'tests.apps.boom', args: ['x'] }],
+        { task: 'tests.apps.tsum' }, { onMemberFailure: 'continue' });
+      const first = await tr.enqueue('tests.apps.add', [1, 1]);
+      const after = await tr.enqueue('tests.apps.add', [2, 2], {}, { dependsOn: [first, members[1].id],
+        onSuccess: { task: 'tests.apps.mul', args: [3] }, onFailure: { task: 'tests.apps.echo' } });
+      const bad = await tr.enqueue('tests.apps.boom', ['no']);
+      const never = await tr.enqueue('tests.apps.add', [1, 1], {}, { dependsOn: [bad] });
+      console.log(JSON.stringify({ last, members, chord, first, after, bad, never }));""")
+    last = record(app, "default", got["last"]["id"])
+    assert (last["state"], last["waiting_on"], "takes" in last) == ("waiting", "1", False)  # immutable
+    q, mul = last["parents"].split()
+    assert (q, record(app, "default", mul)["takes"]) == ("default", "result")
+    chord = record(app, "default", got["chord"]["id"])
+    assert (chord["takes"], chord["on_parent_failure"], len(chord["parents"].split())) == ("results", "continue", 4)
+    after = app.job(got["after"]["id"]).refresh()
+    assert after.data["parents"] == f"default {got['first']['id']} other {got['members'][1]['id']}"
+    stack.worker("-Q", "default,other")
+    assert app.job(got["last"]["id"]).wait(30) == 4
+    steps = []
+    job = app.job(got["last"]["id"]).refresh()
+    while job.data.get("parents"):
+        q, i = job.data["parents"].split()
+        job = app.job(i, q).refresh()
+        steps.append((job.queue, job.result))
+    assert steps == [("default", 35), ("other", 30), ("default", 3)]  # (1 + 2) * 10 + 5, then 2 * 2
+    assert [app.job(m["id"]).wait(30) for m in got["members"]] == [2, 4]
+    assert app.job(got["chord"]["id"]).wait(30) == 6  # [6, null]: the failed member gives null
+    assert app.job(got["after"]["id"]).wait(30) == 4
+    [success, failure] = [app.job(i, q) for q, i in zip(*[iter(after.refresh().data["children"].split())] * 2)]
+    assert success.wait(30) == 12 and failure.refresh().state == "canceled"
+    with pytest.raises(JobFailed, match=rf"step {got['bad']['id']} \(task tests.apps.boom\) failed"):
+        app.job(got["never"]["id"]).wait(30)
+    # the producer CLI: --depends-on, repeatable; --wait on a canceled job exits 1
+    r = produce(stack, "--depends-on", got["bad"]["id"], "tests.apps.add", "[1, 1]")
+    assert r.returncode == 2 and "ended failed: the job would never run" in r.stderr
+    r = produce(stack, "--wait", "30", "--depends-on", got["last"]["id"], "--depends-on", got["chord"]["id"],
+                "tests.apps.add", "[20, 22]")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(json.loads(r.stdout)["result"]) == 42
+
+
+def record(app, queue: str, job_id: str) -> dict[str, str]:
+    return app.redis.hgetall(app.keys.job(queue, job_id))

@@ -10,7 +10,7 @@ const Redis = require('ioredis');
 
 const NAME = /^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}$/;
 const ID = /^[A-Za-z0-9_.:@-]{1,200}$/;
-const FINAL = new Set(['completed', 'failed', 'killed']);
+const FINAL = new Set(['completed', 'failed', 'killed', 'canceled']);
 
 function setting(name, fallback) {
   const v = process.env[name];
@@ -72,8 +72,9 @@ class TaskRunner {
 
   connection() { return this.redis.duplicate(); } // for blocking commands (BRPOP)
 
-  // Enqueue: one job; answers {id, created}. Throws when the queue is closed or full.
-  async enqueue(task, args = [], kwargs = {}, opts = {}) {
+  // A job as enqueue.lua takes it (Enqueue): {id, queue, delay, fields}. `opts`: queue, id,
+  // delay, maxDuration, retries, retryBackoff, timeoutPolicy, maxLost, headers.
+  draft(task, args = [], kwargs = {}, opts = {}) {
     const queue = checkName('queue', opts.queue || 'default');
     const id = opts.id || ulid();
     if (!ID.test(id)) throw new Error(`invalid job id ${JSON.stringify(id)}`);
@@ -83,12 +84,106 @@ class TaskRunner {
       timeoutPolicy: 'timeout_policy', maxLost: 'max_lost' };
     for (const [k, field] of Object.entries(optional)) if (opts[k] !== undefined) fields.push(field, String(opts[k]));
     if (opts.headers && Object.keys(opts.headers).length) fields.push('headers', JSON.stringify(opts.headers));
-    const [answer] = await this.scripts.call('enqueue', [this.q(queue)],
-      [1, id, opts.delay || 0, fields.length / 2, ...fields]);
-    await this.redis.sadd(this.g + 'queues', queue);
-    if (answer === -2) throw new Error(`queue ${queue} is closed`);
-    if (answer === -1) throw new Error(`queue ${queue} is full`);
-    return { id, created: answer === 1 };
+    return { id, queue, delay: opts.delay || 0, fields };
+  }
+
+  // Enqueue jobs in one enqueue.lua call, into the first one's queue: KEYS[2] registers the
+  // queues (one Redis server), KEYS[3..] are the other queues of the jobs and of their
+  // parents (Workflows). Nothing is written when a queue refuses one. Answers 1 or 0 per job.
+  async write(drafts, parentQueues = []) {
+    const first = drafts[0].queue;
+    const others = [...new Set([...drafts.map((d) => d.queue), ...parentQueues])].filter((q) => q !== first).sort();
+    const args = [drafts.length];
+    for (const d of drafts) args.push(d.id, d.delay, d.fields.length / 2, ...d.fields);
+    const keys = [this.q(first), this.g + 'queues', ...others.map((q) => this.q(q))];
+    const answers = await this.scripts.call('enqueue', keys, args);
+    const closed = answers.indexOf(-2);
+    if (closed >= 0) throw new Error(`queue ${drafts[closed].queue} is closed`);
+    if (answers.includes(-1)) throw new Error(`queue ${first} is full`);
+    return answers;
+  }
+
+  // The (queue, id) of jobs to wait for: {id, queue} objects (what enqueue answers) as they
+  // are, ids looked up in the queues of P:{_}:queues. Throws for an id no queue has.
+  async parents(jobs) {
+    const out = [];
+    const queues = jobs.some((j) => typeof j === 'string') ? (await this.redis.smembers(this.g + 'queues')).sort() : [];
+    for (const j of jobs) {
+      if (typeof j !== 'string') {
+        out.push([checkName('queue', j.queue), j.id]);
+        continue;
+      }
+      const found = [];
+      for (const q of queues) if (await this.redis.exists(this.q(q) + 'job:' + j)) found.push(q);
+      if (!found.length) throw new Error(`no job ${j}`);
+      out.push([found[0], j]);
+    }
+    return out;
+  }
+
+  // Enqueue: one job; answers {id, queue, created}. Throws when the queue is closed or full.
+  // Workflows: opts.dependsOn, jobs ({id, queue}, or ids) that must complete first (it
+  // waits in state "waiting"; canceled if one does not complete); opts.onSuccess and
+  // opts.onFailure, callbacks {task, args, kwargs, immutable, ...draft opts} written in the
+  // same call: on_success given its result first in its args, on_failure {id, task, state,
+  // error_type, error} (unless immutable); the other ends canceled.
+  async enqueue(task, args = [], kwargs = {}, opts = {}) {
+    const job = this.draft(task, args, kwargs, opts);
+    const drafts = [job];
+    let parentQueues = [];
+    if (opts.dependsOn) {
+      if (!Array.isArray(opts.dependsOn) || !opts.dependsOn.length) throw new Error('dependsOn takes a list of jobs');
+      const parents = await this.parents(opts.dependsOn);
+      job.fields.push('parents', parents.map(([q, id]) => `${q} ${id}`).join(' '));
+      parentQueues = parents.map(([q]) => q);
+    }
+    for (const [cb, edge, takes] of [[opts.onSuccess, [], 'result'], [opts.onFailure, ['on_parent_failure', 'only'],
+      'error']]) {
+      if (!cb) continue;
+      const d = this.draft(cb.task, cb.args, cb.kwargs, cb);
+      d.fields.push('parents', `${job.queue} ${job.id}`, ...edge, ...(cb.immutable ? [] : ['takes', takes]));
+      drafts.push(d);
+    }
+    const [answer] = await this.write(drafts, parentQueues);
+    return { id: job.id, queue: job.queue, created: answer === 1 };
+  }
+
+  // A chain: steps {task, args, kwargs, immutable, ...draft opts} run one after the other,
+  // each given its parent's result first in its args (unless immutable); one call writes
+  // them all. Answers the last step {id, queue}: its result is the chain's.
+  async chain(steps) {
+    if (!steps.length) throw new Error('a chain needs at least one step');
+    const drafts = steps.map((s) => this.draft(s.task, s.args, s.kwargs, s));
+    drafts.slice(1).forEach((d, i) => {
+      const takes = steps[i + 1].immutable ? [] : ['takes', 'result'];
+      d.fields.push('parents', `${drafts[i].queue} ${drafts[i].id}`, ...takes);
+    });
+    await this.write(drafts);
+    const last = drafts[drafts.length - 1];
+    return { id: last.id, queue: last.queue };
+  }
+
+  // A group: jobs side by side, written by one call. Answers [{id, queue}] in order.
+  async group(members) {
+    if (!members.length) throw new Error('a group needs at least one member');
+    const drafts = members.map((m) => this.draft(m.task, m.args, m.kwargs, m));
+    await this.write(drafts);
+    return drafts.map((d) => ({ id: d.id, queue: d.queue }));
+  }
+
+  // A chord: a group and a callback run once every member ended, given the array of their
+  // results first in its args (unless immutable); a member that does not complete cancels
+  // it, unless onMemberFailure is "continue" (null in its place). One call. Answers the
+  // callback {id, queue}.
+  async chord(members, callback, { onMemberFailure = 'cancel' } = {}) {
+    if (!members.length) throw new Error('a chord needs at least one member');
+    const drafts = members.map((m) => this.draft(m.task, m.args, m.kwargs, m));
+    const cb = this.draft(callback.task, callback.args, callback.kwargs, callback);
+    cb.fields.push('parents', drafts.map((d) => `${d.queue} ${d.id}`).join(' '));
+    if (!callback.immutable) cb.fields.push('takes', 'results');
+    if (onMemberFailure === 'continue') cb.fields.push('on_parent_failure', 'continue');
+    await this.write([...drafts, cb]);
+    return { id: cb.id, queue: cb.queue };
   }
 
   // Wait: watch.lua counts us in as a waiter, then BLPOP notify:<id>, looking again every
