@@ -24,7 +24,7 @@ from flask import (
 
 from taskrunner.client import declarations
 from taskrunner.client.job import Job
-from taskrunner.errors import InvalidName, JobNotFound
+from taskrunner.errors import InvalidName, JobNotFound, TaskRunnerError
 from taskrunner.ops import listing
 from taskrunner.ops import queue as taskqueue
 from taskrunner.protocol import codec
@@ -98,8 +98,11 @@ def act(job: Job, action: str, who: str) -> tuple[bool, str]:
         done, message = state in ("killed", "running"), {
             "killed": "killed", "running": "kill requested: its worker is stopping it"}.get(state, f"already {state}")
     elif action == "retry":
-        done = job.retry(who)
-        message = "queued again" if done else "only failed or killed jobs can be retried"
+        try:
+            done = job.retry(who)
+            message = "queued again" if done else "only failed or killed jobs can be retried"
+        except TaskRunnerError as e:  # a step that could never run
+            done, message = False, str(e)
     elif action == "requeue":
         done = job.requeue(who)
         message = "back in line" if done else "only delayed or running jobs can be requeued"

@@ -380,13 +380,16 @@ def kill(job_id: str, app_spec: str | None, redis_url: str | None) -> None:
 @common
 def retry(job_id: str, app_spec: str | None, redis_url: str | None) -> None:
     """Run a failed or killed job again (a dead letter, kept TASKRUNNER_FAILED_TTL): it goes
-    to the back of its queue with its counts of failures and Retry requests back to 0.
-    Exit 1 when the job is in another state."""
+    to the back of its queue with its counts of failures and Retry requests back to 0. A
+    workflow step brings back the steps its end canceled: they wait for it again, and the
+    rest of the chain or chord runs once it completes. Exit 1 when the job is in another
+    state."""
     job = _app(app_spec, redis_url).job(job_id)
     if not job.retry():
         click.echo(f"{job_id}: {job.refresh().state}: only failed or killed jobs can be retried", err=True)
         sys.exit(1)
-    click.echo(f"{job_id}: queued again")
+    waits = job.refresh().state == "waiting"  # killed while it waited: it waits for its parents again
+    click.echo(f"{job_id}: {'waiting for its parents again' if waits else 'queued again'}")
 
 
 @main.command()

@@ -220,3 +220,13 @@ def tsum(values: list) -> int:
 def echo(value):
     """Returns what it is given (a callback's argument, to look at)."""
     return value
+
+
+@app.task
+def fails_until_fixed(x, key: str):
+    """A workflow step that fails for good (no retries) until the test sets its `fixed` key
+    (then an operator retries it), then passes x on; its runs are counted in the ledger."""
+    mark(key)
+    if not app.redis.get(f"{app.settings.prefix}:fixed:{key}"):
+        raise RuntimeError(f"{key} is broken")
+    return x

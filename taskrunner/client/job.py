@@ -6,9 +6,12 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import ResponseError
+
 from taskrunner.client import steps
-from taskrunner.errors import JobFailed, JobNotFound
+from taskrunner.errors import JobFailed, JobNotFound, TaskRunnerError
 from taskrunner.protocol import codec, scripts
+from taskrunner.protocol.connection import is_cluster
 
 if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
@@ -109,15 +112,24 @@ class Job:
             add(d["kill_requested"], f"kill requested by {d.get('killed_by', '?')}")
         return sorted(events, key=lambda e: (e["at"] is None, e["at"] or 0))
 
-    def _act(self, script: scripts.Script, who: str | None) -> str:
-        before = script(self.app.redis, [self._prefix], [self.id, who or _me()])
+    def _act(self, script: scripts.Script, who: str | None, *more: str) -> str:
+        before = script(self.app.redis, [self._prefix], [self.id, who or _me(), *more])
         if not before:
             raise JobNotFound(f"no job {self.id} in queue {self.queue}")
         return before
 
     def retry(self, who: str | None = None) -> bool:
-        """Run a failed or killed job again; False when it is in another state."""
-        return self._act(scripts.RETRY, who) in ("failed", "killed")
+        """Run a failed or killed job again; False when it is in another state. A workflow
+        step brings back the steps its end canceled: they wait for it again (retry.lua; on a
+        Redis Cluster only those of its own queue). TaskRunnerError for a step killed while
+        it waited whose parent then failed (it could never run)."""
+        try:
+            before = self._act(scripts.RETRY, who, "" if is_cluster(self.app.redis) else "1")
+        except ResponseError as e:
+            if str(e).startswith("retry: "):
+                raise TaskRunnerError(str(e).removeprefix("retry: ")) from None
+            raise
+        return before in ("failed", "killed")
 
     def requeue(self, who: str | None = None) -> bool:
         """Put a delayed or running job back in line now; False in another state."""
