@@ -16,10 +16,11 @@ from dashboard import create_app
 from taskrunner.client.aio import AsyncClient
 from taskrunner.client.consumer import Consumer
 from taskrunner.errors import Timeout
-from taskrunner.protocol import scripts
+from taskrunner.protocol import joins, scripts
 from taskrunner.protocol.connection import ClusterURL, connect, connect_async
 from tests import apps
 from tests.conftest import Stack, wait_for
+from tests.test_failures import ledger
 from tests.topologies import Cluster, Topology, redis_cluster
 
 
@@ -267,15 +268,32 @@ def test_declared_settings_and_queue_registration_on_a_cluster(capp, stack, clus
     wait_for(lambda: late.refresh().state == "pending", what="the delayed job promoted")
 
 
-def test_a_chain_in_one_queue_runs_and_one_over_slots_is_refused(capp, stack, queues):
-    stack.worker("-Q", queues[0], name="w1")
-    chain = apps.add.s(1, 2).set(queue=queues[0]) | apps.mul.s(10).set(queue=queues[0])
-    assert chain.delay().wait(30) == 30
-    first = apps.add.apply_async([1, 1], queue=queues[0])
-    before = capp.redis.dbsize()
-    with pytest.raises(ValueError, match="spans slots: on a Redis Cluster all its jobs"):
-        (apps.add.s(1, 2).set(queue=queues[0]) | apps.mul.s(10).set(queue=queues[1])).delay()
-    with pytest.raises(ValueError, match="spans slots"):
-        apps.add.apply_async([1, 1], queue=queues[1], depends_on=[first])
-    assert capp.redis.dbsize() == before  # nothing written
-    assert apps.add.apply_async([2, 2], queue=queues[0], depends_on=[first]).wait(30) == 4
+def on_node(cluster: Cluster, capp, queue: str, job_id: str) -> dict[str, str]:
+    """A job's record read on the primary of its queue's slot."""
+    with cluster.owner(f"{{{queue}}}").client() as node:
+        return node.hgetall(capp.keys.job(queue, job_id))
+
+
+def outboxes(capp, queues: list[str]) -> int:
+    """Entries left in the queues' outboxes."""
+    return sum(capp.redis.xlen(joins.outbox(capp, q)) for q in queues)
+
+
+def test_a_chain_over_three_slots_runs_each_step_once_in_order(capp, stack, cluster, queues):
+    """Each step in another slot: a parent's finish leaves an entry in its outbox, which its
+    worker carries to join.lua in the child's slot at once (no dispatcher runs here)."""
+    stack.worker("-Q", ",".join(queues), name="w1")
+    chain = (apps.counted.s(1, "c1").set(queue=queues[0]) | apps.counted.s("c2").set(queue=queues[1])
+             | apps.counted.s("c3").set(queue=queues[2]) | apps.mul.s(10).set(queue=queues[0]))
+    handle = chain.delay()
+    assert handle.wait(30) == 40  # ((1 + 1) + 1) + 1, * 10
+    assert [ledger(capp, k) for k in ("c1", "c2", "c3")] == [1, 1, 1]
+    last = on_node(cluster, capp, queues[0], handle.id)
+    assert (last["state"], last["args"], last["cross_slot"]) == ("completed", "[4,10]", "1")
+    q, parent = last["parents"].split()
+    step3 = on_node(cluster, capp, q, parent)
+    assert q == queues[2] and step3["cross_children"] == f"{queues[0]} {handle.id} result"
+    assert step3["children"] == f"{queues[0]} {handle.id}"
+    assert outboxes(capp, queues) == 0  # the worker carried every entry
+    graph = json.loads(stack.cli("workflow", handle.id, "--json", check=True).stdout)
+    assert [(j["queue"], j["state"]) for j in graph["jobs"]] == [(q, "completed") for q in (*queues, queues[0])]

@@ -444,7 +444,8 @@ class TaskRunner:
         `headers` (a dict of JSON values) travel with the job: current_job().headers.
         `depends_on`: jobs (Job objects, or ids) that must complete first; the job waits
         (state `waiting`) until they have, and ends `canceled` if one fails (docs/PROTOCOL.md,
-        Workflows). Jobs of other queues are allowed, except on a Redis Cluster.
+        Workflows). Jobs of other queues are allowed (on a Redis Cluster, other slots: it then
+        takes a few calls, docs/PROTOCOL.md, Workflows).
         `on_success`, `on_failure`: signatures (task.s(...)) enqueued with the job, in the same
         call, waiting for it: on_success runs once it completed (its result first in its args,
         unless .si), on_failure once it ended otherwise (failed for good, killed, canceled;
@@ -681,13 +682,15 @@ class TaskRunner:
         """KEYS of enqueue.lua: the queue's prefix, and the global queue set where one script
         may touch both (not on a Redis Cluster: there the producer registers the queue), then
         the prefixes of `others`, the other queues of a workflow (refused on a cluster:
-        one script touches one slot)."""
+        one script touches one slot; there _enqueue_batch() writes such a workflow in several
+        calls, canvas.across())."""
         q = self.keys.q(queue)
         others = list(others)
         if is_cluster(self.redis):
             if others:
                 raise ValueError(f"a workflow over queues {', '.join([queue, *others])} spans slots: on a Redis "
-                                 "Cluster all its jobs (and depends_on jobs) must be in one queue")
+                                 "Cluster it is written in several calls, which only TaskRunner's own enqueue, "
+                                 "chain, group and chord do")
             return [q]
         return [q, self.keys.queues, *(self.keys.q(o) for o in others)]
 
@@ -697,7 +700,11 @@ class TaskRunner:
 
     def _enqueue_batch(self, queue: str, jobs: list[tuple[str, float, list[Any]]],
                        others: Iterable[str] = ()) -> list[int]:
+        """enqueue.lua's answers for `jobs` (a workflow's, of `queue` and `others`: one call, or
+        on a Redis Cluster canvas.across()'s several)."""
         client = self.redis  # first: a new client (new process or settings) knows no queue yet
+        if others and is_cluster(client):
+            return canvas.across(self, [(id_, delay, fields) for id_, delay, fields in jobs], queue)
         keys = self.enqueue_keys(queue, others)
         if len(keys) == 1 and queue not in self._known_queues:  # a cluster: once per process and queue
             client.sadd(self.keys.queues, queue)

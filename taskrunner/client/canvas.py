@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from taskrunner.client import eager, steps
 from taskrunner.client.job import Job
 from taskrunner.errors import QueueClosed, QueueFull
+from taskrunner.protocol import joins, scripts
 
 if TYPE_CHECKING:
     from taskrunner.client.app import Task, TaskRunner
@@ -286,6 +287,70 @@ def _write(app: TaskRunner, drafts: list[steps.Draft], what: str) -> list[Job]:
         job.created = answer == 1
         jobs.append(job)
     return jobs
+
+
+def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str) -> list[int]:
+    """Enqueue a workflow's jobs ((id, delay, fields) each; their queue in their fields, else
+    `queue`) that are in several slots of a Redis Cluster, as enqueue.lua answers one call
+    for them all (docs/PROTOCOL.md, Workflows: *Across slots*). Parents go before their
+    children, so that a producer that dies midway never leaves a child waiting for a parent
+    that does not know it: an edge between queues is a cross-slot one, the parent written
+    with `cross_children` naming the child and the child with `cross_slot` 1, and an existing
+    parent of another slot (depends_on) learns of its child by attach.lua first. The jobs go
+    in levels, a level's jobs of one queue in one enqueue.lua call: a job's level is one more
+    than that of its parents in other queues and as high as that of those in its own, so a
+    chain over 3 queues is 3 calls. The jobs are in an order where each one's parents among
+    them come before it (a chain's, a chord's, a job's and its callbacks'). A refusal
+    (QueueClosed, QueueFull) stops there, and the jobs written before it are killed."""
+    drafts = []
+    for job_id, delay, fields in jobs:
+        named = dict(zip(fields[0::2], fields[1::2]))
+        drafts.append(steps.Draft(job_id, str(named.get("queue", queue)), delay, fields))
+    mine = {(d.queue, d.id) for d in drafts}
+    level: dict[tuple[str, str], int] = {}
+    cross: dict[tuple[str, str], list[str]] = {}  # parent -> its children in other queues, "<queue> <id> <takes>"
+    attach: dict[tuple[str, str, str, str], list[str]] = {}  # (parent queue, child queue, id, takes) -> parents
+    for d in drafts:
+        named = dict(zip(d.fields[0::2], d.fields[1::2]))
+        words = str(named.get("parents", "")).split()
+        lv, far = 0, False
+        for q, pid in zip(words[0::2], words[1::2]):
+            if q == d.queue:
+                lv = max(lv, level.get((q, pid), 0))
+                continue
+            far, takes = True, str(named.get("takes", "-"))
+            if (q, pid) in mine:
+                lv = max(lv, level[(q, pid)] + 1)
+                cross.setdefault((q, pid), []).append(f"{d.queue} {d.id} {takes}")
+            else:
+                attach.setdefault((q, d.queue, d.id, takes), []).append(pid)
+        level[(d.queue, d.id)] = lv
+        if far:
+            d.fields += ["cross_slot", "1"]
+    for d in drafts:
+        if (d.queue, d.id) in cross:
+            d.fields += ["cross_children", " ".join(cross[(d.queue, d.id)])]
+    news: list[joins.Entry] = []  # what attach.lua left for children of parents that completed
+    for (pq, cq, cid, takes), pids in attach.items():
+        news += joins.split(scripts.ATTACH(app.redis, [app.keys.q(pq)], [cq, cid, takes, *pids]), len(pids))[1]
+    calls: dict[tuple[int, str], list[steps.Draft]] = {}
+    for d in drafts:
+        calls.setdefault((level[(d.queue, d.id)], d.queue), []).append(d)
+    answers: dict[tuple[str, str], int] = {}
+    for (_, q), part in sorted(calls.items(), key=lambda kv: kv[0][0]):
+        got = app._enqueue_batch(q, [(d.id, d.delay, d.fields) for d in part])
+        answers.update(((d.queue, d.id), a) for d, a in zip(part, got))
+        if min(got) < 0:
+            written = [d for d in drafts if answers.get((d.queue, d.id)) == 1]
+            for d in written:
+                steps.run(app, steps.kill(app, d.id, d.queue, f"taskrunner: its workflow was refused by queue {q}"))
+            gone = f" (the jobs of it written before were killed: {len(written)})" if written else ""
+            if -2 in got:
+                raise QueueClosed(f"queue {q} is closed: the workflow was not enqueued{gone}")
+            raise QueueFull(f"queue {q} is full (its bound is reached): the workflow was not enqueued{gone}")
+    if news:
+        joins.carry(app, news)
+    return [answers[(d.queue, d.id)] for d in drafts]
 
 
 def chain(*parts: Signature | Chain) -> Chain:

@@ -4,17 +4,21 @@ requeues what it held if it dies; acks are fenced like a worker's finishes."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 from typing import Any
 
 from taskrunner.client.app import TaskRunner
-from taskrunner.protocol import codec, scripts
+from taskrunner.client.steps import REDIS_ERRORS
+from taskrunner.protocol import codec, joins, scripts
 from taskrunner.protocol.claims import Delivery, claim_args, claim_keys, claim_rest
 from taskrunner.protocol.connection import pop_any
 from taskrunner.protocol.holders import held, identity
 from taskrunner.protocol.outcome import Ended, Outcome, finish_args
+
+log = logging.getLogger("taskrunner.consumer")
 
 
 class Consumer:
@@ -95,7 +99,16 @@ class Consumer:
         batch = scripts.Batch(self.app.redis)
         for q, ended in by_queue.items():
             batch.call(scripts.FINISH, [self.keys.q(q)], finish_args(self.app.settings, ended, 0))
-        answers = dict(zip(by_queue, batch.execute()))
+        answers, entries = {}, []
+        for (q, ended), answer in zip(by_queue.items(), batch.execute()):
+            answers[q], left = joins.split(answer, len(ended))
+            entries += left
+        if entries:  # children in other slots of a Redis Cluster: tell them now, else the dispatcher will
+            try:
+                joins.carry(self.app, entries)
+            except (*REDIS_ERRORS, ValueError) as e:
+                log.warning("consumer %s: could not tell %d children in other slots that their parents ended (%s); "
+                            "the dispatcher will", self.name, len(entries), e)
         return [answers[q][i] == 1 for q, i in order]
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from taskrunner.logs import Run, job_fields
 from taskrunner.ops import compact, schedules
 from taskrunner.ops.history import WARN_BACKLOG, Archiver, backlog
 from taskrunner.ops.listing import DISPATCHER_FORGET
-from taskrunner.protocol import codec, scripts
+from taskrunner.protocol import codec, joins, scripts
 from taskrunner.protocol.connection import server_time
 from taskrunner.protocol.holders import Holding, Lost, boot_id, lose, lose_held, pid_namespace, process_gone
 
@@ -104,11 +104,19 @@ class Dispatcher:
             self.heard_since = now
         alive, dead = self.liveness(now)
         queues = sorted(self.redis.smembers(self.keys.queues))
-        stats = {"promoted": 0, "requeued": 0, "failed": 0, "killed": 0, "stuck": 0, "fired": 0}
+        stats = {"promoted": 0, "requeued": 0, "failed": 0, "killed": 0, "stuck": 0, "fired": 0, "carried": 0}
         batch = scripts.Batch(self.redis)
+        # With each sweep, the queue's outbox entries older than CARRY_AFTER (empty but on a
+        # Redis Cluster): what the workers that left them did not carry (joins.py).
+        older = int((now - joins.CARRY_AFTER) * 1000)
         for q in queues:
             batch.call(scripts.SWEEP, [self.keys.q(q)], [1000, 100, self.s.result_ttl, self.s.failed_ttl])
-        for q, res in zip(queues, batch.execute()):
+            batch.pipe.xrange(joins.outbox(self.app, q), "-", older, 1000)
+        results = batch.execute()
+        left = [e for found in results[1::2] for e in joins.parse(found)]
+        if left:
+            stats["carried"] = joins.carry(self.app, left)
+        for q, res in zip(queues, results[0::2]):
             stats["promoted"] += int(res[0])
             lost: list[Any] = []
             holders: list[str] = []  # who held each of `lost`, for the log

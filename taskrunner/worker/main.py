@@ -33,7 +33,7 @@ from taskrunner.client import declarations
 from taskrunner.client.app import TaskRunner
 from taskrunner.errors import NameInUse
 from taskrunner.logs import Run, job_fields
-from taskrunner.protocol import codec, scripts
+from taskrunner.protocol import codec, joins, scripts
 from taskrunner.protocol.claims import claim_args, claim_keys, claim_rest
 from taskrunner.protocol.connection import Blocker, Channel, is_cluster, server_time
 from taskrunner.protocol.holders import identity, lose_held
@@ -431,11 +431,24 @@ class Worker:
                 log.warning("worker %s: job %s was requeued and taken by another worker while it ran "
                             "here; this result was discarded", self.name, e.id,
                             extra=job_fields(Run(e.id, e.task, q, e.attempt), self.name))
+        if self.outbox.to_carry:
+            self._carry()
         if f.slots:
             claimed = claim_rest(self.app, self.queues, f.claim, results[-1])
             self.crew.deliver(f.slots, claimed)
             if len(claimed) < len(f.slots):
                 self.may_claim = False
+
+    def _carry(self) -> None:
+        """Carry the outbox entries our finishes left (jobs with children in other slots of a
+        Redis Cluster) to join.lua now: two round trips, only for such jobs. One we could not
+        carry stays in its outbox, and the dispatcher's next pass carries it."""
+        entries, self.outbox.to_carry = self.outbox.to_carry, []
+        try:
+            joins.carry(self.app, entries)
+        except (*_REDIS_ERRORS, ValueError) as e:
+            log.warning("worker %s: could not tell %d children in other slots that their parents ended (%s); the "
+                        "dispatcher will", self.name, len(entries), e)
 
     def _release_orphans(self) -> None:
         """Deliveries the holding lists give to us that no child of ours has (a claim whose

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from taskrunner.protocol import scripts
+from taskrunner.protocol import joins, scripts
 from taskrunner.protocol.claims import Delivery
 from taskrunner.protocol.outcome import Ended, Outcome, finish_args
 from taskrunner.worker.notes import Notes, Reports, progress_values
@@ -32,6 +32,7 @@ class Outbox:
         self.since = 0.0  # when the oldest outcome waiting came (time.monotonic())
         self.notes = Notes()
         self.on_the_way: list[Load] = []  # loaded into syncs not answered yet, oldest first
+        self.to_carry: list[joins.Entry] = []  # outbox entries our finishes left, for the worker to carry
 
     def report(self, d: Delivery, outcome: Outcome, began: float | None = None) -> None:
         if not self.load.ended:
@@ -80,10 +81,16 @@ class Outbox:
 
     def answered(self, load: Load, results: list[Any]) -> list[tuple[str, Ended, int]]:
         """Redis ran the load's calls (`results`: their answers, first in the batch): each
-        outcome with its queue and finish.lua's answer (0: another delivery holds the job)."""
+        outcome with its queue and finish.lua's answer (0: another delivery holds the job).
+        The outbox entries the finishes left (children in other slots) go to `to_carry`."""
         self.on_the_way = [x for x in self.on_the_way if x is not load]
         acks = results[len(load.notes):]
-        return [(q, e, ack) for (q, ended), answers in zip(load.ended.items(), acks) for e, ack in zip(ended, answers)]
+        out = []
+        for (q, ended), answers in zip(load.ended.items(), acks):
+            answers, entries = joins.split(answers, len(ended))
+            self.to_carry += entries
+            out += [(q, e, ack) for e, ack in zip(ended, answers)]
+        return out
 
     def failed(self) -> None:
         """The syncs on their way failed: what they carried waits here again, before what

@@ -21,6 +21,10 @@
 --   <p>notify:<id>  LIST  one token per waiter when the job ends
 --   <p>tasks        HASH  task -> its declaration (JSON), written by workers; enqueue reads it
 --   <p>history      STREAM one entry per finished or requeued delivery, for the archiver
+--   <p>outbox       STREAM one entry per parent that ended with a child in another slot (Redis
+--                          Cluster), until a carrier has applied it with join.lua there
+--   <p>joined:<id>  HASH  "<queue> <id>" -> JSON: the parents in other slots that waiting job <id>
+--                          counted (or that ended before it was enqueued), with their news
 
 local function now()
   local t = redis.call('TIME')
@@ -59,10 +63,11 @@ end
 local function load(job)
   local v = redis.call('HMGET', job, 'attempts', 'bucket', 'waiters', 'task', 'enqueued_at', 'started_at', 'worker',
     'host', 'pid', 'queue', 'kill_requested', 'max_lost', 'retries', 'retry_backoff', 'result_ttl', 'failed_ttl',
-    'children')
+    'children', 'cross_children')
   return {attempts = v[1], bucket = v[2], waiters = v[3], task = v[4], enqueued_at = v[5], started_at = v[6],
     worker = v[7], host = v[8], pid = v[9], queue = v[10], kill_requested = v[11], max_lost = v[12],
-    retries = v[13], retry_backoff = v[14], result_ttl = v[15], failed_ttl = v[16], children = v[17]}
+    retries = v[13], retry_backoff = v[14], result_ttl = v[15], failed_ttl = v[16], children = v[17],
+    cross_children = v[18]}
 end
 
 -- Forget that a job runs: holding entry (unless the caller removed it already), processing
@@ -224,12 +229,20 @@ end
 -- "<queue> <id> <queue> <id> ..."; a child has `parents` (the same form), `waiting_on` (its
 -- parents not yet completed), state `waiting` and an entry in <p>waiting until they are,
 -- and `takes` = "result" when its parent's result goes first in its args (a chain's step).
--- A child in another queue lives beside the parent's queue under the same prefix; only
--- off a Redis Cluster (enqueue.lua refuses such an edge there: the child is in another slot).
+-- A child in another queue lives beside the parent's queue under the same prefix: off a
+-- Redis Cluster the parent's script touches it there. On a cluster (another slot) the edge
+-- is a cross-slot one: the parent lists the child in `cross_children` too ("<queue> <id>
+-- <takes> ..."), and the child has `cross_slot` 1; the parent's end leaves an entry in its
+-- own queue's outbox, which a carrier applies with join.lua in the child's slot.
 
 -- The key prefix of queue q beside the key prefix p ("tr:{a}:", "b" -> "tr:{b}:").
 local function sibling(p, q)
   return string.match(p, '^(.*){[^{}]*}:$') .. '{' .. q .. '}:'
+end
+
+-- The queue of key prefix p ("tr:{a}:" -> "a").
+local function queue_of(p)
+  return string.match(p, '{([^{}]*)}:$')
 end
 
 -- A JSON array's text with `value` (JSON text) put first: '[1,2]' -> '[<value>,1,2]'.
@@ -241,16 +254,67 @@ local function prepend(value, args)
   return '[' .. value .. ',' .. rest
 end
 
--- Parent `pjob` completed (or ended otherwise, for a child that continues then): count it
--- for child `id` of queue prefix `cp`; the last one makes the child pending, with what it
--- takes first in its args: its parent's result ("result"), or the array of its parents'
--- results in the order of its `parents` ("results", a chord's callback: read now, from the
--- parents' records; one that did not complete, or whose record is gone, gives null), or how
--- its parent failed ("error", an on_failure callback: {"id", "task", "state", "error_type",
--- "error"} of the parent `parent`). `c`: the child's state, on_parent_failure, takes, args and
--- waiting_on, as settle_children() read them (the child is waiting). A waiting job has no
--- due_at (it cannot be delayed), so none is cleared: about 7 commands a child, the last parent.
-local function join(cp, id, job, pjob, parent, c)
+-- The entries this script call left in outboxes, as XRANGE gives them ({stream id, {field,
+-- value, ...}}): finish.lua, join.lua and attach.lua answer them, for their caller to carry.
+local emitted = {}
+
+-- A parent ended (`parent`: queue, id, task, state; error_type, error, canceled_by when it did
+-- not complete): tell its child `cid` of queue `cq`, in another slot, with an entry in the
+-- parent's queue's outbox (prefix p); `result` (JSON text) when the child takes it.
+local function emit(p, cq, cid, parent, result)
+  local f = {'child', cq .. ' ' .. cid, 'parent', parent.queue .. ' ' .. parent.id, 'task', parent.task,
+    'state', parent.state}
+  if result then
+    f[#f + 1], f[#f + 2] = 'result', result
+  end
+  for _, k in ipairs({'error_type', 'error', 'canceled_by'}) do
+    if parent[k] then
+      f[#f + 1], f[#f + 2] = k, parent[k]
+    end
+  end
+  emitted[#emitted + 1] = {redis.call('XADD', p .. 'outbox', '*', unpack(f)), f}
+end
+
+-- Why the children that `parent` cancels end canceled: {canceled_by, error}. A parent that was
+-- itself canceled passes on its own (the whole rest of a chain names the step that failed).
+local function blame(parent)
+  if parent.state == 'canceled' then
+    return parent.canceled_by or '', parent.error or ''
+  end
+  local by = parent.queue .. ' ' .. parent.id
+  if parent.state == 'completed' then  -- to an on_failure callback
+    return by, string.format('not run: step %s (task %s) completed (an on_failure callback)', parent.id, parent.task)
+  end
+  local why = string.format('step %s (task %s) %s', parent.id, parent.task, parent.state)
+  if parent.state ~= 'deleted' then
+    why = why .. ': ' .. (parent.error_type or '?') .. ': ' .. string.sub(parent.error or '', 1, 200)
+  end
+  return by, why
+end
+
+-- The fields of a waiting child that settling it needs, in this order (one HMGET; not its
+-- `parents`, which a chord's callback has thousands of: read only by the join that needs them).
+local CHILD = {'state', 'on_parent_failure', 'takes', 'args', 'waiting_on', 'cross_slot'}
+
+-- A parent in another slot, named "<queue> <id>", as its outbox entry gave it (join.lua) or
+-- the child's joined hash keeps it (`e`: its news, decoded): the `parent` table of settle().
+local function far_parent(name, e)
+  local q, id = string.match(name, '^(%S+) (%S+)$')
+  return {queue = q, id = id, task = e.task or '?', state = e.state, result = e.result, error_type = e.error_type,
+    error = e.error, canceled_by = e.canceled_by}
+end
+
+-- `parent` completed (or ended otherwise, for a child that continues then): count it for
+-- child `id` of queue prefix `cp`; the last one makes the child pending, with what it takes
+-- first in its args: its parent's result ("result"), or the array of its parents' results in
+-- the order of its `parents` ("results", a chord's callback: read now, from the parents'
+-- records, or for parents in other slots from its joined hash; one that did not complete, or
+-- whose record is gone, gives null), or how its parent failed ("error", an on_failure
+-- callback: {"id", "task", "state", "error_type", "error"} of the parent). `c`: the child's
+-- CHILD fields (it is waiting). A parent of this slot has `job` (its record, where its result
+-- is read); one of another slot brings its `result`. A waiting job has no due_at (it cannot be
+-- delayed), so none is cleared: about 7 commands a child, the last parent.
+local function join(cp, id, job, parent, c)
   if (tonumber(c[5]) or 1) > 1 then
     redis.call('HINCRBY', job, 'waiting_on', -1)
     return
@@ -259,16 +323,23 @@ local function join(cp, id, job, pjob, parent, c)
   local takes, own = c[3], c[4]
   local fields = {'state', 'pending', 'waiting_on', '0'}
   if takes == 'error' then
-    local e = redis.call('HMGET', pjob, 'error_type', 'error')
     fields[5], fields[6] = 'args', prepend(cjson.encode({id = parent.id, task = parent.task, state = parent.state,
-      error_type = e[1] or cjson.null, error = e[2] or cjson.null}), own)
+      error_type = parent.error_type or cjson.null, error = parent.error or cjson.null}), own)
   elseif takes == 'result' then
-    fields[5], fields[6] = 'args', prepend(redis.call('HGET', pjob, 'result') or 'null', own)
+    fields[5], fields[6] = 'args', prepend(parent.result or parent.job and redis.call('HGET', parent.job, 'result')
+      or 'null', own)
   elseif takes == 'results' then
-    local results = {}
+    local results, here = {}, queue_of(cp)
+    local joined = c[6] == '1' and cp .. 'joined:' .. id
     for q, pid in string.gmatch(redis.call('HGET', job, 'parents') or '', '(%S+) (%S+)') do
-      local r = redis.call('HMGET', sibling(cp, q) .. 'job:' .. pid, 'state', 'result')
-      results[#results + 1] = r[1] == 'completed' and r[2] or 'null'
+      if joined and q ~= here then
+        local news = redis.call('HGET', joined, q .. ' ' .. pid)
+        local e = news and cjson.decode(news)
+        results[#results + 1] = e and e.state == 'completed' and e.result or 'null'
+      else
+        local r = redis.call('HMGET', sibling(cp, q) .. 'job:' .. pid, 'state', 'result')
+        results[#results + 1] = r[1] == 'completed' and r[2] or 'null'
+      end
     end
     fields[5], fields[6] = 'args', prepend('[' .. table.concat(results, ',') .. ']', own)
   end
@@ -276,46 +347,59 @@ local function join(cp, id, job, pjob, parent, c)
   redis.call('SADD', cp .. 'items', id)
   redis.call('LPUSH', cp .. 'pending', id)
   wake(cp)
+  if c[6] == '1' then
+    redis.call('DEL', cp .. 'joined:' .. id)
+  end
 end
 
--- A job with children ended in `state` (finalize(), or deleted: "deleted"). Each child still
--- waiting counts it (join) when the edge says so — it completed, and the child is not an
--- on_failure callback (on_parent_failure "only"); or it did not, and the child goes on
--- ("continue") or is such a callback — else ends canceled, naming the step that failed
--- (`canceled_by` "<queue> <id>", the first failed step for those canceled in turn; for an
--- on_failure callback whose parent completed, that parent), and so do the children of those,
--- in this same call. `ttl`: the failed TTL (setting) for them.
+-- `parent` ended: waiting child `id` of queue prefix `cp` (its CHILD fields `c`) counts it
+-- (join) when the edge says so — it completed, and the child is not an on_failure callback
+-- (on_parent_failure "only"); or it did not, and the child goes on ("continue") or is such a
+-- callback — else ends canceled, naming the step that failed (blame()), and its own children
+-- are settled in turn, in this same call. `ttl`: the failed TTL (setting) for it.
+local function settle(cp, id, parent, c, t, ttl)
+  local job = cp .. 'job:' .. id
+  local only = c[2] == 'only'
+  if parent.state == 'completed' and not only or parent.state ~= 'completed' and (only or c[2] == 'continue') then
+    join(cp, id, job, parent, c)
+    return
+  end
+  local by, why = blame(parent)
+  redis.call('ZREM', cp .. 'waiting', id)
+  finalize(cp, id, job, load(job), 'canceled', t, ttl, {'canceled_by', by, 'error_type', 'Canceled', 'error', why},
+    'Canceled')
+end
+
+-- A job with children ended in `state` (finalize(), or deleted: "deleted"): settle each
+-- child of this slot that is still waiting (one that is not — killed, deleted, canceled by
+-- another parent — is left as it is), and leave an outbox entry for each child in another
+-- slot (`cross_children`), with the result when it takes it.
 settle_children = function(p, id, job, r, state, t, ttl)
-  local by, why
-  if state == 'canceled' then
-    local e = redis.call('HMGET', job, 'canceled_by', 'error')
-    by, why = e[1], e[2]
-  elseif state ~= 'completed' then
-    by = string.match(p, '{([^{}]*)}:$') .. ' ' .. id
-    why = string.format('step %s (task %s) %s', id, r.task or '?', state)
-    if state ~= 'deleted' then  -- its error, as finalize() just wrote it
-      local e = redis.call('HMGET', job, 'error_type', 'error')
-      why = why .. ': ' .. (e[1] or '?') .. ': ' .. string.sub(e[2] or '', 1, 200)
+  local parent = {queue = queue_of(p), id = id, task = r.task or '?', state = state, job = job}
+  if state ~= 'completed' and state ~= 'deleted' then  -- its error, as finalize() just wrote it
+    local e = redis.call('HMGET', job, 'error_type', 'error', 'canceled_by')
+    parent.error_type, parent.error, parent.canceled_by = e[1] or nil, e[2] or nil, e[3] or nil
+  end
+  local far
+  if r.cross_children then
+    far = {}
+    local result
+    for q, cid, takes in string.gmatch(r.cross_children, '(%S+) (%S+) (%S+)') do
+      far[q .. ' ' .. cid] = true
+      if state == 'completed' and (takes == 'result' or takes == 'results') then
+        result = result or redis.call('HGET', job, 'result') or 'null'
+        emit(p, q, cid, parent, result)
+      else
+        emit(p, q, cid, parent, nil)
+      end
     end
   end
-  local parent = {id = id, task = r.task or '?', state = state}
   for q, cid in string.gmatch(r.children, '(%S+) (%S+)') do
-    local cp = sibling(p, q)
-    local cjob = cp .. 'job:' .. cid
-    local c = redis.call('HMGET', cjob, 'state', 'on_parent_failure', 'takes', 'args', 'waiting_on')
-    if c[1] == 'waiting' then
-      local only = c[2] == 'only'
-      if state == 'completed' and not only or state ~= 'completed' and (only or c[2] == 'continue') then
-        join(cp, cid, cjob, job, parent, c)
-      else
-        local cby, cwhy = by, why
-        if state == 'completed' then
-          cby = string.match(p, '{([^{}]*)}:$') .. ' ' .. id
-          cwhy = string.format('not run: step %s (task %s) completed (an on_failure callback)', id, r.task or '?')
-        end
-        redis.call('ZREM', cp .. 'waiting', cid)
-        finalize(cp, cid, cjob, load(cjob), 'canceled', t, ttl,
-          {'canceled_by', cby, 'error_type', 'Canceled', 'error', cwhy}, 'Canceled')
+    if not (far and far[q .. ' ' .. cid]) then
+      local cp = sibling(p, q)
+      local c = redis.call('HMGET', cp .. 'job:' .. cid, unpack(CHILD))
+      if c[1] == 'waiting' then
+        settle(cp, cid, parent, c, t, ttl)
       end
     end
   end

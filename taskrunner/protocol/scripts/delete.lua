@@ -2,6 +2,7 @@
 -- waiting for one that had not completed end canceled (they would wait for ever).
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  id   ARGV[2] (optional) failed TTL (s) for those canceled; default 604800
+-- Children in other slots get an outbox entry (see _lib.lua), carried by the dispatcher.
 -- Returns the state before; "" when there is no such job; "running" (refused).
 local p = KEYS[1]
 local id = ARGV[1]
@@ -15,9 +16,9 @@ redis.call('LREM', p .. 'pending', 0, id)
 for _, k in ipairs({'delayed', 'waiting', 'completed', 'failed', 'killed', 'canceled'}) do
   redis.call('ZREM', p .. k, id)
 end
-local children = redis.call('HGET', job, 'children')
-if children and state ~= 'completed' then
-  settle_children(p, id, job, {children = children, task = redis.call('HGET', job, 'task')}, 'deleted', now(),
+local f = redis.call('HMGET', job, 'children', 'task', 'cross_children')
+if f[1] and state ~= 'completed' then
+  settle_children(p, id, job, {children = f[1], task = f[2], cross_children = f[3] or nil}, 'deleted', now(),
     tonumber(ARGV[2]) or 604800)
 end
 redis.call('DEL', job, p .. 'notify:' .. id)

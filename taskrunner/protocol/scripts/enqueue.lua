@@ -21,7 +21,12 @@
 -- "continue": such a parent counts as done, its result null; "only": it runs only if its
 -- one parent does not complete, an on_failure callback, canceled when it completes; with
 -- takes "error" it gets {"id", "task", "state", "error_type", "error"} of that parent
--- first in its args). A producer
+-- first in its args); on a Redis Cluster, for edges between slots: cross_slot ("1": its
+-- parents in other queues than its own are in other slots: neither checked nor touched here,
+-- each counted as not completed, and joined by join.lua; entries join.lua kept for it before
+-- it came are applied once it is written) and cross_children ("<queue> <id> <takes> ...",
+-- takes result, results, error or -: its children in other slots, enqueued after it, which
+-- its end tells through its queue's outbox; they join its `children`). A producer
 -- that leaves out any of max_duration, retries, retry_backoff, timeout_policy and max_lost
 -- gets those, and any of max_retries, retry_backoff_max, result_ttl, failed_ttl and
 -- soft_limit it left out too, from the task's declaration, <p>tasks[task] (JSON, written
@@ -39,6 +44,7 @@
 local p = KEYS[1]
 local n_jobs = tonumber(ARGV[1])
 local WHOLE_MAX = 2147483647
+local FAILED_TTL = 604800  -- for a job canceled here (see cross_slot): the default failed TTL
 local SECONDS_MAX = 9007199254740992  -- 2^53: whole seconds up to here are exact doubles
 
 local function refuse(kind, message)
@@ -216,7 +222,7 @@ end
 -- A workflow step's parents ("<queue> <id> ..."), checked: a list of {queue, id}, or nil and
 -- why not. `here`: "<queue prefix><id>" -> true for the jobs before it in this call.
 local FINAL = {completed = true, failed = true, killed = true, canceled = true}
-local function parents_of(text, jq, id, here)
+local function parents_of(text, jq, id, here, cross)
   local list, seen = {}, {}
   local rest = string.gsub(text, '(%S+)%s+(%S+)', function(q, pid)
     list[#list + 1] = {q, pid}
@@ -227,16 +233,21 @@ local function parents_of(text, jq, id, here)
   end
   for _, e in ipairs(list) do
     local q, pid = e[1], e[2]
-    local key = (prefixes[q] or '') .. pid
-    if not prefixes[q] then
+    local key = (cross and q ~= jq and q .. ' ' or prefixes[q] or '') .. pid
+    if cross and q ~= jq then  -- in another slot: joined by join.lua
+      e[3] = true
+      if seen[key] then
+        return nil, 'parent ' .. q .. ' ' .. pid .. ' listed twice'
+      end
+    elseif not prefixes[q] then
       return nil, 'parent ' .. pid .. ' is in queue ' .. quote(q) .. ', which is not among KEYS (a queue of '
-        .. 'another slot: cross-queue workflows need a single Redis server, not a cluster)'
+        .. 'another slot: on a Redis Cluster send cross_slot 1)'
     elseif seen[key] or (q == jq and pid == id) then
       return nil, 'parent ' .. q .. ' ' .. pid .. ' listed twice, or the job itself'
     end
     seen[key] = true
-    local state = redis.call('HGET', prefixes[q] .. 'job:' .. pid, 'state')
-    if not here[key] or state then  -- an existing job (one of this call may be one: answer 0)
+    local state = not e[3] and redis.call('HGET', prefixes[q] .. 'job:' .. pid, 'state')
+    if not e[3] and (not here[key] or state) then  -- an existing job (one of this call may be one: answer 0)
       if not state then
         return nil, 'parent ' .. pid .. ' not found in queue ' .. q .. ' (never enqueued, expired, or not before it '
           .. 'in this call)'
@@ -273,7 +284,7 @@ for n = 1, n_jobs do
   end
   -- Fields in locals, not a table: this loop is most of the script's cost.
   local task, queue_f, args, kwargs, headers, producer, md, rt, rb, tp, ml, mr, bm, rtl, ftl, sl, parents, takes
-  local opf
+  local opf, cross, cross_children
   local changed = false  -- a setting written otherwise than sent
   for a = i + 3, i + 1 + 2 * k, 2 do
     local name, value = ARGV[a], ARGV[a + 1]
@@ -287,6 +298,8 @@ for n = 1, n_jobs do
     elseif name == 'parents' then seen = parents; parents = value
     elseif name == 'takes' then seen = takes; takes = value
     elseif name == 'on_parent_failure' then seen = opf; opf = value
+    elseif name == 'cross_slot' then seen = cross; cross = value
+    elseif name == 'cross_children' then seen = cross_children; cross_children = value
     else
       local v = setting_of(name, value)
       if name == 'max_duration' then seen = md; md = v
@@ -323,9 +336,25 @@ for n = 1, n_jobs do
   end
   local jq = queue_f or queue
   local jp = prefixes[jq]
-  if parents or takes or opf then
+  if cross_children then
+    local children_of, bad = {}, false
+    local rest = string.gsub(cross_children, '(%S+)%s+(%S+)%s+(%S+)', function(cq, cid, ct)
+      bad = bad or not is_name(cq) or cq == jq or #cid > 200 or not string.find(cid, '^[A-Za-z0-9_.:@%-]+$')
+        or not (ct == 'result' or ct == 'results' or ct == 'error' or ct == '-')
+      children_of[#children_of + 1] = cq .. ' ' .. cid
+      return ''
+    end)
+    if bad or #children_of == 0 or string.find(rest, '%S') then
+      return refuse('BadValue', 'job ' .. id .. ': cross_children must be "<queue> <id> <takes>" triples (a queue '
+        .. 'other than its own; takes result, results, error or -), not ' .. quote(cross_children))
+    end
+    cross_children = {cross_children, table.concat(children_of, ' ')}
+  end
+  if parents or takes or opf or cross then
     if not parents then
-      return refuse('BadCall', 'job ' .. id .. ': takes and on_parent_failure need parents')
+      return refuse('BadCall', 'job ' .. id .. ': takes, on_parent_failure and cross_slot need parents')
+    elseif cross and cross ~= '1' then
+      return refuse('BadValue', 'job ' .. id .. ': cross_slot must be 1, not ' .. quote(cross))
     elseif delay > 0 then
       return refuse('BadValue', 'job ' .. id .. ': a job with parents cannot have a delay')
     end
@@ -333,7 +362,7 @@ for n = 1, n_jobs do
       here = {}
       for k = 1, n - 1 do here[(queues_of[k] or p) .. plan[4 * k - 3]] = true end
     end
-    local list, bad = parents_of(parents, jq, id, here)
+    local list, bad = parents_of(parents, jq, id, here, cross)
     if not list then return refuse('BadValue', 'job ' .. id .. ': ' .. bad) end
     if takes and not ((takes == 'result' or takes == 'error') and #list == 1 or takes == 'results') then
       return refuse('BadValue', 'job ' .. id .. ': takes must be "result" or "error" (a job with one parent) or '
@@ -345,12 +374,12 @@ for n = 1, n_jobs do
       return refuse('BadValue', 'job ' .. id .. ': takes "error" goes with on_parent_failure "only" (an on_failure '
         .. 'callback)')
     end
-    steps[n] = {list, takes}
+    steps[n] = {list, takes, cross}
   end
   if jp ~= p then queues_of[n] = jp end
   if here then here[jp .. id] = true end
   if tasks_ok then tasks_ok[task] = true end
-  changed = changed or not (args and kwargs and queue_f)  -- the record gets them all
+  changed = changed or not (args and kwargs and queue_f) or cross_children  -- the record gets them all
   args, kwargs = args or '[]', kwargs or '{}'
   local why = args ~= '[]' and bad_json(args, '[')
   if why then return refuse('NotJSON', 'job ' .. id .. ': args ' .. why) end
@@ -394,6 +423,11 @@ for n = 1, n_jobs do
     if parents then record[#record + 1] = 'parents'; record[#record + 1] = parents end
     if takes then record[#record + 1] = 'takes'; record[#record + 1] = takes end
     if opf then record[#record + 1] = 'on_parent_failure'; record[#record + 1] = opf end
+    if cross then record[#record + 1] = 'cross_slot'; record[#record + 1] = cross end
+    if cross_children then
+      record[#record + 1] = 'cross_children'; record[#record + 1] = cross_children[1]
+      record[#record + 1] = 'children'; record[#record + 1] = cross_children[2]
+    end
     plan[4 * n - 1] = record
   else
     plan[4 * n - 1] = i + 3
@@ -455,7 +489,7 @@ for n = 1, n_jobs do
   local step, left, refused = steps[n], 0, nil
   if step then  -- a parent of this call that was refused: so is this job
     for _, e in ipairs(step[1]) do
-      local a = answer[prefixes[e[1]] .. e[2]]
+      local a = not e[3] and answer[prefixes[e[1]] .. e[2]]
       if a and a < 0 then refused = a end
     end
   end
@@ -470,9 +504,11 @@ for n = 1, n_jobs do
   else
     if step then  -- each parent not completed yet gets it among its children
       for _, e in ipairs(step[1]) do
-        local pjob = prefixes[e[1]] .. 'job:' .. e[2]
-        local f = redis.call('HMGET', pjob, 'state', 'children')
-        if f[1] ~= 'completed' then
+        local pjob = not e[3] and prefixes[e[1]] .. 'job:' .. e[2]
+        local f = pjob and redis.call('HMGET', pjob, 'state', 'children') or {}
+        if not pjob then  -- in another slot: counted, and joined by join.lua
+          left = left + 1
+        elseif f[1] ~= 'completed' then
           redis.call('HSET', pjob, 'children', (f[2] and f[2] .. ' ' or '') .. string.match(jp, '{([^{}]*)}:$') .. ' '
             .. id)
           left = left + 1
@@ -491,6 +527,19 @@ for n = 1, n_jobs do
     if left > 0 then
       redis.call('HSET', job, 'waiting_on', left)
       redis.call('ZADD', jp .. 'waiting', t, id)
+      if step[3] then  -- parents in other slots that ended before it came (join.lua kept them)
+        local kept, far = redis.call('HGETALL', jp .. 'joined:' .. id), {}
+        for _, e in ipairs(step[1]) do
+          if e[3] then far[e[1] .. ' ' .. e[2]] = true end
+        end
+        for k = 1, #kept, 2 do
+          local c = redis.call('HMGET', job, unpack(CHILD))
+          if c[1] ~= 'waiting' then break end
+          if far[kept[k]] then
+            settle(jp, id, far_parent(kept[k], cjson.decode(kept[k + 1])), c, t, FAILED_TTL)
+          end
+        end
+      end
     elseif delay > 0 then
       to_delayed(jp, id, job, t + delay)
     else

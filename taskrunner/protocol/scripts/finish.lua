@@ -17,7 +17,10 @@
 --   return     v1 = why: the job never began (prefetched, then handed back); next in line,
 --              no history record, nothing counted but the delivery
 -- Returns one integer per job: 1 applied; 0 fenced off (another delivery holds the job);
--- 2 nothing to do (this delivery was already released, e.g. a retried call).
+-- 2 nothing to do (this delivery was already released, e.g. a retried call). Then, only when
+-- a job that ended has children in other slots (a Redis Cluster), one more value: the
+-- entries this call left in outboxes, as XRANGE gives them ({stream id, {field, value, ...}}),
+-- for the caller to carry to join.lua (docs/PROTOCOL.md, Workflows).
 -- The fence and the release are batched: one HMGET of the holding hash for all jobs, one
 -- HDEL/SREM each for those released; the finished sets get one ZADD per state.
 -- An exclusive queue with jobs waiting gets a wake token (its next job may run now).
@@ -176,5 +179,8 @@ for state, list in pairs(index) do
 end
 if redis.call('HGET', p .. 'meta', 'exclusive') == '1' and redis.call('LLEN', p .. 'pending') > 0 then
   wake(p)
+end
+if #emitted > 0 then  -- children in other slots: the caller carries these (join.lua)
+  out[#out + 1] = emitted
 end
 return out

@@ -11,9 +11,10 @@ for _ = 1, tonumber(ARGV[1]) do
   if not id then break end
   if redis.call('SREM', p .. 'items', id) == 1 then
     local job = p .. 'job:' .. id
-    local f = redis.call('HMGET', job, 'children', 'task')
+    local f = redis.call('HMGET', job, 'children', 'task', 'cross_children')
     if f[1] then
-      settle_children(p, id, job, {children = f[1], task = f[2]}, 'deleted', now(), tonumber(ARGV[2]) or 604800)
+      settle_children(p, id, job, {children = f[1], task = f[2], cross_children = f[3] or nil}, 'deleted', now(),
+        tonumber(ARGV[2]) or 604800)
     end
     redis.call('DEL', job)
     deleted = deleted + 1

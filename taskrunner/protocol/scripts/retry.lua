@@ -95,8 +95,9 @@ if r[3] and (tonumber(r[4]) or 0) > 0 then
   if open == 0 then  -- all done: as the join makes it pending, with what it takes from them
     local q, i = string.match(r[3], '(%S+) (%S+)$')
     local pjob = sibling(p, q) .. 'job:' .. i
-    local pr = redis.call('HMGET', pjob, 'task', 'state')
-    join(p, id, job, pjob, {id = i, task = pr[1] or '?', state = pr[2] or 'gone'}, {'waiting', r[5], r[6], r[7], '1'})
+    local pr = redis.call('HMGET', pjob, 'task', 'state', 'error_type', 'error')
+    join(p, id, job, {queue = q, id = i, task = pr[1] or '?', state = pr[2] or 'gone', job = pjob,
+      error_type = pr[3] or nil, error = pr[4] or nil}, {'waiting', r[5], r[6], r[7], '1'})
   end
 else
   to_pending(p, id, job, false, action)
