@@ -13,14 +13,16 @@ import threading
 import pytest
 
 from dashboard import create_app
+from taskrunner import JobFailed, chord, group
 from taskrunner.client.aio import AsyncClient
 from taskrunner.client.consumer import Consumer
-from taskrunner.errors import Timeout
+from taskrunner.errors import QueueClosed, Timeout
 from taskrunner.protocol import joins, scripts
 from taskrunner.protocol.connection import ClusterURL, connect, connect_async
+from taskrunner.protocol.outcome import Ended, Outcome, finish_args
 from tests import apps
 from tests.conftest import Stack, wait_for
-from tests.test_failures import ledger
+from tests.test_failures import ledger, release, started_pid
 from tests.topologies import Cluster, Topology, redis_cluster
 
 
@@ -297,3 +299,154 @@ def test_a_chain_over_three_slots_runs_each_step_once_in_order(capp, stack, clus
     assert outboxes(capp, queues) == 0  # the worker carried every entry
     graph = json.loads(stack.cli("workflow", handle.id, "--json", check=True).stdout)
     assert [(j["queue"], j["state"]) for j in graph["jobs"]] == [(q, "completed") for q in (*queues, queues[0])]
+
+
+def test_a_chord_over_slots_gives_its_callback_every_result_in_order(capp, stack, cluster, queues):
+    """Members in two slots, the callback in a third: each member's finish carries its result
+    into the callback's slot (joined hash), and the last assembles them in the members' order.
+    Then members in the callback's own slot and another, one failing with "continue": the
+    callback's own-slot members are read from their records, the others from the hash."""
+    stack.worker("-Q", ",".join(queues), concurrency=4)
+    members = [apps.add.s(i, i).set(queue=queues[i % 2]) for i in range(10)]
+    handle = chord(group(members), apps.tsum.s().set(queue=queues[2])).delay()
+    assert handle.wait(30) == 90
+    d = on_node(cluster, capp, queues[2], handle.id)
+    assert d["args"] == "[[0,2,4,6,8,10,12,14,16,18]]" and d["cross_slot"] == "1"
+    assert not capp.redis.exists(capp.keys.q(queues[2]) + f"joined:{handle.id}")  # gone once it was pending
+    mixed = [apps.add.s(i, 1).set(queue=queues[2 * (i % 2)]) for i in range(4)]
+    mixed[2] = apps.boom.s("no").set(queue=queues[2])
+    handle = chord(mixed, apps.echo.s().set(queue=queues[2]), on_member_failure="continue").delay()
+    assert handle.wait(30) == [1, 2, None, 4]
+    assert outboxes(capp, queues) == 0
+
+
+def test_callbacks_in_other_slots(capp, stack, cluster, queues):
+    """on_success gets the result, on_failure the failure; the other ends canceled."""
+    stack.worker("-Q", ",".join(queues), concurrency=2)
+    ok = apps.add.apply_async((1, 2), queue=queues[0], on_success=apps.echo.s().set(queue=queues[1]),
+                              on_failure=apps.echo.s().set(queue=queues[2]))
+    assert ok.wait(30) == 3
+    success, failure = on_node(cluster, capp, queues[0], ok.id)["cross_children"].split()[1::3]
+    assert capp.job(success, queues[1]).wait(30) == 3
+    wait_for(lambda: capp.job(failure, queues[2]).state == "canceled", what="on_failure canceled")
+    bad = apps.boom.apply_async(("bad",), queue=queues[0], on_success=apps.echo.s().set(queue=queues[1]),
+                                on_failure=apps.echo.s().set(queue=queues[2]))
+    success, failure = on_node(cluster, capp, queues[0], bad.id)["cross_children"].split()[1::3]
+    got = capp.job(failure, queues[2]).wait(30)
+    assert (got["id"], got["state"], got["error"]) == (bad.id, "failed", "bad")
+    wait_for(lambda: capp.job(success, queues[1]).state == "canceled", what="on_success canceled")
+
+
+def test_a_failed_step_cancels_the_rest_of_a_chain_over_slots(capp, stack, cluster, queues):
+    """The failure crosses two slots: step 2, canceled by join.lua in its slot, has a child in a
+    third slot, which the same carrier's next round cancels, naming the step that failed."""
+    stack.worker("-Q", ",".join(queues))
+    handle = (apps.boom.s("down").set(queue=queues[0]) | apps.add.s(1).set(queue=queues[1])
+              | apps.add.s(2).set(queue=queues[2])).delay()
+    with pytest.raises(JobFailed, match="down") as e:
+        handle.wait(30)
+    last = on_node(cluster, capp, queues[2], handle.id)
+    first = on_node(cluster, capp, queues[1], last["parents"].split()[1])["parents"].split()[1]
+    assert (last["state"], last["canceled_by"]) == ("canceled", f"{queues[0]} {first}")
+    assert f"step {first} (task tests.apps.boom) failed" in str(e.value)
+    assert outboxes(capp, queues) == 0
+
+
+def test_depends_on_jobs_of_another_slot(capp, stack, cluster, queues):
+    """attach.lua records the edge in the parent's slot before the child is written; a parent
+    that completed already leaves its entry at once (carried by the producer), one that failed
+    is refused with nothing written."""
+    done = apps.add.apply_async((1, 1), queue=queues[0])
+    running = apps.hold.apply_async(["dep"], queue=queues[1])
+    stack.worker("-Q", ",".join(queues), concurrency=2)
+    assert done.wait(30) == 2
+    started_pid(capp, "dep")
+    after_done = apps.record.apply_async(["after-done"], queue=queues[2], depends_on=[done])
+    assert after_done.wait(30) == 1
+    after_both = apps.record.apply_async(["after-both"], queue=queues[2], depends_on=[done.id, running])
+    assert after_both.refresh().state == "waiting"
+    parent = on_node(cluster, capp, queues[1], running.id)
+    assert parent["cross_children"] == f"{queues[2]} {after_both.id} -"
+    release(capp, "dep")
+    assert after_both.wait(30) == 1 and ledger(capp, "after-both") == 1
+    failed = apps.boom.apply_async(("x",), queue=queues[0])
+    with pytest.raises(JobFailed):
+        failed.wait(30)
+    before = {q: cluster.owner(f"{{{q}}}").client().dbsize() for q in queues}
+    with pytest.raises(ValueError, match="ended failed: the job would never run"):
+        apps.record.apply_async(["never"], queue=queues[2], depends_on=[failed])
+    assert {q: cluster.owner(f"{{{q}}}").client().dbsize() for q in queues} == before
+    assert outboxes(capp, queues) == 0
+
+
+def test_an_entry_no_carrier_took_is_carried_by_the_dispatcher_once(capp, stack, cluster, queues):
+    """A worker SIGKILLed between a parent's finish and its carry leaves the entry in the
+    outbox: here a consumer finishes with finish.lua alone, as such a worker did. The
+    dispatcher carries it; killed after join.lua applied an entry but before deleting it, the
+    next one carries it again, and join.lua counts it once: the callback is enqueued once."""
+    handle = chord(group(apps.add.s(i, 1).set(queue=queues[i]) for i in range(2)),
+                   apps.tsum.s().set(queue=queues[2])).delay()
+    consumer = Consumer(capp, queues[:2])
+    held = consumer.claim(2)
+    for d in held:
+        answer = scripts.FINISH(capp.redis, [capp.keys.q(d.queue)],
+                                finish_args(capp.settings, [Ended(d.id, d.attempt, Outcome.completed(
+                                    str(d.args[0] + 1)))], 0))
+        assert answer[0] == 1 and len(answer) == 2  # its answer, and the entry it left
+    assert outboxes(capp, queues) == 2 and handle.refresh().state == "waiting"
+    # A carrier that dies after join.lua but before XDEL: the first entry applied, not deleted.
+    [entry] = joins.parse(capp.redis.xrange(joins.outbox(capp, queues[0])))
+    f = entry.fields
+    assert scripts.JOIN(capp.redis, [capp.keys.q(queues[2])], [
+        3600, f["child"].split()[1], f["parent"], f["task"], f["state"], f["result"], "", "", ""]) == [1]
+    assert on_node(cluster, capp, queues[2], handle.id)["waiting_on"] == "1"
+    dispatcher = stack.dispatcher()
+    wait_for(lambda: handle.refresh().state == "pending", what="the dispatcher to carry the entries")
+    assert outboxes(capp, queues) == 0
+    dispatcher.kill()
+    dispatcher.wait()
+    again = stack.dispatcher()  # restarted: nothing left to carry, nothing carried twice
+
+    def passes() -> int:
+        infos = [json.loads(v) for v in capp.redis.hgetall(capp.keys.dispatchers).values()]
+        return max([i["passes"] for i in infos if i["pid"] == again.pid] or [0])
+
+    wait_for(lambda: passes() >= 2, what="two passes of the restarted dispatcher")
+    with cluster.owner(f"{{{queues[2]}}}").client() as node:
+        assert node.lrange(capp.keys.q(queues[2]) + "pending", 0, -1) == [handle.id]
+    stack.worker("-Q", queues[2])
+    assert handle.wait(30) == 3  # [1, 2]
+
+
+def test_a_child_written_after_its_parent_ended_takes_what_join_kept(capp, cluster, queues):
+    """A producer writes a parent before its child in another slot: the parent may end, and
+    its entry be carried, before the child exists. join.lua keeps the news in the child's
+    slot (answer 2) and enqueue.lua applies it when the child comes."""
+    parent_id, child_id = "early-parent", "early-child"
+    assert scripts.ENQUEUE(capp.redis, [capp.keys.q(queues[0])], [
+        1, parent_id, 0, 2, "task", "tests.apps.add", "cross_children", f"{queues[1]} {child_id} result"]) == [1]
+    consumer = Consumer(capp, [queues[0]])
+    [d] = consumer.claim(1)
+    answer = scripts.FINISH(capp.redis, [capp.keys.q(queues[0])],
+                            finish_args(capp.settings, [Ended(d.id, d.attempt, Outcome.completed("7"))], 0))
+    assert answer[0] == 1
+    [entry] = joins.split(answer, 1)[1]
+    assert joins.carry(capp, [entry]) == 0  # kept for the child: answer 2
+    assert scripts.ENQUEUE(capp.redis, [capp.keys.q(queues[1])], [
+        1, child_id, 0, 4, "task", "tests.apps.echo", "parents", f"{queues[0]} {parent_id}", "takes", "result",
+        "cross_slot", "1"]) == [1]
+    child = on_node(cluster, capp, queues[1], child_id)
+    assert (child["state"], child["args"], child["waiting_on"]) == ("pending", "[7]", "0")
+    assert outboxes(capp, queues) == 0
+
+
+def test_a_workflow_a_later_slot_refuses_is_killed_where_it_was_written(capp, cluster, queues):
+    """Across slots a workflow takes several calls: when a queue written after others is
+    closed, the jobs written before are killed (they would run without the rest)."""
+    capp.redis.hset(capp.keys.q(queues[1]) + "meta", "closed", "1")
+    why = f"queue {queues[1]} is closed: the chain was not enqueued \\(the jobs of it written before were killed: 1\\)"
+    with pytest.raises(QueueClosed, match=why):
+        (apps.add.s(1, 2).set(queue=queues[0]) | apps.add.s(3).set(queue=queues[1])).delay()
+    with cluster.owner(f"{{{queues[0]}}}").client() as node:
+        [first] = node.zrange(capp.keys.q(queues[0]) + "killed", 0, -1)
+        assert node.hget(capp.keys.job(queues[0], first), "killed_by").startswith("taskrunner: its chain was refused")

@@ -12,6 +12,7 @@ import pytest
 
 from taskrunner import JobFailed, TaskRunner, chain
 from taskrunner.ops import listing
+from taskrunner.protocol import scripts
 from tests import apps
 from tests.conftest import wait_for
 from tests.test_declarations import Raw
@@ -189,6 +190,13 @@ def test_the_enqueue_script_refuses_bad_edges_and_changes_nothing(app, redis_ser
         (["parents", "default p1", "takes", "error"], 'takes "error" goes with'),
         (["parents", "default p1", "on_parent_failure", "only", "takes", "result"], 'takes "error" goes with'),
         (["parents", "default p1", "takes", "everything"], 'takes must be "result"'),
+        (["cross_slot", "1"], "need parents"),
+        (["parents", "other p1", "cross_slot", "yes"], "cross_slot must be 1"),
+        (["parents", "other p1 other p1", "cross_slot", "1"], "listed twice"),
+        (["cross_children", "other x"], "cross_children must be"),
+        (["cross_children", "default x result"], "cross_children must be"),  # its own queue: no other slot
+        (["cross_children", "other x all"], "cross_children must be"),
+        (["cross_children", "other x - other b@d! -"], "cross_children must be"),
     ]
     for fields, why in bad:
         with pytest.raises(Exception, match=why):
@@ -201,6 +209,42 @@ def test_the_enqueue_script_refuses_bad_edges_and_changes_nothing(app, redis_ser
     # a chain in one call: the second job names the first, which comes before it
     assert raw.enqueue(keys, 2, "x1", 0, 1, "task", "t.a", "x2", 0, 2, "task", "t.b", "parents", "default x1") == [1, 1]
     assert raw.r.hget(app.keys.job("default", "x1"), "children") == "default x2"
+
+
+def test_the_join_and_attach_scripts_refuse_bad_input_and_change_nothing(app, redis_server):
+    """join.lua and attach.lua (cross-slot edges, docs/PROTOCOL.md, Workflows) check what they
+    are given as enqueue.lua does: one line, nothing changed."""
+    raw = Raw(redis_server.url, app.settings.prefix)
+    q = app.keys.q("default")
+    apps.add.apply_async((1, 1), job_id="p1")
+    failed = apps.add.apply_async((1, 1), job_id="p2")
+    raw.r.hset(app.keys.job("default", failed.id), "state", "failed")
+    before = raw.snapshot()
+    entry = ["c1", "other p9", "t.a", "completed", "1", "", "", ""]
+    for argv, why in [
+        ([3600, *entry[:-1]], "8 values per entry"),
+        ([0, *entry], "failed TTL"),
+        ([3600, "c 1", *entry[1:]], "child must be a job id"),
+        ([3600, "c1", "other", *entry[2:]], 'parent "<queue> <id>"'),
+        ([3600, *entry[:3], "done", *entry[4:]], "state must be"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            scripts.JOIN(app.redis, [q], argv)
+    for argv, why in [
+        (["other", "c1", "-"], "then the parents' ids"),
+        (["default", "c1", "-", "p1"], "another than KEYS"),
+        (["other", "c1", "all", "p1"], "takes must be"),
+        (["other", "c1", "-", "nope"], "parent nope not found"),
+        (["other", "c1", "-", "p1", failed.id], "ended failed: the job would never run"),
+        (["other", "c1", "-", "p1", "p1"], "listed twice"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            scripts.ATTACH(app.redis, [q], argv)
+    assert raw.snapshot() == before
+    assert scripts.ATTACH(app.redis, [q], ["other", "c1", "result", "p1"]) == [1]
+    assert scripts.ATTACH(app.redis, [q], ["other", "c1", "result", "p1"]) == [1]  # again: nothing more
+    assert raw.r.hmget(app.keys.job("default", "p1"), "children", "cross_children") == ["other c1",
+                                                                                        "other c1 result"]
 
 
 def test_eager_mode_runs_chains_and_depends_on_inline(redis_server):
