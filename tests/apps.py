@@ -211,6 +211,14 @@ def gate(x, key: str):
 
 
 @app.task
+def slow_counted(x, key: str, seconds: float = 0.05):
+    """counted(), taking `seconds`: a step a chaos test can kill workers in the middle of."""
+    mark(key)
+    time.sleep(seconds)
+    return x + 1
+
+
+@app.task
 def tsum(values: list) -> int:
     """A chord's callback: the sum of its members' results (None for one that failed)."""
     return sum(v or 0 for v in values)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 
 import pytest
 
 from dashboard import create_app
-from taskrunner import JobFailed, chord, group
+from taskrunner import JobFailed, chain, chord, group
 from taskrunner.client.aio import AsyncClient
 from taskrunner.client.consumer import Consumer
 from taskrunner.errors import QueueClosed, Timeout
@@ -450,3 +451,43 @@ def test_a_workflow_a_later_slot_refuses_is_killed_where_it_was_written(capp, cl
     with cluster.owner(f"{{{queues[0]}}}").client() as node:
         [first] = node.zrange(capp.keys.q(queues[0]) + "killed", 0, -1)
         assert node.hget(capp.keys.job(queues[0], first), "killed_by").startswith("taskrunner: its chain was refused")
+
+
+def test_workflows_over_slots_survive_killed_workers_and_a_restarted_dispatcher(capp, stack, cluster, queues):
+    """Chaos: a chord of 40 members in two slots with its callback in a third, and a chain of
+    6 steps going round the three slots, while workers are SIGKILLed again and again (between
+    a finish and its carry too, as it happens) and the dispatcher is restarted. Every member
+    and step runs (at least once); each join counts once, so the callback gets every result,
+    in order, and the chain its sum."""
+    members = [apps.slow_counted.s(i, f"m{i}", 0.05).set(queue=queues[i % 2]) for i in range(40)]
+    handle = chord(group(members), apps.echo.s().set(queue=queues[2])).delay()
+    steps = [apps.slow_counted.s(0, "s0", 0.1).set(queue=queues[0])]
+    steps += [apps.slow_counted.s(f"s{k}", 0.1).set(queue=queues[k % 3]) for k in range(1, 6)]
+    tail = chain(*steps).delay()
+    keys = [f"m{i}" for i in range(40)] + [f"s{k}" for k in range(6)]
+
+    def runs() -> int:
+        pipe = capp.redis.pipeline(transaction=False)  # one GET a key: the keys are in many slots
+        for k in keys:
+            pipe.get(f"{capp.settings.prefix}:ledger:{k}")
+        return sum(int(n or 0) for n in pipe.execute())
+
+    dispatcher = stack.dispatcher()
+    for round_ in range(8):
+        before = runs()
+        w = stack.worker("-Q", ",".join(queues), concurrency=2)
+        # Killed once it ran a few more jobs (or all are done): in the middle of the work.
+        wait_for(lambda before=before: runs() >= min(before + 3, 46) or handle.refresh().state == "completed",
+                 what="the worker to run some jobs")
+        os.killpg(w.pid, signal.SIGKILL)
+        w.wait()
+        if round_ == 3:
+            dispatcher.kill()
+            dispatcher.wait()
+            dispatcher = stack.dispatcher()
+    stack.worker("-Q", ",".join(queues), concurrency=2)
+    assert handle.wait(120) == list(range(1, 41))
+    assert tail.wait(120) == 6
+    assert all(ledger(capp, f"m{i}") >= 1 for i in range(40))
+    assert all(ledger(capp, f"s{k}") >= 1 for k in range(6))
+    wait_for(lambda: outboxes(capp, queues) == 0, what="every outbox entry carried")
