@@ -445,12 +445,13 @@ def test_a_workflow_a_later_slot_refuses_is_killed_where_it_was_written(capp, cl
     """Across slots a workflow takes several calls: when a queue written after others is
     closed, the jobs written before are killed (they would run without the rest)."""
     capp.redis.hset(capp.keys.q(queues[1]) + "meta", "closed", "1")
-    why = f"queue {queues[1]} is closed: the chain was not enqueued \\(the jobs of it written before were killed: 1\\)"
+    why = f"queue {queues[1]} is closed: the workflow was not enqueued \\(the jobs of it written before were killed: 1"
     with pytest.raises(QueueClosed, match=why):
         (apps.add.s(1, 2).set(queue=queues[0]) | apps.add.s(3).set(queue=queues[1])).delay()
     with cluster.owner(f"{{{queues[0]}}}").client() as node:
         [first] = node.zrange(capp.keys.q(queues[0]) + "killed", 0, -1)
-        assert node.hget(capp.keys.job(queues[0], first), "killed_by").startswith("taskrunner: its chain was refused")
+        killed_by = node.hget(capp.keys.job(queues[0], first), "killed_by")
+        assert killed_by.startswith("taskrunner: its workflow was refused")
 
 
 def test_workflows_over_slots_survive_killed_workers_and_a_restarted_dispatcher(capp, stack, cluster, queues):
