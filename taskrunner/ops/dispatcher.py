@@ -113,9 +113,6 @@ class Dispatcher:
             batch.call(scripts.SWEEP, [self.keys.q(q)], [1000, 100, self.s.result_ttl, self.s.failed_ttl])
             batch.pipe.xrange(joins.outbox(self.app, q), "-", older, 1000)
         results = batch.execute()
-        left = [e for found in results[1::2] for e in joins.parse(found)]
-        if left:
-            stats["carried"] = joins.carry(self.app, left)
         for q, res in zip(queues, results[0::2]):
             stats["promoted"] += int(res[0])
             lost: list[Any] = []
@@ -136,6 +133,13 @@ class Dispatcher:
                 else:
                     self._stuck(q, job_id, attempt, stats)
             self._tally(lose(self.app, q, lost, holders), stats)
+        left = [e for found in results[1::2] for e in joins.parse(found)]
+        if left:  # after the deadlines: a slot unreachable now must not hold up requeueing
+            try:
+                stats["carried"] = joins.carry(self.app, left)
+            except (*_REDIS_ERRORS, ValueError) as e:
+                log.warning("dispatcher %s: could not carry %d workflow outbox entries (%s); next pass",
+                            self.name, len(left), e)
         if dead:
             self._reap(queues, dead, now, stats)
         stats["fired"] = self.fire_schedules(now)
