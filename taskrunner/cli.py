@@ -435,7 +435,8 @@ def queues(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
     click.echo(f"{'QUEUE':20}" + "".join(f"{c.split('_')[0].upper():>11}" for c in cols) + "  SETTINGS")
     for s in stats:
         flags = " ".join(f for f, on in (("bound=" + str(s["bound"]), s["bound"]), ("closed", s["closed"]),
-                                         ("exclusive", s["exclusive"])) if on)
+                                         ("exclusive", s["exclusive"]),
+                                         (f"rate={s['rate']} used={s['rate_used']}", s["rate"])) if on)
         click.echo(f"{s['name']:20}" + "".join(f"{s[c]:>11}" for c in cols) + f"  {flags}")
 
 
@@ -711,7 +712,7 @@ _schedule_action("delete", "Delete a schedule added at runtime (the app's own of
 
 @main.group()
 def queue() -> None:
-    """Create, close, open or delete a queue (bounded, exclusive); see also `queues`."""
+    """Create, close, open or delete a queue (bounded, exclusive, rate-limited); see also `queues`."""
 
 
 @queue.command("create")
@@ -719,13 +720,30 @@ def queue() -> None:
 @click.option("--bound", type=click.IntRange(min=0), default=0, show_default=True,
               help="Most pending jobs; producers then wait for room (0: no bound).")
 @click.option("--exclusive", is_flag=True, help="At most one job of the queue runs at a time, in order.")
+@click.option("--rate", help='Most job starts, across all workers: "50/s", "N/m" or "N/h" (not given: the '
+              "queue's limit, if any, stays; `queue rate` changes or removes it).")
 @common
-def queue_create(name: str, bound: int, exclusive: bool, app_spec: str | None, redis_url: str | None) -> None:
-    """Create queue NAME, or change its bound and exclusivity."""
+def queue_create(name: str, bound: int, exclusive: bool, rate: str | None, app_spec: str | None,
+                 redis_url: str | None) -> None:
+    """Create queue NAME, or change its bound, exclusivity and rate limit."""
     from taskrunner.ops import queue as queues
 
-    queues.create(_app(app_spec, redis_url), name, bound, exclusive)
-    click.echo(f"queue {name}: bound {bound or 'none'}{', exclusive' if exclusive else ''}")
+    queues.create(_app(app_spec, redis_url), name, bound, exclusive, rate)
+    click.echo(f"queue {name}: bound {bound or 'none'}{', exclusive' if exclusive else ''}"
+               f"{f', rate {rate}' if rate else ''}")
+
+
+@queue.command("rate")
+@click.argument("name")
+@click.argument("rate")
+@common
+def queue_rate(name: str, rate: str, app_spec: str | None, redis_url: str | None) -> None:
+    """Limit how many jobs of queue NAME start, across all workers: RATE "50/s", "N/m" or
+    "N/h" (evenly spaced), or "none" to remove the limit."""
+    from taskrunner.ops import queue as queues
+
+    queues.set_rate(_app(app_spec, redis_url), name, None if rate == "none" else rate)
+    click.echo(f"queue {name}: {'no rate limit' if rate == 'none' else 'rate ' + rate}")
 
 
 def _queue_switch(how: str, doc: str, said: str) -> None:

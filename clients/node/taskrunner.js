@@ -241,6 +241,7 @@ class Consumer {
     this.shutdownGrace = Number(setting('TASKRUNNER_SHUTDOWN_GRACE', 20));
     this.current = null; // the delivery running: {queue, id, attempt, task, ..., controller}
     this.orphans = false; // a claim's answer may have been lost: we may hold jobs we do not run
+    this.throttled = null; // seconds until a rate limit's token (the last claim's answer), or null
     this.reconnects = 0;
     tr.redis.on('reconnecting', () => { this.reconnects += 1; });
     this.processed = 0;
@@ -276,12 +277,15 @@ class Consumer {
     if (this.current === d && !d.controller.signal.aborted) d.controller.abort(new Stop(reason));
   }
 
-  // Claim one job (claim.lua), queues in priority order, for this process; [] when none.
+  // Claim one job (claim.lua), queues in priority order, for this process; null when none.
+  // A value after the jobs (10 a job) is the seconds until a rate limit that held a job
+  // back has a token again (PROTOCOL.md, Flow control): kept in this.throttled.
   async claim() {
     const head = JSON.stringify({ worker: this.name, host: this.host, ip: '127.0.0.1' }).slice(0, -1);
     const got = await this.tr.scripts.call('claim', this.queues.map((q) => this.tr.q(q)),
       [head, this.name, this.host, '127.0.0.1', 1, this.defaultMaxDuration, process.pid, '']);
-    if (got.length === 0) return null;
+    this.throttled = got.length % 10 === 1 ? Number(got[got.length - 1]) : null;
+    if (got.length < 10) return null;
     const [qi, id, attempt, task, args, kwargs, maxDuration, policy, headers] = got;
     return { queue: this.queues[qi - 1], id, attempt, task, args, kwargs, maxDuration: Number(maxDuration), policy,
       headers: headers || '{}' };
@@ -391,7 +395,10 @@ class Consumer {
           const d = await this.claim();
           if (this.orphans || this.reconnects !== before) await this.releaseOrphans(d);
           if (d) await this.run(d);
-          else await blocker.brpop(...this.queues.map((q) => this.tr.q(q) + 'wake'), this.idleBlock);
+          // Redis times a BRPOP out to 0.1 s: a short wait for a rate limit's token is slept.
+          else if (this.throttled !== null && this.throttled < 1) await sleep(this.throttled);
+          else await blocker.brpop(...this.queues.map((q) => this.tr.q(q) + 'wake'),
+            this.throttled === null ? this.idleBlock : Math.min(this.idleBlock, this.throttled));
         } catch (e) {
           console.error(`${this.name}: ${e.message}; again in 1s`);
           this.orphans = true;

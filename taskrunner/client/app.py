@@ -46,6 +46,11 @@ class JobSpec:
     result_ttl: int | None = None
     failed_ttl: int | None = None
     soft_limit: float | None = None
+    #: Flow control (docs/PROTOCOL.md): the task's rate limit ("20/s"), the most of its jobs
+    #: running at once per concurrency key, and this job's key (None: the task's name).
+    rate_limit: str | None = None
+    max_concurrency: int | None = None
+    concurrency_key: str | None = None
 
     def __post_init__(self) -> None:
         """Each value checked: one of the wrong type or range is refused here, by name,
@@ -70,6 +75,12 @@ class JobSpec:
             if self.max_duration is not None and self.soft_limit >= self.max_duration:
                 raise ValueError(f"soft_limit ({self.soft_limit:g}s) must be less than max_duration "
                                  f"({self.max_duration:g}s): the hard kill comes at max_duration")
+        if self.rate_limit is not None:
+            codec.rate("rate_limit", self.rate_limit)
+        if self.max_concurrency is not None:
+            count("max_concurrency", self.max_concurrency, minimum=1)
+        if self.concurrency_key is not None:
+            codec.check_name("concurrency key", self.concurrency_key)
 
     def merged(self, **changes: Any) -> JobSpec:
         """This spec with the changes that are not None."""
@@ -79,10 +90,11 @@ class JobSpec:
 
 #: Fields of a job that a producer may leave to the task's declaration (enqueue.lua).
 DECLARED = ("max_duration", "retries", "retry_backoff", "timeout_policy", "max_lost", "max_retries",
-            "retry_backoff_max", "result_ttl", "failed_ttl", "soft_limit")
+            "retry_backoff_max", "result_ttl", "failed_ttl", "soft_limit", "rate_limit", "max_concurrency")
 #: Those a producer that knows the task sends only when they differ from the default
 #: (a record without them gets the default): most jobs then cost what they did before.
-OPTIONAL = (("max_retries", MAX_RETRIES), ("retry_backoff_max", None), ("result_ttl", None), ("failed_ttl", None))
+OPTIONAL = (("max_retries", MAX_RETRIES), ("retry_backoff_max", None), ("result_ttl", None), ("failed_ttl", None),
+            ("rate_limit", None), ("max_concurrency", None), ("concurrency_key", None))
 
 
 def _enqueue_args(jobs: list[tuple[str, float, list[Any]]], limit: int | None = None) -> list[Any]:
@@ -219,19 +231,22 @@ class Task:
                     retries: int | None = None, max_retries: int | None = None,
                     block_timeout: float | None = None, headers: dict[str, Any] | None = None,
                     depends_on: Iterable[Job | str] | None = None, on_success: Signature | None = None,
-                    on_failure: Signature | None = None) -> Job:
+                    on_failure: Signature | None = None, concurrency_key: str | None = None) -> Job:
         """Enqueue with options; `headers`, a dict of JSON values, travel with the job
         (current_job().headers; counted in its payload size). `depends_on`: jobs (Job
         objects or ids, of any queue) that must complete first; `on_success`, `on_failure`:
-        callbacks (TaskRunner.enqueue)."""
-        return self.app.enqueue(self.name, args, kwargs, spec=self.job_spec(queue, max_duration, retries, max_retries),
+        callbacks (TaskRunner.enqueue). `concurrency_key`: for a task with max_concurrency,
+        the key whose running jobs it counts against (default: the task's name)."""
+        spec = self.job_spec(queue, max_duration, retries, max_retries, concurrency_key)
+        return self.app.enqueue(self.name, args, kwargs, spec=spec,
                                 delay=delay, job_id=job_id, block_timeout=block_timeout, headers=headers,
                                 depends_on=depends_on, on_success=on_success, on_failure=on_failure)
 
     def job_spec(self, queue: str | None = None, max_duration: float | None = None, retries: int | None = None,
-                 max_retries: int | None = None) -> JobSpec:
+                 max_retries: int | None = None, concurrency_key: str | None = None) -> JobSpec:
         """This task's spec with the options of one job (None: the task's)."""
-        return self.spec.merged(queue=queue, max_duration=max_duration, retries=retries, max_retries=max_retries)
+        return self.spec.merged(queue=queue, max_duration=max_duration, retries=retries, max_retries=max_retries,
+                                concurrency_key=concurrency_key)
 
 
 class TaskRunner:
@@ -310,6 +325,7 @@ class TaskRunner:
              timeout_policy: str = "kill", max_lost: int | None = None, max_retries: int = MAX_RETRIES,
              retry_backoff_max: float | None = None, result_ttl: int | None = None, failed_ttl: int | None = None,
              ignore_result: bool = False, soft_limit: float | None = None,
+             rate_limit: str | None = None, max_concurrency: int | None = None,
              retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
              no_retry_on: type[BaseException] | tuple[type[BaseException], ...] = ()) -> Any:
         """Declare a task: `@app.task` or `@app.task(queue=..., max_duration=..., retries=...)`.
@@ -324,7 +340,11 @@ class TaskRunner:
         instead of the settings of the same names. ignore_result: the return value is
         dropped (the job still ends completed; wait() returns None).
         soft_limit: seconds (< max_duration) after which SoftTimeLimit is raised inside the
-        task, so that it can clean up before the hard kill (taskrunner/soft_limit.py)."""
+        task, so that it can clean up before the hard kill (taskrunner/soft_limit.py).
+        rate_limit: "N/s", "N/m" or "N/h": at most that many of its jobs start, across all
+        workers (evenly spaced; per queue); max_concurrency: at most that many run at once
+        per concurrency key (apply_async(concurrency_key=...), default the task's name).
+        Both are enforced by the claim in Redis (docs/PROTOCOL.md, Flow control)."""
         if not isinstance(ignore_result, bool):
             raise ValueError(f"ignore_result must be True or False, not {ignore_result!r}")
         retry_classes = None if retry_on is None else _exception_classes("retry_on", retry_on)
@@ -334,7 +354,8 @@ class TaskRunner:
             spec = JobSpec().merged(queue=queue, max_duration=max_duration, retries=retries,
                                     retry_backoff=retry_backoff, timeout_policy=timeout_policy, max_lost=max_lost,
                                     max_retries=max_retries, retry_backoff_max=retry_backoff_max,
-                                    result_ttl=result_ttl, failed_ttl=failed_ttl, soft_limit=soft_limit)
+                                    result_ttl=result_ttl, failed_ttl=failed_ttl, soft_limit=soft_limit,
+                                    rate_limit=rate_limit, max_concurrency=max_concurrency)
             task_name = codec.check_name("task", name or f"{_module_name(f.__module__)}.{f.__qualname__}")
             if task_name in self.tasks and self.tasks[task_name].fn is not f:
                 raise TaskRunnerError(f"two tasks named {task_name!r}: pass name= to one of them")
@@ -403,6 +424,8 @@ class TaskRunner:
                     raise ValueError(f"soft_limit ({spec.soft_limit:g}s) of {task} must be less than its max "
                                      f"duration ({max_duration:g}s)")
                 fields += ["soft_limit", spec.soft_limit]
+            if spec.concurrency_key is not None and spec.max_concurrency is None:
+                raise ValueError(f"concurrency_key needs max_concurrency: {task} sets none")
         else:
             for name in sent:
                 fields += [name, getattr(spec, name)]
@@ -421,7 +444,7 @@ class TaskRunner:
         t = self.tasks.get(task)
         if t is not None:
             return t.spec.merged(**options), None
-        sent = [k for k in DECLARED if options.get(k) is not None]
+        sent = [k for k in (*DECLARED, "concurrency_key") if options.get(k) is not None]
         return JobSpec(queue=options.get("queue") or "default").merged(**options), sent
 
     def declared(self, task: str) -> dict[str, Any] | None:

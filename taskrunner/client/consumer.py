@@ -20,6 +20,9 @@ from taskrunner.protocol.outcome import Ended, Outcome, finish_args
 
 log = logging.getLogger("taskrunner.consumer")
 
+#: A wait for a rate limit's token shorter than this is slept, not blocked on in Redis.
+_SHORT = 1.0
+
 
 class Consumer:
     def __init__(self, app: TaskRunner, queues: list[str], name: str | None = None):
@@ -44,11 +47,14 @@ class Consumer:
         argv = claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid(), ""] * count)
         while True:
             raw = scripts.CLAIM(self.app.redis, claim_keys(self.app, prefixes), argv)
-            out = claim_rest(self.app, self.queues, argv, raw)
+            out, wait = claim_rest(self.app, self.queues, argv, raw)
             left = deadline - time.monotonic()
             if out or left <= 0:
                 return out
-            pop_any(self.app.redis, [p + "wake" for p in prefixes], max(0.01, min(left, 5)))
+            if wait is not None and wait < _SHORT:  # a rate limit's next token: Redis times a BRPOP out to 0.1 s
+                time.sleep(min(wait, left))
+            else:
+                pop_any(self.app.redis, [p + "wake" for p in prefixes], max(0.01, min(left, 5, wait or 5)))
 
     def ack(self, deliveries: list[Delivery], results: list[Any] | None = None) -> list[bool]:
         """Mark jobs completed, all in one round trip; says which were really acked (a job

@@ -36,7 +36,8 @@ def declaration(app: TaskRunner, task: Task, worker: str, at: float) -> dict[str
             "retries": s.retries, "retry_backoff": s.retry_backoff, "timeout_policy": s.timeout_policy,
             "max_lost": s.max_lost or app.settings.max_lost, "max_retries": s.max_retries,
             "retry_backoff_max": s.retry_backoff_max, "result_ttl": s.result_ttl, "failed_ttl": s.failed_ttl,
-            "soft_limit": s.soft_limit, "worker": worker, "declared_at": at}
+            "soft_limit": s.soft_limit, "rate_limit": s.rate_limit, "max_concurrency": s.max_concurrency,
+            "worker": worker, "declared_at": at}
 
 
 def publish(app: TaskRunner, queues: list[str], worker: str, at: float, overwrite: bool = True) -> None:

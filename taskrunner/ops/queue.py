@@ -1,6 +1,6 @@
 """Queue administration (after the pressure protocol): bounds, closing, exclusive
-queues, deletion, and each queue's counters. Settings live in the queue's `meta` hash,
-which the enqueue and claim scripts read."""
+queues, rate limits, deletion, and each queue's counters. Settings live in the queue's
+`meta` hash, which the enqueue and claim scripts read."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from taskrunner.errors import QueueNotFound, TaskRunnerError
 from taskrunner.protocol import codec
+from taskrunner.protocol.connection import server_time
 
 if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
@@ -15,15 +16,20 @@ if TYPE_CHECKING:
 COUNTERS = ("produced_messages", "produced_bytes", "consumed_messages", "consumed_bytes")
 
 
-def create(app: TaskRunner, name: str, bound: int = 0, exclusive: bool = False) -> None:
+def create(app: TaskRunner, name: str, bound: int = 0, exclusive: bool = False, rate: str | None = None) -> None:
     """Create a queue, or change its settings: `bound` > 0 caps its pending jobs (producers
-    block, then QueueFull); `exclusive` runs at most one of its jobs at a time, in order."""
+    block, then QueueFull); `exclusive` runs at most one of its jobs at a time, in order;
+    `rate` ("50/s", "N/m", "N/h"), when given, is how many of its jobs may start, across
+    all workers (None: the queue's rate limit, if any, stays; set_rate() changes it)."""
     codec.check_name("queue", name)
     if bound < 0:
         raise ValueError("bound must be >= 0 (0: no bound)")
+    settings: dict[str, Any] = {"bound": bound, "exclusive": int(exclusive)}
+    if rate is not None:
+        settings["rate"] = codec.rate("rate", rate)
     meta = app.keys.q(name) + "meta"
     pipe = app.redis.pipeline(transaction=False)
-    pipe.hset(meta, mapping={"bound": bound, "exclusive": int(exclusive)})
+    pipe.hset(meta, mapping=settings)
     pipe.sadd(app.keys.queues, name)
     pipe.lpush(app.keys.q(name) + "notfull", "1").ltrim(app.keys.q(name) + "notfull", 0, 0)
     pipe.execute()
@@ -40,6 +46,22 @@ def open(app: TaskRunner, name: str) -> None:  # the counterpart of close(), nam
     """Take new jobs again after close()."""
     must_exist(app, name)
     app.redis.hdel(app.keys.q(name) + "meta", "closed")
+
+
+def set_rate(app: TaskRunner, name: str, rate: str | None) -> None:
+    """Limit how many of the queue's jobs start ("50/s", "N/m", "N/h"), across all
+    workers; None removes the limit. Claims read it at once (docs/PROTOCOL.md, Flow
+    control); a lower limit applies from the next start on."""
+    must_exist(app, name)
+    p = app.keys.q(name)
+    pipe = app.redis.pipeline(transaction=False)
+    if rate is None:
+        pipe.hdel(p + "meta", "rate")
+    else:
+        pipe.hset(p + "meta", "rate", codec.rate("rate", rate))
+    # A wake token: a worker sleeping until the old limit's next token claims now.
+    pipe.lpush(p + "wake", "1").ltrim(p + "wake", 0, 0)
+    pipe.execute()
 
 
 def deletable(app: TaskRunner, name: str, force: bool = False) -> dict[str, int]:
@@ -84,16 +106,38 @@ def info(app: TaskRunner, name: str) -> dict[str, Any]:
 
 
 def settings(app: TaskRunner, names: list[str]) -> list[dict[str, Any]]:
+    """Settings and counters of each queue; with its rate limit (None: none) the starts it
+    counted in the current period of the limit (`rate_used`: this second, minute or hour)
+    and in the one before (`rate_used_last`)."""
     pipe = app.redis.pipeline(transaction=False)
     for n in names:
         pipe.hgetall(app.keys.q(n) + "meta")
+        pipe.hgetall(app.keys.q(n) + "limit")
+    answers = pipe.execute()
+    now = server_time(app.redis) if any(meta.get("rate") for meta in answers[::2]) else 0.0
     out = []
-    for meta in pipe.execute():
+    for meta, limit in zip(answers[::2], answers[1::2]):
         d: dict[str, Any] = {c: int(meta.get(c, 0)) for c in COUNTERS}
         d.update(bound=int(meta.get("bound", 0)), closed=meta.get("closed") == "1",
-                 exclusive=meta.get("exclusive") == "1")
+                 exclusive=meta.get("exclusive") == "1", rate=meta.get("rate"))
+        d.update(rate_use(meta.get("rate"), limit, now))
         out.append(d)
     return out
+
+
+def rate_use(rate: str | None, limit: dict[str, str], now: float) -> dict[str, int]:
+    """A rate limiter's starts this period and the last (claim.lua keeps them with its
+    state: `win`, the period's number, `used` and `before`), read at server time `now`."""
+    try:
+        codec.rate("rate", rate)
+        _, period = codec.rate_period(rate or "")
+        win, used, before = int(limit["win"]), int(limit["used"]), int(limit["before"])
+    except (ValueError, KeyError):
+        return {"rate_used": 0, "rate_used_last": 0}
+    current = int(now // period)
+    if win == current:
+        return {"rate_used": used, "rate_used_last": before}
+    return {"rate_used": 0, "rate_used_last": used if win == current - 1 else 0}
 
 
 def must_exist(app: TaskRunner, name: str) -> None:

@@ -75,12 +75,21 @@ class Delivery:
                 "timeout_policy": self.timeout_policy, "headers": self.headers}
 
 
-def decode(answer: list[Any], queues: list[str]) -> list[Delivery]:
+def decode(answer: list[Any], queues: list[str]) -> tuple[list[Delivery], float | None]:
     """claim.lua's answer, STRIDE values per job, as records; `queues`: the call's queues in
-    KEYS order (the answer numbers them from 1)."""
-    return [Delivery(queues[int(answer[i]) - 1], answer[i + 1], str(answer[i + 2]), answer[i + 3], answer[i + 4],
-                     answer[i + 5], float(answer[i + 6]), answer[i + 7], answer[i + 8], answer[i + 9])
-            for i in range(0, len(answer), STRIDE)]
+    KEYS order (the answer numbers them from 1). And the value after the jobs, when there
+    is one: the seconds until a rate limit that held a job back has a token again (None:
+    none did, docs/PROTOCOL.md, Flow control)."""
+    jobs = len(answer) - len(answer) % STRIDE
+    return ([Delivery(queues[int(answer[i]) - 1], answer[i + 1], str(answer[i + 2]), answer[i + 3], answer[i + 4],
+                      answer[i + 5], float(answer[i + 6]), answer[i + 7], answer[i + 8], answer[i + 9])
+             for i in range(0, jobs, STRIDE)],
+            float(answer[jobs]) if jobs < len(answer) else None)
+
+
+def sooner(a: float | None, b: float | None) -> float | None:
+    """The sooner of two waits for a token (None: no wait)."""
+    return b if a is None else a if b is None else min(a, b)
 
 
 def claim_args(app: TaskRunner, name: str, host: str, ip: str, slots: list[Any]) -> list[Any]:
@@ -95,14 +104,16 @@ def claim_keys(app: TaskRunner, prefixes: list[str]) -> list[str]:
     return prefixes[:1] if is_cluster(app.redis) else prefixes
 
 
-def claim_rest(app: TaskRunner, queues: list[str], args: list[Any], answer: list[Any]) -> list[Delivery]:
+def claim_rest(app: TaskRunner, queues: list[str], args: list[Any],
+               answer: list[Any]) -> tuple[list[Delivery], float | None]:
     """The jobs claimed, from the first call's `answer` (KEYS: claim_keys()); on a cluster
     the later queues go on, one call each, in priority order, while jobs are still wanted
     (strict priority, as in one call), each pair's seconds ahead counting the jobs claimed
-    for its process before. Job k went to pair k."""
-    claimed = decode(answer, queues)
+    for its process before. Job k went to pair k. With them, the seconds until a rate
+    limit that held a job back has a token again (None: none did)."""
+    claimed, wait = decode(answer, queues)
     if not is_cluster(app.redis):
-        return claimed
+        return claimed, wait
     head, pairs = args[:6], args[6:]
     for queue in queues[1:]:
         n = len(claimed)
@@ -114,5 +125,7 @@ def claim_rest(app: TaskRunner, queues: list[str], args: list[Any], answer: list
         rest: list[Any] = []
         for pid, base in zip(pairs[2 * n::2], pairs[2 * n + 1::2]):
             rest += [pid, base if base == "" else f"{float(base) + ahead.get(pid, 0.0):.3f}"]
-        claimed += decode(scripts.CLAIM(app.redis, [app.keys.q(queue)], head + rest), [queue])
-    return claimed
+        more, later = decode(scripts.CLAIM(app.redis, [app.keys.q(queue)], head + rest), [queue])
+        claimed += more
+        wait = sooner(wait, later)
+    return claimed, wait

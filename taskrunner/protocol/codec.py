@@ -108,3 +108,23 @@ def count(name: str, value: Any, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 2**31:
         raise ValueError(f"{name} must be a whole number from {minimum} to {2**31 - 1}, not {value!r}")
     return value
+
+
+_RATE = re.compile(r"([1-9][0-9]{0,8})/([smh])\Z")
+_PERIODS = {"s": 1, "m": 60, "h": 3600}
+
+
+def rate(name: str, value: Any) -> str:
+    """A rate limit: "N/s", "N/m" or "N/h", N a whole number from 1 to 999999999 (as the
+    scripts read it: docs/PROTOCOL.md, Flow control)."""
+    if not isinstance(value, str) or not _RATE.match(value):
+        raise ValueError(f'{name} must be "N/s", "N/m" or "N/h" with N a whole number from 1 to 999999999 '
+                         f"(e.g. \"20/s\"), not {value!r}")
+    return value
+
+
+def rate_period(value: str) -> tuple[int, int]:
+    """A rate limit checked by rate() as (N, the period in seconds)."""
+    m = _RATE.match(value)
+    assert m is not None, value
+    return int(m[1]), _PERIODS[m[2]]

@@ -106,6 +106,9 @@ class Worker:
         self.crew = Crew(app, self.outbox, self.name, self.host, concurrency, threads, self.async_slots,
                          max_jobs_per_child, max_memory_per_child)
         self.may_claim = True
+        # A rate limit held a job back (flow control): claim again at this time (monotonic)
+        # at the latest, as if woken; None: only when woken.
+        self.claim_at: float | None = None
         self.stopping = False
         self.stop_at = 0.0
         self.reconcile = True  # release what Redis says we hold but we do not run
@@ -241,6 +244,8 @@ class Worker:
         for c in quiet:
             self.crew.read(c)
         now = time.monotonic()
+        if self.claim_at is not None and now >= self.claim_at:  # a rate limit's token is due
+            self.may_claim, self.claim_at = True, None
         if self.stopping and any(b.armed for b in self.wakes):
             for b in self.wakes:
                 b.reset()
@@ -298,7 +303,7 @@ class Worker:
     def _timeout(self) -> float:
         now = time.monotonic()
         return policy.wait_timeout(now, self.crew.children, redis_ok_at=self.redis_ok_at, next_beat=self.next_beat,
-                                   sync_at=self._sync_due(now),
+                                   sync_at=min(self._sync_due(now), self.claim_at or policy.INF),
                                    answer_by=self.channel.deadline() if self.flights and self.channel else None,
                                    stopping=self.stopping, stop_at=self.stop_at, give_up_at=self._give_up_at())
 
@@ -336,7 +341,7 @@ class Worker:
             except _REDIS_ERRORS:
                 return  # re-armed by the next step
             if ready is not self.ctl:  # a wake list
-                self.may_claim = True
+                self.may_claim, self.claim_at = True, None
                 self._cancel_wakes()
             elif reply:
                 self._on_control(reply[1])
@@ -434,10 +439,13 @@ class Worker:
         if self.outbox.to_carry:
             self._carry()
         if f.slots:
-            claimed = claim_rest(self.app, self.queues, f.claim, results[-1])
+            claimed, wait = claim_rest(self.app, self.queues, f.claim, results[-1])
             self.crew.deliver(f.slots, claimed)
             if len(claimed) < len(f.slots):
+                # Found nothing more: wait for a wake token, or for the token of a rate limit
+                # that held a job back (a timer of our own: Redis times a BRPOP out to 0.1 s).
                 self.may_claim = False
+                self.claim_at = None if wait is None else time.monotonic() + wait
 
     def _carry(self) -> None:
         """Carry the outbox entries our finishes left (jobs with children in other slots of a

@@ -25,6 +25,9 @@
 --                          Cluster), until a carrier has applied it with join.lua there
 --   <p>joined:<id>  HASH  "<queue> <id>" -> JSON: the parents in other slots that waiting job <id>
 --                          counted (or that ended before it was enqueued), with their news
+--   <p>limit, <p>limit:<task>  HASH  a rate limiter's state (the queue's, a task's): tat,
+--                          win, used, before (see "Flow control" below)
+--   <p>slots:<key>  SET   ids of the running jobs that hold a slot of concurrency key <key>
 
 local function now()
   local t = redis.call('TIME')
@@ -63,15 +66,52 @@ end
 local function load(job)
   local v = redis.call('HMGET', job, 'attempts', 'bucket', 'waiters', 'task', 'enqueued_at', 'started_at', 'worker',
     'host', 'pid', 'queue', 'kill_requested', 'max_lost', 'retries', 'retry_backoff', 'result_ttl', 'failed_ttl',
-    'children', 'cross_children')
+    'children', 'cross_children', 'max_concurrency', 'concurrency_key')
   return {attempts = v[1], bucket = v[2], waiters = v[3], task = v[4], enqueued_at = v[5], started_at = v[6],
     worker = v[7], host = v[8], pid = v[9], queue = v[10], kill_requested = v[11], max_lost = v[12],
     retries = v[13], retry_backoff = v[14], result_ttl = v[15], failed_ttl = v[16], children = v[17],
-    cross_children = v[18]}
+    cross_children = v[18], max_concurrency = v[19], concurrency_key = v[20]}
 end
 
+-- >>> Flow control (issue 17): rate limits and concurrency keys ------------------------
+-- A job with `max_concurrency` holds a slot of its concurrency key (`concurrency_key`, else
+-- its task) while its delivery lives: the claim adds its id to <p>slots:<key>, and every
+-- release (below, and finish.lua's batched one) removes it, so a slot lives exactly as long
+-- as the holding entry: whatever ends or returns the delivery (finish, lose, recover,
+-- requeue) gives it back. A job without max_concurrency costs nothing here.
+
+-- The set of slot holders of a job's concurrency key, or nil when the job has no limit.
+-- `r`: at least task, max_concurrency and concurrency_key.
+local function slots_key(p, r)
+  if not r.max_concurrency then return nil end
+  return p .. 'slots:' .. (r.concurrency_key or r.task or '?')
+end
+
+-- A delivery of `r` was released: give its slot back; true when it held one (the caller
+-- then leaves a wake token: a job held back for that key may run now).
+local function free_slot(p, id, r)
+  local key = slots_key(p, r)
+  if key then
+    redis.call('SREM', key, id)
+    return true
+  end
+  return false
+end
+
+-- A rate limit "N/s", "N/m" or "N/h" (N a whole number, 1 to 999999999): the seconds
+-- between two starts (the GCRA's emission interval) and the period in seconds; nil when
+-- it is not one.
+local PERIODS = {s = 1, m = 60, h = 3600}
+local function rate_of(spec)
+  local n, u = string.match(spec or '', '^([1-9]%d?%d?%d?%d?%d?%d?%d?%d?)/([smh])$')
+  if not n then return nil end
+  return PERIODS[u] / tonumber(n), PERIODS[u]
+end
+-- <<< Flow control ---------------------------------------------------------------------
+
 -- Forget that a job runs: holding entry (unless the caller removed it already), processing
--- set, deadline bucket. An emptied bucket stays in the index until the sweep drops it.
+-- set, deadline bucket, concurrency slot (then a wake token: a job held back for the slot
+-- may run). An emptied bucket stays in the index until the sweep drops it.
 local function release(p, id, r, running_gone)
   if not running_gone then
     redis.call('HDEL', p .. 'running', id)
@@ -79,6 +119,9 @@ local function release(p, id, r, running_gone)
   redis.call('SREM', p .. 'processing', id)
   if r.bucket then
     redis.call('SREM', p .. 'dl:' .. r.bucket, id)
+  end
+  if free_slot(p, id, r) then
+    wake(p)
   end
 end
 

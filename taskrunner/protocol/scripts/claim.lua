@@ -20,6 +20,13 @@
 -- Returns {queue index, id, attempt, task, args, kwargs, max_duration, timeout_policy,
 -- headers, soft limit}* (headers: the record's JSON object text, "" when it has none;
 -- soft limit: the record's soft_limit, "" if none).
+-- Flow control (docs/PROTOCOL.md, Flow control): a queue whose meta has `flow` (it has had
+-- jobs with rate_limit or max_concurrency) or `rate` (a queue-wide rate limit) is claimed
+-- from through flow_pick() below, which looks at its FLOW_WINDOW oldest jobs and leaves
+-- those held back by a rate limit or a full concurrency key in place; other queues pay
+-- nothing for it. When a rate limit held a job back and fewer than N jobs were claimed,
+-- the answer has one more value at the end: the seconds until the earliest such job's
+-- token is due (the claimer sleeps that long at most before it claims again).
 -- Refuses (an error, nothing changed) arguments that would write a holding entry the
 -- dispatcher cannot read or a holder it cannot judge: the job would then come back only
 -- at its deadline. ARGV[1] must decode (with "}" added) to a JSON object whose "worker" is
@@ -56,6 +63,135 @@ end
 local t = now()
 local ts = fmt(t)
 local want = (#ARGV - 6) / 2
+
+-- >>> Flow control (issue 17): rate limits and concurrency keys --------------------------
+-- A rate limiter is GCRA with no burst: its state <p>limit (the queue's) or <p>limit:<task>
+-- is a hash with `tat`, the time from which the next start is allowed (each start moves it
+-- to max(tat, now) + period / N), and, for people, `win` (floor(now / period)), `used`
+-- (starts in that period) and `before` (starts in the one before). Read once per call,
+-- written once per call when spent, and expired once it says nothing (tat and the next
+-- period passed). A concurrency key's slots are <p>slots:<key> (see _lib.lua).
+local FLOW_WINDOW = 100  -- the oldest jobs a flow-controlled queue's claim looks at
+local wait_min  -- seconds until the earliest token due of a rate limit that held a job back
+local limiters, slot_sets = {}, {}
+
+local function held_back(d)
+  if not wait_min or d < wait_min then wait_min = d end
+end
+
+local function limiter(key, spec)
+  local l = limiters[key]
+  if l then return l end
+  local interval, period = rate_of(spec)
+  if not interval then return nil end  -- enqueue.lua and `queue rate` refuse such specs
+  local v = redis.call('HMGET', key, 'tat', 'win', 'used', 'before')
+  l = {key = key, interval = interval, period = period, tat = tonumber(v[1]) or 0, win = tonumber(v[2]) or 0,
+    used = tonumber(v[3]) or 0, before = tonumber(v[4]) or 0}
+  limiters[key] = l
+  return l
+end
+
+local function spend(l)
+  l.tat = math.max(l.tat, t) + l.interval
+  local w = math.floor(t / l.period)
+  if l.win ~= w then
+    l.before = l.win == w - 1 and l.used or 0
+    l.win, l.used = w, 0
+  end
+  l.used = l.used + 1
+  l.dirty = true
+end
+
+-- The holders of a concurrency key (their count, for this call). A full key is checked
+-- against the holding hash first: a holder whose delivery is gone is dropped (no path
+-- leaves one, but a slot must never stay taken for ever if one did).
+local function slots_of(p, key, most)
+  local s = slot_sets[key]
+  if s then return s end
+  local n_held = redis.call('SCARD', key)
+  if n_held >= most then
+    local ids = redis.call('SMEMBERS', key)
+    local live = redis.call('HMGET', p .. 'running', unpack(ids))
+    local gone = {}
+    for i, id in ipairs(ids) do
+      if not live[i] then gone[#gone + 1] = id end
+    end
+    if #gone > 0 then
+      redis.call('SREM', key, unpack(gone))
+      n_held = n_held - #gone
+    end
+  end
+  s = {n = n_held}
+  slot_sets[key] = s
+  return s
+end
+
+-- Up to k claimable ids of a flow-controlled queue, oldest first (taken off `pending`,
+-- with their slots and tokens spent), from its FLOW_WINDOW oldest: a job whose task's rate
+-- limit has no token now, or whose concurrency key is full, stays where it is and the
+-- jobs behind it in the window go ahead; the queue's own limit (`qlim`) stops the pass
+-- once spent. Stale ids (see the claim) are dropped, as by the plain claim.
+local function flow_pick(p, k, qlim)
+  local pending = p .. 'pending'
+  local ids = redis.call('LRANGE', pending, -FLOW_WINDOW, -1)
+  if #ids == 0 then return {} end
+  if qlim and qlim.tat > t then
+    held_back(qlim.tat - t)
+    return {}
+  end
+  local held = redis.call('SMISMEMBER', p .. 'processing', unpack(ids))
+  local listed = redis.call('SMISMEMBER', p .. 'items', unpack(ids))
+  local fresh, keep, seen, done = {}, {}, {}, false
+  for i = #ids, 1, -1 do  -- oldest (rightmost) first
+    local id = ids[i]
+    if held[i] == 0 and listed[i] == 1 and not seen[id] then
+      seen[id] = true
+      local ok, tl, s, key = not done, nil, nil, nil
+      if ok then
+        local f = redis.call('HMGET', p .. 'job:' .. id, 'task', 'rate_limit', 'max_concurrency', 'concurrency_key')
+        if f[1] and f[2] then
+          tl = limiter(p .. 'limit:' .. f[1], f[2])
+          if tl and tl.tat > t then
+            ok = false
+            held_back(tl.tat - t)
+          end
+        end
+        local most = tonumber(f[3])
+        if ok and f[1] and most then
+          key = slots_key(p, {task = f[1], max_concurrency = f[3], concurrency_key = f[4]})
+          s = slots_of(p, key, most)
+          ok = s.n < most
+        end
+      end
+      if ok then
+        fresh[#fresh + 1] = id
+        if tl then spend(tl) end
+        if s then
+          s.n = s.n + 1
+          redis.call('SADD', key, id)
+        end
+        if qlim then spend(qlim) end
+        done = #fresh >= k or (qlim ~= nil and qlim.tat > t)
+      else
+        keep[#keep + 1] = id
+      end
+    end
+  end
+  if #keep < #ids then  -- else nothing was taken or dropped: the list stays as it is
+    redis.call('LTRIM', pending, 0, -#ids - 1)
+    if #keep > 0 then
+      local back = {}
+      for i = #keep, 1, -1 do back[#back + 1] = keep[i] end  -- newest first: the oldest ends rightmost
+      redis.call('RPUSH', pending, unpack(back))
+    end
+  end
+  if done and qlim and qlim.tat > t and #keep > 0 then
+    held_back(qlim.tat - t)
+  end
+  return fresh
+end
+-- <<< Flow control ---------------------------------------------------------------------
+
 local queued = {}  -- pid -> seconds of work ahead of its next job
 local bucket_names = {}
 local out = {}
@@ -63,25 +199,33 @@ local n = 0
 for qi = 1, #KEYS do
   local p = KEYS[qi]
   local pending, processing, items = p .. 'pending', p .. 'processing', p .. 'items'
-  local meta = redis.call('HMGET', p .. 'meta', 'bound', 'exclusive')
+  local meta = redis.call('HMGET', p .. 'meta', 'bound', 'exclusive', 'flow', 'rate')
   local limit = want
   if meta[2] == '1' then
     limit = redis.call('SCARD', processing) == 0 and math.min(want, n + 1) or n
   end
+  local flow = meta[3] == '1' or meta[4] ~= false  -- flow control: one flow_pick() pass
+  local qlim = meta[4] and limiter(p .. 'limit', meta[4]) or nil
   local taken, bytes = 0, 0
   local entries, buckets = {}, {}
   while n < limit do
-    local ids = redis.call('LRANGE', pending, n - limit, -1)
-    if #ids == 0 then break end
-    redis.call('LTRIM', pending, 0, -#ids - 1)
-    local held = redis.call('SMISMEMBER', processing, unpack(ids))
-    local listed = redis.call('SMISMEMBER', items, unpack(ids))
-    local fresh, seen = {}, {}
-    for i = #ids, 1, -1 do  -- oldest (rightmost) first
-      local id = ids[i]
-      if held[i] == 0 and listed[i] == 1 and not seen[id] then
-        seen[id] = true
-        fresh[#fresh + 1] = id
+    local fresh
+    if flow then
+      fresh = flow_pick(p, limit - n, qlim)
+    else
+      local ids = redis.call('LRANGE', pending, n - limit, -1)
+      if #ids == 0 then break end
+      redis.call('LTRIM', pending, 0, -#ids - 1)
+      local held = redis.call('SMISMEMBER', processing, unpack(ids))
+      local listed = redis.call('SMISMEMBER', items, unpack(ids))
+      local seen = {}
+      fresh = {}
+      for i = #ids, 1, -1 do  -- oldest (rightmost) first
+        local id = ids[i]
+        if held[i] == 0 and listed[i] == 1 and not seen[id] then
+          seen[id] = true
+          fresh[#fresh + 1] = id
+        end
       end
     end
     if #fresh > 0 then
@@ -138,6 +282,7 @@ for qi = 1, #KEYS do
         out[o + 9], out[o + 10] = f[7] or '', f[8] or ''
       end
     end
+    if flow then break end  -- one pass: the jobs it left behind wait for a later claim
   end
   if taken > 0 then
     redis.call('HSET', p .. 'running', unpack(entries))
@@ -154,4 +299,15 @@ for qi = 1, #KEYS do
     break
   end
 end
+-- >>> Flow control: the limiters spent, and when the claimer may try again
+for key, l in pairs(limiters) do
+  if l.dirty then
+    redis.call('HSET', key, 'tat', fmt(l.tat), 'win', l.win, 'used', l.used, 'before', l.before)
+    redis.call('PEXPIREAT', key, math.ceil(math.max(l.tat, (l.win + 2) * l.period) * 1000))
+  end
+end
+if wait_min and n < want then
+  out[#out + 1] = string.format('%.6f', wait_min)
+end
+-- <<< Flow control
 return out

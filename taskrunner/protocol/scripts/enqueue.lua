@@ -12,7 +12,10 @@
 -- default {}), headers (JSON object; none when not sent), max_duration (s > 0), retries
 -- (0 to 2^31-1), retry_backoff (s >= 0), timeout_policy (kill|flag), max_lost (1 to
 -- 2^31-1), max_retries (0 to 2^31-1), retry_backoff_max (s >= 0), result_ttl and failed_ttl
--- (whole s, 1 to 2^31-1), soft_limit (s > 0, < max_duration), producer (text); for a
+-- (whole s, 1 to 2^31-1), soft_limit (s > 0, < max_duration), producer (text); flow
+-- control (docs/PROTOCOL.md, Flow control): rate_limit ("N/s", "N/m" or "N/h"),
+-- max_concurrency (1 to 2^31-1), concurrency_key (a name; needs max_concurrency, the job's
+-- or the declaration's); for a
 -- workflow's step (docs/PROTOCOL.md, Workflows): parents ("<queue> <id> ..."; each an
 -- earlier job of this call or an existing one that has not failed; no delay), takes
 -- ("result": its one parent's result goes first in its args; "results": a JSON array of
@@ -28,10 +31,11 @@
 -- takes result, results, error or -: its children in other slots, enqueued after it, which
 -- its end tells through its queue's outbox; they join its `children`). A producer
 -- that leaves out any of max_duration, retries, retry_backoff, timeout_policy and max_lost
--- gets those, and any of max_retries, retry_backoff_max, result_ttl, failed_ttl and
--- soft_limit it left out too, from the task's declaration, <p>tasks[task] (JSON, written
--- by workers), when there is one. One that sends the first five knows the task: the last
--- five it did not send are left out of the record (their defaults apply; no soft limit),
+-- gets those, and any of max_retries, retry_backoff_max, result_ttl, failed_ttl,
+-- soft_limit, rate_limit and max_concurrency it left out too, from the task's declaration,
+-- <p>tasks[task] (JSON, written by workers), when there is one. One that sends the first
+-- five knows the task: the last seven it did not send are left out of the record (their
+-- defaults apply; no soft limit, no flow control),
 -- and no declaration is read. Numbers not in plain decimal notation are written back in it.
 -- Returns one integer per job: 1 added, 0 an id that already exists (nothing changed),
 -- -1 the queue is full (its bound is reached; delayed jobs and jobs with parents do not
@@ -40,7 +44,8 @@
 -- PayloadTooLarge, BadValue, BadCall.
 -- Sets: job:<id> (fields + state, enqueued_at), then pending+items (+wake) or delayed;
 -- meta produced_messages/produced_bytes (bytes = length of args + kwargs + headers, the
--- payload the limit applies to).
+-- payload the limit applies to); meta flow = 1 when a job written has rate_limit or
+-- max_concurrency (the claim then checks the queue's jobs for them).
 local p = KEYS[1]
 local n_jobs = tonumber(ARGV[1])
 local WHOLE_MAX = 2147483647
@@ -74,13 +79,16 @@ local function decimal(x)
 end
 
 -- The settings that are whole numbers, and the least each may be.
-local WHOLE = {retries = 0, max_lost = 1, max_retries = 0, result_ttl = 1, failed_ttl = 1}
+local WHOLE = {retries = 0, max_lost = 1, max_retries = 0, result_ttl = 1, failed_ttl = 1, max_concurrency = 1}
 
 -- The setting `name` (text, or a number from a declaration) as the text to store, or nil
 -- when it is not acceptable. Text already in plain decimal is kept as it is.
 local function setting(name, v)
   if name == 'timeout_policy' then
     if v == 'kill' or v == 'flag' then return v end
+    return nil
+  elseif name == 'rate_limit' then  -- flow control
+    if rate_of(v) then return v end
     return nil
   end
   local x = tonumber(v)
@@ -122,6 +130,7 @@ local function rule(name)
   if name == 'max_duration' or name == 'soft_limit' then return 'a number of seconds > 0 and < 2^53'
   elseif name == 'retry_backoff' or name == 'retry_backoff_max' then return 'a number of seconds >= 0 and < 2^53'
   elseif WHOLE[name] then return 'a whole number from ' .. WHOLE[name] .. ' to 2147483647'
+  elseif name == 'rate_limit' then return '"N/s", "N/m" or "N/h" with N a whole number from 1 to 999999999'
   end
   return 'kill or flag'
 end
@@ -196,7 +205,7 @@ end
 -- when there is no declaration. Read and checked once per task and call; nil and the
 -- refusal when it is not a JSON object.
 local DECLARED = {'max_duration', 'retries', 'retry_backoff', 'timeout_policy', 'max_lost', 'max_retries',
-  'retry_backoff_max', 'result_ttl', 'failed_ttl', 'soft_limit'}
+  'retry_backoff_max', 'result_ttl', 'failed_ttl', 'soft_limit', 'rate_limit', 'max_concurrency'}
 local declarations  -- queue prefix .. task -> fill, made when needed
 local function declared(jp, task)
   declarations = declarations or {}
@@ -268,6 +277,7 @@ local plan = {}
 -- job n -> its queue prefix when not p; its parents and takes. `here`: made at the first job
 -- with parents (jobs outside workflows pay nothing for it), see parents_of().
 local queues_of, steps, here = {}, {}, nil
+local flows = {}  -- job n -> true when it has rate_limit or max_concurrency (flow control)
 local largest, i = 0, 2
 for n = 1, n_jobs do
   local id, delay_s, k = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
@@ -284,7 +294,7 @@ for n = 1, n_jobs do
   end
   -- Fields in locals, not a table: this loop is most of the script's cost.
   local task, queue_f, args, kwargs, headers, producer, md, rt, rb, tp, ml, mr, bm, rtl, ftl, sl, parents, takes
-  local opf, cross, cross_children
+  local opf, cross, cross_children, rl, mc, ck
   local changed = false  -- a setting written otherwise than sent
   for a = i + 3, i + 1 + 2 * k, 2 do
     local name, value = ARGV[a], ARGV[a + 1]
@@ -300,6 +310,12 @@ for n = 1, n_jobs do
     elseif name == 'on_parent_failure' then seen = opf; opf = value
     elseif name == 'cross_slot' then seen = cross; cross = value
     elseif name == 'cross_children' then seen = cross_children; cross_children = value
+    elseif name == 'concurrency_key' then  -- flow control
+      if not is_name(value) then
+        return refuse('BadValue', 'job ' .. id .. ': concurrency_key must be a name (1-200 of letters, digits and '
+          .. '_.:@-, starting with a letter or digit), not ' .. quote(value))
+      end
+      seen = ck; ck = value
     else
       local v = setting_of(name, value)
       if name == 'max_duration' then seen = md; md = v
@@ -312,6 +328,8 @@ for n = 1, n_jobs do
       elseif name == 'result_ttl' then seen = rtl; rtl = v
       elseif name == 'failed_ttl' then seen = ftl; ftl = v
       elseif name == 'soft_limit' then seen = sl; sl = v
+      elseif name == 'rate_limit' then seen = rl; rl = v
+      elseif name == 'max_concurrency' then seen = mc; mc = v
       else
         return refuse('BadCall', 'job ' .. id .. ': unknown field ' .. string.format('%q', string.sub(name, 1, 50)))
       end
@@ -393,8 +411,10 @@ for n = 1, n_jobs do
     if fill then
       md, rt, rb, tp, ml = md or fill[1], rt or fill[2], rb or fill[3], tp or fill[4], ml or fill[5]
       mr, bm, rtl, ftl, sl = mr or fill[6], bm or fill[7], rtl or fill[8], ftl or fill[9], sl or fill[10]
+      rl, mc = rl or fill[11], mc or fill[12]
       local bad = md == true and 1 or rt == true and 2 or rb == true and 3 or tp == true and 4 or ml == true and 5
         or mr == true and 6 or bm == true and 7 or rtl == true and 8 or ftl == true and 9 or sl == true and 10
+        or rl == true and 11 or mc == true and 12
       if bad then
         return refuse('BadValue', 'the declaration of task ' .. task .. ' in ' .. jp .. 'tasks: ' .. DECLARED[bad]
           .. ' must be ' .. rule(DECLARED[bad]))
@@ -406,6 +426,11 @@ for n = 1, n_jobs do
     return refuse('BadValue', 'job ' .. id .. ': soft_limit (' .. sl .. 's) must be less than max_duration ('
       .. md .. 's): the hard kill comes at max_duration')
   end
+  if ck and not mc then
+    return refuse('BadValue', 'job ' .. id .. ': concurrency_key needs max_concurrency (the job\'s or its task\'s '
+      .. 'declaration)')
+  end
+  if rl or mc then flows[n] = true end
   if changed then
     local record = {'queue', jq, 'task', task, 'args', args, 'kwargs', kwargs}
     if headers then record[#record + 1] = 'headers'; record[#record + 1] = headers end
@@ -428,6 +453,9 @@ for n = 1, n_jobs do
       record[#record + 1] = 'cross_children'; record[#record + 1] = cross_children[1]
       record[#record + 1] = 'children'; record[#record + 1] = cross_children[2]
     end
+    if rl then record[#record + 1] = 'rate_limit'; record[#record + 1] = rl end
+    if mc then record[#record + 1] = 'max_concurrency'; record[#record + 1] = mc end
+    if ck then record[#record + 1] = 'concurrency_key'; record[#record + 1] = ck end
     plan[4 * n - 1] = record
   else
     plan[4 * n - 1] = i + 3
@@ -554,6 +582,7 @@ for n = 1, n_jobs do
       if qs.room then qs.room = qs.room + 1 end
     end
     qs.added = qs.added + 1
+    if flows[n] then qs.flow = true end
     out[n] = 1
   end
   if workflow then answer[jp .. id] = out[n] end
@@ -569,6 +598,7 @@ for jp, qs in pairs(into) do
     end
     redis.call('HINCRBY', jp .. 'meta', 'produced_messages', qs.added)
     redis.call('HINCRBY', jp .. 'meta', 'produced_bytes', qs.bytes)
+    if qs.flow then redis.call('HSET', jp .. 'meta', 'flow', '1') end
     signal_room(jp, qs.bound)
   end
 end

@@ -23,7 +23,8 @@
 -- for the caller to carry to join.lua (docs/PROTOCOL.md, Workflows).
 -- The fence and the release are batched: one HMGET of the holding hash for all jobs, one
 -- HDEL/SREM each for those released; the finished sets get one ZADD per state.
--- An exclusive queue with jobs waiting gets a wake token (its next job may run now).
+-- An exclusive queue with jobs waiting gets a wake token (its next job may run now), and so
+-- does a queue where a job gave back a concurrency slot (one held back for it may run).
 -- A job that ends with children (a workflow's, see finalize() and settle_children() in
 -- _lib.lua) settles them in this same call: pending once it completed, else canceled.
 -- Arguments that are not so are refused (an error, nothing changed): a bad TTL used to fail
@@ -59,6 +60,7 @@ if #ids == 0 then
 end
 local held = redis.call('HMGET', p .. 'running', unpack(ids))
 local out, records, taken, dl = {}, {}, {}, {}
+local freed = false  -- a concurrency slot was given back: a job held back for it may run
 for k, id in ipairs(ids) do
   local r = load(p .. 'job:' .. id)
   records[k] = r
@@ -73,6 +75,10 @@ for k, id in ipairs(ids) do
       if ids[j] == id then held[j] = false end
     end
     taken[#taken + 1] = id
+    if r.max_concurrency then  -- flow control: its concurrency slot goes with the delivery
+      free_slot(p, id, r)
+      freed = true
+    end
     if r.bucket then
       dl[r.bucket] = dl[r.bucket] or {}
       table.insert(dl[r.bucket], id)
@@ -177,7 +183,7 @@ for state, list in pairs(index) do
   end
   redis.call('ZADD', p .. state, unpack(args))
 end
-if redis.call('HGET', p .. 'meta', 'exclusive') == '1' and redis.call('LLEN', p .. 'pending') > 0 then
+if freed or redis.call('HGET', p .. 'meta', 'exclusive') == '1' and redis.call('LLEN', p .. 'pending') > 0 then
   wake(p)
 end
 if #emitted > 0 then  -- children in other slots: the caller carries these (join.lua)

@@ -1,0 +1,165 @@
+"""Flow control enforced inside the claim (issue 17): global rate limits and concurrency
+keys, with several real workers. A throttled job is never claimed (no claim-then-requeue),
+a concurrency slot lives exactly as long as its delivery, and an idle throttled worker
+sleeps until the next token."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import psutil
+import pytest
+
+from taskrunner.ops import listing
+from taskrunner.ops import queue as queues
+from taskrunner.protocol import scripts
+from tests import flow_apps
+from tests.conftest import wait_for
+
+FLOW = "tests.flow_apps"
+
+
+def _states(jobs) -> list[str]:
+    return [j.refresh().state for j in jobs]
+
+
+def test_rate_limit_is_global_across_workers(app, stack):
+    """100 jobs under rate_limit="20/s" on 2 workers x 4 children: their claims (the
+    holding entries' started_at, Redis's clock) are at least 1/20 s apart, so the first and
+    the last are at least 99/20 = 4.95 s apart; and the workers keep up with the tokens."""
+    jobs = app.enqueue_many([{"task": "tests.flow_apps.limited", "args": [i]} for i in range(100)])
+    stack.worker(app=FLOW, concurrency=4, name="r1")
+    stack.worker(app=FLOW, concurrency=4, name="r2")
+    wait_for(lambda: all(s == "completed" for s in _states(jobs)), timeout=60, what="100 rate-limited jobs")
+    starts = sorted(json.loads(j.data["run:1"])["started_at"] for j in jobs)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert min(gaps) >= 0.05 - 1e-5, min(gaps)
+    assert 4.5 <= starts[-1] - starts[0] <= 7, starts[-1] - starts[0]
+    assert {j.data["worker"] for j in jobs} == {"r1", "r2"}  # both took part
+    assert all(j.data["attempts"] == "1" for j in jobs)  # none claimed, then put back
+
+
+def test_max_concurrency_per_key_across_workers(app, stack):
+    """Never more than max_concurrency (2) running per concurrency key; keys are
+    independent; the key defaults to the task's name."""
+    jobs = [flow_apps.capped.apply_async((key, 0.3), concurrency_key=key)
+            for _ in range(6) for key in ("customer:1", "customer:2")]
+    jobs += [flow_apps.capped.delay("tests.flow_apps.capped", 0.3) for _ in range(4)]
+    stack.worker(app=FLOW, concurrency=4, name="c1")
+    stack.worker(app=FLOW, concurrency=4, name="c2")
+    wait_for(lambda: all(s == "completed" for s in _states(jobs)), timeout=60, what="the capped jobs")
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for raw in app.redis.lrange(f"{app.settings.prefix}:spans", 0, -1):
+        key, start, end = raw.split()
+        spans.setdefault(key, []).append((float(start), float(end)))
+    assert sorted(len(s) for s in spans.values()) == [4, 6, 6]
+    for key, ss in spans.items():
+        most = max(sum(1 for a, b in ss if a <= t < b) for t, _ in ss)
+        assert most <= 2, (key, most)
+    p = app.keys.q("default")
+    assert not app.redis.keys(p.replace("{", "\\{").replace("}", "\\}") + "slots:*")  # every slot given back
+
+
+def _started(app) -> list[str]:
+    return app.redis.lrange(f"{app.settings.prefix}:started", 0, -1)
+
+
+def test_a_sigkilled_worker_gives_its_slot_back_when_its_job_is_requeued(app, stack):
+    """A holds key k's only slot on worker w1; B (same key) waits pending although w1 and
+    w2 have idle children. w1 is SIGKILLed: the dispatcher requeues A, which gives the slot
+    back, and the jobs of k run again on w2, one at a time."""
+    a = flow_apps.capped_hold.apply_async(("a",), concurrency_key="k")
+    b = flow_apps.capped_hold.apply_async(("b",), concurrency_key="k")
+    w1 = stack.worker(app=FLOW, concurrency=2, name="w1")
+    wait_for(lambda: _started(app) == ["a"], what="a to start")
+    slots = app.keys.q("default") + "slots:k"
+    assert app.redis.smembers(slots) == {a.id}
+    stack.worker(app=FLOW, concurrency=2, name="w2")
+    wait_for(lambda: app.redis.zscore(app.keys.workers, "w2"), what="w2 to beat")
+    app.enqueue("tests.apps.add", [1, 2]).wait(10)  # w1 or w2 claimed since: b was passed over
+    assert b.refresh().state == "pending" and _started(app) == ["a"]
+    os.killpg(w1.pid, signal.SIGKILL)
+    stack.dispatcher()
+    wait_for(lambda: len(_started(app)) == 2, what="a job of k to run again")
+    assert app.redis.scard(slots) == 1
+    app.redis.set(f"{app.settings.prefix}:release:a", 1)
+    app.redis.set(f"{app.settings.prefix}:release:b", 1)
+    assert a.wait(30) == "released" and b.wait(30) == "released"
+    assert a.refresh().data["lost"] == "1" and a.data["worker"] == "w2"
+    assert sorted(_started(app)) == ["a", "a", "b"]
+    assert app.redis.scard(slots) == 0
+
+
+def test_an_idle_throttled_worker_sleeps_and_serves_its_other_queues(app, stack):
+    """A queue whose rate limit is spent (1/h) keeps its jobs pending; the worker claims
+    nothing from it and does not poll (its CPU time barely grows over many heartbeats),
+    yet a job of its other queue runs at once."""
+    jobs = [flow_apps.trickle.delay(i) for i in range(3)]
+    w = stack.worker("-Q", "trickle,default", app=FLOW, concurrency=2, name="t1")
+    jobs[0].wait(30)
+    proc = psutil.Process(w.pid)
+
+    def beat() -> float:
+        return app.redis.zscore(app.keys.workers, "t1") or 0
+
+    before, cpu0 = beat(), sum(proc.cpu_times()[:2])
+    wait_for(lambda: beat() > before + 2, what="2 s of heartbeats")  # the worker's own clock
+    cpu = sum(proc.cpu_times()[:2]) - cpu0
+    assert cpu < 0.25, cpu  # ~10 heartbeats; a poll of the throttled queue would spin
+    assert _states(jobs[1:]) == ["pending", "pending"]
+    assert app.enqueue("tests.apps.add", [2, 3]).wait(10) == 5
+    limit = app.redis.hgetall(app.keys.q("trickle") + "limit:tests.flow_apps.trickle")
+    assert limit["used"] == "1" and float(limit["tat"]) > beat() + 3000
+
+
+def test_queue_rate_limit_set_changed_and_removed(app, stack):
+    """`queue create Q --rate` limits every job of the queue; `queue rate Q none` removes
+    the limit; `queues` shows it with its use."""
+    r = stack.cli("queue", "create", "paced", "--rate", "1/h", check=True)
+    assert "rate 1/h" in r.stdout
+    jobs = [app.enqueue("tests.apps.add", [i, i], queue="paced") for i in range(3)]
+    stack.worker("-Q", "paced", concurrency=2, name="p1")
+    jobs[0].wait(30)
+    stats = {s["name"]: s for s in json.loads(stack.cli("queues", "--json", check=True).stdout)}
+    assert stats["paced"]["rate"] == "1/h" and stats["paced"]["rate_used"] == 1
+    assert "rate=1/h" in stack.cli("queues", check=True).stdout
+    assert _states(jobs[1:]) == ["pending", "pending"]
+    stack.cli("queue", "rate", "paced", "none", check=True)
+    wait_for(lambda: _states(jobs[1:]) == ["completed", "completed"], what="the jobs once the limit is gone")
+    assert queues.info(app, "paced")["rate"] is None
+
+
+@pytest.mark.parametrize("bad", ["20", "0/s", "20/d", "1.5/s", "-1/s", "20/S"])
+def test_bad_rate_limits_are_refused_everywhere(app, stack, bad):
+    with pytest.raises(ValueError, match="N/s"):
+        app.task(lambda: None, name="bad.rate", rate_limit=bad)
+    with pytest.raises(ValueError, match="N/s"):
+        queues.create(app, "q1", rate=bad)
+    r = stack.cli("queue", "create", "q1", "--rate", bad)
+    assert r.returncode == 2 and "N/s" in r.stderr
+    with pytest.raises(ValueError, match="rate_limit must be"):  # the script's own check
+        scripts.ENQUEUE(app.redis, [app.keys.q("q1")], [1, "j1", 0, 2, "task", "t", "rate_limit", bad])
+
+
+def test_concurrency_key_needs_a_limit_and_a_name(app):
+    with pytest.raises(ValueError, match="needs max_concurrency"):
+        app.enqueue("tests.apps.add", [1, 2], concurrency_key="k")  # declared here, without a limit
+    with pytest.raises(ValueError, match="concurrency key"):
+        flow_apps.capped.apply_async(("k", 0), concurrency_key="a b")
+    with pytest.raises(ValueError, match="needs max_concurrency"):  # a producer without the app
+        scripts.ENQUEUE(app.redis, [app.keys.q("q1")], [1, "j1", 0, 2, "task", "t", "concurrency_key", "k"])
+    with pytest.raises(ValueError, match="concurrency_key must be a name"):
+        scripts.ENQUEUE(app.redis, [app.keys.q("q1")],
+                        [1, "j1", 0, 3, "task", "t", "max_concurrency", "1", "concurrency_key", "a b"])
+
+
+def test_plain_queues_are_not_marked_for_flow_control(app):
+    """Only a job with rate_limit or max_concurrency marks its queue (the claim then checks
+    it): a queue without pays nothing."""
+    app.enqueue("tests.apps.add", [1, 2])
+    assert app.redis.hget(app.keys.q("default") + "meta", "flow") is None
+    flow_apps.capped.delay("x", 0)
+    assert app.redis.hget(app.keys.q("default") + "meta", "flow") == "1"
+    assert listing.queue_stats(app)[0]["rate"] is None
