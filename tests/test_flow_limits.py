@@ -12,9 +12,14 @@ import signal
 import psutil
 import pytest
 
+from dashboard import create_app
+from taskrunner.client import declarations
+from taskrunner.client.consumer import Consumer
 from taskrunner.ops import listing
 from taskrunner.ops import queue as queues
 from taskrunner.protocol import scripts
+from taskrunner.protocol.claims import claim_args, decode
+from taskrunner.protocol.outcome import Ended, Outcome
 from tests import flow_apps
 from tests.conftest import wait_for
 
@@ -123,7 +128,7 @@ def test_queue_rate_limit_set_changed_and_removed(app, stack):
     stack.worker("-Q", "paced", concurrency=2, name="p1")
     jobs[0].wait(30)
     stats = {s["name"]: s for s in json.loads(stack.cli("queues", "--json", check=True).stdout)}
-    assert stats["paced"]["rate"] == "1/h" and stats["paced"]["rate_used"] == 1
+    assert stats["paced"]["rate"] == "1/h" and stats["paced"]["rate_used"] + stats["paced"]["rate_used_last"] == 1
     assert "rate=1/h" in stack.cli("queues", check=True).stdout
     assert _states(jobs[1:]) == ["pending", "pending"]
     stack.cli("queue", "rate", "paced", "none", check=True)
@@ -163,3 +168,94 @@ def test_plain_queues_are_not_marked_for_flow_control(app):
     flow_apps.capped.delay("x", 0)
     assert app.redis.hget(app.keys.q("default") + "meta", "flow") == "1"
     assert listing.queue_stats(app)[0]["rate"] is None
+
+
+def test_the_dashboard_shows_a_rate_limited_queue_and_its_use(app):
+    web = create_app(app, password="pw", token="tok").test_client()
+    queues.create(app, "paced", rate="50/s")
+    app.enqueue("tests.apps.add", [1, 2], queue="paced")
+    assert "rate 50/s, 0 used" in web.get("/").get_data(as_text=True)
+    consumer = Consumer(app, ["paced"])
+    [d] = consumer.claim(1)
+    assert "rate 50/s, " in web.get("/queues/paced").get_data(as_text=True)  # 1 used, or 0 in a new second
+    [q] = [q for q in web.get("/api/queues").get_json() if q["name"] == "paced"]
+    assert q["rate"] == "50/s" and q["rate_used"] + q["rate_used_last"] == 1
+    consumer.ack([d])
+
+
+def _claim_one(app, consumer: Consumer, key: str):
+    """Enqueue a capped_hold job of `key` (max_concurrency 1) and claim it: it holds the slot."""
+    job = flow_apps.capped_hold.apply_async(("x",), concurrency_key=key)
+    [d] = consumer.claim(1)
+    assert d.id == job.id and app.redis.smembers(app.keys.q("default") + "slots:" + key) == {job.id}
+    return job, d
+
+
+@pytest.mark.parametrize("path", ["completed", "error", "retry", "return", "killed", "lost", "lose", "requeue",
+                                  "recover"])
+def test_every_end_of_a_delivery_gives_its_slot_back(app, path):
+    """While a job holds its key's only slot, the next job of that key is not claimed; once
+    the delivery ends or is handed back, whichever way, the slot is free, a wake token says
+    so, and the next job of the key is claimed."""
+    consumer = Consumer(app, ["default"], name="c1")
+    job, d = _claim_one(app, consumer, "k")
+    waiting = flow_apps.capped_hold.apply_async(("y",), concurrency_key="k")
+    assert consumer.claim(1) == [] and waiting.refresh().state == "pending"
+    p = app.keys.q("default")
+    app.redis.delete(p + "wake")
+    outcomes = {"completed": Outcome.completed("null"), "error": Outcome.error("E", "boom"),
+                "retry": Outcome.retry(delay=30), "return": Outcome.returned("handed back"),
+                "killed": Outcome.killed("killed on request"), "lost": Outcome.lost("its child died")}
+    if path in outcomes:
+        assert consumer._finish([(d.queue, Ended(d.id, d.attempt, outcomes[path]))]) == [True]
+    elif path == "lose":
+        assert scripts.LOSE(app.redis, [p], [60, d.id, d.attempt, "gone", ""]) == ["pending"]
+    elif path == "requeue":
+        assert scripts.REQUEUE(app.redis, [p], [d.id, "admin"]) == "running"
+    else:
+        assert scripts.RECOVER(app.redis, [p], [0, 10, "admin"]) == [d.id]
+    assert app.redis.scard(p + "slots:k") == 0 and app.redis.llen(p + "wake") == 1
+    [d2] = consumer.claim(1)
+    assert d2.id in (job.id, waiting.id)  # job when it went back in line, next in line
+    assert app.redis.smembers(p + "slots:k") == {d2.id}
+
+
+def test_a_slot_whose_delivery_is_gone_is_taken_back(app):
+    """No path leaves a slot behind, but if one did (a holder id without a holding entry),
+    the claim that finds the key full drops it rather than wait for ever."""
+    p = app.keys.q("default")
+    app.redis.sadd(p + "slots:k", "ghost")
+    flow_apps.capped_hold.apply_async(("x",), concurrency_key="k")
+    [d] = Consumer(app, ["default"]).claim(1)
+    assert app.redis.smembers(p + "slots:k") == {d.id}
+
+
+def test_a_producer_without_the_app_gets_the_declared_limits(app):
+    """enqueue.lua fills rate_limit and max_concurrency in from the task's declaration, as
+    the other settings; a concurrency_key sent alone then counts against it."""
+    declarations.publish(app, ["default"], "w1", 0.0)
+    scripts.ENQUEUE(app.redis, [app.keys.q("default")], [2, "j1", 0, 1, "task", "tests.flow_apps.limited",
+                                                         "j2", 0, 2, "task", "tests.flow_apps.capped",
+                                                         "concurrency_key", "customer:7"])
+    j1, j2 = app.job("j1", "default").data, app.job("j2", "default").data
+    assert j1["rate_limit"] == "20/s" and "max_concurrency" not in j1
+    assert j2["max_concurrency"] == "2" and j2["concurrency_key"] == "customer:7" and "rate_limit" not in j2
+    assert app.redis.hget(app.keys.q("default") + "meta", "flow") == "1"
+
+
+def test_jobs_behind_a_throttled_one_go_ahead_and_the_claim_says_when_to_come_back(app):
+    """In one queue, jobs whose task has no token left stay in line, in order, and the jobs
+    of other tasks behind them are claimed (within the FLOW_WINDOW oldest); the claim's
+    answer ends with the seconds until the held-back task's next token."""
+    held = [flow_apps.trickle.apply_async((i,), queue="default") for i in range(3)]
+    other = app.enqueue("tests.apps.add", [1, 2])
+    consumer = Consumer(app, ["default"])
+    argv = claim_args(app, consumer.name, "h", "127.0.0.1", [os.getpid(), ""] * 4)
+    consumer.heartbeat()
+    answer = scripts.CLAIM(app.redis, [app.keys.q("default")], argv)
+    got, wait = decode(answer, ["default"])
+    assert [d.id for d in got] == [held[0].id, other.id]
+    assert 3599 < wait <= 3600
+    pending = app.redis.lrange(app.keys.q("default") + "pending", 0, -1)
+    assert pending[::-1] == [held[1].id, held[2].id]  # oldest on the right, as before
+    assert consumer.claim(4) == []
