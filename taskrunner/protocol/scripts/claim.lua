@@ -127,65 +127,70 @@ local function slots_of(p, key, most)
 end
 
 -- Up to k claimable ids of a flow-controlled queue, oldest first (taken off `pending`,
--- with their slots and tokens spent), from its FLOW_WINDOW oldest: a job whose task's rate
--- limit has no token now, or whose concurrency key is full, stays where it is and the
--- jobs behind it in the window go ahead; the queue's own limit (`qlim`) stops the pass
--- once spent. Stale ids (see the claim) are dropped, as by the plain claim.
+-- with their slots and tokens spent), from its FLOW_WINDOW oldest, read k at a time: a
+-- job whose task's rate limit has no token now, or whose concurrency key is full, stays
+-- where it is and the jobs behind it go ahead; the queue's own limit (`qlim`) stops the
+-- pass once spent. Stale ids (see the claim) are dropped, as by the plain claim.
 local function flow_pick(p, k, qlim)
   local pending = p .. 'pending'
-  local ids = redis.call('LRANGE', pending, -FLOW_WINDOW, -1)
-  if #ids == 0 then return {} end
   if qlim and qlim.tat > t then
-    held_back(qlim.tat - t)
+    if redis.call('LLEN', pending) > 0 then held_back(qlim.tat - t) end
     return {}
   end
-  local held = redis.call('SMISMEMBER', p .. 'processing', unpack(ids))
-  local listed = redis.call('SMISMEMBER', p .. 'items', unpack(ids))
-  local fresh, keep, seen, done = {}, {}, {}, false
-  for i = #ids, 1, -1 do  -- oldest (rightmost) first
-    local id = ids[i]
-    if held[i] == 0 and listed[i] == 1 and not seen[id] then
-      seen[id] = true
-      local ok, tl, s, key = not done, nil, nil, nil
-      if ok then
-        local f = redis.call('HMGET', p .. 'job:' .. id, 'task', 'rate_limit', 'max_concurrency', 'concurrency_key')
-        if f[1] and f[2] then
-          tl = limiter(p .. 'limit:' .. f[1], f[2])
-          if tl and tl.tat > t then
-            ok = false
-            held_back(tl.tat - t)
+  local fresh, keep, seen, done, looked = {}, {}, {}, false, 0
+  while not done and looked < FLOW_WINDOW do
+    local c = math.min(k - #fresh, FLOW_WINDOW - looked)
+    local ids = redis.call('LRANGE', pending, -looked - c, -looked - 1)
+    if #ids == 0 then break end
+    looked = looked + #ids
+    local held = redis.call('SMISMEMBER', p .. 'processing', unpack(ids))
+    local listed = redis.call('SMISMEMBER', p .. 'items', unpack(ids))
+    for i = #ids, 1, -1 do  -- oldest (rightmost) first
+      local id = ids[i]
+      if held[i] == 0 and listed[i] == 1 and not seen[id] then
+        seen[id] = true
+        local ok, tl, s, key = not done, nil, nil, nil
+        if ok then
+          local f = redis.call('HMGET', p .. 'job:' .. id, 'task', 'rate_limit', 'max_concurrency', 'concurrency_key')
+          if f[1] and f[2] then
+            tl = limiter(p .. 'limit:' .. f[1], f[2])
+            if tl and tl.tat > t then
+              ok = false
+              held_back(tl.tat - t)
+            end
+          end
+          local most = tonumber(f[3])
+          if ok and f[1] and most then
+            key = slots_key(p, {task = f[1], max_concurrency = f[3], concurrency_key = f[4]})
+            s = slots_of(p, key, most)
+            ok = s.n < most
           end
         end
-        local most = tonumber(f[3])
-        if ok and f[1] and most then
-          key = slots_key(p, {task = f[1], max_concurrency = f[3], concurrency_key = f[4]})
-          s = slots_of(p, key, most)
-          ok = s.n < most
+        if ok then
+          fresh[#fresh + 1] = id
+          if tl then spend(tl) end
+          if s then
+            s.n = s.n + 1
+            redis.call('SADD', key, id)
+          end
+          if qlim then spend(qlim) end
+          done = #fresh >= k or (qlim ~= nil and qlim.tat > t)
+        else
+          keep[#keep + 1] = id
         end
-      end
-      if ok then
-        fresh[#fresh + 1] = id
-        if tl then spend(tl) end
-        if s then
-          s.n = s.n + 1
-          redis.call('SADD', key, id)
-        end
-        if qlim then spend(qlim) end
-        done = #fresh >= k or (qlim ~= nil and qlim.tat > t)
-      else
-        keep[#keep + 1] = id
       end
     end
+    if #ids < c then break end  -- the whole list was read
   end
-  if #keep < #ids then  -- else nothing was taken or dropped: the list stays as it is
-    redis.call('LTRIM', pending, 0, -#ids - 1)
+  if #keep < looked then  -- else nothing was taken or dropped: the list stays as it is
+    redis.call('LTRIM', pending, 0, -looked - 1)
     if #keep > 0 then
       local back = {}
       for i = #keep, 1, -1 do back[#back + 1] = keep[i] end  -- newest first: the oldest ends rightmost
       redis.call('RPUSH', pending, unpack(back))
     end
   end
-  if done and qlim and qlim.tat > t and #keep > 0 then
+  if done and qlim and qlim.tat > t and (#keep > 0 or redis.call('LLEN', pending) > 0) then
     held_back(qlim.tat - t)
   end
   return fresh
