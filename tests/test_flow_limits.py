@@ -259,3 +259,18 @@ def test_jobs_behind_a_throttled_one_go_ahead_and_the_claim_says_when_to_come_ba
     pending = app.redis.lrange(app.keys.q("default") + "pending", 0, -1)
     assert pending[::-1] == [held[1].id, held[2].id]  # oldest on the right, as before
     assert consumer.claim(4) == []
+
+
+def test_a_lone_claim_looks_past_many_held_back_jobs_and_no_further_than_the_window(app):
+    """A claim for one job reads on (k, then doubling) past the held-back jobs, up to the
+    100 oldest: a job behind 30 throttled ones is claimed, one behind 100 is not yet."""
+    consumer = Consumer(app, ["default"])
+    held = [flow_apps.trickle.apply_async((i,), queue="default") for i in range(31)]
+    near = app.enqueue("tests.apps.add", [1, 2])
+    assert [d.id for d in consumer.claim(1)] == [held[0].id]  # the task's one token this hour
+    assert [d.id for d in consumer.claim(1)] == [near.id]
+    for i in range(70):
+        flow_apps.trickle.apply_async((i,), queue="default")
+    far = app.enqueue("tests.apps.add", [1, 2])  # 100 held-back jobs ahead of it
+    assert consumer.claim(1) == [] and far.refresh().state == "pending"
+    assert app.redis.llen(app.keys.q("default") + "pending") == 101

@@ -127,7 +127,8 @@ local function slots_of(p, key, most)
 end
 
 -- Up to k claimable ids of a flow-controlled queue, oldest first (taken off `pending`,
--- with their slots and tokens spent), from its FLOW_WINDOW oldest, read k at a time: a
+-- with their slots and tokens spent), from its FLOW_WINDOW oldest, read k first (then as
+-- many again as were read, while jobs are still wanted and held back): a
 -- job whose task's rate limit has no token now, or whose concurrency key is full, stays
 -- where it is and the jobs behind it go ahead; the queue's own limit (`qlim`) stops the
 -- pass once spent. Stale ids (see the claim) are dropped, as by the plain claim.
@@ -139,7 +140,7 @@ local function flow_pick(p, k, qlim)
   end
   local fresh, keep, seen, done, looked = {}, {}, {}, false, 0
   while not done and looked < FLOW_WINDOW do
-    local c = math.min(k - #fresh, FLOW_WINDOW - looked)
+    local c = math.min(math.max(k - #fresh, looked), FLOW_WINDOW - looked)  -- k, then doubling
     local ids = redis.call('LRANGE', pending, -looked - c, -looked - 1)
     if #ids == 0 then break end
     looked = looked + #ids
