@@ -15,6 +15,7 @@ import pytest
 
 from dashboard import create_app
 from taskrunner import JobFailed, chain, chord, group
+from taskrunner.client import steps
 from taskrunner.client.aio import AsyncClient
 from taskrunner.client.consumer import Consumer
 from taskrunner.errors import QueueClosed, Timeout
@@ -432,7 +433,7 @@ def test_a_child_written_after_its_parent_ended_takes_what_join_kept(capp, clust
                             finish_args(capp.settings, [Ended(d.id, d.attempt, Outcome.completed("7"))], 0))
     assert answer[0] == 1
     [entry] = joins.split(answer, 1)[1]
-    assert joins.carry(capp, [entry]) == 0  # kept for the child: answer 2
+    assert steps.run(capp, steps.carry(capp, [entry])) == 0  # kept for the child: answer 2
     assert scripts.ENQUEUE(capp.redis, [capp.keys.q(queues[1])], [
         1, child_id, 0, 4, "task", "tests.apps.echo", "parents", f"{queues[0]} {parent_id}", "takes", "result",
         "cross_slot", "1"]) == [1]
@@ -491,4 +492,66 @@ def test_workflows_over_slots_survive_killed_workers_and_a_restarted_dispatcher(
     assert tail.wait(120) == 6
     assert all(ledger(capp, f"m{i}") >= 1 for i in range(40))
     assert all(ledger(capp, f"s{k}") >= 1 for k in range(6))
+    wait_for(lambda: outboxes(capp, queues) == 0, what="every outbox entry carried")
+
+
+def test_asyncio_client_writes_workflows_over_slots(capp, stack, cluster, queues):
+    """AsyncClient writes what TaskRunner writes across slots (the same steps: parents before
+    children, level by level): a chain over three slots, a chord whose members are in two
+    slots and its callback in a third, and enqueue with depends_on and callbacks in others."""
+    stack.worker("-Q", ",".join(queues), concurrency=2)
+
+    async def main() -> tuple[str, str, str, str, list[str]]:
+        client = AsyncClient(capp)
+        try:
+            first = await client.enqueue("tests.apps.add", [20, 1], queue=queues[0])
+            after = await client.enqueue("tests.apps.add", [2, 21], queue=queues[1], depends_on=[first],
+                                         on_success=apps.echo.s().set(queue=queues[2]))
+            last = await client.apply(apps.counted.s(1, "ac1").set(queue=queues[0])
+                                      | apps.counted.s("ac2").set(queue=queues[1])
+                                      | apps.counted.s("ac3").set(queue=queues[2]))
+            callback = await client.apply(chord([apps.add.s(i, i).set(queue=queues[i % 2]) for i in range(6)],
+                                                apps.tsum.s().set(queue=queues[2])))
+            members = await client.apply(group(apps.add.s(i, 1).set(queue=q) for i, q in enumerate(queues)))
+            assert await client.wait(last, 30) == 4 and await client.wait(callback, 30) == 30
+            return last, callback, first, after, members
+        finally:
+            await client.close()
+
+    last, callback, first, after, members = asyncio.run(main())
+    assert [ledger(capp, k) for k in ("ac1", "ac2", "ac3")] == [1, 1, 1]
+    step3 = on_node(cluster, capp, queues[2], last)
+    assert (step3["args"], step3["cross_slot"]) == ('[3,"ac3"]', "1")
+    assert capp.job(callback, queues[2]).refresh().data["args"] == "[[0,2,4,6,8,10]]"
+    assert [capp.job(m, q).wait(30) for m, q in zip(members, queues)] == [1, 2, 3]
+    assert on_node(cluster, capp, queues[0], first)["cross_children"] == f"{queues[1]} {after} -"
+    assert capp.job(after, queues[1]).wait(30) == 23
+    [callback_of_after] = on_node(cluster, capp, queues[1], after)["cross_children"].split()[1:2]
+    assert capp.job(callback_of_after, queues[2]).wait(30) == 23
+    wait_for(lambda: outboxes(capp, queues) == 0, what="every outbox entry carried")
+
+
+def test_enqueue_many_with_depends_on_across_slots(capp, stack, cluster, queues):
+    """enqueue_many's items may name parents in other queues (other slots): earlier items of the
+    call (written first) and existing jobs, with callbacks in yet another slot."""
+    old = apps.add.apply_async((1, 1), queue=queues[2])
+    jobs = capp.enqueue_many([
+        {"task": "tests.apps.add", "args": [1, 2], "queue": queues[0], "id": "em-a"},
+        {"task": "tests.apps.add", "args": [3, 4], "queue": queues[0], "id": "em-b"},
+        {"task": "tests.apps.add", "args": [10, 0], "queue": queues[1], "id": "em-c", "depends_on": ["em-a"]},
+        {"task": "tests.apps.record", "args": ["em-d"], "queue": queues[2], "id": "em-d",
+         "depends_on": ["em-b", "em-c", old.id], "on_success": {"task": "tests.apps.echo", "queue": queues[0]}},
+        {"task": "tests.apps.add", "args": [5, 5], "queue": queues[1], "id": "em-e"},
+    ])
+    assert [(j.id, j.queue, j.created) for j in jobs] == [
+        ("em-a", queues[0], True), ("em-b", queues[0], True), ("em-c", queues[1], True), ("em-d", queues[2], True),
+        ("em-e", queues[1], True)]
+    d = on_node(cluster, capp, queues[2], "em-d")
+    assert (d["state"], d["cross_slot"], d["waiting_on"]) == ("waiting", "1", "3")
+    assert on_node(cluster, capp, queues[0], "em-b")["cross_children"] == f"{queues[2]} em-d -"
+    stack.worker("-Q", ",".join(queues), concurrency=2)
+    assert capp.job("em-d", queues[2]).wait(30) == 1 and ledger(capp, "em-d") == 1
+    [callback] = on_node(cluster, capp, queues[2], "em-d")["cross_children"].split()[1:2]
+    assert capp.job(callback, queues[0]).wait(30) == 1
+    assert capp.job("em-e", queues[1]).wait(30) == 10
     wait_for(lambda: outboxes(capp, queues) == 0, what="every outbox entry carried")

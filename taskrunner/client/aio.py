@@ -19,10 +19,10 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from taskrunner.client import canvas, steps
 from taskrunner.client.app import TaskRunner, _enqueue_args
-from taskrunner.client.canvas import Signature
+from taskrunner.client.canvas import Chain, Chord, Group, Signature
 from taskrunner.client.job import Job
 from taskrunner.protocol import connection, scripts
-from taskrunner.protocol.connection import connect_async, slack
+from taskrunner.protocol.connection import connect_async, is_cluster, slack
 
 T = TypeVar("T")
 
@@ -55,7 +55,11 @@ class AsyncClient:
             return await getattr(self.redis, r.name)(*r.args)
         if isinstance(r, steps.Script):
             return await self._script(r.script, r.keys, r.args)
+        if isinstance(r, steps.Scripts):
+            return list(await asyncio.gather(*(self._script(c.script, c.keys, c.args) for c in r.calls)))
         if isinstance(r, steps.Enqueue):
+            if r.others and is_cluster(self.redis):  # a workflow over slots: several calls, parents first
+                return await self._run(canvas.across(self.app, r.jobs, r.queue))
             keys = self.app.enqueue_keys(r.queue, r.others)
             if len(keys) == 1 and r.queue not in self._known_queues:  # a cluster: the script cannot register it
                 await self.redis.sadd(self.keys.queues, r.queue)
@@ -93,6 +97,16 @@ class AsyncClient:
         draft = await self._run(steps.draft(self.app, task, args, kwargs, None, options, delay, job_id, headers))
         await self._run(canvas.linked(self.app, draft, depends_on, on_success, on_failure, block_timeout))
         return draft.id
+
+    async def apply(self, workflow: Signature | Chain | Group | Chord) -> str | list[str]:
+        """Enqueue a workflow (chain, group, chord, or a signature alone) as its apply_async()
+        does, through the same operation (on a Redis Cluster, across slots as TaskRunner
+        writes it); the id whose wait() gives its result: a chain's last step, a chord's
+        callback, the signature's job; a group's ids, in order."""
+        if isinstance(workflow, Signature):
+            workflow = Chain(workflow)
+        jobs = await self._run(workflow.enqueued())
+        return [j.id for j in jobs] if isinstance(workflow, Group) else jobs[-1].id
 
     async def _pop(self, command: str, key: str, timeout: float) -> Any:
         """One BRPOP or BLPOP of up to `timeout` seconds (any length) on a connection of its

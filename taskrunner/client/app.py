@@ -510,7 +510,9 @@ class TaskRunner:
         runs a chunk, the next one is built; it is sent once the answers came. A job whose
         parent is in this chunk in another queue goes in the next chunk (its parent is written
         first); one whose callbacks are in another queue than its own is written with them by
-        a call of its own. In eager mode each job runs here, in order. Returns one Job per
+        a call of its own. On a Redis Cluster, so is one whose parents are in other queues
+        (other slots), after the jobs before it: parents first, as canvas.across writes a
+        workflow there. In eager mode each job runs here, in order. Returns one Job per
         job given (not its callbacks)."""
         out: list[Job] = []
         pending: list[tuple[str, str, float, list[Any]]] = []
@@ -568,7 +570,9 @@ class TaskRunner:
             """A job with depends_on or callbacks: in the chunk, or in a call of its own."""
             parents = links[0]
             queues = {q for q, _ in parents} - {draft.queue}
-            if len({d.queue for d in group}) > 1:  # callbacks in another queue: written with it, at once
+            # Callbacks in another queue, or on a cluster parents in another slot: written with
+            # it, at once (across slots, canvas.across: after its parents, which attach.lua tells).
+            if len({d.queue for d in group}) > 1 or (queues and is_cluster(self.redis)):
                 settle()
                 if pending:
                     send()
@@ -712,8 +716,7 @@ class TaskRunner:
         if is_cluster(self.redis):
             if others:
                 raise ValueError(f"a workflow over queues {', '.join([queue, *others])} spans slots: on a Redis "
-                                 "Cluster it is written in several calls, which only TaskRunner's own enqueue, "
-                                 "chain, group and chord do")
+                                 "Cluster it is written in several calls (canvas.across), not one")
             return [q]
         return [q, self.keys.queues, *(self.keys.q(o) for o in others)]
 
@@ -727,7 +730,7 @@ class TaskRunner:
         on a Redis Cluster canvas.across()'s several)."""
         client = self.redis  # first: a new client (new process or settings) knows no queue yet
         if others and is_cluster(client):
-            return canvas.across(self, [(id_, delay, fields) for id_, delay, fields in jobs], queue)
+            return steps.run(self, canvas.across(self, jobs, queue))
         keys = self.enqueue_keys(queue, others)
         if len(keys) == 1 and queue not in self._known_queues:  # a cluster: once per process and queue
             client.sadd(self.keys.queues, queue)

@@ -113,12 +113,19 @@ class Chain:
         steps run here, in order. QueueClosed or QueueFull when the first step's queue
         refused it (then no step was enqueued)."""
         app = self.steps[0].task.app
-        drafts = steps.run(app, make_drafts(app, self.steps))
         if app.settings.eager:
+            drafts = steps.run(app, make_drafts(app, self.steps))
             return eager.chain(app, [(d.id, d.fields) for d in drafts], [s.immutable for s in self.steps])
+        return steps.run(app, self.enqueued())[-1]
+
+    def enqueued(self) -> steps.Steps[list[Job]]:
+        """Enqueue every step, as an operation (steps.py: apply_async runs it, and so does
+        AsyncClient.apply); every step's Job, in order."""
+        app = self.steps[0].task.app
+        drafts = yield from make_drafts(app, self.steps)
         for parent, child, sig in zip(drafts, drafts[1:], self.steps[1:]):
             child.fields += ["parents", f"{parent.queue} {parent.id}", *(() if sig.immutable else ("takes", "result"))]
-        return _write(app, drafts, "chain")[-1]
+        return (yield from _write(app, drafts, "chain"))
 
 
 class Group:
@@ -145,10 +152,15 @@ class Group:
     def apply_async(self) -> GroupJob:
         """Enqueue every member in one enqueue.lua call (in eager mode: run each here)."""
         app = self.members[0].task.app
-        drafts = steps.run(app, make_drafts(app, self.members))
         if app.settings.eager:
+            drafts = steps.run(app, make_drafts(app, self.members))
             return GroupJob([eager.enqueue(app, d.id, d.fields) for d in drafts])
-        return GroupJob(_write(app, drafts, "group"))
+        return GroupJob(steps.run(app, self.enqueued()))
+
+    def enqueued(self) -> steps.Steps[list[Job]]:
+        """Enqueue every member, as an operation (as Chain.enqueued); their Jobs, in order."""
+        app = self.members[0].task.app
+        return (yield from _write(app, (yield from make_drafts(app, self.members)), "group"))
 
 
 class GroupJob:
@@ -192,18 +204,25 @@ class Chord:
         """Enqueue the members and the callback in one enqueue.lua call; the callback's Job
         (its wait() gives the chord's result)."""
         app = self.body.task.app
-        drafts = steps.run(app, make_drafts(app, [*self.header.members, self.body]))
-        members, callback = drafts[:-1], drafts[-1]
         if app.settings.eager:
+            *members, callback = steps.run(app, make_drafts(app, [*self.header.members, self.body]))
             done: list[Job] = [eager.enqueue(app, d.id, d.fields) for d in members]
             return eager.chord(app, (callback.id, callback.fields), done, self.body.immutable,
                                self.on_member_failure == "continue")
+        return steps.run(app, self.enqueued())[-1]
+
+    def enqueued(self) -> steps.Steps[list[Job]]:
+        """Enqueue the members and the callback, as an operation (as Chain.enqueued); their
+        Jobs, the callback's last."""
+        app = self.body.task.app
+        drafts = yield from make_drafts(app, [*self.header.members, self.body])
+        *members, callback = drafts
         callback.fields += ["parents", " ".join(f"{d.queue} {d.id}" for d in members)]
         if not self.body.immutable:
             callback.fields += ["takes", "results"]
         if self.on_member_failure == "continue":
             callback.fields += ["on_parent_failure", "continue"]
-        return _write(app, drafts, "chord")[-1]
+        return (yield from _write(app, drafts, "chord"))
 
 
 def make_drafts(app: TaskRunner, sigs: list[Signature]) -> steps.Steps[list[steps.Draft]]:
@@ -279,17 +298,17 @@ def written(drafts: list[steps.Draft], what: str, also: tuple[str, ...] = ()) ->
     return answers
 
 
-def _write(app: TaskRunner, drafts: list[steps.Draft], what: str) -> list[Job]:
+def _write(app: TaskRunner, drafts: list[steps.Draft], what: str) -> steps.Steps[list[Job]]:
     """Enqueue the drafts in one call (written); their Jobs."""
     jobs = []
-    for d, answer in zip(drafts, steps.run(app, written(drafts, what))):
+    for d, answer in zip(drafts, (yield from written(drafts, what))):
         job = Job(app, d.id, d.queue)
         job.created = answer == 1
         jobs.append(job)
     return jobs
 
 
-def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str) -> list[int]:
+def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str) -> steps.Steps[list[int]]:
     """Enqueue a workflow's jobs ((id, delay, fields) each; their queue in their fields, else
     `queue`) that are in several slots of a Redis Cluster, as enqueue.lua answers one call
     for them all (docs/PROTOCOL.md, Workflows: *Across slots*). Parents go before their
@@ -301,7 +320,9 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
     than that of its parents in other queues and as high as that of those in its own, so a
     chain over 3 queues is 3 calls. The jobs are in an order where each one's parents among
     them come before it (a chain's, a chord's, a job's and its callbacks'). A refusal
-    (QueueClosed, QueueFull) stops there, and the jobs written before it are killed."""
+    (QueueClosed, QueueFull) stops there, and the jobs written before it are killed. An
+    operation (steps.py): the synchronous and asyncio drivers run it for an Enqueue request
+    whose jobs span queues on a cluster."""
     drafts = []
     for job_id, delay, fields in jobs:
         named = dict(zip(fields[0::2], fields[1::2]))
@@ -332,24 +353,25 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
             d.fields += ["cross_children", " ".join(cross[(d.queue, d.id)])]
     news: list[joins.Entry] = []  # what attach.lua left for children of parents that completed
     for (pq, cq, cid, takes), pids in attach.items():
-        news += joins.split(scripts.ATTACH(app.redis, [app.keys.q(pq)], [cq, cid, takes, *pids]), len(pids))[1]
+        answer = yield steps.Script(scripts.ATTACH, [app.keys.q(pq)], [cq, cid, takes, *pids])
+        news += joins.split(answer, len(pids))[1]
     calls: dict[tuple[int, str], list[steps.Draft]] = {}
     for d in drafts:
         calls.setdefault((level[(d.queue, d.id)], d.queue), []).append(d)
     answers: dict[tuple[str, str], int] = {}
     for (_, q), part in sorted(calls.items(), key=lambda kv: kv[0][0]):
-        got = app._enqueue_batch(q, [(d.id, d.delay, d.fields) for d in part])
+        got = yield steps.Enqueue(q, [(d.id, d.delay, d.fields) for d in part])
         answers.update(((d.queue, d.id), a) for d, a in zip(part, got))
         if min(got) < 0:
             written = [d for d in drafts if answers.get((d.queue, d.id)) == 1]
             for d in written:
-                steps.run(app, steps.kill(app, d.id, d.queue, f"taskrunner: its workflow was refused by queue {q}"))
+                yield from steps.kill(app, d.id, d.queue, f"taskrunner: its workflow was refused by queue {q}")
             gone = f" (the jobs of it written before were killed: {len(written)})" if written else ""
             if -2 in got:
                 raise QueueClosed(f"queue {q} is closed: the workflow was not enqueued{gone}")
             raise QueueFull(f"queue {q} is full (its bound is reached): the workflow was not enqueued{gone}")
     if news:
-        joins.carry(app, news)
+        yield from steps.carry(app, news)
     return [answers[(d.queue, d.id)] for d in drafts]
 
 

@@ -10,6 +10,7 @@ import socket
 import time
 from typing import Any
 
+from taskrunner.client import steps
 from taskrunner.client.app import TaskRunner
 from taskrunner.client.steps import REDIS_ERRORS
 from taskrunner.protocol import codec, joins, scripts
@@ -111,7 +112,7 @@ class Consumer:
             entries += left
         if entries:  # children in other slots of a Redis Cluster: tell them now, else the dispatcher will
             try:
-                joins.carry(self.app, entries)
+                steps.run(self.app, steps.carry(self.app, entries))
             except (*REDIS_ERRORS, ValueError) as e:
                 log.warning("consumer %s: could not tell %d children in other slots that their parents ended (%s); "
                             "the dispatcher will", self.name, len(entries), e)

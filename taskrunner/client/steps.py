@@ -19,7 +19,7 @@ import redis
 
 from taskrunner.client import declarations
 from taskrunner.errors import JobNotFound, QueueClosed, QueueFull, Timeout
-from taskrunner.protocol import codec, scripts
+from taskrunner.protocol import codec, joins, scripts
 from taskrunner.protocol.connection import Backoff, pop_any
 
 if TYPE_CHECKING:
@@ -61,11 +61,20 @@ class Script:
 
 
 @dataclass(frozen=True)
+class Scripts:
+    """Script calls sent together, in one round trip (on a Redis Cluster, each to the primary
+    of its slot): their replies, in order (a refusal raises ScriptError)."""
+
+    calls: tuple[Script, ...]
+
+
+@dataclass(frozen=True)
 class Enqueue:
     """enqueue.lua for `jobs` ((id, delay, fields) each) into `queue`: one int per job
     (1 created, 0 exists, -1 full, -2 closed). The queue joins the index of queues (on a
     cluster a separate command: the script touches the queue's slot only). `others`: the
-    other queues a workflow's jobs are in or name as parents (not on a cluster)."""
+    other queues a workflow's jobs are in or name as parents: one call, or on a Redis
+    Cluster the several of canvas.across(), which each driver runs as an operation."""
 
     queue: str
     jobs: list[tuple[str, float, list[Any]]]
@@ -87,7 +96,7 @@ class Sleep:
     seconds: float
 
 
-Request = Command | Pipeline | Script | Enqueue | Pop | Sleep
+Request = Command | Pipeline | Script | Scripts | Enqueue | Pop | Sleep
 Steps = Generator[Request, Any, T]
 
 
@@ -111,6 +120,11 @@ def _answer(app: TaskRunner, r: Request) -> Any:
         return getattr(app.redis, r.name)(*r.args)
     if isinstance(r, Script):
         return r.script(app.redis, r.keys, r.args)
+    if isinstance(r, Scripts):
+        batch = scripts.Batch(app.redis)
+        for s in r.calls:
+            batch.call(s.script, s.keys, s.args)
+        return batch.execute()
     if isinstance(r, Enqueue):
         return app._enqueue_batch(r.queue, r.jobs, r.others)
     if isinstance(r, Pipeline):
@@ -268,3 +282,28 @@ def send_control(app: TaskRunner, worker: str, message: dict[str, Any]) -> Steps
     """Put a message on a worker's control list (it BRPOPs it at once); kept an hour."""
     key = app.keys.control(worker)
     yield Pipeline((Command("lpush", (key, codec.dumps(message))), Command("expire", (key, 3600))))
+
+
+def carry(app: TaskRunner, found: list[joins.Entry]) -> Steps[int]:
+    """Apply outbox entries (joins.py) with join.lua in their children's slots (one call per
+    children's queue, all in one round trip), then delete them from their outboxes; then the
+    entries those calls left in turn (a child canceled there that has children in other
+    slots). Returns how many a child counted or was canceled by (join.lua's answer 1)."""
+    applied = 0
+    while found:
+        by_child: dict[str, list[joins.Entry]] = {}
+        for e in found:
+            by_child.setdefault(e.fields["child"].split(" ", 1)[0], []).append(e)
+        answers = yield Scripts(tuple(Script(scripts.JOIN, [app.keys.q(cq)], joins.join_args(app, entries))
+                                      for cq, entries in by_child.items()))
+        following: list[joins.Entry] = []
+        for entries, answer in zip(by_child.values(), answers):
+            done, more = joins.split(answer, len(entries))
+            applied += done.count(1)
+            following += more
+        by_outbox: dict[str, list[str]] = {}
+        for e in found:
+            by_outbox.setdefault(e.queue, []).append(e.id)
+        yield Pipeline(tuple(Command("xdel", (joins.outbox(app, q), *ids)) for q, ids in by_outbox.items()))
+        found = following
+    return applied

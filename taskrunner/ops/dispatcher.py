@@ -19,6 +19,7 @@ from typing import Any
 
 import redis
 
+from taskrunner.client import steps
 from taskrunner.client.app import Schedule, TaskRunner, cron_job_id
 from taskrunner.errors import MissingExtra, TaskRunnerError
 from taskrunner.logs import Run, job_fields
@@ -136,7 +137,7 @@ class Dispatcher:
         left = [e for found in results[1::2] for e in joins.parse(found)]
         if left:  # after the deadlines: a slot unreachable now must not hold up requeueing
             try:
-                stats["carried"] = joins.carry(self.app, left)
+                stats["carried"] = steps.run(self.app, steps.carry(self.app, left))
             except (*_REDIS_ERRORS, ValueError) as e:
                 log.warning("dispatcher %s: could not carry %d workflow outbox entries (%s); next pass",
                             self.name, len(left), e)

@@ -8,14 +8,13 @@ finished the parent, right after its finish (finish.lua answers the entries it l
 the dispatcher's pass, which carries every entry older than CARRY_AFTER. join.lua counts a
 parent once per child, so an entry carried twice (a carrier that died before deleting it,
 two at once) changes nothing more; an entry is deleted only once join.lua applied it, so
-one that a carrier never got to is carried by the next pass."""
+one that a carrier never got to is carried by the next pass. The carrying itself is an
+operation of the client's (steps.carry), for the synchronous and asyncio drivers alike."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-from taskrunner.protocol import scripts
 
 if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
@@ -53,38 +52,14 @@ def split(answer: list[Any], n: int) -> tuple[list[Any], list[Entry]]:
     return answer[:n], parse(answer[n]) if len(answer) > n else []
 
 
-def carry(app: TaskRunner, found: list[Entry]) -> int:
-    """Apply the entries with join.lua in their children's slots (one call per children's
-    queue, all in one round trip), then delete them from their outboxes; then the entries
-    those calls left in turn (a child canceled there that has children in other slots).
-    Returns how many a child counted or was canceled by (join.lua's answer 1)."""
-    applied = 0
-    while found:
-        by_child: dict[str, list[Entry]] = {}
-        for e in found:
-            by_child.setdefault(e.fields["child"].split(" ", 1)[0], []).append(e)
-        batch = scripts.Batch(app.redis)
-        for cq, entries in by_child.items():
-            args: list[Any] = [app.settings.failed_ttl]
-            for e in entries:
-                f = e.fields
-                args += [f["child"].split(" ", 1)[1], f["parent"], f.get("task", ""), f["state"],
-                         *(f.get(k, "") for k in NEWS)]
-            batch.call(scripts.JOIN, [app.keys.q(cq)], args)
-        following: list[Entry] = []
-        for entries, answer in zip(by_child.values(), batch.execute()):
-            done, more = split(answer, len(entries))
-            applied += done.count(1)
-            following += more
-        by_outbox: dict[str, list[str]] = {}
-        for e in found:
-            by_outbox.setdefault(e.queue, []).append(e.id)
-        pipe = app.redis.pipeline(transaction=False)
-        for q, ids in by_outbox.items():
-            pipe.xdel(outbox(app, q), *ids)
-        pipe.execute()
-        found = following
-    return applied
+def join_args(app: TaskRunner, entries: list[Entry]) -> list[Any]:
+    """join.lua's ARGV for entries of one children's queue: the failed TTL, then 8 values per
+    entry (child id, parent, task, state, then NEWS)."""
+    args: list[Any] = [app.settings.failed_ttl]
+    for e in entries:
+        f = e.fields
+        args += [f["child"].split(" ", 1)[1], f["parent"], f.get("task", ""), f["state"], *(f.get(k, "") for k in NEWS)]
+    return args
 
 
 def outbox(app: TaskRunner, queue: str) -> str:

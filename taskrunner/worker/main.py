@@ -29,11 +29,11 @@ from typing import Any
 import psutil
 import redis
 
-from taskrunner.client import declarations
+from taskrunner.client import declarations, steps
 from taskrunner.client.app import TaskRunner
 from taskrunner.errors import NameInUse
 from taskrunner.logs import Run, job_fields
-from taskrunner.protocol import codec, joins, scripts
+from taskrunner.protocol import codec, scripts
 from taskrunner.protocol.claims import claim_args, claim_keys, claim_rest
 from taskrunner.protocol.connection import Blocker, Channel, is_cluster, server_time
 from taskrunner.protocol.holders import identity, lose_held
@@ -453,7 +453,7 @@ class Worker:
         carry stays in its outbox, and the dispatcher's next pass carries it."""
         entries, self.outbox.to_carry = self.outbox.to_carry, []
         try:
-            joins.carry(self.app, entries)
+            steps.run(self.app, steps.carry(self.app, entries))
         except (*_REDIS_ERRORS, ValueError) as e:
             log.warning("worker %s: could not tell %d children in other slots that their parents ended (%s); the "
                         "dispatcher will", self.name, len(entries), e)
