@@ -25,6 +25,7 @@ from taskrunner.protocol.outcome import Ended, Outcome, finish_args
 from tests import apps
 from tests.conftest import Stack, wait_for
 from tests.test_failures import ledger, release, started_pid
+from tests.test_node_client import need_node, node_script
 from tests.topologies import Cluster, Topology, redis_cluster
 
 
@@ -554,4 +555,40 @@ def test_enqueue_many_with_depends_on_across_slots(capp, stack, cluster, queues)
     [callback] = on_node(cluster, capp, queues[2], "em-d")["cross_children"].split()[1:2]
     assert capp.job(callback, queues[0]).wait(30) == 1
     assert capp.job("em-e", queues[1]).wait(30) == 10
+    wait_for(lambda: outboxes(capp, queues) == 0, what="every outbox entry carried")
+
+
+def test_node_client_writes_workflows_over_slots(capp, stack, cluster, queues):
+    """The Node client on a redis+cluster:// URL writes a chain over three slots, a chord
+    across slots and depends_on on a completed job of another slot as the Python producer
+    does (parents first, cross_children, attach.lua, the news it answers carried); Python
+    workers run them. Its consumer refuses a cluster in one line."""
+    need_node()
+    done = apps.add.apply_async((20, 1), queue=queues[2])
+    stack.worker("-Q", ",".join(queues), concurrency=2)
+    assert done.wait(30) == 21
+    got = node_script(stack, f"""
+      const q = {json.dumps(queues)};
+      const last = await tr.chain([{{ task: 'tests.apps.counted', args: [1, 'nc1'], queue: q[0] }},
+        {{ task: 'tests.apps.counted', args: ['nc2'], queue: q[1] }},
+        {{ task: 'tests.apps.counted', args: ['nc3'], queue: q[2] }}]);
+      const members = [0, 1, 2, 3].map((i) => ({{ task: 'tests.apps.add', args: [i, i], queue: q[i % 2] }}));
+      const chord = await tr.chord(members, {{ task: 'tests.apps.tsum', queue: q[2] }});
+      const after = await tr.enqueue('tests.apps.add', [1, 1], {{}}, {{ queue: q[0], dependsOn: ['{done.id}'],
+        onSuccess: {{ task: 'tests.apps.echo', queue: q[1] }} }});
+      let refused = null;
+      try {{ new Consumer(tr, {{}}); }} catch (e) {{ refused = e.message; }}
+      console.log(JSON.stringify({{ last, chord, after, refused }}));""")
+    assert capp.job(got["last"]["id"], queues[2]).wait(30) == 4
+    assert [ledger(capp, k) for k in ("nc1", "nc2", "nc3")] == [1, 1, 1]
+    step3 = on_node(cluster, capp, queues[2], got["last"]["id"])
+    q, parent = step3["parents"].split()
+    assert (q, step3["cross_slot"]) == (queues[1], "1")
+    assert on_node(cluster, capp, q, parent)["cross_children"] == f"{queues[2]} {got['last']['id']} result"
+    assert capp.job(got["chord"]["id"], queues[2]).wait(30) == 12
+    assert capp.job(got["after"]["id"], queues[0]).wait(30) == 2
+    assert on_node(cluster, capp, queues[2], done.id)["children"] == f"{queues[0]} {got['after']['id']}"
+    [callback] = on_node(cluster, capp, queues[0], got["after"]["id"])["cross_children"].split()[1:2]
+    assert capp.job(callback, queues[1]).wait(30) == 2
+    assert got["refused"] == "the Node consumer needs one Redis server, not a Redis Cluster (README: Limits)"
     wait_for(lambda: outboxes(capp, queues) == 0, what="every outbox entry carried")

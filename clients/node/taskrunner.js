@@ -11,6 +11,8 @@ const Redis = require('ioredis');
 const NAME = /^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}$/;
 const ID = /^[A-Za-z0-9_.:@-]{1,200}$/;
 const FINAL = new Set(['completed', 'failed', 'killed', 'canceled']);
+// The fields of an outbox entry join.lua takes after child, parent, task and state (Across slots).
+const NEWS = ['result', 'error_type', 'error', 'canceled_by'];
 
 function setting(name, fallback) {
   const v = process.env[name];
@@ -30,6 +32,35 @@ function ulid() {
   for (let i = 0; i < 10; i++, t = Math.floor(t / 32)) out = abc[t % 32] + out;
   for (const b of crypto.randomBytes(16)) out += abc[b % 32];
   return out;
+}
+
+// A Redis Cluster: redis+cluster://[[user]:password@]host[:port][,host[:port]...] (the form
+// taskrunner's Python client takes; options after "?" are ignored here). null for another URL.
+function clusterOf(url) {
+  const m = /^redis\+cluster:\/\/(?:([^@/]*)@)?([^/?]+)/.exec(url);
+  if (!m) return null;
+  const [user, password] = m[1] === undefined ? [] : m[1].split(':').map(decodeURIComponent);
+  const nodes = m[2].split(',').map((hp) => {
+    const v6 = /^\[([^\]]+)\](?::(\d+))?$/.exec(hp);
+    const [host, port] = v6 ? [v6[1], v6[2]] : hp.split(':');
+    return { host, port: Number(port || 6379) };
+  });
+  return { nodes, redisOptions: { username: user || undefined, password: password || undefined } };
+}
+
+// Outbox entries as a script answers them after its n values ([[stream id, [field, value, ...]], ...]).
+function entries(answer, n) {
+  if (answer.length <= n) return [];
+  return answer[n].map(([sid, flat]) => {
+    const e = { sid };
+    for (let i = 0; i < flat.length; i += 2) e[flat[i]] = flat[i + 1];
+    return e;
+  });
+}
+
+function push(map, key, value) {
+  if (!map.has(key)) map.set(key, []);
+  map.get(key).push(value);
 }
 
 // Loading a script: the text of _lib.lua, a newline, then <name>.lua; SCRIPT LOAD, EVALSHA,
@@ -52,7 +83,8 @@ class Scripts {
       return await this.redis.evalsha(sha, keys.length, ...keys, ...args);
     } catch (e) {
       if (!String(e.message).startsWith('NOSCRIPT')) throw e;
-      await this.redis.script('LOAD', src);
+      const nodes = this.redis.isCluster ? this.redis.nodes('master') : [this.redis]; // a cluster: every primary
+      await Promise.all(nodes.map((n) => n.script('LOAD', src)));
       return this.redis.evalsha(sha, keys.length, ...keys, ...args);
     }
   }
@@ -63,7 +95,12 @@ class TaskRunner {
     scriptsDir = setting('TASKRUNNER_SCRIPTS', path.join(__dirname, '..', '..', 'taskrunner', 'protocol', 'scripts')) } = {}) {
     this.url = url;
     this.prefix = prefix;
-    this.redis = new Redis(url, { lazyConnect: true });
+    const cluster = clusterOf(url);
+    this.cluster = cluster !== null;
+    this.redis = cluster ? new Redis.Cluster(cluster.nodes, { lazyConnect: true, redisOptions: cluster.redisOptions })
+      : new Redis(url, { lazyConnect: true });
+    this.failedTtl = setting('TASKRUNNER_FAILED_TTL', '604800');
+    this.registered = new Set(); // queues added to P:{_}:queues by this producer (a cluster)
     this.scripts = new Scripts(this.redis, scriptsDir);
     this.g = `${prefix}:{_}:`;
   }
@@ -87,20 +124,128 @@ class TaskRunner {
     return { id, queue, delay: opts.delay || 0, fields };
   }
 
-  // Enqueue jobs in one enqueue.lua call, into the first one's queue: KEYS[2] registers the
-  // queues (one Redis server), KEYS[3..] are the other queues of the jobs and of their
-  // parents (Workflows). Nothing is written when a queue refuses one. Answers 1 or 0 per job.
+  // One enqueue.lua call for jobs of `queue` (and of `others`, one Redis server only): its
+  // answers. KEYS[2] registers the queues; on a cluster, where it is in another slot, SADD
+  // does (once per queue and producer).
+  async call(queue, drafts, others = []) {
+    const args = [drafts.length];
+    for (const d of drafts) args.push(d.id, d.delay, d.fields.length / 2, ...d.fields);
+    if (!this.cluster) {
+      return this.scripts.call('enqueue', [this.q(queue), this.g + 'queues', ...others.map((q) => this.q(q))], args);
+    }
+    if (!this.registered.has(queue)) {
+      await this.redis.sadd(this.g + 'queues', queue);
+      this.registered.add(queue);
+    }
+    return this.scripts.call('enqueue', [this.q(queue)], args);
+  }
+
+  // Enqueue jobs in one enqueue.lua call, into the first one's queue: KEYS[3..] are the other
+  // queues of the jobs and of their parents (Workflows). Nothing is written when a queue
+  // refuses one. On a cluster, jobs of several queues are several calls (across). Answers
+  // 1 or 0 per job.
   async write(drafts, parentQueues = []) {
     const first = drafts[0].queue;
     const others = [...new Set([...drafts.map((d) => d.queue), ...parentQueues])].filter((q) => q !== first).sort();
-    const args = [drafts.length];
-    for (const d of drafts) args.push(d.id, d.delay, d.fields.length / 2, ...d.fields);
-    const keys = [this.q(first), this.g + 'queues', ...others.map((q) => this.q(q))];
-    const answers = await this.scripts.call('enqueue', keys, args);
+    if (this.cluster && others.length) return this.across(drafts);
+    const answers = await this.call(first, drafts, others);
     const closed = answers.indexOf(-2);
     if (closed >= 0) throw new Error(`queue ${drafts[closed].queue} is closed`);
     if (answers.includes(-1)) throw new Error(`queue ${first} is full`);
     return answers;
+  }
+
+  // Across slots (PROTOCOL.md, Workflows: Across slots): a workflow over several queues of a
+  // cluster, written as taskrunner's Python producer writes it. Parents go before their
+  // children: a parent is written with cross_children naming its children of other queues
+  // (each child with cross_slot 1), and an existing parent (dependsOn) learns of its child by
+  // attach.lua first. One enqueue.lua call per level and queue, level by level: a job's level
+  // is one more than its parents' in other queues, as high as its parents' in its own. The
+  // drafts are in an order where parents come first. A refusal kills the jobs written before.
+  async across(drafts) {
+    const key = (q, id) => `${q} ${id}`;
+    const mine = new Set(drafts.map((d) => key(d.queue, d.id)));
+    const level = new Map();
+    const cross = new Map(); // parent -> its children in other queues, "<queue> <id> <takes>"
+    const attach = new Map(); // [parent queue, child queue, child id, takes] as JSON -> parent ids
+    for (const d of drafts) {
+      const f = {};
+      for (let i = 0; i < d.fields.length; i += 2) f[d.fields[i]] = d.fields[i + 1];
+      const words = (f.parents || '').split(' ').filter(Boolean);
+      let lv = 0;
+      let far = false;
+      for (let i = 0; i < words.length; i += 2) {
+        const [q, pid] = [words[i], words[i + 1]];
+        if (q === d.queue) {
+          lv = Math.max(lv, level.get(key(q, pid)) || 0);
+          continue;
+        }
+        far = true;
+        if (mine.has(key(q, pid))) {
+          lv = Math.max(lv, level.get(key(q, pid)) + 1);
+          push(cross, key(q, pid), `${d.queue} ${d.id} ${f.takes || '-'}`);
+        } else {
+          push(attach, JSON.stringify([q, d.queue, d.id, f.takes || '-']), pid);
+        }
+      }
+      level.set(key(d.queue, d.id), lv);
+      if (far) d.fields.push('cross_slot', '1');
+    }
+    for (const d of drafts) {
+      if (cross.has(key(d.queue, d.id))) d.fields.push('cross_children', cross.get(key(d.queue, d.id)).join(' '));
+    }
+    const news = []; // what attach.lua left for children of parents that completed
+    for (const [k, pids] of attach) {
+      const [pq, cq, cid, takes] = JSON.parse(k);
+      news.push(...entries(await this.scripts.call('attach', [this.q(pq)], [cq, cid, takes, ...pids]), pids.length));
+    }
+    const calls = new Map();
+    for (const d of drafts) push(calls, JSON.stringify([level.get(key(d.queue, d.id)), d.queue]), d);
+    const answers = new Map();
+    for (const [k, part] of [...calls].sort(([a], [b]) => JSON.parse(a)[0] - JSON.parse(b)[0])) {
+      const q = JSON.parse(k)[1];
+      const got = await this.call(q, part);
+      part.forEach((d, i) => answers.set(key(d.queue, d.id), got[i]));
+      if (Math.min(...got) < 0) {
+        const written = drafts.filter((d) => answers.get(key(d.queue, d.id)) === 1);
+        for (const d of written) await this.kill(d.id, d.queue, `taskrunner: its workflow was refused by queue ${q}`);
+        const gone = written.length ? ` (the jobs of it written before were killed: ${written.length})` : '';
+        const why = got.includes(-2) ? 'closed' : 'full (its bound is reached)';
+        throw new Error(`queue ${q} is ${why}: the workflow was not enqueued${gone}`);
+      }
+    }
+    if (news.length) await this.carry(news);
+    return drafts.map((d) => answers.get(key(d.queue, d.id)));
+  }
+
+  // Carrying (Across slots): apply outbox entries with join.lua in their children's slots,
+  // then XDEL them from their outboxes; then the entries those calls left in turn.
+  async carry(found) {
+    while (found.length) {
+      const byChild = new Map();
+      for (const e of found) push(byChild, e.child.split(' ')[0], e);
+      const answers = await Promise.all([...byChild].map(([cq, es]) => this.scripts.call('join', [this.q(cq)],
+        [this.failedTtl, ...es.flatMap((e) => [e.child.split(' ')[1], e.parent, e.task || '', e.state,
+          ...NEWS.map((n) => e[n] || '')])])));
+      const following = [];
+      [...byChild.values()].forEach((es, i) => following.push(...entries(answers[i], es.length)));
+      const byOutbox = new Map();
+      for (const e of found) push(byOutbox, e.parent.split(' ')[0], e.sid);
+      await Promise.all([...byOutbox].map(([q, ids]) => this.redis.xdel(this.q(q) + 'outbox', ...ids)));
+      found = following;
+    }
+  }
+
+  // Kill: a job not running ends killed at once; a running one's worker is told on its
+  // control list. Answers the state after the call.
+  async kill(id, queue, who) {
+    const [state, worker, attempt] = await this.scripts.call('kill', [this.q(queue)], [id, who, this.failedTtl]);
+    if (state === 'running' && worker) {
+      const control = this.g + 'control:' + worker;
+      await this.redis.lpush(control, JSON.stringify({ kill: id, attempt: Number(attempt), reason: 'killed' }));
+      await this.redis.expire(control, 3600);
+    }
+    return state;
   }
 
   // The (queue, id) of jobs to wait for: {id, queue} objects (what enqueue answers) as they
@@ -226,6 +371,7 @@ const sleep = (s) => new Promise((resolve) => setTimeout(resolve, s * 1000));
 // handler returns later is dropped, so handlers should honour the signal.
 class Consumer {
   constructor(tr, handlers, { queues = ['default'], name } = {}) {
+    if (tr.cluster) throw new Error('the Node consumer needs one Redis server, not a Redis Cluster (README: Limits)');
     this.tr = tr;
     this.handlers = handlers;
     this.queues = queues.map((q) => checkName('queue', q));
@@ -237,7 +383,7 @@ class Consumer {
     this.idleBlock = Number(setting('TASKRUNNER_IDLE_BLOCK', 5));
     this.resultTtl = setting('TASKRUNNER_RESULT_TTL', '86400');
     this.backoffCap = setting('TASKRUNNER_RETRY_BACKOFF_MAX', '600');
-    this.failedTtl = setting('TASKRUNNER_FAILED_TTL', '604800');
+    this.failedTtl = tr.failedTtl;
     this.shutdownGrace = Number(setting('TASKRUNNER_SHUTDOWN_GRACE', 20));
     this.current = null; // the delivery running: {queue, id, attempt, task, ..., controller}
     this.orphans = false; // a claim's answer may have been lost: we may hold jobs we do not run
