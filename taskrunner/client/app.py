@@ -193,12 +193,16 @@ class Task:
 
     def __init__(self, app: TaskRunner, fn: Callable, name: str, spec: JobSpec,
                  retry_on: tuple[type[BaseException], ...] | None = None,
-                 no_retry_on: tuple[type[BaseException], ...] = (), ignore_result: bool = False):
+                 no_retry_on: tuple[type[BaseException], ...] = (), ignore_result: bool = False,
+                 spark: bool = False):
         self.app, self.fn, self.name, self.spec = app, fn, name, spec
         self.retry_on, self.no_retry_on = retry_on, no_retry_on
         #: The return value is dropped where the job runs (child.returned): it is neither
         #: encoded (a value that is not JSON does not fail the job) nor sent nor stored.
         self.ignore_result = ignore_result
+        #: Its jobs get current_job().spark, the child's SparkSession (worker/spark_session.py).
+        #: Worker-side only, as retry_on: not declared in Redis.
+        self.spark = spark
         functools.update_wrapper(self, fn)
 
     def retryable(self, error: BaseException) -> bool:
@@ -325,7 +329,7 @@ class TaskRunner:
              timeout_policy: str = "kill", max_lost: int | None = None, max_retries: int = MAX_RETRIES,
              retry_backoff_max: float | None = None, result_ttl: int | None = None, failed_ttl: int | None = None,
              ignore_result: bool = False, soft_limit: float | None = None,
-             rate_limit: str | None = None, max_concurrency: int | None = None,
+             rate_limit: str | None = None, max_concurrency: int | None = None, spark: bool = False,
              retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
              no_retry_on: type[BaseException] | tuple[type[BaseException], ...] = ()) -> Any:
         """Declare a task: `@app.task` or `@app.task(queue=..., max_duration=..., retries=...)`.
@@ -344,9 +348,14 @@ class TaskRunner:
         rate_limit: "N/s", "N/m" or "N/h": at most that many of its jobs start, across all
         workers (evenly spaced; per queue); max_concurrency: at most that many run at once
         per concurrency key (apply_async(concurrency_key=...), default the task's name).
-        Both are enforced by the claim in Redis (docs/PROTOCOL.md, Flow control)."""
-        if not isinstance(ignore_result, bool):
-            raise ValueError(f"ignore_result must be True or False, not {ignore_result!r}")
+        Both are enforced by the claim in Redis (docs/PROTOCOL.md, Flow control).
+        spark: the task gets `current_job().spark`, a SparkSession its child makes on first
+        use and keeps for its next jobs; a kill or its max duration cancels its Spark jobs
+        (taskrunner/worker/spark_session.py). Give such tasks a queue of their own, served by
+        workers meant for them: each child that runs one starts a JVM."""
+        for flag, value in (("ignore_result", ignore_result), ("spark", spark)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag} must be True or False, not {value!r}")
         retry_classes = None if retry_on is None else _exception_classes("retry_on", retry_on)
         no_retry_classes = _exception_classes("no_retry_on", no_retry_on)
 
@@ -360,7 +369,7 @@ class TaskRunner:
             if task_name in self.tasks and self.tasks[task_name].fn is not f:
                 raise TaskRunnerError(f"two tasks named {task_name!r}: pass name= to one of them")
             t = self.tasks[task_name] = Task(self, f, task_name, spec, retry_classes, no_retry_classes,
-                                             ignore_result)
+                                             ignore_result, spark)
             return t
 
         return register(fn) if fn is not None else register

@@ -13,8 +13,6 @@ logs); a cluster with --master / TASKRUNNER_SPARK_MASTER, same code."""
 from __future__ import annotations
 
 import os
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -22,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from taskrunner.ops.history import default_dir
 from taskrunner.protocol import codec
+from taskrunner.worker.spark_session import DEFAULT_CONF as DEFAULT_CONF  # the settings of every session of ours
+from taskrunner.worker.spark_session import spark_conf, spark_session
 
 if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
@@ -32,20 +32,6 @@ GROUPS = {"tasks": "task", "queues": "queue", "workers": "host", "hours": "hour"
 TOP_ERRORS = 5
 #: The states of history records counted (and their rates) per group.
 OUTCOMES = ("completed", "failed", "killed", "requeued", "canceled")
-_LOG4J = """rootLogger.level = warn
-rootLogger.appenderRef.stderr.ref = console
-appender.console.type = Console
-appender.console.name = console
-appender.console.target = SYSTEM_ERR
-appender.console.layout.type = PatternLayout
-appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
-logger.native.name = org.apache.hadoop.util.NativeCodeLoader
-logger.native.level = error
-logger.sink3.name = org.apache.spark.sql.execution.streaming.FileStreamSink
-logger.sink3.level = error
-logger.sink4.name = org.apache.spark.sql.execution.streaming.sinks.FileStreamSink
-logger.sink4.level = error
-"""
 
 
 def parse_since(value: str) -> float:
@@ -55,55 +41,6 @@ def parse_since(value: str) -> float:
         return float(value[:-1]) * units[value[-1]] if value and value[-1] in units else float(value)
     except ValueError:
         raise ValueError(f"bad duration {value!r}: use e.g. 7d, 12h, 30m") from None
-
-
-#: The settings analyze uses unless TASKRUNNER_SPARK_CONF or --conf say otherwise (small on
-#: purpose: local mode on 2 shared cores; raise them for a cluster or a bigger archive).
-DEFAULT_CONF = {"spark.sql.shuffle.partitions": "4", "spark.driver.memory": "1g", "spark.ui.enabled": "false",
-                "spark.ui.showConsoleProgress": "false", "spark.sql.session.timeZone": "UTC"}
-
-
-def parse_conf(entries: list[str], where: str = "--conf") -> dict[str, str]:
-    """`k=v` entries as a dict; ValueError (one line) for one without a key or `=`."""
-    conf = {}
-    for entry in entries:
-        key, eq, value = entry.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"bad {where} entry {entry!r}: use key=value, e.g. spark.driver.memory=2g")
-        conf[key.strip()] = value.strip()
-    return conf
-
-
-def spark_conf(overrides: list[str] | None = None) -> dict[str, str]:
-    """DEFAULT_CONF, then TASKRUNNER_SPARK_CONF ("k=v,k=v"), then `overrides` (--conf k=v),
-    each over the one before."""
-    env = os.environ.get("TASKRUNNER_SPARK_CONF", "")
-    return {**DEFAULT_CONF, **parse_conf([e for e in env.split(",") if e.strip()], "TASKRUNNER_SPARK_CONF"),
-            **parse_conf(overrides or [])}
-
-
-def spark_session(master: str | None = None, conf: dict[str, str] | None = None) -> Any:
-    """A SparkSession on `master` (default TASKRUNNER_SPARK_MASTER, else local[2]) with `conf`
-    (default spark_conf()). In local mode its Python workers run our interpreter
-    (PYSPARK_PYTHON, unless set): Spark's default is the first python3 on PATH, another
-    Python than a virtualenv's, without its packages. On a cluster the executors' Python is
-    theirs: set PYSPARK_PYTHON if python3 is not it."""
-    from pyspark.sql import SparkSession
-
-    master = master or os.environ.get("TASKRUNNER_SPARK_MASTER") or "local[2]"
-    if master.startswith("local"):
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    log4j = os.path.join(tempfile.gettempdir(), "taskrunner-log4j2.properties")
-    with open(log4j, "w") as f:
-        f.write(_LOG4J)
-    java_opts = f"-Dlog4j2.configurationFile=file:{log4j}"
-    builder = SparkSession.builder.appName("taskrunner-analyze").master(master)
-    settings = {"spark.driver.extraJavaOptions": java_opts, "spark.executor.extraJavaOptions": java_opts,
-                **(conf if conf is not None else spark_conf())}
-    for key, value in settings.items():
-        builder = builder.config(key, value)
-    return builder.getOrCreate()
 
 
 def _spark_schema() -> Any:

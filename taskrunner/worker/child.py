@@ -34,7 +34,7 @@ from taskrunner import logs
 from taskrunner.errors import NotJSONError, Reject, Retry
 from taskrunner.protocol import codec
 from taskrunner.protocol.outcome import Outcome
-from taskrunner.worker import frames, soft_limit
+from taskrunner.worker import frames, soft_limit, spark_session
 from taskrunner.worker.context import JobContext, JobLogHandler, Reporter, _current, log_line, running_job_fields
 
 
@@ -81,8 +81,11 @@ class Link:
 
     def on_term(self, signum: int, frame: Any) -> None:
         # SIGTERM from anyone but our worker (e.g. a platform stopping every process) is
-        # ignored: the worker decides when a job stops.
+        # ignored: the worker decides when a job stops. A job running Spark jobs has them
+        # canceled instead, and ends as stopped (spark_session.py).
         if self.kill_flag.value:
+            if not self.hard and spark_session.CHILD.cancel():
+                return
             if self.sending:
                 self.killed = True
             else:
@@ -163,6 +166,7 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
                 pass
             if not jobs:
                 app.middleware.child_stop()
+                spark_session.CHILD.stop()
                 os._exit(0)
             seq, message = jobs.popleft().split(b"\0", 1)
             n = int(seq)
@@ -172,8 +176,11 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
                 state[0] = n
             began = time.perf_counter()
             outcome = run(app, message, link)
+            if spark_session.CHILD.group is not None and spark_session.CHILD.end():
+                outcome = Outcome.killed("its Spark job group was canceled")  # the worker says why
             link.send(answer(message, time.perf_counter() - began, outcome))
     except _Killed:
+        spark_session.CHILD.abandon()
         os._exit(143)  # the job's finally blocks have run
 
 
@@ -245,7 +252,7 @@ def prepare(app: Any, message: bytes, reporter: Reporter | None = None) -> Call 
     if not isinstance(args, list) or not isinstance(kwargs, dict) or not isinstance(headers, dict):
         return Outcome.failed("BadArguments", "args must be a JSON array, kwargs and headers JSON objects")
     context = JobContext(job_id.decode(), name, queue.decode(), int(attempt), time.time() + float(max_duration),
-                         headers, reporter=reporter)
+                         headers, reporter=reporter, uses_spark=task.spark)
     return Call(task, args, kwargs, context, _soft_limit(soft))
 
 

@@ -15,6 +15,7 @@ import orjson
 
 from taskrunner.errors import MAX_RETRIES, TaskRunnerError
 from taskrunner.logs import job_fields
+from taskrunner.worker import spark_session
 
 if TYPE_CHECKING:
     from taskrunner.protocol.outcome import Outcome
@@ -52,6 +53,20 @@ class JobContext:
     deadline: float
     headers: dict[str, Any] = field(default_factory=dict)
     reporter: Reporter | None = field(default=None, repr=False, compare=False)
+    uses_spark: bool = field(default=False, repr=False, compare=False)  # its task is spark=True
+
+    @property
+    def spark(self) -> Any:
+        """The SparkSession of this process, for a task declared `@app.task(spark=True)`:
+        made on first use (local[*], or TASKRUNNER_SPARK_MASTER; settings as `taskrunner
+        analyze`'s: TASKRUNNER_SPARK_CONF over the defaults) and kept for the next jobs of
+        this child; this job's Spark jobs run in its job group, canceled if the job is
+        killed or passes its max duration (spark_session.py). Other tasks get
+        TaskRunnerError: their children must not start a JVM."""
+        if not self.uses_spark:
+            raise TaskRunnerError(f"current_job().spark is for tasks declared with @app.task(spark=True); "
+                                  f"{self.task} is not")
+        return spark_session.CHILD.get(self.id)
 
     def progress(self, fraction: float, note: str = "") -> None:
         """Say how far the job is (0..1) and, optionally, what it is doing: shown live by

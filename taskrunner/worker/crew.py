@@ -125,6 +125,16 @@ class Crew:
                             reply[:3])
                 continue
             c.jobs.remove(d)
+            if d is c.kill_target and outcome.kind == "killed" and not c.concurrent:
+                # A job we were stopping canceled its Spark job group and ended (a classic
+                # child says so; spark_session.py): it ends as what we stopped it for, and its
+                # child goes on.
+                reason, c.kill_target, c.kill_reason, c.kill_at = c.kill_reason, None, None, None
+                c.kill_flag.value = 0
+                stop = _stopped(reason or "killed", "its Spark job group was canceled")
+                if stop is None:
+                    continue  # no longer ours to report
+                outcome = stop
             if outcome.kind in ("failed", "error"):
                 self._raised(d, outcome)
             self.runtime = runtime if self.runtime is None else 0.8 * self.runtime + 0.2 * runtime
@@ -193,13 +203,8 @@ class Crew:
             if d.seq > began:
                 report(d, Outcome.returned(f"its process died ({why}) on {self.host}"))
             elif (reason := c.kill_reason if d is c.kill_target else d.stop_reason) is not None:
-                if reason == "killed":
-                    report(d, Outcome.killed("killed on request"), d.began)
-                elif reason == "timeout":
-                    report(d, Outcome.error("TimeLimitExceeded", f"ran past its max duration; stopped by {why}"),
-                           d.began)
-                elif reason == "shutdown":
-                    report(d, Outcome.requeue(front=True), d.began)  # "lost": no longer ours to report
+                if (stop := _stopped(reason, f"stopped by {why}")) is not None:
+                    report(d, stop, d.began)
             elif c.kill_reason is not None:
                 # It ran beside (a loop child) or after the job we stopped: requeued, nothing counted.
                 report(d, Outcome.requeue(front=True, why=f"its process was stopped ({c.kill_reason}) on "
@@ -285,6 +290,18 @@ class Crew:
     def _is_async(self, d: Delivery) -> bool:
         task = self.app.tasks.get(d.task)
         return task is not None and inspect.iscoroutinefunction(task.fn)
+
+
+def _stopped(reason: str, how: str) -> Outcome | None:
+    """How a job we stopped for `reason` ends (`how`: what stopped it); None for "lost": no
+    longer ours to report."""
+    if reason == "killed":
+        return Outcome.killed("killed on request")
+    if reason == "timeout":
+        return Outcome.error("TimeLimitExceeded", f"ran past its max duration; {how}")
+    if reason == "shutdown":
+        return Outcome.requeue(front=True)
+    return None
 
 
 _procs: dict[int, psutil.Process] = {}

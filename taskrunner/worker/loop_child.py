@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from taskrunner.protocol.outcome import Outcome
-from taskrunner.worker import frames, precise_loop
+from taskrunner.worker import frames, precise_loop, spark_session
 from taskrunner.worker.child import Call, Link, answer, begin_child, execute, prepare, run_async
 
 
@@ -34,6 +34,7 @@ def loop_child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, 
     app.middleware.child_start()
     precise_loop.run(LoopChild(app, link, state, lock, threads, async_slots).serve())
     app.middleware.child_stop()
+    spark_session.CHILD.stop()
     os._exit(0)
 
 
