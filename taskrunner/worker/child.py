@@ -6,6 +6,9 @@ it sends b"seq\\0" + message(...) (id, attempt, task, queue, max_duration, args,
 headers, soft limit; args, kwargs, headers: the JSON text stored in Redis; seq counts the
 jobs sent to this child; the rest is what current_job() tells the task); the child answers each job it ran with a
 JSON list [id, runtime, outcome, v1, v2, v3, v4] (outcome, v1..v4 as finish.lua takes them).
+A job the worker stops (SIGTERM with the kill flag set) ends the child, unless it runs Spark
+jobs: then they are canceled, and the child answers the job "killed" and goes on (the
+worker makes that what it stopped the job for; spark_session.py).
 
 Jobs sent ahead can be taken back while the child is busy, without its help: under a lock
 shared with the worker, the child records the seq of each job as it begins it (state[0]),
