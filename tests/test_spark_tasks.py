@@ -61,13 +61,13 @@ def test_kill_and_max_duration_cancel_the_spark_job_and_the_session_goes_on(app,
     workers = crawling(tmp_path / "a")
     r = stack.cli("kill", killed.id)
     assert r.returncode == 0, r.stderr
-    wait_for(lambda: killed.refresh().state == "killed", 30, "the job killed")
+    wait_for(lambda: killed.refresh().data["state"] == "killed", 30, "the job killed")
     assert killed.data["error"] == "killed on request", killed.data
     wait_for(lambda: all(gone(p) for p in workers), 30, "the canceled Spark tasks' Python workers to stop")
 
     timed = spark_apps.crawl.apply_async([str(tmp_path / "b")], max_duration=15)
     crawling(tmp_path / "b")
-    wait_for(lambda: timed.refresh().state == "failed", 40, "the job past its max duration")
+    wait_for(lambda: timed.refresh().data["state"] == "failed", 40, "the job past its max duration")
     assert timed.data["error_type"] == "TimeLimitExceeded", timed.data
     assert "its Spark job group was canceled" in timed.data["error"], timed.data
 
@@ -82,5 +82,5 @@ def test_kill_and_max_duration_cancel_the_spark_job_and_the_session_goes_on(app,
     crawling(tmp_path / "c")
     os.kill(child, signal.SIGKILL)
     wait_for(lambda: gone(jvm), 60, "the dead child's JVM to stop")
-    wait_for(lambda: lost.refresh().state == "failed", 30, "the lost job failed")
+    wait_for(lambda: lost.refresh().data["state"] == "failed", 30, "the lost job failed")
     assert lost.data["error_type"] == "WorkerLost", lost.data
