@@ -93,10 +93,11 @@ if ! echo "$out" | grep -q "ensure-venv: .*install python3.11-venv" || [ -e "$ro
 fi
 
 say "2. make test REDIS_PY=$lowest as root (installs what it needs with apt)"
-# Without the Spark and chaos tests, the slowest third of the suite, which .ci/run's first
+# Without the Spark and chaos tests, the slowest part of the suite, which .ci/run's first
 # `make test` has just run: they exercise Parquet, a JVM and the protocol under faults, not
 # redis-py's API, and CI must end within 25 minutes (the suite runs twice).
 second_run="--ignore=tests/test_analyze.py --ignore=tests/test_compact.py --ignore=tests/test_chaos.py"
+second_run="$second_run --ignore=tests/test_spark_tasks.py --ignore=tests/test_spark_enqueue.py"
 in_root -- root:root "PYTEST_ADDOPTS='$second_run' make test REDIS_PY=$lowest && .venv/bin/python -c 'import redis; print(\"redis-py\", redis.__version__)'"
 
 say "3. make demo, Ctrl-C after a job completed"
