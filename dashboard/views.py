@@ -37,7 +37,7 @@ pages = Blueprint("pages", __name__)
 api = Blueprint("api", __name__, url_prefix="/api")
 PAGE = 50
 ACTIONS = ("kill", "retry", "requeue", "delete")
-QUEUE_ACTIONS = ("purge", "close", "open")
+QUEUE_ACTIONS = ("purge", "close", "open", "pause", "resume")
 SCHEDULE_ACTIONS = ("pause", "resume", "run-now", "delete")
 FINISHED = ("completed", "failed", "killed", "canceled")
 
@@ -114,7 +114,8 @@ def act(job: Job, action: str, who: str) -> tuple[bool, str]:
 
 
 def queue_act(name: str, action: str, who: str) -> dict[str, Any]:
-    """Purge, close or open a queue; {"message": ..., and for purge "deleted": n}. Audited."""
+    """Purge, close, open, pause or resume a queue; {"message": ..., and for purge "deleted": n}.
+    Audited."""
     if action not in QUEUE_ACTIONS:
         abort(404, f"no queue action {action!r}")
     queue_arg(name)
@@ -124,9 +125,15 @@ def queue_act(name: str, action: str, who: str) -> dict[str, Any]:
     elif action == "close":
         taskqueue.close(runner(), name)
         out = {"message": "closed: it takes no new jobs (queued ones still run)"}
-    else:
+    elif action == "open":
         taskqueue.open(runner(), name)
         out = {"message": "open: it takes new jobs"}
+    elif action == "pause":
+        taskqueue.pause(runner(), name)
+        out = {"message": "paused: workers claim none of its jobs (it still takes new ones)"}
+    else:
+        taskqueue.resume(runner(), name)
+        out = {"message": "resumed: workers claim its jobs again"}
     audit(f"{action} {name}" + (f" ({out['deleted']} jobs)" if action == "purge" else ""), who, True)
     return out
 

@@ -203,6 +203,13 @@ def _warn_undeclared(task: str, queues: list[str]) -> None:
 @click.option("--on-failure", metavar="CALLBACK", help="A job to run if this one does not complete (failed for "
               'good, killed, canceled), given {"id", "task", "state", "error_type", "error"} of it first in its '
               "args; as --on-success.")
+@click.option("--priority", type=click.IntRange(0, 9), help="0-9: higher is claimed first within the queue.")
+@click.option("--unique-key", help="While a job holding this key has not ended (or started, --unique-until start), "
+              "enqueue nothing and print that job's id.")
+@click.option("--unique-for", type=click.IntRange(min=1), help="Seconds the unique lock lasts at most; alone, the key "
+              "is made from the task and its arguments.")
+@click.option("--unique-until", type=click.Choice(["start", "finish"]),
+              help="When the unique lock ends (default finish).")
 @click.option("--from-file", "from_file", type=click.File("r"), metavar="JOBS.jsonl",
               help='Enqueue many: one JSON object a line, {"task": ..., "args": [...], "kwargs": {...}, '
               '"queue": ..., "delay": s, "max_duration": s, "id": ..., "depends_on": [ids of earlier lines or '
@@ -212,6 +219,7 @@ def _warn_undeclared(task: str, queues: list[str]) -> None:
 def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, queue: str | None,
             delay: float | None, max_duration: float | None, retries: int | None, job_id: str | None,
             block_timeout: float | None, depends_on: tuple[str, ...], on_success: str | None, on_failure: str | None,
+            priority: int | None, unique_key: str | None, unique_for: int | None, unique_until: str | None,
             from_file: Any, app_spec: str | None, redis_url: str | None) -> None:
     """Enqueue TASK by name; prints the job id alone.
 
@@ -241,9 +249,10 @@ def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, qu
     undeclared = _undeclared(app, app_spec, [task, *queues])
     job = app.enqueue(task, args, kwargs, queue=queue, delay=delay, max_duration=max_duration,
                       retries=retries, job_id=job_id, block_timeout=block_timeout, depends_on=list(depends_on) or None,
-                      on_success=success, on_failure=failure)
+                      on_success=success, on_failure=failure, priority=priority, unique_key=unique_key,
+                      unique_for=unique_for, unique_until=unique_until)
     if not job.created:
-        click.echo(f"job {job.id} exists already; not enqueued again", err=True)
+        click.echo(f"job {job.id} exists already (or holds the unique key); not enqueued again", err=True)
     else:
         for name in undeclared:
             _warn_undeclared(name, [job.queue] if name == task else [queues[name]])
@@ -435,7 +444,8 @@ def queues(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
     click.echo(f"{'QUEUE':20}" + "".join(f"{c.split('_')[0].upper():>11}" for c in cols) + "  SETTINGS")
     for s in stats:
         flags = " ".join(f for f, on in (("bound=" + str(s["bound"]), s["bound"]), ("closed", s["closed"]),
-                                         ("exclusive", s["exclusive"]),
+                                         ("exclusive", s["exclusive"]), ("paused", s["paused"]),
+                                         ("priorities=" + ",".join(map(str, s["priorities"])), s["priorities"]),
                                          (f"rate={s['rate']} used={s['rate_used']}", s["rate"])) if on)
         click.echo(f"{s['name']:20}" + "".join(f"{s[c]:>11}" for c in cols) + f"  {flags}")
 
@@ -712,7 +722,7 @@ _schedule_action("delete", "Delete a schedule added at runtime (the app's own of
 
 @main.group()
 def queue() -> None:
-    """Create, close, open or delete a queue (bounded, exclusive, rate-limited); see also `queues`."""
+    """Create, close, open, pause, resume or delete a queue (bounded, exclusive, rate-limited); see also `queues`."""
 
 
 @queue.command("create")
@@ -747,20 +757,28 @@ def queue_rate(name: str, rate: str, app_spec: str | None, redis_url: str | None
 
 
 def _queue_switch(how: str, doc: str, said: str) -> None:
-    """`queue close` and `queue open`: one setting of a queue, each way."""
+    """`queue close` and `queue open`, `queue pause` and `queue resume`: one setting of a
+    queue, each way; with --json, the queue's settings after it (as `queue info --json`)."""
     from taskrunner.ops import queue as queues
 
     @queue.command(how, help=doc)
     @click.argument("name")
+    @click.option("--json", "as_json", is_flag=True, help="Print the queue's settings after the change, as JSON.")
     @common
-    def switch(name: str, app_spec: str | None, redis_url: str | None) -> None:
-        getattr(queues, how)(_app(app_spec, redis_url), name)
+    def switch(name: str, as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
+        app = _app(app_spec, redis_url)
+        getattr(queues, how)(app, name)
+        if as_json:
+            return _emit({"name": name, **queues.info(app, name)})
         click.echo(f"queue {name}: {said.format(name=name)}")
 
 
 _queue_switch("close", "Take no new jobs (enqueue fails with QueueClosed); queued jobs still run.",
               "closed (`taskrunner queue open {name}` undoes it)")
 _queue_switch("open", "Take new jobs again after `queue close`.", "open")
+_queue_switch("pause", "Workers claim nothing from the queue (and sleep on it); it still takes new jobs, and "
+              "running ones go on.", "paused (`taskrunner queue resume {name}` undoes it)")
+_queue_switch("resume", "Workers claim from the queue again after `queue pause`.", "resumed")
 
 
 @queue.command("delete")
@@ -804,7 +822,9 @@ def purge(queue_name: str, yes: bool, app_spec: str | None, redis_url: str | Non
     """Delete every pending job of a queue (running, delayed and finished ones stay). Asks first."""
     app = _app(app_spec, redis_url)
     _known(app, queue_name)
-    total = app.redis.llen(app.keys.q(queue_name) + "pending")
+    from taskrunner.ops.queue import backlog
+
+    total = backlog(app, queue_name)
     _confirm(f"delete {total} pending jobs of {queue_name}?", yes)
     with click.progressbar(length=total, label="purging", file=sys.stderr) as bar:
         n = app.purge(queue_name, progress=bar.update)

@@ -189,6 +189,30 @@ def test_close_and_open_a_queue_from_its_page(app, web):
     assert web.post("/queues/default/close").status_code == 403  # no CSRF token
 
 
+def test_pause_and_resume_a_queue_from_its_page_and_the_api(app, web):
+    apps.add.delay(1, 2)
+    apps.add.apply_async([1, 2], priority=9)
+    token = login(web)
+    page = web.get("/queues/default").get_data(as_text=True)
+    assert 'data-action="pause"' in page and 'data-action="resume"' not in page and "priorities 9" in page
+    assert web.post("/queues/default/pause").status_code == 403  # no CSRF token
+    r = web.post("/queues/default/pause", data={"csrf_token": token})
+    assert r.status_code == 302 and queue.info(app, "default")["paused"]
+    page = web.get("/queues/default").get_data(as_text=True)
+    assert "workers claim none of its jobs" in page and 'data-action="resume"' in page
+    assert [q for q in web.get("/api/queues").get_json() if q["name"] == "default"][0]["paused"] is True
+    assert "paused" in web.get("/").get_data(as_text=True)
+    r = web.post("/queues/default/resume", data={"csrf_token": token})
+    assert r.status_code == 302 and not queue.info(app, "default")["paused"]
+    assert web.post("/api/queues/default/pause").status_code == 401
+    r = web.post("/api/queues/default/pause", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 200 and r.get_json()["action"] == "pause" and queue.info(app, "default")["paused"]
+    r = web.post("/api/queues/default/resume", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 200 and not queue.info(app, "default")["paused"]
+    audit = app.redis.lrange(app.keys.g + "audit", 0, -1)
+    assert sum('"what":"pause default"' in a for a in audit) == 2 and any('"what":"resume default"' in a for a in audit)
+
+
 def test_overview_tells_the_truth(app, stack, web):
     """A dispatcher that stopped cleanly is gone, a dead worker runs nothing, and pending
     jobs that no live worker consumes are pointed out."""

@@ -196,7 +196,7 @@ def test_enqueue_many_and_from_file(app, stack, tmp_path):
     r = stack.cli("enqueue", "--from-file", str(path))
     assert r.returncode == 2 and "line 2" in r.stderr
     with pytest.raises(ValueError, match="job 1: unknown fields"):
-        app.enqueue_many([{"task": "tests.apps.add", "priority": 1}])
+        app.enqueue_many([{"task": "tests.apps.add", "urgency": 1}])
 
 
 def test_claim_count_from_several_queues_with_block(app):

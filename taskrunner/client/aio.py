@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
-from taskrunner.client import canvas, steps
+from taskrunner.client import canvas, flow, steps
 from taskrunner.client.app import TaskRunner, _enqueue_args
 from taskrunner.client.canvas import Chain, Chord, Group, Signature
 from taskrunner.client.job import Job
@@ -90,13 +90,19 @@ class AsyncClient:
                       delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
                       headers: dict[str, Any] | None = None, depends_on: Iterable[Job | str] | None = None,
                       on_success: Signature | None = None, on_failure: Signature | None = None,
-                      **options: Any) -> str:
-        """Enqueue by task name; returns the job id. Same options, links (depends_on: Job
-        objects or ids; on_success, on_failure: signatures, e.g. app.signature("name")) and
-        errors as TaskRunner.enqueue (QueueFull after block_timeout, QueueClosed, NotJSONError...)."""
-        draft = await self._run(steps.draft(self.app, task, args, kwargs, None, options, delay, job_id, headers))
-        await self._run(canvas.linked(self.app, draft, depends_on, on_success, on_failure, block_timeout))
-        return draft.id
+                      priority: int | None = None, unique_for: int | None = None, unique_key: str | None = None,
+                      unique_until: str | None = None, **options: Any) -> str:
+        """Enqueue by task name; returns the job id (a unique job's duplicate: the id of the
+        job that holds its key). Same options, links (depends_on: Job objects or ids;
+        on_success, on_failure: signatures, e.g. app.signature("name")) and errors as
+        TaskRunner.enqueue (QueueFull after block_timeout, QueueClosed, NotJSONError...)."""
+        fields = flow.fields(task, args, kwargs, priority, unique_for, unique_key, unique_until)
+        if "unique_key" in fields and (depends_on is not None or on_success is not None or on_failure is not None):
+            raise ValueError("a unique job cannot be part of a workflow (depends_on, on_success, on_failure)")
+        draft = await self._run(steps.draft(self.app, task, args, kwargs, None, options, delay, job_id, headers,
+                                            fields))
+        created = await self._run(canvas.linked(self.app, draft, depends_on, on_success, on_failure, block_timeout))
+        return created if isinstance(created, str) else draft.id
 
     async def apply(self, workflow: Signature | Chain | Group | Chord) -> str | list[str]:
         """Enqueue a workflow (chain, group, chord, or a signature alone) as its apply_async()

@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from taskrunner.client import canvas, declarations, eager, steps
+from taskrunner.client import canvas, declarations, eager, flow, steps
 from taskrunner.client.canvas import Signature
 from taskrunner.client.job import Job
 from taskrunner.client.middleware import Enqueued, Middleware
@@ -235,16 +235,22 @@ class Task:
                     retries: int | None = None, max_retries: int | None = None,
                     block_timeout: float | None = None, headers: dict[str, Any] | None = None,
                     depends_on: Iterable[Job | str] | None = None, on_success: Signature | None = None,
-                    on_failure: Signature | None = None, concurrency_key: str | None = None) -> Job:
+                    on_failure: Signature | None = None, concurrency_key: str | None = None,
+                    priority: int | None = None, unique_for: int | None = None, unique_key: str | None = None,
+                    unique_until: str | None = None) -> Job:
         """Enqueue with options; `headers`, a dict of JSON values, travel with the job
         (current_job().headers; counted in its payload size). `depends_on`: jobs (Job
         objects or ids, of any queue) that must complete first; `on_success`, `on_failure`:
         callbacks (TaskRunner.enqueue). `concurrency_key`: for a task with max_concurrency,
-        the key whose running jobs it counts against (default: the task's name)."""
+        the key whose running jobs it counts against (default: the task's name). `priority`
+        (0-9) and the unique lock (`unique_for`, `unique_key`, `unique_until`):
+        TaskRunner.enqueue."""
         spec = self.job_spec(queue, max_duration, retries, max_retries, concurrency_key)
         return self.app.enqueue(self.name, args, kwargs, spec=spec,
                                 delay=delay, job_id=job_id, block_timeout=block_timeout, headers=headers,
-                                depends_on=depends_on, on_success=on_success, on_failure=on_failure)
+                                depends_on=depends_on, on_success=on_success, on_failure=on_failure,
+                                priority=priority, unique_for=unique_for, unique_key=unique_key,
+                                unique_until=unique_until)
 
     def job_spec(self, queue: str | None = None, max_duration: float | None = None, retries: int | None = None,
                  max_retries: int | None = None, concurrency_key: str | None = None) -> JobSpec:
@@ -465,7 +471,9 @@ class TaskRunner:
     def enqueue(self, task: str, args: Iterable = (), kwargs: dict | None = None, *, spec: JobSpec | None = None,
                 delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
                 headers: dict[str, Any] | None = None, depends_on: Iterable[Job | str] | None = None,
-                on_success: Signature | None = None, on_failure: Signature | None = None, **options: Any) -> Job:
+                on_success: Signature | None = None, on_failure: Signature | None = None,
+                priority: int | None = None, unique_for: int | None = None, unique_key: str | None = None,
+                unique_until: str | None = None, **options: Any) -> Job:
         """Enqueue by task name (the task need not be importable here). Options are those
         of JobSpec (queue, max_duration, retries, ...); for a task not declared in this app,
         those not given (the queue too) are the ones its workers declared in Redis, as the
@@ -483,14 +491,33 @@ class TaskRunner:
         unless .si), on_failure once it ended otherwise (failed for good, killed, canceled;
         given {"id", "task", "state", "error_type", "error"} first, unless .si); the other is
         canceled. Durable: they are records in Redis, settled by the script that ends the job.
+        `priority` (0-9): higher is claimed first within the queue (FIFO within one priority);
+        0, the default, is a job without one. `unique_key`: while a job of this queue holding
+        that key has not ended (`unique_until="finish"`, the default: completed, failed for
+        good, killed, deleted; a retry keeps it) or started (`"start"`), enqueueing another
+        with it adds nothing and returns the holder (its id, .created False); the duplicate is
+        counted per task (`queue info`: duplicates). `unique_for`: seconds the lock lasts at
+        most; alone, the key is made from the task and its arguments (flow.unique_key_of).
+        A unique job is no workflow's part (depends_on, callbacks).
         In eager mode the job runs here before this returns (taskrunner/eager.py)."""
-        draft = steps.run(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id, headers))
+        if unique_for is not None and unique_key is None and not isinstance(args, (list, tuple)) \
+                and isinstance(args, Iterable) and not isinstance(args, (str, bytes, dict)):
+            args = list(args)  # read twice: for the key, then for the job
+        flow_fields = flow.fields(task, args, kwargs, priority, unique_for, unique_key, unique_until)
+        if "unique_key" in flow_fields and (depends_on is not None or on_success is not None or on_failure is not None):
+            raise ValueError("a unique job cannot be part of a workflow (depends_on, on_success, on_failure)")
+        draft = steps.run(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id, headers,
+                                            flow_fields))
         if self.settings.eager:
             ran = eager.enqueue(self, draft.id, draft.fields, eager.parents_of(depends_on))
             return canvas.eager_callbacks(self, ran, on_success, on_failure)
+        created = steps.run(self, canvas.linked(self, draft, depends_on, on_success, on_failure, block_timeout))
+        if isinstance(created, str):  # a unique job's duplicate: the job that holds its key
+            job = Job(self, created, draft.queue)
+            job.created = False
+            return job
         job = Job(self, draft.id, draft.queue)
-        job.created = steps.run(self, canvas.linked(self, draft, depends_on, on_success, on_failure,
-                                                    block_timeout)) == 1
+        job.created = created == 1
         return job
 
     def signature(self, task: str, args: Iterable = (), kwargs: dict | None = None, *, immutable: bool = False,
@@ -512,9 +539,10 @@ class TaskRunner:
                      progress: Callable[[int], Any] | None = None) -> list[Job]:
         """Enqueue many jobs, one round trip per `chunk`. Each job is a dict with `task`
         and optionally args, kwargs, queue, delay, max_duration, retries, max_retries, id, headers,
-        and the links of TaskRunner.enqueue: `depends_on` (ids, of this call's earlier jobs or
-        of existing ones, or Job objects), `on_success`, `on_failure` (signatures, or objects
-        as callback_of() reads them). Never blocks: jobs refused by a full or closed queue raise
+        priority, unique_key, unique_for, unique_until (a unique job's duplicate: the Job of the
+        one holding its key), and the links of TaskRunner.enqueue: `depends_on` (ids, of this
+        call's earlier jobs or of existing ones, or Job objects), `on_success`, `on_failure`
+        (signatures, or objects as callback_of() reads them). Never blocks: jobs refused by a full or closed queue raise
         QueueFull/QueueClosed after the chunk (the jobs before them are enqueued). While Redis
         runs a chunk, the next one is built; it is sent once the answers came. A job whose
         parent is in this chunk in another queue goes in the next chunk (its parent is written
@@ -561,10 +589,10 @@ class TaskRunner:
                 for (job_id, _, _), created in zip(items, answers[queue]):
                     if job_id in callbacks:
                         continue
-                    job = Job(self, job_id, queue)
+                    job = Job(self, created if isinstance(created, str) else job_id, queue)
                     job.created = created == 1
                     out.append(job)
-                    if created < 0:
+                    if isinstance(created, int) and created < 0:
                         refused.append((queue, created))
                 self._known_queues.add(queue)
             if progress:
@@ -647,7 +675,8 @@ class TaskRunner:
         if not isinstance(spec, dict) or "task" not in spec:
             raise ValueError("expected an object with a 'task' field")
         unknown = set(spec) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "max_retries",
-                               "id", "headers", "depends_on", "on_success", "on_failure"}
+                               "id", "headers", "depends_on", "on_success", "on_failure", "priority", "unique_key",
+                               "unique_for", "unique_until"}
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)}")
         task = codec.check_name("task", spec["task"])
@@ -656,7 +685,9 @@ class TaskRunner:
         delay = seconds("delay", spec.get("delay") or 0)
         args = spec.get("args") or []
         headers = self._headers(task, args, spec.get("kwargs"), job.queue, job_id, spec.get("headers"))
-        return job.queue, job_id, delay, self._fields(task, args, spec.get("kwargs"), job, sent, headers)
+        extra = flow.fields(task, args, spec.get("kwargs"), spec.get("priority"), spec.get("unique_for"),
+                            spec.get("unique_key"), spec.get("unique_until"))
+        return job.queue, job_id, delay, self._fields(task, args, spec.get("kwargs"), job, sent, headers) + extra
 
     def _links_of(self, spec: dict[str, Any], seen: dict[str, Job]) -> tuple[
             list[tuple[str, str]], Signature | None, Signature | None] | None:

@@ -240,10 +240,11 @@ def make_drafts(app: TaskRunner, sigs: list[Signature]) -> steps.Steps[list[step
 
 
 def linked(app: TaskRunner, draft: steps.Draft, depends_on: Any, on_success: Signature | None,
-           on_failure: Signature | None, block_timeout: float | None) -> steps.Steps[int]:
+           on_failure: Signature | None, block_timeout: float | None) -> steps.Steps[int | str]:
     """Enqueue a drafted job after the jobs of `depends_on` (Job objects or ids), with its
     callbacks, in one enqueue.lua call (TaskRunner.enqueue says what each means); what the
-    script answered for the job (1 created, 0 it existed). A job without callbacks waits up
+    script answered for the job (1 created, 0 it existed; a unique job's duplicate: the id of
+    the job that holds its key). A job without callbacks waits up
     to `block_timeout` for room in a full bounded queue; one with callbacks does not."""
     others: tuple[str, ...] = ()
     if depends_on is not None:

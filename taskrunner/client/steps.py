@@ -70,11 +70,12 @@ class Scripts:
 
 @dataclass(frozen=True)
 class Enqueue:
-    """enqueue.lua for `jobs` ((id, delay, fields) each) into `queue`: one int per job
-    (1 created, 0 exists, -1 full, -2 closed). The queue joins the index of queues (on a
-    cluster a separate command: the script touches the queue's slot only). `others`: the
-    other queues a workflow's jobs are in or name as parents: one call, or on a Redis
-    Cluster the several of canvas.across(), which each driver runs as an operation."""
+    """enqueue.lua for `jobs` ((id, delay, fields) each) into `queue`: one answer per job
+    (1 created, 0 exists, -1 full, -2 closed; a unique job's duplicate: the holder's id). The
+    queue joins the index of queues (on a cluster a separate command: the script touches the
+    queue's slot only). `others`: the other queues a workflow's jobs are in or name as
+    parents: one call, or on a Redis Cluster the several of canvas.across(), which each
+    driver runs as an operation."""
 
     queue: str
     jobs: list[tuple[str, float, list[Any]]]
@@ -177,24 +178,31 @@ class Draft:
 
 def draft(app: TaskRunner, task: str, args: Any, kwargs: dict | None, spec: JobSpec | None,
           options: dict[str, Any], delay: float | None, job_id: str | None,
-          headers: dict[str, Any] | None = None) -> Steps[Draft]:
+          headers: dict[str, Any] | None = None, flow: list[Any] | None = None) -> Steps[Draft]:
     """Check a job and make its fields (TaskRunner.enqueue says how), its headers as the
-    before_enqueue hooks leave them, before it is enqueued — or, in eager mode, run."""
+    before_enqueue hooks leave them, before it is enqueued — or, in eager mode, run.
+    `flow`: its priority and unique lock fields (client/flow.py), checked already."""
     spec, sent = (spec.merged(**options), None) if spec is not None else (yield from job_spec(app, task, options))
     job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
     headers = app._headers(task, args, kwargs, spec.queue, job_id, headers)
     fields = app._fields(task, args, kwargs, spec, sent, headers)
+    if flow:
+        fields += flow
     return Draft(job_id, spec.queue, codec.seconds("delay", delay) if delay is not None else 0.0, fields)
 
 
-def enqueue(app: TaskRunner, job: Draft, block_timeout: float | None, others: tuple[str, ...] = ()) -> Steps[int]:
-    """Enqueue a drafted job: 1 created, 0 a job with its id existed. Into a full bounded
+def enqueue(app: TaskRunner, job: Draft, block_timeout: float | None,
+            others: tuple[str, ...] = ()) -> Steps[int | str]:
+    """Enqueue a drafted job: 1 created, 0 a job with its id existed, or for a unique job
+    whose key another holds, that job's id (nothing created). Into a full bounded
     queue it waits up to `block_timeout` seconds for room (QueueFull). `others`: the queues
     of its parents but its own (Enqueue)."""
     wait = codec.seconds("block_timeout", app.settings.block_timeout if block_timeout is None else block_timeout)
     deadline = None
     while True:
         [created] = yield Enqueue(job.queue, [(job.id, job.delay, job.fields)], others)
+        if isinstance(created, str):
+            return created
         if created == -2:
             raise QueueClosed(f"queue {job.queue} is closed: it takes no new jobs")
         if created != -1:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from taskrunner.client.job import Job, typed
 from taskrunner.ops import queue
+from taskrunner.ops.queue import backlog, pending_keys
 from taskrunner.protocol import codec
 from taskrunner.protocol.connection import server_time
 from taskrunner.protocol.holders import Holding, number
@@ -21,16 +22,27 @@ LIST_STATES = ("waiting", "pending", "delayed", "running", "stuck", "completed",
 
 def queue_stats(app: TaskRunner) -> list[dict[str, Any]]:
     names = app.queue_names()
+    metas = queue.settings(app, names)
     pipe = app.redis.pipeline(transaction=False)
     for q in names:
         p = app.keys.q(q)
-        pipe.zcard(p + "waiting").llen(p + "pending").zcard(p + "delayed").hlen(p + "running")
+        pipe.zcard(p + "waiting").zcard(p + "delayed").hlen(p + "running")
         pipe.zcard(p + "completed").zcard(p + "failed").zcard(p + "killed").zcard(p + "canceled")
-    r = pipe.execute()
-    fields = ("waiting", "pending", "delayed", "running", "completed", "failed", "killed", "canceled")
+    counts = pipe.execute()
+    for q, meta in zip(names, metas):  # pending: every priority's list
+        for key in _pending_keys(app, q, meta):
+            pipe.llen(key)
+    lengths = iter(pipe.execute())
+    fields = ("waiting", "delayed", "running", "completed", "failed", "killed", "canceled")
     n = len(fields)
-    return [{"name": q, **dict(zip(fields, r[i * n:(i + 1) * n])), **meta}
-            for i, (q, meta) in enumerate(zip(names, queue.settings(app, names)))]
+    return [{"name": q, **dict(zip(fields, counts[i * n:(i + 1) * n])),
+             "pending": sum(next(lengths) for _ in _pending_keys(app, q, meta)), **meta}
+            for i, (q, meta) in enumerate(zip(names, metas))]
+
+
+def _pending_keys(app: TaskRunner, q: str, meta: dict[str, Any]) -> list[str]:
+    """The queue's pending lists in claim order, from its settings (queue.settings)."""
+    return pending_keys(app.keys.q(q), "".join(map(str, meta["priorities"])))
 
 
 def job_ids(app: TaskRunner, queue: str, state: str, limit: int = 50, offset: int = 0) -> list[str]:
@@ -39,13 +51,35 @@ def job_ids(app: TaskRunner, queue: str, state: str, limit: int = 50, offset: in
     p, r = app.keys.q(queue), app.redis
     end = offset + limit - 1
     if state == "pending":
-        return r.lrange(p + "pending", -end - 1, -offset - 1 if offset else -1)[::-1]
+        keys = pending_keys(p, r.hget(p + "meta", "priorities"))
+        if len(keys) == 1:
+            return r.lrange(p + "pending", -end - 1, -offset - 1 if offset else -1)[::-1]
+        return _pending_page(app, keys, offset, limit)
     if state in ("delayed", "waiting"):
         return r.zrange(p + state, offset, end)
     if state in ("running", "stuck"):
         ids = sorted(r.hkeys(p + "running"))
         return ids if state == "stuck" else ids[offset:end + 1]
     return r.zrevrange(p + state, offset, end)
+
+
+def _pending_page(app: TaskRunner, keys: list[str], offset: int, limit: int) -> list[str]:
+    """A page of the ids of a queue with priorities, in claim order: the lists `keys` one
+    after the other (highest priority first), each oldest first."""
+    lengths = app.redis.pipeline(transaction=False)
+    for key in keys:
+        lengths.llen(key)
+    ids: list[str] = []
+    for key, n in zip(keys, lengths.execute()):
+        if len(ids) >= limit:
+            break
+        if offset >= n:
+            offset -= n
+            continue
+        take = min(n - offset, limit - len(ids))
+        ids += app.redis.lrange(key, -(offset + take), -offset - 1)[::-1]
+        offset = 0
+    return ids
 
 
 def list_jobs(app: TaskRunner, queue: str | None = None, state: str | None = None,
@@ -183,7 +217,7 @@ def page_of(app: TaskRunner, queue: str, state: str, offset: int = 0, limit: int
             ) -> tuple[int, list[dict[str, Any]]]:
     """(total, one page) of a queue's pending, delayed or finished jobs."""
     p = app.keys.q(queue)
-    total = (app.redis.llen(p + "pending") if state == "pending" else app.redis.zcard(p + state))
+    total = backlog(app, queue) if state == "pending" else app.redis.zcard(p + state)
     ids = job_ids(app, queue, state, limit, offset)
     rows = [{"id": i, "queue": queue} for i in ids]
     fields = ("task", "args", "kwargs", "state", "enqueued_at", "due_at", "started_at", "finished_at", "attempts",

@@ -17,7 +17,8 @@ Series (every one a gauge unless it says total or histogram):
   listed (taskrunner_queue_{completed,failed,killed,canceled}: kept for the result and failed TTLs),
   taskrunner_queue_enqueued_total and taskrunner_queue_claimed_total (counters the enqueue and
   claim scripts keep in the queue's meta hash), and its settings taskrunner_queue_closed (1
-  or 0) and taskrunner_queue_bound (0: none);
+  or 0), taskrunner_queue_paused (1 or 0) and taskrunner_queue_bound (0: none); per queue and
+  task, taskrunner_queue_duplicates_total: unique jobs not added because a job held their key;
 - taskrunner_workers{state} (alive, dead: kept an hour), taskrunner_worker_slots (the jobs
   alive workers can run at once) and taskrunner_worker_slots_busy;
 - per dispatcher: taskrunner_dispatcher_last_pass_age_seconds; taskrunner_dispatchers_alive.
@@ -34,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from taskrunner.client.job import typed
 from taskrunner.ops import listing
+from taskrunner.ops.queue import pending_keys
 from taskrunner.protocol import scripts
 from taskrunner.protocol.holders import number
 
@@ -95,26 +97,37 @@ class RedisCollector:
         closed = GaugeMetricFamily("taskrunner_queue_closed", "1 when the queue refuses new jobs.", labels=["queue"])
         bound = GaugeMetricFamily("taskrunner_queue_bound", "Most jobs the queue holds pending (0: no bound).",
                                   labels=["queue"])
+        paused = GaugeMetricFamily("taskrunner_queue_paused", "1 when workers claim nothing from the queue.",
+                                   labels=["queue"])
+        duplicates = CounterMetricFamily("taskrunner_queue_duplicates", "Unique jobs not added: a job held their key.",
+                                         labels=["queue", "task"])
         pipe = self.app.redis.pipeline(transaction=False)
-        for q in queues:
-            pipe.lindex(self.app.keys.q(q["name"]) + "pending", -1)
-        heads = pipe.execute() if queues else []
+        lists = [pending_keys(self.app.keys.q(q["name"]), "".join(map(str, q["priorities"]))) for q in queues]
+        for keys in lists:  # the oldest of each priority's list
+            for key in keys:
+                pipe.lindex(key, -1)
+        heads = iter(pipe.execute() if queues else [])
         pipe = self.app.redis.pipeline(transaction=False)
-        for q, head in zip(queues, heads):
-            pipe.hget(self.app.keys.job(q["name"], head), "enqueued_at") if head else pipe.echo("")
-        enqueued_at = pipe.execute() if queues else []
-        for q, since in zip(queues, enqueued_at):
+        for q, keys in zip(queues, lists):
+            for head in [next(heads) for _ in keys]:
+                pipe.hget(self.app.keys.job(q["name"], head), "enqueued_at") if head else pipe.echo("")
+        enqueued_at = iter(pipe.execute() if queues else [])
+        for q, keys in zip(queues, lists):
             name = [q["name"]]
             for f, family in gauges.items():
                 family.add_metric(name, q.get(f) or 0)
-            t = typed("enqueued_at", since)  # not a number in a foreign producer's record: none
-            oldest.add_metric(name, max(0.0, now - t) if isinstance(t, float) else 0.0)
+            # not a number in a foreign producer's record: none
+            times = [t for t in (typed("enqueued_at", next(enqueued_at)) for _ in keys) if isinstance(t, float)]
+            oldest.add_metric(name, max(0.0, now - min(times)) if times else 0.0)
             enqueued.add_metric(name, q["produced_messages"])
             claimed.add_metric(name, q["consumed_messages"])
             closed.add_metric(name, 1 if q.get("closed") else 0)
             bound.add_metric(name, q.get("bound") or 0)
+            paused.add_metric(name, 1 if q.get("paused") else 0)
+            for task, n in sorted(q.get("duplicates", {}).items()):
+                duplicates.add_metric([q["name"], task], n)
         yield from gauges.values()
-        yield from (oldest, enqueued, claimed, closed, bound)
+        yield from (oldest, enqueued, claimed, closed, bound, paused, duplicates)
 
     def _jobs(self, queues: list[str]) -> Iterator[Metric]:
         app = self.app

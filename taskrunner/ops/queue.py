@@ -1,6 +1,6 @@
 """Queue administration (after the pressure protocol): bounds, closing, exclusive
-queues, rate limits, deletion, and each queue's counters. Settings live in the queue's
-`meta` hash, which the enqueue and claim scripts read."""
+queues, pausing, rate limits, deletion, and each queue's counters. Settings live in the
+queue's `meta` hash, which the enqueue and claim scripts read."""
 
 from __future__ import annotations
 
@@ -64,13 +64,37 @@ def set_rate(app: TaskRunner, name: str, rate: str | None) -> None:
     pipe.execute()
 
 
+def pause(app: TaskRunner, name: str) -> None:
+    """Workers claim nothing from the queue (claim.lua reads meta `paused` with the settings
+    it reads anyway) and sleep on it: an enqueue into a paused queue leaves no wake token.
+    It still takes new jobs; running ones go on. resume() undoes it."""
+    must_exist(app, name)
+    app.redis.hset(app.keys.q(name) + "meta", "paused", 1)
+
+
+def resume(app: TaskRunner, name: str) -> None:
+    """Workers claim from the queue again: a wake token wakes one idle worker, whose claim
+    leaves another while jobs remain (as after an enqueue)."""
+    must_exist(app, name)
+    p = app.keys.q(name)
+    app.redis.pipeline(transaction=False).hdel(p + "meta", "paused").lpush(p + "wake", "1").ltrim(
+        p + "wake", 0, 0).execute()
+
+
+def pending_keys(p: str, priorities: str | None) -> list[str]:
+    """The pending lists of the queue of key prefix `p`, in claim order: one per priority
+    its meta `priorities` lists (e.g. "95"), highest first, then `pending` (priority 0)."""
+    return [f"{p}pending:{c}" for c in priorities or "" if c in "123456789"] + [p + "pending"]
+
+
 def deletable(app: TaskRunner, name: str, force: bool = False) -> dict[str, int]:
     """What delete() would remove, jobs counted by state; raises what delete() would
     (no such queue; jobs running and not forced), so that a caller can ask first."""
     must_exist(app, name)
     p, r = app.keys.q(name), app.redis
-    pending, delayed, waiting, running, *finished = (
-        r.pipeline(transaction=False).llen(p + "pending").zcard(p + "delayed").zcard(p + "waiting")
+    pending = backlog(app, name)
+    delayed, waiting, running, *finished = (
+        r.pipeline(transaction=False).zcard(p + "delayed").zcard(p + "waiting")
         .hlen(p + "running").zcard(p + "completed").zcard(p + "failed").zcard(p + "killed").zcard(p + "canceled")
         .execute())
     if running and not force:
@@ -105,10 +129,20 @@ def info(app: TaskRunner, name: str) -> dict[str, Any]:
     return settings(app, [name])[0]
 
 
+def backlog(app: TaskRunner, name: str) -> int:
+    """Jobs pending in the queue, of every priority."""
+    p = app.keys.q(name)
+    pipe = app.redis.pipeline(transaction=False)
+    for key in pending_keys(p, app.redis.hget(p + "meta", "priorities")):
+        pipe.llen(key)
+    return sum(pipe.execute())
+
+
 def settings(app: TaskRunner, names: list[str]) -> list[dict[str, Any]]:
-    """Settings and counters of each queue; with its rate limit (None: none) the starts it
-    counted in the current period of the limit (`rate_used`: this second, minute or hour)
-    and in the one before (`rate_used_last`)."""
+    """Settings and counters of each queue (bound, closed, exclusive, paused), the priorities
+    its jobs used (e.g. [9, 5]) and the duplicates of unique jobs not added, per task; with
+    its rate limit (None: none) the starts it counted in the current period of the limit
+    (`rate_used`: this second, minute or hour) and in the one before (`rate_used_last`)."""
     pipe = app.redis.pipeline(transaction=False)
     for n in names:
         pipe.hgetall(app.keys.q(n) + "meta")
@@ -119,7 +153,9 @@ def settings(app: TaskRunner, names: list[str]) -> list[dict[str, Any]]:
     for meta, limit in zip(answers[::2], answers[1::2]):
         d: dict[str, Any] = {c: int(meta.get(c, 0)) for c in COUNTERS}
         d.update(bound=int(meta.get("bound", 0)), closed=meta.get("closed") == "1",
-                 exclusive=meta.get("exclusive") == "1", rate=meta.get("rate"))
+                 exclusive=meta.get("exclusive") == "1", rate=meta.get("rate"), paused=meta.get("paused") == "1",
+                 priorities=[int(c) for c in meta.get("priorities", "") if c in "123456789"],
+                 duplicates={k.partition("|")[2]: int(v) for k, v in meta.items() if k.startswith("duplicates|")})
         d.update(rate_use(meta.get("rate"), limit, now))
         out.append(d)
     return out

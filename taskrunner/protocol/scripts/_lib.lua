@@ -4,6 +4,7 @@
 -- and touches only keys that start with it (one hash slot, see docs/PROTOCOL.md; enqueue.lua
 -- may also get the global queue set, off a cluster):
 --   <p>pending      LIST  ids waiting; producers LPUSH, claims take from the right
+--   <p>pending:<n>  LIST  the same for jobs of priority n (1-9), claimed before pending (0)
 --   <p>items        SET   ids that are in `pending` and may be claimed
 --   <p>processing   SET   ids claimed and not yet released
 --   <p>running      HASH  id -> holding entry (JSON: worker, host, ip, pid, started_at, ...)
@@ -11,8 +12,10 @@
 --   <p>buckets      ZSET  b -> end time of bucket b, one member per non-empty bucket
 --   <p>delayed      ZSET  id -> time the job becomes due
 --   <p>wake         LIST  0 or 1 token; idle workers BRPOP it
---   <p>meta         HASH  bound, closed, exclusive; produced_/consumed_ messages and bytes;
---                          longest_result_ttl, longest_failed_ttl (see finalize())
+--   <p>meta         HASH  bound, closed, exclusive, paused; produced_/consumed_ messages and
+--                          bytes; longest_result_ttl, longest_failed_ttl (see finalize());
+--                          priorities (see below); duplicates|<task> (unique jobs refused)
+--   <p>unique:<key> STRING the id of the job holding unique key <key> (see below)
 --   <p>notfull      LIST  0 or 1 token; producers blocked on a full bounded queue BRPOP it
 --   <p>completed|failed|killed|canceled  ZSET  id -> finish time
 --   <p>waiting      ZSET  id -> enqueue time, for jobs waiting for their parents (workflows)
@@ -66,11 +69,62 @@ end
 local function load(job)
   local v = redis.call('HMGET', job, 'attempts', 'bucket', 'waiters', 'task', 'enqueued_at', 'started_at', 'worker',
     'host', 'pid', 'queue', 'kill_requested', 'max_lost', 'retries', 'retry_backoff', 'result_ttl', 'failed_ttl',
-    'children', 'cross_children', 'max_concurrency', 'concurrency_key')
+    'children', 'cross_children', 'max_concurrency', 'concurrency_key', 'priority', 'unique_key')
   return {attempts = v[1], bucket = v[2], waiters = v[3], task = v[4], enqueued_at = v[5], started_at = v[6],
     worker = v[7], host = v[8], pid = v[9], queue = v[10], kill_requested = v[11], max_lost = v[12],
     retries = v[13], retry_backoff = v[14], result_ttl = v[15], failed_ttl = v[16], children = v[17],
-    cross_children = v[18], max_concurrency = v[19], concurrency_key = v[20]}
+    cross_children = v[18], max_concurrency = v[19], concurrency_key = v[20], priority = v[21], unique_key = v[22]}
+end
+
+-- Priorities (docs/PROTOCOL.md, Pause, priorities, unique jobs). A job of priority n (1-9, its record's
+-- `priority`) waits in <p>pending:<n>; one of priority 0, or none, in <p>pending. meta
+-- `priorities` lists the levels a queue has used, highest first ("95"), so that the claim
+-- looks at those lists only, and a queue that never used one (no field) looks at pending
+-- alone, as before: no command more. A level is added by the first job that uses it.
+
+-- The pending list of a job of priority `prio` (its record's text; nil, "0", or anything
+-- but a digit 1-9: none). Jobs put back in line pass here too, and register the level
+-- should meta have lost it (one HGET, for jobs with a priority only).
+local function pending_of(p, prio)
+  if not prio or not string.find(prio, '^[1-9]$') then
+    return p .. 'pending'
+  end
+  local levels = redis.call('HGET', p .. 'meta', 'priorities') or ''
+  if not string.find(levels, prio, 1, true) then
+    local list = {}
+    for c in string.gmatch(levels .. prio, '%d') do list[#list + 1] = c end
+    table.sort(list, function(a, b) return a > b end)
+    redis.call('HSET', p .. 'meta', 'priorities', table.concat(list))
+  end
+  return p .. 'pending:' .. prio
+end
+
+-- The pending lists of a queue in claim order, from meta `priorities` (nil: pending alone).
+local function pending_lists(p, levels)
+  local lists = {}
+  for c in string.gmatch(levels or '', '[1-9]') do lists[#lists + 1] = p .. 'pending:' .. c end
+  lists[#lists + 1] = p .. 'pending'
+  return lists
+end
+
+-- Jobs waiting in all the pending lists (LLEN pending for a queue without priorities).
+local function backlog(p, levels)
+  local n = 0
+  for _, list in ipairs(pending_lists(p, levels)) do n = n + redis.call('LLEN', list) end
+  return n
+end
+
+-- Unique jobs (docs/PROTOCOL.md, Pause, priorities, unique jobs). A job enqueued with `unique_key` K holds
+-- <p>unique:K (its id; EX its unique_for, when it has one) from its enqueue until it
+-- starts (unique_until "start": released by the claim) or ends (completed, failed for
+-- good, killed, canceled: finalize(); deleted, purged: those scripts). A retry, a requeue
+-- and a delivery lost with its process keep it. Released only by its holder: the key may
+-- have expired and been taken by another job meanwhile.
+local function unlock(p, key, id)
+  local lk = p .. 'unique:' .. key
+  if redis.call('GET', lk) == id then
+    redis.call('DEL', lk)
+  end
 end
 
 -- >>> Flow control (issue 17): rate limits and concurrency keys ------------------------
@@ -125,22 +179,20 @@ local function release(p, id, r, running_gone)
   end
 end
 
--- Make a job claimable again; `front` puts it next in line. `extra`: more fields to set.
-local function to_pending(p, id, job, front, extra)
+-- Make a job claimable again; `front` puts it next in line (of its priority, `prio`: the
+-- record's `priority`). `extra`: more fields to set.
+local function to_pending(p, id, job, front, extra, prio)
   redis.call('HSET', job, 'state', 'pending', unpack(extra or {}))
   redis.call('HDEL', job, 'due_at')
   redis.call('SADD', p .. 'items', id)
-  if front then
-    redis.call('RPUSH', p .. 'pending', id)
-  else
-    redis.call('LPUSH', p .. 'pending', id)
-  end
+  redis.call(front and 'RPUSH' or 'LPUSH', pending_of(p, prio), id)
   wake(p)
 end
 
--- A bounded queue with room: leave one token for a producer waiting on it.
-local function signal_room(p, bound)
-  if bound > 0 and redis.call('LLEN', p .. 'pending') < bound and redis.call('LLEN', p .. 'notfull') == 0 then
+-- A bounded queue with room: leave one token for a producer waiting on it. `levels`: meta
+-- priorities (nil: none).
+local function signal_room(p, bound, levels)
+  if bound > 0 and backlog(p, levels) < bound and redis.call('LLEN', p .. 'notfull') == 0 then
     redis.call('LPUSH', p .. 'notfull', '1')
   end
 end
@@ -194,6 +246,9 @@ local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
     redis.call('ZADD', p .. state, t, id)
   end
   redis.call('EXPIRE', job, ttl)
+  if r.unique_key then
+    unlock(p, r.unique_key, id)
+  end
   local waiters = tonumber(r.waiters) or 0
   if waiters > 0 then
     local nk = p .. 'notify:' .. id
@@ -237,7 +292,7 @@ local function lose(p, id, job, r, attempt, t, ttl, reason, released, index)
   redis.call('HINCRBY', job, 'requeues', 1)
   history(p, id, r, 'requeued', t, 'WorkerLost')
   local ek, ev = ended(attempt, t, 'requeued: ' .. reason)
-  to_pending(p, id, job, true, {'last_requeued_at', fmt(t), 'last_lost_reason', reason, ek, ev})
+  to_pending(p, id, job, true, {'last_requeued_at', fmt(t), 'last_lost_reason', reason, ek, ev}, r.priority)
   return 'pending'
 end
 
@@ -337,7 +392,7 @@ end
 
 -- The fields of a waiting child that settling it needs, in this order (one HMGET; not its
 -- `parents`, which a chord's callback has thousands of: read only by the join that needs them).
-local CHILD = {'state', 'on_parent_failure', 'takes', 'args', 'waiting_on', 'cross_slot'}
+local CHILD = {'state', 'on_parent_failure', 'takes', 'args', 'waiting_on', 'cross_slot', 'priority'}
 
 -- A parent in another slot, named "<queue> <id>", as its outbox entry gave it (join.lua) or
 -- the child's joined hash keeps it (`e`: its news, decoded): the `parent` table of settle().
@@ -388,7 +443,7 @@ local function join(cp, id, job, parent, c)
   end
   redis.call('HSET', job, unpack(fields))
   redis.call('SADD', cp .. 'items', id)
-  redis.call('LPUSH', cp .. 'pending', id)
+  redis.call('LPUSH', pending_of(cp, c[7]), id)
   wake(cp)
   if c[6] == '1' then
     redis.call('DEL', cp .. 'joined:' .. id)

@@ -16,6 +16,11 @@
 -- not there was killed or deleted meanwhile), LTRIM them off pending; record each in the
 -- holding hash and its deadline bucket; attempts+1 is the delivery's fencing token.
 -- An exclusive queue (meta exclusive = 1) gives a job only while none of it runs.
+-- Pause, priorities, unique jobs (docs/PROTOCOL.md, of that name), read with the same HMGET
+-- of meta: a paused queue (meta paused = 1) gives nothing; a queue with priorities (meta
+-- priorities, e.g. "95") gives from pending:9, pending:5, then pending, each FIFO (a
+-- flow-controlled one: one flow_pick() pass per list); a job whose unique lock ends when
+-- it starts (unique_until "start") releases it here.
 -- Counts meta consumed_messages/consumed_bytes; a bounded queue signals room (notfull).
 -- Returns {queue index, id, attempt, task, args, kwargs, max_duration, timeout_policy,
 -- headers, soft limit}* (headers: the record's JSON object text, "" when it has none;
@@ -126,14 +131,14 @@ local function slots_of(p, key, most)
   return s
 end
 
--- Up to k claimable ids of a flow-controlled queue, oldest first (taken off `pending`,
+-- Up to k claimable ids of a flow-controlled queue, oldest first (taken off its list
+-- `pending`: one priority's, see below),
 -- with their slots and tokens spent), from its FLOW_WINDOW oldest, read k first (then as
 -- many again as were read, while jobs are still wanted and held back): a
 -- job whose task's rate limit has no token now, or whose concurrency key is full, stays
 -- where it is and the jobs behind it go ahead; the queue's own limit (`qlim`) stops the
 -- pass once spent. Stale ids (see the claim) are dropped, as by the plain claim.
-local function flow_pick(p, k, qlim)
-  local pending = p .. 'pending'
+local function flow_pick(p, k, qlim, pending)
   if qlim and qlim.tat > t then
     if redis.call('LLEN', pending) > 0 then held_back(qlim.tat - t) end
     return {}
@@ -205,21 +210,31 @@ local n = 0
 for qi = 1, #KEYS do
   local p = KEYS[qi]
   local pending, processing, items = p .. 'pending', p .. 'processing', p .. 'items'
-  local meta = redis.call('HMGET', p .. 'meta', 'bound', 'exclusive', 'flow', 'rate')
+  local meta = redis.call('HMGET', p .. 'meta', 'bound', 'exclusive', 'flow', 'rate', 'paused', 'priorities')
   local limit = want
   if meta[2] == '1' then
     limit = redis.call('SCARD', processing) == 0 and math.min(want, n + 1) or n
   end
   local flow = meta[3] == '1' or meta[4] ~= false  -- flow control: one flow_pick() pass
   local qlim = meta[4] and limiter(p .. 'limit', meta[4]) or nil
+  -- [flow: pause, priorities] nothing from a paused queue; the lists in claim order
+  if meta[5] == '1' then limit = n end
+  local lists, li = meta[6] and pending_lists(p, meta[6]), 1
+  if lists then pending = lists[1] end
+  -- [/flow]
   local taken, bytes = 0, 0
   local entries, buckets = {}, {}
   while n < limit do
     local fresh
     if flow then
-      fresh = flow_pick(p, limit - n, qlim)
+      fresh = flow_pick(p, limit - n, qlim, pending)
     else
       local ids = redis.call('LRANGE', pending, n - limit, -1)
+      while #ids == 0 and lists and lists[li + 1] do  -- [flow: priorities] this level is empty: the next
+        li = li + 1
+        pending = lists[li]
+        ids = redis.call('LRANGE', pending, n - limit, -1)
+      end
       if #ids == 0 then break end
       redis.call('LTRIM', pending, 0, -#ids - 1)
       local held = redis.call('SMISMEMBER', processing, unpack(ids))
@@ -241,7 +256,7 @@ for qi = 1, #KEYS do
     for _, id in ipairs(fresh) do
       local job = p .. 'job:' .. id
       local f = redis.call('HMGET', job, 'task', 'args', 'kwargs', 'max_duration', 'timeout_policy', 'attempts',
-        'headers', 'soft_limit')
+        'headers', 'soft_limit', 'unique_key', 'unique_until')
       if not f[1] then
         redis.call('SREM', processing, id)
         finalize(p, id, job, load(job), 'failed', t, 86400, {'error_type', 'CorruptJob',
@@ -249,6 +264,7 @@ for qi = 1, #KEYS do
       else
         n = n + 1
         taken = taken + 1
+        if f[9] and f[10] == 'start' then unlock(p, f[9], id) end  -- [flow: unique]
         bytes = bytes + #(f[2] or '') + #(f[3] or '') + #(f[7] or '')
         local pid, base = ARGV[5 + 2 * n], ARGV[6 + 2 * n]
         local attempt_n = (tonumber(f[6]) or 0) + 1
@@ -288,7 +304,11 @@ for qi = 1, #KEYS do
         out[o + 9], out[o + 10] = f[7] or '', f[8] or ''
       end
     end
-    if flow then break end  -- one pass: the jobs it left behind wait for a later claim
+    if flow then  -- one pass (per priority's list): the jobs it left behind wait for a later claim
+      if not (lists and lists[li + 1]) then break end
+      li = li + 1  -- [flow: priorities]
+      pending = lists[li]
+    end
   end
   if taken > 0 then
     redis.call('HSET', p .. 'running', unpack(entries))
@@ -298,10 +318,10 @@ for qi = 1, #KEYS do
     end
     redis.call('HINCRBY', p .. 'meta', 'consumed_messages', taken)
     redis.call('HINCRBY', p .. 'meta', 'consumed_bytes', bytes)
-    signal_room(p, tonumber(meta[1]) or 0)
+    signal_room(p, tonumber(meta[1]) or 0, meta[6])
   end
   if n >= want then
-    if redis.call('LLEN', pending) > 0 then wake(p) end
+    if (lists and backlog(p, meta[6]) or redis.call('LLEN', pending)) > 0 then wake(p) end
     break
   end
 end

@@ -1,5 +1,6 @@
 -- Delete a job that is not running (kill it first): every trace of it goes. The jobs
--- waiting for one that had not completed end canceled (they would wait for ever).
+-- waiting for one that had not completed end canceled (they would wait for ever). A unique
+-- job's lock goes with it.
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  id   ARGV[2] (optional) failed TTL (s) for those canceled; default 604800
 -- Children in other slots get an outbox entry (see _lib.lua), carried by the dispatcher.
@@ -7,12 +8,16 @@
 local p = KEYS[1]
 local id = ARGV[1]
 local job = p .. 'job:' .. id
-local state = redis.call('HGET', job, 'state')
+local f = redis.call('HMGET', job, 'state', 'priority', 'unique_key')
+local state = f[1]
 if not state or state == 'running' then
   return state or ''
 end
 redis.call('SREM', p .. 'items', id)
-redis.call('LREM', p .. 'pending', 0, id)
+redis.call('LREM', pending_of(p, f[2]), 0, id)
+if f[3] then
+  unlock(p, f[3], id)
+end
 for _, k in ipairs({'delayed', 'waiting', 'completed', 'failed', 'killed', 'canceled'}) do
   redis.call('ZREM', p .. k, id)
 end

@@ -29,7 +29,14 @@
 -- each counted as not completed, and joined by join.lua; entries join.lua kept for it before
 -- it came are applied once it is written) and cross_children ("<queue> <id> <takes> ...",
 -- takes result, results, error or -: its children in other slots, enqueued after it, which
--- its end tells through its queue's outbox; they join its `children`). A producer
+-- its end tells through its queue's outbox; they join its `children`). Pause, priorities and
+-- unique jobs (docs/PROTOCOL.md, of that name): priority (0-9, higher claimed first; 0 is the
+-- same as none), unique_key (1-200 printable characters, no spaces: while a job holding
+-- <p>unique:<key> has not started or ended, per unique_until, a job with that key is not
+-- added and answered the holder's id), unique_until ("start" or "finish", the default),
+-- unique_for (whole s, 1 to 2^31-1: the lock's TTL, at the latest); unique_until and
+-- unique_for need unique_key, and a unique job is no workflow's step, nor a parent in the
+-- same call. A producer
 -- that leaves out any of max_duration, retries, retry_backoff, timeout_policy and max_lost
 -- gets those, and any of max_retries, retry_backoff_max, result_ttl, failed_ttl,
 -- soft_limit, rate_limit and max_concurrency it left out too, from the task's declaration,
@@ -37,12 +44,15 @@
 -- five knows the task: the last seven it did not send are left out of the record (their
 -- defaults apply; no soft limit, no flow control),
 -- and no declaration is read. Numbers not in plain decimal notation are written back in it.
--- Returns one integer per job: 1 added, 0 an id that already exists (nothing changed),
+-- Returns one value per job: 1 added, 0 an id that already exists (nothing changed),
 -- -1 the queue is full (its bound is reached; delayed jobs and jobs with parents do not
--- count), -2 it is closed; a job whose parent in this call was refused gets its answer.
+-- count), -2 it is closed; a job whose parent in this call was refused gets its answer;
+-- a unique job whose key is held: the holder's id (text), counted in meta
+-- duplicates|<task>.
 -- Errors: "ERR taskrunner: <Kind>: <message>", Kind one of InvalidName, NotJSON,
 -- PayloadTooLarge, BadValue, BadCall.
--- Sets: job:<id> (fields + state, enqueued_at), then pending+items (+wake) or delayed;
+-- Sets: job:<id> (fields + state, enqueued_at), then pending (or pending:<priority>)+items
+-- (+wake, unless the queue is paused) or delayed; unique:<key>;
 -- meta produced_messages/produced_bytes (bytes = length of args + kwargs + headers, the
 -- payload the limit applies to); meta flow = 1 when a job written has rate_limit or
 -- max_concurrency (the claim then checks the queue's jobs for them).
@@ -79,7 +89,8 @@ local function decimal(x)
 end
 
 -- The settings that are whole numbers, and the least each may be.
-local WHOLE = {retries = 0, max_lost = 1, max_retries = 0, result_ttl = 1, failed_ttl = 1, max_concurrency = 1}
+local WHOLE = {retries = 0, max_lost = 1, max_retries = 0, result_ttl = 1, failed_ttl = 1, max_concurrency = 1,
+  unique_for = 1}
 
 -- The setting `name` (text, or a number from a declaration) as the text to store, or nil
 -- when it is not acceptable. Text already in plain decimal is kept as it is.
@@ -274,10 +285,12 @@ end
 -- its cost): id, delay, the index in ARGV of its first field or its record, size.
 local tasks_ok = n_jobs ~= 1 and {}  -- task names found valid in this call (a batch's)
 local plan = {}
+local marks  -- job n -> {priority, unique_key, unique_until, unique_for, task} of those with either
 -- job n -> its queue prefix when not p; its parents and takes. `here`: made at the first job
 -- with parents (jobs outside workflows pay nothing for it), see parents_of().
 local queues_of, steps, here = {}, {}, nil
 local flows = {}  -- job n -> true when it has rate_limit or max_concurrency (flow control)
+local uniques  -- "<queue prefix><id>" -> true for the unique jobs of this call, made at the first
 local largest, i = 0, 2
 for n = 1, n_jobs do
   local id, delay_s, k = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
@@ -294,7 +307,7 @@ for n = 1, n_jobs do
   end
   -- Fields in locals, not a table: this loop is most of the script's cost.
   local task, queue_f, args, kwargs, headers, producer, md, rt, rb, tp, ml, mr, bm, rtl, ftl, sl, parents, takes
-  local opf, cross, cross_children, rl, mc, ck
+  local opf, cross, cross_children, rl, mc, ck, prio, uk, uu, uf
   local changed = false  -- a setting written otherwise than sent
   for a = i + 3, i + 1 + 2 * k, 2 do
     local name, value = ARGV[a], ARGV[a + 1]
@@ -316,6 +329,9 @@ for n = 1, n_jobs do
           .. '_.:@-, starting with a letter or digit), not ' .. quote(value))
       end
       seen = ck; ck = value
+    elseif name == 'priority' then seen = prio; prio = value
+    elseif name == 'unique_key' then seen = uk; uk = value
+    elseif name == 'unique_until' then seen = uu; uu = value
     else
       local v = setting_of(name, value)
       if name == 'max_duration' then seen = md; md = v
@@ -330,6 +346,7 @@ for n = 1, n_jobs do
       elseif name == 'soft_limit' then seen = sl; sl = v
       elseif name == 'rate_limit' then seen = rl; rl = v
       elseif name == 'max_concurrency' then seen = mc; mc = v
+      elseif name == 'unique_for' then seen = uf; uf = v
       else
         return refuse('BadCall', 'job ' .. id .. ': unknown field ' .. string.format('%q', string.sub(name, 1, 50)))
       end
@@ -368,6 +385,18 @@ for n = 1, n_jobs do
     end
     cross_children = {cross_children, table.concat(children_of, ' ')}
   end
+  if prio and not string.find(prio, '^%d$') then
+    return refuse('BadValue', 'job ' .. id .. ': priority must be a whole number from 0 to 9, not ' .. quote(prio))
+  elseif (uu or uf) and not uk then
+    return refuse('BadCall', 'job ' .. id .. ': unique_until and unique_for need unique_key')
+  elseif uk and (#uk > 200 or not string.find(uk, '^[%w%p]+$')) then
+    return refuse('BadValue', 'job ' .. id .. ': unique_key must be 1-200 printable characters without spaces, not '
+      .. quote(uk))
+  elseif uu and uu ~= 'start' and uu ~= 'finish' then
+    return refuse('BadValue', 'job ' .. id .. ': unique_until must be "start" or "finish", not ' .. quote(uu))
+  elseif uk and (parents or cross) then
+    return refuse('BadValue', 'job ' .. id .. ': a unique job cannot wait for parents (a workflow\'s step)')
+  end
   if parents or takes or opf or cross then
     if not parents then
       return refuse('BadCall', 'job ' .. id .. ': takes, on_parent_failure and cross_slot need parents')
@@ -382,6 +411,12 @@ for n = 1, n_jobs do
     end
     local list, bad = parents_of(parents, jq, id, here, cross)
     if not list then return refuse('BadValue', 'job ' .. id .. ': ' .. bad) end
+    for _, e in ipairs(list) do
+      if uniques and uniques[prefixes[e[1]] .. e[2]] then
+        return refuse('BadValue', 'job ' .. id .. ': its parent ' .. e[2] .. ' is a unique job of this call (it may '
+          .. 'not be added): enqueue it first')
+      end
+    end
     if takes and not ((takes == 'result' or takes == 'error') and #list == 1 or takes == 'results') then
       return refuse('BadValue', 'job ' .. id .. ': takes must be "result" or "error" (a job with one parent) or '
         .. '"results", not ' .. quote(takes))
@@ -396,6 +431,10 @@ for n = 1, n_jobs do
   end
   if jp ~= p then queues_of[n] = jp end
   if here then here[jp .. id] = true end
+  if uk then
+    uniques = uniques or {}
+    uniques[jp .. id] = true
+  end
   if tasks_ok then tasks_ok[task] = true end
   changed = changed or not (args and kwargs and queue_f) or cross_children  -- the record gets them all
   args, kwargs = args or '[]', kwargs or '{}'
@@ -456,6 +495,10 @@ for n = 1, n_jobs do
     if rl then record[#record + 1] = 'rate_limit'; record[#record + 1] = rl end
     if mc then record[#record + 1] = 'max_concurrency'; record[#record + 1] = mc end
     if ck then record[#record + 1] = 'concurrency_key'; record[#record + 1] = ck end
+    if prio then record[#record + 1] = 'priority'; record[#record + 1] = prio end
+    if uk then record[#record + 1] = 'unique_key'; record[#record + 1] = uk end
+    if uu then record[#record + 1] = 'unique_until'; record[#record + 1] = uu end
+    if uf then record[#record + 1] = 'unique_for'; record[#record + 1] = uf end
     plan[4 * n - 1] = record
   else
     plan[4 * n - 1] = i + 3
@@ -463,6 +506,10 @@ for n = 1, n_jobs do
   local size = #args + #kwargs + (headers and #headers or 0)
   if size > largest then largest = size end
   plan[4 * n - 3], plan[4 * n - 2], plan[4 * n] = id, delay, size
+  if prio and prio ~= '0' or uk then  -- made at the first job that has either
+    marks = marks or {}
+    marks[n] = {prio ~= '0' and prio or nil, uk, uu, uf, task}
+  end
   i = i + 3 + 2 * k
 end
 local limit = 1048576
@@ -486,14 +533,29 @@ end
 -- state as making each job pending on its own, for a fraction of the commands.
 local CHUNK = 1000
 local t = now()
+
+-- The id of the job that holds unique key `key` of queue prefix jp, or nil when none does:
+-- the lock names a job that has not started (or ended, per its unique_until) and holds this
+-- key. A lock that names another (a job gone, ended, or that released it unseen) is stale
+-- and taken over: nothing can leave a key locked for ever.
+local LOCKING = {pending = true, delayed = true, waiting = true}
+local function held(jp, key, id)
+  local h = redis.call('GET', jp .. 'unique:' .. key)
+  if not h or h == id then return nil end
+  local f = redis.call('HMGET', jp .. 'job:' .. h, 'state', 'unique_key', 'unique_until')
+  if f[2] == key and (LOCKING[f[1]] or f[1] == 'running' and f[3] ~= 'start') then
+    return h
+  end
+  return nil
+end
 local enqueued_at = fmt(t)
 local into = {}  -- queue prefix -> what this call does there
 local function queue_at(jp)
-  local meta = redis.call('HMGET', jp .. 'meta', 'bound', 'closed')
+  local meta = redis.call('HMGET', jp .. 'meta', 'bound', 'closed', 'paused', 'priorities')
   local bound, closed = tonumber(meta[1]) or 0, meta[2] == '1'
-  -- room: the pending jobs, counted here on, of a bounded queue
-  local qs = {bound = bound, closed = closed, room = bound > 0 and not closed and redis.call('LLEN', jp .. 'pending'),
-    fresh = {}, added = 0, bytes = 0, pushed = 0}
+  -- room: the pending jobs, counted here on, of a bounded queue; levels: meta priorities
+  local qs = {bound = bound, closed = closed, room = bound > 0 and not closed and backlog(jp, meta[4]),
+    fresh = {}, added = 0, bytes = 0, pushed = 0, paused = meta[3] == '1', levels = meta[4]}
   into[jp] = qs
   return qs
 end
@@ -518,13 +580,18 @@ for n = 1, n_jobs do
   if step then  -- a parent of this call that was refused: so is this job
     for _, e in ipairs(step[1]) do
       local a = not e[3] and answer[prefixes[e[1]] .. e[2]]
-      if a and a < 0 then refused = a end
+      if type(a) == 'number' and a < 0 then refused = a end
     end
   end
+  local fl = marks and marks[n]  -- {priority, unique_key, unique_until, unique_for, task}
+  local holder = fl and fl[2] and not qs.closed and held(jp, fl[2], id)
   if qs.closed then
     out[n] = -2
   elseif redis.call('EXISTS', job) == 1 then
     out[n] = 0
+  elseif holder then
+    out[n] = holder
+    redis.call('HINCRBY', jp .. 'meta', 'duplicates|' .. fl[5], 1)
   elseif refused then
     out[n] = refused
   elseif not step and delay <= 0 and qs.room and qs.room >= qs.bound then
@@ -576,10 +643,24 @@ for n = 1, n_jobs do
         redis.call('HSET', job, 'args', prepend(redis.call('HGET', prefixes[e[1]] .. 'job:' .. e[2], 'result')
           or 'null', redis.call('HGET', job, 'args')))
       end
-      local fresh = qs.fresh
-      fresh[#fresh + 1] = id
-      if #fresh == CHUNK then push(jp, qs) end
+      if fl and fl[1] then  -- a priority: its own list, registered in meta priorities
+        redis.call('SADD', jp .. 'items', id)
+        redis.call('LPUSH', pending_of(jp, fl[1]), id)
+        qs.levels, qs.pushed = true, qs.pushed + 1
+      else
+        local fresh = qs.fresh
+        fresh[#fresh + 1] = id
+        if #fresh == CHUNK then push(jp, qs) end
+      end
       if qs.room then qs.room = qs.room + 1 end
+    end
+    if fl and fl[2] then
+      local lk = jp .. 'unique:' .. fl[2]
+      if fl[4] then
+        redis.call('SET', lk, id, 'EX', fl[4])
+      else
+        redis.call('SET', lk, id)
+      end
     end
     qs.added = qs.added + 1
     if flows[n] then qs.flow = true end
@@ -589,7 +670,7 @@ for n = 1, n_jobs do
 end
 for jp, qs in pairs(into) do
   if #qs.fresh > 0 then push(jp, qs) end
-  if qs.pushed > 0 then
+  if qs.pushed > 0 and not qs.paused then  -- a paused queue's workers sleep on
     wake(jp)
   end
   if qs.added > 0 then
@@ -599,7 +680,7 @@ for jp, qs in pairs(into) do
     redis.call('HINCRBY', jp .. 'meta', 'produced_messages', qs.added)
     redis.call('HINCRBY', jp .. 'meta', 'produced_bytes', qs.bytes)
     if qs.flow then redis.call('HSET', jp .. 'meta', 'flow', '1') end
-    signal_room(jp, qs.bound)
+    signal_room(jp, qs.bound, qs.levels and redis.call('HGET', jp .. 'meta', 'priorities'))
   end
 end
 return out

@@ -139,7 +139,7 @@ for k = #ids, 1, -1 do
       lose(p, id, job, r, attempt, t, failed_ttl, v1, true, index)
     elseif outcome == 'return' then
       local ek, ev = ended(attempt, t, 'returned before it began: ' .. v1)
-      to_pending(p, id, job, true, {ek, ev})
+      to_pending(p, id, job, true, {ek, ev}, r.priority)
     elseif outcome == 'killed' then
       finish(id, job, r, attempt, began, 'killed', {'error_type', 'Killed', 'error', v2}, 'Killed')
     elseif outcome == 'requeue' and v4 == 'retry' and retry_refused(id, job, r, attempt, began) then
@@ -155,7 +155,7 @@ for k = #ids, 1, -1 do
       if delay > 0 then
         to_delayed(p, id, job, t + delay, extra)
       else
-        to_pending(p, id, job, v2 == 'front', extra)
+        to_pending(p, id, job, v2 == 'front', extra, r.priority)
       end
     else
       local failures = redis.call('HINCRBY', job, 'failures', 1)
@@ -183,7 +183,8 @@ for state, list in pairs(index) do
   end
   redis.call('ZADD', p .. state, unpack(args))
 end
-if freed or redis.call('HGET', p .. 'meta', 'exclusive') == '1' and redis.call('LLEN', p .. 'pending') > 0 then
+local meta = not freed and redis.call('HMGET', p .. 'meta', 'exclusive', 'priorities')
+if freed or meta[1] == '1' and backlog(p, meta[2]) > 0 then
   wake(p)
 end
 if #emitted > 0 then  -- children in other slots: the caller carries these (join.lua)

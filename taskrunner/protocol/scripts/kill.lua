@@ -10,14 +10,15 @@ local p = KEYS[1]
 local id = ARGV[1]
 local job = p .. 'job:' .. id
 local t = now()
-local state = redis.call('HGET', job, 'state')
+local f = redis.call('HMGET', job, 'state', 'priority')
+local state = f[1]
 if not state then
   return {''}
 end
 local why = 'killed by ' .. ARGV[2]
 if state == 'pending' or state == 'delayed' or state == 'waiting' then
   redis.call('SREM', p .. 'items', id)
-  redis.call('LREM', p .. 'pending', 0, id)
+  redis.call('LREM', pending_of(p, f[2]), 0, id)
   redis.call('ZREM', p .. 'delayed', id)
   redis.call('ZREM', p .. 'waiting', id)
   finalize(p, id, job, load(job), 'killed', t, tonumber(ARGV[3]),

@@ -7,12 +7,13 @@
 local p = KEYS[1]
 local id = ARGV[1]
 local job = p .. 'job:' .. id
-local state = redis.call('HGET', job, 'state')
+local f = redis.call('HMGET', job, 'state', 'priority')
+local state = f[1]
 local t = now()
 local action = {'action:' .. fmt(t), 'requeued by ' .. ARGV[2]}
 if state == 'delayed' then
   redis.call('ZREM', p .. 'delayed', id)
-  to_pending(p, id, job, true, action)
+  to_pending(p, id, job, true, action, f[2])
 elseif state == 'running' then
   local r = load(job)
   release(p, id, r)
@@ -21,6 +22,6 @@ elseif state == 'running' then
   local attempt = r.attempts
   local ek, ev = ended(attempt, t, 'requeued by ' .. ARGV[2])
   action[3], action[4], action[5], action[6] = ek, ev, 'last_requeued_at', fmt(t)
-  to_pending(p, id, job, true, action)
+  to_pending(p, id, job, true, action, r.priority)
 end
 return state or ''

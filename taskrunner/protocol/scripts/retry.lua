@@ -1,5 +1,6 @@
 -- Run a failed or killed job again (an operator's retry): it becomes pending, at the back,
--- with its counts of failures, losses and Retry requests back to 0. In a workflow (see
+-- with its counts of failures, losses and Retry requests back to 0. A unique job takes its
+-- lock again (for its unique_for) unless another job holds it now. In a workflow (see
 -- docs/PROTOCOL.md, Workflows) it also brings back the steps its end canceled: each step
 -- whose `canceled_by` names it (those after it, transitively) waits again (state waiting,
 -- `waiting_on` counted afresh from its parents' states), unless another of its parents
@@ -18,7 +19,7 @@ local p = KEYS[1]
 local id = ARGV[1]
 local job = p .. 'job:' .. id
 local r = redis.call('HMGET', job, 'state', 'children', 'parents', 'waiting_on', 'on_parent_failure', 'takes',
-  'args', 'task')
+  'args', 'task', 'priority', 'unique_key', 'unique_for')
 local state = r[1]
 if state ~= 'failed' and state ~= 'killed' then
   return state or ''
@@ -88,6 +89,13 @@ redis.call('PERSIST', job)
 redis.call('HDEL', job, 'kill_requested', 'finished_at', 'result', 'stuck', 'stuck_at')
 redis.call('HSET', job, 'failures', '0', 'lost', '0', 'retry_requests', '0')  -- a fresh budget
 local action = {'action:' .. fmt(t), 'retried by ' .. ARGV[2]}
+if r[10] then  -- a unique job (never a workflow's step): its lock again, unless another holds it
+  if r[11] then
+    redis.call('SET', p .. 'unique:' .. r[10], id, 'NX', 'EX', r[11])
+  else
+    redis.call('SET', p .. 'unique:' .. r[10], id, 'NX')
+  end
+end
 if r[3] and (tonumber(r[4]) or 0) > 0 then
   states[me] = 'waiting'
   redis.call('HSET', job, 'state', 'waiting', 'waiting_on', open > 0 and open or 1, unpack(action))
@@ -97,10 +105,10 @@ if r[3] and (tonumber(r[4]) or 0) > 0 then
     local pjob = sibling(p, q) .. 'job:' .. i
     local pr = redis.call('HMGET', pjob, 'task', 'state', 'error_type', 'error')
     join(p, id, job, {queue = q, id = i, task = pr[1] or '?', state = pr[2] or 'gone', job = pjob,
-      error_type = pr[3] or nil, error = pr[4] or nil}, {'waiting', r[5], r[6], r[7], '1'})
+      error_type = pr[3] or nil, error = pr[4] or nil}, {'waiting', r[5], r[6], r[7], '1', false, r[9]})
   end
 else
-  to_pending(p, id, job, false, action)
+  to_pending(p, id, job, false, action, r[9])
 end
 if not r[2] then
   return state

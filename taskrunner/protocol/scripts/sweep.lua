@@ -23,8 +23,9 @@ local promoted = 0
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. 'delayed', '-inf', t, 'LIMIT', 0, tonumber(ARGV[1]))) do
   redis.call('ZREM', p .. 'delayed', id)
   local job = p .. 'job:' .. id
-  if redis.call('HGET', job, 'state') == 'delayed' then
-    to_pending(p, id, job, false)
+  local f = redis.call('HMGET', job, 'state', 'priority')
+  if f[1] == 'delayed' then
+    to_pending(p, id, job, false, nil, f[2])
     promoted = promoted + 1
   end
 end

@@ -1,0 +1,132 @@
+"""Redis work per job of a queue that uses no flow control (issue 17: pause, priorities,
+unique jobs must cost such a queue nothing): the whole life of a plain job — enqueue, claim,
+ack — counted on a redis-server of our own, for one or more revisions side by side.
+
+    python -m bench.plain_cost                                 # this tree
+    python -m bench.plain_cost main=git:main mine=git:HEAD     # two revisions
+    python -m bench.plain_cost main=git:main mine=. --jobs 5000 --rounds 5
+
+Each argument is LABEL=SOURCE, SOURCE a directory holding a `taskrunner` package (`.`: this
+tree) or git:REV (that revision's package, extracted with `git archive`). Per round and
+revision, a child process run on that package (PYTHONPATH) enqueues --jobs jobs one per call
+(`task.delay`), claims them one per call and acks them one per call (Consumer), with Redis's
+statistics reset first; the parent reads INFO: commands (every command, those run inside
+scripts included), microseconds of EVALSHA (INFO commandstats) and Redis CPU (used_cpu_user
++ used_cpu_sys), each per job. Rounds alternate the revisions, so that a busy machine slows
+all alike; the table shows the median of the rounds. Commands per job are exact and the same
+every round; the times vary with the machine (the table gives their range). Figures: docs/PERFORMANCE.md."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import redis
+
+from taskrunner.ops.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Run in the child, on the revision's package: the job's life, one call per step.
+CHILD = """
+import sys
+from taskrunner import TaskRunner
+from taskrunner.client.consumer import Consumer
+url, n = sys.argv[1], int(sys.argv[2])
+app = TaskRunner("flowcost", redis_url=url, prefix="flowcost")
+noop = app.task(lambda *a: None, name="flowcost.noop")
+noop.delay(0)  # warm-up: scripts loaded, queue registered
+c = Consumer(app, ["default"])
+c.ack(c.claim(1))
+print("ready", flush=True)
+sys.stdin.readline()
+for i in range(n):
+    noop.delay(i)
+for _ in range(n):
+    [d] = c.claim(1)
+    assert c.ack([d]) == [True]
+c.close()
+"""
+
+
+def tree(label: str, spec: str, tmp: Path) -> Path:
+    """The directory holding the `taskrunner` package that `spec` names."""
+    if spec.startswith("git:"):
+        out = tmp / label
+        out.mkdir()
+        archive = subprocess.run(["git", "archive", spec[4:], "taskrunner"], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+        return out
+    return Path(spec).resolve()
+
+
+def measure(r: redis.Redis, url: str, path: Path, n: int) -> tuple[float, float, float]:
+    """(commands, EVALSHA µs, Redis CPU µs) per job of `n` jobs, run on the package in `path`."""
+    r.flushall()
+    env = {**os.environ, "PYTHONPATH": str(path)}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, url, str(n)], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "ready"
+        r.config_resetstat()
+        cpu0 = _cpu(r)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        if child.wait(600) != 0:
+            raise SystemExit(f"the run on {path} failed")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    cpu = _cpu(r) - cpu0
+    stats = r.info("commandstats")
+    # The statistics' own commands (INFO, CONFIG RESETSTAT) are ours, not the job's.
+    calls = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config"))
+    return calls / n, stats["cmdstat_evalsha"]["usec"] / n, cpu * 1e6 / n
+
+
+def _cpu(r: redis.Redis) -> float:
+    i = r.info("cpu")
+    return i["used_cpu_user"] + i["used_cpu_sys"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trees", nargs="*", default=["this tree=."],
+                        help="LABEL=SOURCE, SOURCE a directory or git:REV (default: this tree)")
+    parser.add_argument("--jobs", type=int, default=3000, help="jobs per round (default 3000)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per revision (default 3)")
+    opts = parser.parse_args()
+    specs = dict(s.split("=", 1) for s in opts.trees)
+    runs: dict[str, list[tuple[float, float, float]]] = {label: [] for label in specs}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {label: tree(label, spec, Path(tmp)) for label, spec in specs.items()}
+        server = RedisServer(Path(tmp), appendonly=False).start()
+        try:
+            r = redis.Redis.from_url(server.url)
+            for _ in range(opts.rounds):
+                for label, path in paths.items():
+                    runs[label].append(measure(r, server.url, path, opts.jobs))
+        finally:
+            server.stop()
+    width = max(22, *(len(label) for label in specs))
+    print(f"per plain job (enqueue + claim + ack, one call each; {opts.jobs} jobs; median (min-max) of "
+          f"{opts.rounds} rounds)")
+    print(f"{'':16}" + "".join(f"{label:>{width + 2}}" for label in specs))
+    for i, what in enumerate(("Redis commands", "EVALSHA us", "Redis CPU us")):
+        cells = []
+        for label in specs:
+            xs = [x[i] for x in runs[label]]
+            cells.append(f"{statistics.median(xs):.1f} ({min(xs):.0f}-{max(xs):.0f})")
+        print(f"{what:16}" + "".join(f"{c:>{width + 2}}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
