@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from taskrunner import JobFailed, TaskRunner, chord
+from taskrunner.ops import queue
 from taskrunner.protocol import scripts
 from tests import apps
 from tests.conftest import wait_for
@@ -76,8 +77,10 @@ def test_a_step_that_counted_a_failed_member_as_done_counts_it_again(app, stack)
     wait_for(lambda: record(app, "default", failed).get("state") == "failed", what="the member failed")
     assert record(app, "default", handle.id)["waiting_on"] == "1"
     fix(app, "cx")
+    queue.pause(app, "default")  # else the worker may run it before the count is read
     assert app.job(failed).retry("tester")
     assert record(app, "default", handle.id)["waiting_on"] == "2"
+    queue.resume(app, "default")
     wait_for(lambda: record(app, "default", failed).get("state") == "completed", what="the member retried")
     assert record(app, "default", handle.id)["state"] == "waiting"
     app.redis.set(f"{app.settings.prefix}:release:g", 1)
@@ -102,8 +105,10 @@ def test_a_step_with_another_failed_parent_stays_canceled_naming_it(app, stack):
         assert (d["state"], d["canceled_by"]) == ("canceled", f"{second.queue} {second.id}")
         assert f"step {second.id} (task tests.apps.fails_until_fixed) failed: RuntimeError" in d["error"]
     wait_for(lambda: first.state == "completed", what="the first retried")
+    queue.pause(app, second.queue)  # else the worker may run it before the count is read
     assert second.retry("tester")
     assert record(app, "default", after.id)["waiting_on"] == "1"
+    queue.resume(app, second.queue)
     assert then.wait(30) == 10 and after.wait(30) == 7
 
 
