@@ -12,9 +12,12 @@ import shutil
 import signal
 import subprocess
 
+import orjson
 import pytest
 
+from taskrunner.client.flow import unique_key_of
 from taskrunner.errors import JobFailed
+from taskrunner.ops import queue as queues
 from tests.conftest import ROOT, Stack, wait_for
 
 NODE_DIR = ROOT / "clients" / "node"
@@ -47,16 +50,16 @@ def node() -> None:
     need_node()
 
 
-def spawn_node(stack: Stack, *args: str) -> subprocess.Popen:
+def spawn_node(stack: Stack, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A Node process in its own process group, stopped (SIGKILL to the group) by the stack."""
-    p = subprocess.Popen(["node", *args], cwd=NODE_DIR, env=stack.env, start_new_session=True,
+    p = subprocess.Popen(["node", *args], cwd=NODE_DIR, env={**stack.env, **(env or {})}, start_new_session=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stack.procs.append(p)
     return p
 
 
-def consumer(stack: Stack, name: str, queues: str = "default") -> subprocess.Popen:
-    return spawn_node(stack, "consumer.js", "--name", name, "--queues", queues, "examples/handlers.js")
+def consumer(stack: Stack, name: str, queues: str = "default", env: dict[str, str] | None = None) -> subprocess.Popen:
+    return spawn_node(stack, "consumer.js", "--name", name, "--queues", queues, "examples/handlers.js", env=env)
 
 
 def produce(stack: Stack, *args: str) -> subprocess.CompletedProcess:
@@ -226,3 +229,195 @@ def test_workflows_enqueued_from_node_run_on_python_workers(app, stack):
 
 def record(app, queue: str, job_id: str) -> dict[str, str]:
     return app.redis.hgetall(app.keys.job(queue, job_id))
+
+
+# -- flow control (issue 17) from Node: priorities, unique jobs, concurrency keys, pause, rate limits --
+
+
+def refusal(stack: Stack, opts: str) -> str:
+    """The error Node's enqueue of tests.apps.add with `opts` (JavaScript) throws."""
+    r = subprocess.run(["node", "-e", "const { TaskRunner } = require('./taskrunner'); const tr = new TaskRunner();"
+                        f"tr.enqueue('tests.apps.add', [1, 1], {{}}, {opts})"
+                        ".catch((e) => console.error(e.message)).finally(() => tr.redis.disconnect());"],
+                       cwd=NODE_DIR, env=stack.env, capture_output=True, text=True, timeout=60)
+    return r.stderr.strip()
+
+
+def started(app) -> list[str]:
+    """Keys of the `tests.apps.hold` jobs in the order they started."""
+    return [s.rsplit(":", 1)[0] for s in app.redis.lrange(f"{app.settings.prefix}:started", 0, -1)]
+
+
+def test_node_priorities_are_claimed_first_by_a_python_worker(app, stack):
+    got = node_script(stack, """
+      const ids = [];
+      for (let i = 0; i < 4; i++) ids.push(await tr.enqueue('tests.apps.hold', [`low${i}`, 0]));
+      ids.push(await tr.enqueue('tests.apps.hold', ['zero', 0], {}, { priority: 0 }));  // the same as none
+      ids.push(await tr.enqueue('tests.apps.hold', ['mid', 0], {}, { priority: 5 }));
+      ids.push(await tr.enqueue('tests.apps.hold', ['high', 0], {}, { priority: 9 }));
+      console.log(JSON.stringify(ids));""")
+    assert [record(app, "default", j["id"]).get("priority") for j in got] == [None] * 5 + ["5", "9"]
+    assert queues.info(app, "default")["priorities"] == [9, 5]
+    stack.worker(concurrency=1)
+    for j in got:
+        app.job(j["id"]).wait(30)
+    assert started(app) == ["high", "mid", "low0", "low1", "low2", "low3", "zero"]
+    # Refused in the caller's process, one line each.
+    for opts, why in (("{ priority: 10 }", "priority must be a whole number from 0 to 9, not 10"),
+                      ("{ priority: 1.5 }", "priority must be a whole number from 0 to 9, not 1.5"),
+                      ("{ priority: '9' }", 'priority must be a whole number from 0 to 9, not "9"')):
+        assert refusal(stack, opts) == why
+    r = produce(stack, "--priority", "7", "tests.apps.add", "[1, 2]")
+    assert r.returncode == 0, r.stderr
+    assert record(app, "default", r.stdout.strip())["priority"] == "7"
+
+
+# Arguments whose canonical JSON is easy to get wrong: key order (by code point, so astral
+# characters after U+FFFF), escapes, non-ASCII text, numbers (ints as digits, up to 2^53 as
+# JavaScript holds them exactly; floats as orjson writes them: "1e+20", "1e-7", "0.00001",
+# "1.5e+300"), nesting.
+TRICKY_ARGS = [1, -7, 0, 2**53 + 2, -(2**53), 0.1, -2.5, 1e-7, 1e-5, 123.456, 1.5e300, 1e20, 5e-324, True, None,
+               "", "é ✓ 😀 \u2028", "quote\" back\\ slash/ \x00\x1f\x7f \b\f\n\r\t", [], {}, [[1, {"z": 1, "a": [2]}]]]
+TRICKY_KWARGS = {"b": 2, "a": {"y": [1.25, "x"], "x": None}, "B": 3, "\uffff": 4, "\U00010000": 5, "_": 6, "é": 7,
+                 "10": 8, "9": 9}
+
+
+def test_a_node_duplicate_gets_the_python_jobs_id_and_the_reverse(app, stack):
+    """unique_for alone: both producers derive the key from [task, args, kwargs] the same way
+    (SHA-1 of its canonical JSON), so each one's duplicate is answered the other's job."""
+    py = app.enqueue("tests.apps.echo", TRICKY_ARGS, dict(reversed(list(TRICKY_KWARGS.items()))), unique_for=600)
+    source = f"""
+      const args = JSON.parse({json.dumps(orjson.dumps(TRICKY_ARGS).decode())});
+      const kwargs = JSON.parse({json.dumps(orjson.dumps(TRICKY_KWARGS).decode())});
+      const dup = await tr.enqueue('tests.apps.echo', args, kwargs, {{ uniqueFor: 600 }});
+      const mine = await tr.enqueue('tests.apps.echo', [...args, 'node'], kwargs, {{ uniqueFor: 600 }});
+      const keyed = await tr.enqueue('tests.apps.echo', [1], {{}}, {{ uniqueKey: 'report:7', uniqueUntil: 'start' }});
+      const again = await tr.enqueue('tests.apps.echo', [2], {{}}, {{ uniqueKey: 'report:7' }});
+      console.log(JSON.stringify({{ dup, mine, keyed, again }}));"""
+    got = node_script(stack, source)
+    assert got["dup"] == {"id": py.id, "queue": "default", "created": False, "duplicate": True}
+    assert got["mine"]["created"] is True and got["mine"]["id"] != py.id
+    assert got["keyed"]["created"] is True and got["again"] == {**got["keyed"], "created": False, "duplicate": True}
+    mine = record(app, "default", got["mine"]["id"])
+    assert (mine["unique_key"], mine["unique_for"]) == (unique_key_of("tests.apps.echo", [*TRICKY_ARGS, "node"],
+                                                                      TRICKY_KWARGS), "600")
+    keyed = record(app, "default", got["keyed"]["id"])
+    assert (keyed["unique_key"], keyed["unique_until"], "unique_for" in keyed) == ("report:7", "start", False)
+    # Python's duplicate of the Node job gets the Node job's id.
+    again = app.enqueue("tests.apps.echo", [*TRICKY_ARGS, "node"], TRICKY_KWARGS, unique_for=600)
+    assert (again.id, again.created) == (got["mine"]["id"], False)
+    assert queues.info(app, "default")["duplicates"] == {"tests.apps.echo": 3}
+    # The producer CLI: the holder's id, and a line saying nothing was added.
+    r = produce(stack, "--unique-for", "600", "tests.apps.echo", orjson.dumps(TRICKY_ARGS).decode(),
+                orjson.dumps(TRICKY_KWARGS).decode())
+    assert (r.returncode, r.stdout.strip()) == (0, py.id), r.stderr
+    assert f"a job with its unique key exists: {py.id} (not enqueued)" in r.stderr
+    r = produce(stack, "--unique-key", "report:7", "--unique-until", "finish", "tests.apps.echo", "[3]")
+    assert (r.returncode, r.stdout.strip()) == (0, got["keyed"]["id"]), r.stderr
+    # Checked before Redis, one line each; a unique job is no workflow's part.
+    for opts, why in (("{ uniqueFor: 0 }", "uniqueFor must be a whole number from 1 to 2147483647, not 0"),
+                      ("{ uniqueKey: 'a b' }", 'uniqueKey must be 1-200 printable ASCII characters without spaces, '
+                                                'not "a b"'),
+                      ("{ uniqueKey: 'k', uniqueUntil: 'later' }", 'uniqueUntil must be "start" or "finish", '
+                                                                    'not "later"'),
+                      ("{ uniqueUntil: 'start' }", "uniqueUntil needs uniqueKey or uniqueFor"),
+                      ("{ uniqueFor: 5, onSuccess: { task: 'tests.apps.add' } }", "a unique job cannot be part of a "
+                       "workflow (a chain, group or chord, dependsOn, onSuccess, onFailure)")):
+        assert refusal(stack, opts) == why
+
+
+def test_the_node_unique_key_is_pythons_for_the_job_python_reads(stack):
+    """The key Node derives is unique_key_of(task, args, kwargs) of the job as a Python worker
+    reads it (orjson.loads of the text Node wrote), for values from both sides."""
+    got = node_script(stack, f"""
+      const {{ uniqueKeyOf }} = require('./taskrunner');
+      const values = JSON.parse({json.dumps(orjson.dumps([*TRICKY_ARGS, TRICKY_KWARGS]).decode())});
+      for (let e = -330; e <= 310; e += 7) values.push(1.2345678901234567 * 10 ** e, -(3 * 10 ** e), 10 ** e);
+      for (let i = 0; i < 300; i++) values.push(Math.random() * 10 ** (Math.floor(Math.random() * 60) - 30));
+      values.push(2 ** 64, 2 ** 64 - 2048, -(2 ** 63), -(2 ** 63) - 4096, 1e21, 123456789012345680000, -0,
+        1e15 + 0.5, 9007199254740993, 0.1 + 0.2, String.fromCharCode(0xd7ff, 0xe000, 0xfffd),
+        {{ '\\ud83d\\ude00': 1, '\\uffff': 2 }});
+      const out = values.map((v) => [JSON.stringify([v]), JSON.stringify({{ k: v }}),
+        uniqueKeyOf('t', [v], {{ k: v }})]);
+      console.log(JSON.stringify(out));""")
+    assert len(got) > 400
+    wrong = [(a, k) for a, k, key in got if key != unique_key_of("t", orjson.loads(a), orjson.loads(k))]
+    assert not wrong, wrong[:5]
+
+
+def test_a_node_job_with_a_concurrency_key_respects_the_tasks_cap(app, stack):
+    """tests.flow_apps.capped has max_concurrency=2, declared by the Python workers; Node's
+    jobs name their key, and enqueue.lua fills the cap in from the declaration."""
+    stack.worker(app="tests.flow_apps", concurrency=4, name="c1")
+    stack.worker(app="tests.flow_apps", concurrency=4, name="c2")
+    wait_for(lambda: app.redis.hexists(app.keys.q("default") + "tasks", "tests.flow_apps.capped"),
+             what="the workers' declarations")
+    got = node_script(stack, """
+      const jobs = [];
+      for (let i = 0; i < 5; i++) {
+        for (const key of ['customer:1', 'customer:2']) {
+          jobs.push(await tr.enqueue('tests.flow_apps.capped', [key, 0.3], {}, { concurrencyKey: key }));
+        }
+      }
+      console.log(JSON.stringify(jobs));""")
+    assert {record(app, "default", j["id"])["concurrency_key"] for j in got} == {"customer:1", "customer:2"}
+    assert {record(app, "default", j["id"])["max_concurrency"] for j in got} == {"2"}
+    for j in got:
+        app.job(j["id"]).wait(60)
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for raw in app.redis.lrange(f"{app.settings.prefix}:spans", 0, -1):
+        key, start, end = raw.split()
+        spans.setdefault(key, []).append((float(start), float(end)))
+    assert sorted(spans) == ["customer:1", "customer:2"] and [len(s) for s in spans.values()] == [5, 5]
+    for key, ss in spans.items():
+        most = max(sum(1 for a, b in ss if a <= t < b) for t, _ in ss)
+        assert most <= 2, (key, most)
+    assert not app.redis.exists(app.keys.q("default") + "slots:customer:1", app.keys.q("default") + "slots:customer:2")
+    # A key on a task without a cap is refused by the script (one line), a bad name by Node.
+    r = produce(stack, "--concurrency-key", "customer:1", "tests.apps.add", "[1, 2]")
+    assert r.returncode == 2 and "concurrency_key needs max_concurrency" in r.stderr
+    r = produce(stack, "--concurrency-key", "a b", "tests.flow_apps.capped", '["x", 0]')
+    assert r.returncode == 2 and 'invalid concurrency key name "a b"' in r.stderr
+
+
+def test_the_node_consumer_respects_pause_and_priorities(app, stack):
+    """A paused queue gives the Node consumer nothing (its other queue is served); after
+    resume its jobs run highest priority first, FIFO within one."""
+    queues.create(app, "held")
+    queues.pause(app, "held")
+    got = node_script(stack, """
+      const ids = [];
+      for (const [i, priority] of [[0, 0], [1, 3], [2, 0], [3, 9], [4, 3]]) {
+        ids.push((await tr.enqueue('tests.apps.add', [i, 0], {}, { queue: 'held', priority })).id);
+      }
+      console.log(JSON.stringify(ids));""")
+    consumer(stack, "node-p", "held,other")
+    assert app.enqueue("node.echo", ["past the paused queue"], queue="other").wait(30)["runtime"] == "node"
+    assert [app.job(i, "held").refresh().state for i in got] == ["pending"] * 5
+    queues.resume(app, "held")
+    for i in got:
+        app.job(i, "held").wait(30)
+    recs = [record(app, "held", i) for i in got]
+    assert {r["worker"] for r in recs} == {"node-p"}
+    order = [r["args"] for r in sorted(recs, key=lambda r: float(r["started_at"]))]
+    assert order == ["[3,0]", "[1,0]", "[4,0]", "[0,0]", "[2,0]"]  # as Node wrote them
+
+
+def test_the_node_consumer_on_a_rate_limited_queue_starts_jobs_spaced_by_the_limit(app, stack):
+    """A queue limited to 2 starts a second: the claim holds jobs back and answers when the
+    next token is due (its last value); the consumer comes back then, neither earlier (each
+    start at least 0.5 s after the one before, Redis's clock) nor after its idle block (5 s
+    here): the starts of 6 jobs span about 2.5 s."""
+    queues.create(app, "paced", rate="2/s")
+    jobs = [app.enqueue("tests.apps.add", [i, 1], queue="paced") for i in range(6)]
+    node_c = consumer(stack, "node-r", "paced", env={"TASKRUNNER_IDLE_BLOCK": "5"})
+    for j in jobs:
+        j.wait(60)
+    starts = [float(j.refresh().data["started_at"]) for j in jobs]
+    assert starts == sorted(starts)  # FIFO
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert min(gaps) >= 0.5 - 1e-5, gaps
+    assert max(gaps) < 2.5, gaps  # a consumer that missed the wait would sleep its idle block: 5 s
+    assert starts[-1] - starts[0] < 5.5, gaps
+    assert all(j.data["attempts"] == "1" and j.data["worker"] == "node-r" for j in jobs)
+    assert "stopped after 6 jobs" in stop(node_c)

@@ -2,27 +2,38 @@
 'use strict';
 // Enqueue one job, print its id (and with --wait, its record as JSON once it has ended).
 //   node producer.js [--queue Q] [--id ID] [--delay S] [--max-duration S] [--retries N]
-//                    [--depends-on ID]... [--wait SECONDS] TASK [ARGS_JSON [KWARGS_JSON]]
+//                    [--priority 0-9] [--concurrency-key K] [--unique-key K] [--unique-for S]
+//                    [--unique-until start|finish] [--depends-on ID]... [--wait SECONDS]
+//                    TASK [ARGS_JSON [KWARGS_JSON]]
 // --depends-on: run once job ID (of any queue) completed; repeat it for several.
+// --unique-for alone: the key is made from TASK, ARGS and KWARGS (as Python makes it). A
+// duplicate prints the id of the job that holds the key (and says so on stderr).
 // Redis and key prefix from REDIS_URL and TASKRUNNER_PREFIX. Exit codes: 0 enqueued (with
 // --wait: completed), 1 the job failed or was killed, 2 bad usage or a refused enqueue.
 const { parseArgs } = require('util');
 const { TaskRunner } = require('./taskrunner');
+
+// A whole-number flag: its number, or the text as given (refused, and shown, by enqueue).
+const count = (s) => (s !== undefined && /^-?[0-9]+$/.test(s) ? Number(s) : s);
 
 async function main() {
   const { values: o, positionals: [task, args = '[]', kwargs = '{}'] } = parseArgs({
     allowPositionals: true,
     options: { queue: { type: 'string', default: 'default' }, id: { type: 'string' }, delay: { type: 'string' },
       'max-duration': { type: 'string' }, retries: { type: 'string' }, wait: { type: 'string' },
-      'depends-on': { type: 'string', multiple: true } },
+      'depends-on': { type: 'string', multiple: true }, priority: { type: 'string' },
+      'concurrency-key': { type: 'string' }, 'unique-key': { type: 'string' }, 'unique-for': { type: 'string' },
+      'unique-until': { type: 'string' } },
   });
   if (!task) throw new Error('usage: producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]]');
   const tr = new TaskRunner();
   try {
-    const { id, created } = await tr.enqueue(task, JSON.parse(args), JSON.parse(kwargs), {
+    const { id, created, duplicate } = await tr.enqueue(task, JSON.parse(args), JSON.parse(kwargs), {
       queue: o.queue, id: o.id, delay: Number(o.delay || 0), maxDuration: o['max-duration'], retries: o.retries,
-      dependsOn: o['depends-on'] });
-    if (!created) console.error(`job ${id} exists already: not enqueued again`);
+      dependsOn: o['depends-on'], priority: count(o.priority), concurrencyKey: o['concurrency-key'],
+      uniqueKey: o['unique-key'], uniqueFor: count(o['unique-for']), uniqueUntil: o['unique-until'] });
+    if (duplicate) console.error(`a job with its unique key exists: ${id} (not enqueued)`);
+    else if (!created) console.error(`job ${id} exists already: not enqueued again`);
     if (o.wait === undefined) {
       console.log(id);
       return 0;

@@ -24,6 +24,61 @@ function checkName(kind, s) {
   return s;
 }
 
+const shown = (v) => (typeof v === 'string' ? JSON.stringify(v) : String(v));
+
+function whole(name, v, min, max) {
+  if (!Number.isInteger(v) || v < min || v > max) {
+    throw new Error(`${name} must be a whole number from ${min} to ${max}, not ${shown(v)}`);
+  }
+  return v;
+}
+
+// Unique jobs (PROTOCOL.md, Pause, priorities, unique jobs): what enqueue.lua takes as a key.
+const UNIQUE_KEY = /^[!-~]{1,200}$/;
+const INT_MIN = -(2n ** 63n); // the integers orjson reads as ints; others are floats in Python
+const INT_MAX = 2n ** 64n - 1n;
+
+// A JSON number as Python writes it after reading it (orjson): an integer in [-2^63, 2^64-1]
+// in digits; any other number is a float, in its shortest digits, in plain decimal with at
+// least one digit after the point for decimal exponents -5 to 15 (0.00001, 100.0), else as
+// d.ddde+x / d.ddde-x (1e+16, 1.5e-7).
+function pyNumber(x) {
+  const text = JSON.stringify(x); // what the job's JSON holds ("null" for NaN and Infinity)
+  if (text === 'null') return text;
+  if (/^-?[0-9]+$/.test(text) && BigInt(text) >= INT_MIN && BigInt(text) <= INT_MAX) return text;
+  const [mantissa, exponent] = x.toExponential().split('e'); // the shortest digits that give x
+  const e = Number(exponent);
+  const sign = x < 0 ? '-' : '';
+  const digits = mantissa.replace(/[-.]/g, '');
+  if (e < -5 || e > 15) {
+    return `${sign}${digits[0]}${digits.length > 1 ? '.' + digits.slice(1) : ''}e${e < 0 ? '-' : '+'}${Math.abs(e)}`;
+  }
+  if (e < 0) return `${sign}0.${'0'.repeat(-e - 1)}${digits}`;
+  return `${sign}${digits.slice(0, e + 1).padEnd(e + 1, '0')}.${digits.slice(e + 1) || '0'}`;
+}
+
+// The canonical JSON of a parsed JSON value, byte for byte as taskrunner's Python producer
+// writes it (orjson, OPT_SORT_KEYS): no spaces, object keys in code point order (UTF-8
+// byte order, not JavaScript's UTF-16 order), strings escaped as JSON.stringify does, numbers
+// as pyNumber.
+function canonical(v) {
+  if (v === null || typeof v === 'boolean' || typeof v === 'string') return JSON.stringify(v);
+  if (typeof v === 'number') return pyNumber(v);
+  if (Array.isArray(v)) return `[${v.map(canonical).join(',')}]`;
+  const keys = Object.keys(v).sort((a, b) => Buffer.compare(Buffer.from(a), Buffer.from(b)));
+  return `{${keys.map((k) => `${JSON.stringify(k)}:${canonical(v[k])}`).join(',')}}`;
+}
+
+// The unique key of `uniqueFor` without `uniqueKey`: the SHA-1 (hex) of the canonical JSON of
+// [task, args, kwargs] as a Python worker reads the job (args and kwargs as they are written),
+// the key taskrunner's Python producer makes for the same job. Whole numbers are read as ints
+// there: Python's 2.0 (a float) and Node's 2 give different keys.
+function uniqueKeyOf(task, args = [], kwargs = {}) {
+  const text = `[${JSON.stringify(task)},${canonical(JSON.parse(JSON.stringify(args)))},`
+    + `${canonical(JSON.parse(JSON.stringify(kwargs)))}]`;
+  return crypto.createHash('sha1').update(text, 'utf8').digest('hex');
+}
+
 // Names: a ULID, 26 Crockford base-32 characters that sort by creation time.
 function ulid() {
   const abc = '0123456789ABCDEFGHJKMNPQRSTVWXYZ';
@@ -61,6 +116,39 @@ function entries(answer, n) {
 function push(map, key, value) {
   if (!map.has(key)) map.set(key, []);
   map.get(key).push(value);
+}
+
+// The enqueue fields of a job's flow control (PROTOCOL.md, Enqueue; Flow control; Pause,
+// priorities, unique jobs), checked here as taskrunner's Python producer checks them, so that a
+// mistake is one line before Redis (enqueue.lua checks them again). None given: no field, so
+// the job costs nothing more. `priority`: 0-9, higher claimed first within the queue (0: as
+// none). `concurrencyKey`: the key whose running jobs count against its task's
+// max_concurrency (needs one, declared or sent: else enqueue.lua refuses it). `uniqueKey`:
+// while a job of the queue holding it has not ended (`uniqueUntil` "finish", the default) or
+// started ("start"), another with it is not added; `uniqueFor`: seconds the lock lasts at most,
+// alone it locks uniqueKeyOf(task, args, kwargs). `unique`: whether the job may have a lock
+// (not as part of a workflow).
+function flow(task, args, kwargs, opts, unique) {
+  const out = [];
+  if (opts.priority !== undefined && whole('priority', opts.priority, 0, 9) > 0) out.push('priority', String(opts.priority));
+  if (opts.concurrencyKey !== undefined) out.push('concurrency_key', checkName('concurrency key', opts.concurrencyKey));
+  const { uniqueKey, uniqueFor, uniqueUntil } = opts;
+  if (uniqueKey === undefined && uniqueFor === undefined && uniqueUntil === undefined) return out;
+  if (!unique) {
+    throw new Error('a unique job cannot be part of a workflow (a chain, group or chord, dependsOn, onSuccess, onFailure)');
+  }
+  if (uniqueUntil !== undefined && uniqueUntil !== 'start' && uniqueUntil !== 'finish') {
+    throw new Error(`uniqueUntil must be "start" or "finish", not ${shown(uniqueUntil)}`);
+  }
+  if (uniqueKey === undefined && uniqueFor === undefined) throw new Error('uniqueUntil needs uniqueKey or uniqueFor');
+  if (uniqueFor !== undefined) whole('uniqueFor', uniqueFor, 1, 2 ** 31 - 1);
+  if (uniqueKey !== undefined && (typeof uniqueKey !== 'string' || !UNIQUE_KEY.test(uniqueKey))) {
+    throw new Error(`uniqueKey must be 1-200 printable ASCII characters without spaces, not ${shown(uniqueKey)}`);
+  }
+  out.push('unique_key', uniqueKey === undefined ? uniqueKeyOf(task, args, kwargs) : uniqueKey);
+  if (uniqueUntil !== undefined) out.push('unique_until', uniqueUntil);
+  if (uniqueFor !== undefined) out.push('unique_for', String(uniqueFor));
+  return out;
 }
 
 // Loading a script: the text of _lib.lua, a newline, then <name>.lua; SCRIPT LOAD, EVALSHA,
@@ -110,8 +198,10 @@ class TaskRunner {
   connection() { return this.redis.duplicate(); } // for blocking commands (BRPOP)
 
   // A job as enqueue.lua takes it (Enqueue): {id, queue, delay, fields}. `opts`: queue, id,
-  // delay, maxDuration, retries, retryBackoff, timeoutPolicy, maxLost, headers.
-  draft(task, args = [], kwargs = {}, opts = {}) {
+  // delay, maxDuration, retries, retryBackoff, timeoutPolicy, maxLost, headers, and flow
+  // control (flow()): priority, concurrencyKey, and with `unique` (a job alone, not part of
+  // a workflow) uniqueKey, uniqueFor, uniqueUntil.
+  draft(task, args = [], kwargs = {}, opts = {}, { unique = false } = {}) {
     const queue = checkName('queue', opts.queue || 'default');
     const id = opts.id || ulid();
     if (!ID.test(id)) throw new Error(`invalid job id ${JSON.stringify(id)}`);
@@ -121,6 +211,7 @@ class TaskRunner {
       timeoutPolicy: 'timeout_policy', maxLost: 'max_lost' };
     for (const [k, field] of Object.entries(optional)) if (opts[k] !== undefined) fields.push(field, String(opts[k]));
     if (opts.headers && Object.keys(opts.headers).length) fields.push('headers', JSON.stringify(opts.headers));
+    fields.push(...flow(task, args, kwargs, opts, unique));
     return { id, queue, delay: opts.delay || 0, fields };
   }
 
@@ -272,8 +363,12 @@ class TaskRunner {
   // opts.onFailure, callbacks {task, args, kwargs, immutable, ...draft opts} written in the
   // same call: on_success given its result first in its args, on_failure {id, task, state,
   // error_type, error} (unless immutable); the other ends canceled.
+  // Flow control (flow()): opts.priority, opts.concurrencyKey, and for a job that is no
+  // workflow's part opts.uniqueKey/uniqueFor/uniqueUntil: a duplicate (another job of the queue
+  // holds its unique key) adds nothing and answers {id: that job's id, queue, created: false,
+  // duplicate: true}.
   async enqueue(task, args = [], kwargs = {}, opts = {}) {
-    const job = this.draft(task, args, kwargs, opts);
+    const job = this.draft(task, args, kwargs, opts, { unique: !(opts.dependsOn || opts.onSuccess || opts.onFailure) });
     const drafts = [job];
     let parentQueues = [];
     if (opts.dependsOn) {
@@ -290,6 +385,7 @@ class TaskRunner {
       drafts.push(d);
     }
     const [answer] = await this.write(drafts, parentQueues);
+    if (typeof answer === 'string') return { id: answer, queue: job.queue, created: false, duplicate: true };
     return { id: job.id, queue: job.queue, created: answer === 1 };
   }
 
@@ -577,4 +673,4 @@ class Consumer {
   }
 }
 
-module.exports = { TaskRunner, Consumer, Scripts, ulid, sleep };
+module.exports = { TaskRunner, Consumer, Scripts, ulid, sleep, uniqueKeyOf };
