@@ -1,6 +1,7 @@
 """Redis work per job of a queue that uses no flow control (issue 17: pause, priorities,
 unique jobs must cost such a queue nothing): the whole life of a plain job — enqueue, claim,
-ack — counted on a redis-server of our own, for one or more revisions side by side.
+ack, and the consumer's heartbeat before its claim — counted on a redis-server of our own,
+for one or more revisions side by side.
 
     python -m bench.plain_cost                                 # this tree
     python -m bench.plain_cost main=git:main mine=git:HEAD     # two revisions
@@ -14,7 +15,10 @@ statistics reset first; the parent reads INFO: commands (every command, those ru
 scripts included), microseconds of EVALSHA (INFO commandstats) and Redis CPU (used_cpu_user
 + used_cpu_sys), each per job. Rounds alternate the revisions, so that a busy machine slows
 all alike; the table shows the median of the rounds. Commands per job are exact and the same
-every round; the times vary with the machine (the table gives their range). Figures: docs/PERFORMANCE.md."""
+every round; the times vary with the machine (the table gives their range). A second table
+splits them by phase (enqueue, heartbeat, claim, ack): commands, EVALSHA µs, the µs of the
+commands the scripts ran (INFO commandstats counts them apart, and inside EVALSHA's) and the
+difference, the scripts' Lua time outside commands. Figures: docs/PERFORMANCE.md."""
 
 from __future__ import annotations
 
@@ -32,7 +36,10 @@ from taskrunner.ops.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: Run in the child, on the revision's package: the job's life, one call per step.
+#: Run in the child, on the revision's package: the job's life, one call per step, in four
+#: phases (the parent reads Redis's statistics before and after each): the enqueues, the
+#: consumer's heartbeats (one before each claim, as `Consumer.claim` sends it), the claims,
+#: the acks.
 CHILD = """
 import sys
 from taskrunner import TaskRunner
@@ -43,15 +50,30 @@ noop = app.task(lambda *a: None, name="flowcost.noop")
 noop.delay(0)  # warm-up: scripts loaded, queue registered
 c = Consumer(app, ["default"])
 c.ack(c.claim(1))
-print("ready", flush=True)
-sys.stdin.readline()
+def phase():
+    print("ready", flush=True)
+    sys.stdin.readline()
+phase()
 for i in range(n):
     noop.delay(i)
+phase()
 for _ in range(n):
-    [d] = c.claim(1)
+    c.heartbeat()
+phase()
+c.heartbeat = lambda *a, **k: None  # its phase was the one before
+ds = [c.claim(1)[0] for _ in range(n)]
+phase()
+for d in ds:
     assert c.ack([d]) == [True]
 c.close()
 """
+
+#: The phases of CHILD, in order.
+PHASES = ("enqueue", "heartbeat", "claim", "ack")
+
+#: Per job of a phase: commands (those run by scripts included), EVALSHA µs, µs of the
+#: commands the scripts ran (inside EVALSHA's), Redis CPU µs.
+Phase = dict[str, float]
 
 
 def tree(label: str, spec: str, tmp: Path) -> Path:
@@ -66,30 +88,44 @@ def tree(label: str, spec: str, tmp: Path) -> Path:
     return Path(spec).resolve()
 
 
-def measure(r: redis.Redis, url: str, path: Path, n: int) -> tuple[float, float, float]:
-    """(commands, EVALSHA µs, Redis CPU µs) per job of `n` jobs, run on the package in `path`."""
+def measure(r: redis.Redis, url: str, path: Path, n: int) -> dict[str, Phase]:
+    """Each phase of `n` jobs run on the package in `path`, per job (see Phase)."""
     r.flushall()
     env = {**os.environ, "PYTHONPATH": str(path)}
     child = subprocess.Popen([sys.executable, "-c", CHILD, url, str(n)], env=env, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
+    phases: dict[str, Phase] = {}
     try:
         assert child.stdout is not None and child.stdin is not None
-        assert child.stdout.readline().strip() == "ready"
-        r.config_resetstat()
-        cpu0 = _cpu(r)
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        if child.wait(600) != 0:
-            raise SystemExit(f"the run on {path} failed")
+        cpu0 = 0.0
+        for k, name in enumerate((*PHASES, None)):
+            if name is None:
+                if child.wait(600) != 0:
+                    raise SystemExit(f"the run on {path} failed")
+            else:
+                assert child.stdout.readline().strip() == "ready"
+            if k:
+                phases[PHASES[k - 1]] = _phase(r, n, cpu0)
+            if name is not None:
+                r.config_resetstat()
+                cpu0 = _cpu(r)
+                child.stdin.write("go\n")
+                child.stdin.flush()
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
+    return phases
+
+
+def _phase(r: redis.Redis, n: int, cpu0: float) -> Phase:
     cpu = _cpu(r) - cpu0
-    stats = r.info("commandstats")
     # The statistics' own commands (INFO, CONFIG RESETSTAT) are ours, not the job's.
-    calls = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config"))
-    return calls / n, stats["cmdstat_evalsha"]["usec"] / n, cpu * 1e6 / n
+    stats = {k: v for k, v in r.info("commandstats").items() if k not in ("cmdstat_info", "cmdstat_config")}
+    evalsha = stats.get("cmdstat_evalsha", {}).get("usec", 0)
+    inside = sum(v["usec"] for k, v in stats.items() if k != "cmdstat_evalsha")
+    return {"commands": sum(v["calls"] for v in stats.values()) / n, "evalsha": evalsha / n, "inside": inside / n,
+            "cpu": cpu * 1e6 / n}
 
 
 def _cpu(r: redis.Redis) -> float:
@@ -105,7 +141,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per revision (default 3)")
     opts = parser.parse_args()
     specs = dict(s.split("=", 1) for s in opts.trees)
-    runs: dict[str, list[tuple[float, float, float]]] = {label: [] for label in specs}
+    runs: dict[str, list[dict[str, Phase]]] = {label: [] for label in specs}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {label: tree(label, spec, Path(tmp)) for label, spec in specs.items()}
         server = RedisServer(Path(tmp), appendonly=False).start()
@@ -117,15 +153,27 @@ def main() -> None:
         finally:
             server.stop()
     width = max(22, *(len(label) for label in specs))
-    print(f"per plain job (enqueue + claim + ack, one call each; {opts.jobs} jobs; median (min-max) of "
-          f"{opts.rounds} rounds)")
+    print(f"per plain job (enqueue + heartbeat + claim + ack, one call each; {opts.jobs} jobs; median (min-max) "
+          f"of {opts.rounds} rounds)")
     print(f"{'':16}" + "".join(f"{label:>{width + 2}}" for label in specs))
-    for i, what in enumerate(("Redis commands", "EVALSHA us", "Redis CPU us")):
+    rows = (("Redis commands", lambda ph: sum(x["commands"] for x in ph.values())),
+            ("EVALSHA us", lambda ph: sum(x["evalsha"] for x in ph.values())),
+            ("Redis CPU us", lambda ph: sum(x["cpu"] for x in ph.values())))
+    for what, get in rows:
+        print(f"{what:16}" + "".join(f"{_cell([get(ph) for ph in runs[label]]):>{width + 2}}" for label in specs))
+    print("\nper phase, per job: commands | EVALSHA us | of which in the scripts' commands | Lua outside them")
+    for name in PHASES:
         cells = []
         for label in specs:
-            xs = [x[i] for x in runs[label]]
-            cells.append(f"{statistics.median(xs):.1f} ({min(xs):.0f}-{max(xs):.0f})")
-        print(f"{what:16}" + "".join(f"{c:>{width + 2}}" for c in cells))
+            ph = [x[name] for x in runs[label]]
+            med = {k: statistics.median(x[k] for x in ph) for k in ("commands", "evalsha", "inside")}
+            cells.append(f"{med['commands']:.1f} | {med['evalsha']:.1f} | {med['inside']:.1f} | "
+                         f"{med['evalsha'] - med['inside']:.1f}")
+        print(f"{name:16}" + "".join(f"{c:>{width + 2}}" for c in cells))
+
+
+def _cell(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.1f} ({min(xs):.0f}-{max(xs):.0f})"
 
 
 if __name__ == "__main__":
