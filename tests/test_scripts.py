@@ -58,6 +58,30 @@ def test_claim_drops_killed_and_duplicate_ids(app):
     assert app.redis.smembers(p + "processing") == {b.id}
 
 
+def test_an_unbatched_claim_drops_killed_and_held_ids_and_wakes_while_jobs_are_left(app):
+    """A claim of one job checks its id with SREM items / SADD processing instead of the
+    batch's SMISMEMBERs, and learns from its LRANGE whether jobs are left: the same end state."""
+    p = app.keys.q("default")
+    killed, held = apps.add.delay(1, 0), apps.add.delay(2, 0)
+    assert [g[1] for g in claim(app)] == [killed.id]  # first in line: the one to kill below
+    app.redis.delete(p + "wake")
+    entry = app.redis.hget(p + "running", killed.id)
+    # `killed` again in pending without being in items (killed meanwhile), then `held`'s
+    # copy that another delivery holds, in items and processing both.
+    assert [g[1] for g in claim(app)] == [held.id]
+    app.redis.rpush(p + "pending", held.id, killed.id)  # killed.id is next in line
+    app.redis.sadd(p + "items", held.id)
+    assert claim(app) == []  # killed.id (not in items) dropped, then held.id (another delivery's)
+    assert app.redis.llen(p + "pending") == 0 and app.redis.sismember(p + "items", held.id)
+    assert app.redis.smembers(p + "processing") == {killed.id, held.id}
+    assert app.redis.hget(p + "running", killed.id) == entry
+    assert not app.redis.exists(p + "wake")  # nothing left to claim
+    fresh = [apps.add.delay(i, 0).id for i in range(2)]
+    assert [g[1] for g in claim(app)] == fresh[:1] and app.redis.llen(p + "wake") == 1  # one is left
+    app.redis.delete(p + "wake")
+    assert [g[1] for g in claim(app)] == fresh[1:] and not app.redis.exists(p + "wake")
+
+
 def test_claim_fails_corrupt_records(app):
     p = app.keys.q("default")
     app.redis.sadd(p + "items", "ghost")

@@ -224,32 +224,55 @@ for qi = 1, #KEYS do
   -- [/flow]
   local taken, bytes = 0, 0
   local entries, buckets = {}, {}
+  local more  -- jobs are left in `pending` (nil: not known, LLEN asks)
   while n < limit do
     local fresh
+    local moved = false  -- fresh already moved from items to processing
     if flow then
       fresh = flow_pick(p, limit - n, qlim, pending)
     else
-      local ids = redis.call('LRANGE', pending, n - limit, -1)
+      -- One id more than wanted, left in the list: whether jobs are left, without an LLEN.
+      local ids = redis.call('LRANGE', pending, n - limit - 1, '-1')
       while #ids == 0 and lists and lists[li + 1] do  -- [flow: priorities] this level is empty: the next
         li = li + 1
         pending = lists[li]
-        ids = redis.call('LRANGE', pending, n - limit, -1)
+        ids = redis.call('LRANGE', pending, n - limit - 1, '-1')
       end
-      if #ids == 0 then break end
-      redis.call('LTRIM', pending, 0, -#ids - 1)
-      local held = redis.call('SMISMEMBER', processing, unpack(ids))
-      local listed = redis.call('SMISMEMBER', items, unpack(ids))
-      local seen = {}
+      if #ids == 0 then
+        more = false
+        break
+      end
+      local lo = 1  -- ids[lo..] are taken off the list
+      more = #ids > limit - n
+      if more then lo = 2 end
+      redis.call('LTRIM', pending, '0', lo - #ids - 2)
       fresh = {}
-      for i = #ids, 1, -1 do  -- oldest (rightmost) first
-        local id = ids[i]
-        if held[i] == 0 and listed[i] == 1 and not seen[id] then
-          seen[id] = true
-          fresh[#fresh + 1] = id
+      if lo == #ids then
+        -- One id (an unbatched claim): SREM from items and SADD to processing answer both
+        -- checks below, 2 commands instead of 4. Held by another delivery: back in items.
+        local id = ids[lo]
+        if redis.call('SREM', items, id) == 1 then
+          if redis.call('SADD', processing, id) == 1 then
+            fresh[1] = id
+          else
+            redis.call('SADD', items, id)
+          end
+        end
+        moved = true
+      else
+        local held = redis.call('SMISMEMBER', processing, unpack(ids, lo))
+        local listed = redis.call('SMISMEMBER', items, unpack(ids, lo))
+        local seen = {}
+        for i = #ids, lo, -1 do  -- oldest (rightmost) first
+          local id = ids[i]
+          if held[i - lo + 1] == 0 and listed[i - lo + 1] == 1 and not seen[id] then
+            seen[id] = true
+            fresh[#fresh + 1] = id
+          end
         end
       end
     end
-    if #fresh > 0 then
+    if #fresh > 0 and not moved then
       redis.call('SADD', processing, unpack(fresh))
       redis.call('SREM', items, unpack(fresh))
     end
@@ -321,7 +344,8 @@ for qi = 1, #KEYS do
     signal_room(p, tonumber(meta[1]) or 0, meta[6])
   end
   if n >= want then
-    if (lists and backlog(p, meta[6]) or redis.call('LLEN', pending)) > 0 then wake(p) end
+    if more == nil or lists then more = (lists and backlog(p, meta[6]) or redis.call('LLEN', pending)) > 0 end
+    if more then wake(p) end
     break
   end
 end
