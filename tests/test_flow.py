@@ -265,4 +265,4 @@ def test_a_queue_without_flow_control_costs_no_command_more(app):
     stats = app.redis.info("commandstats")
     ours = {k[len("cmdstat_"):]: v["calls"] for k, v in stats.items()
             if k.split("|")[0] not in ("cmdstat_info", "cmdstat_config", "cmdstat_hello", "cmdstat_client")}
-    assert sum(ours.values()) == 40, ours
+    assert sum(ours.values()) == 36, ours

@@ -22,7 +22,8 @@
 -- entries this call left in outboxes, as XRANGE gives them ({stream id, {field, value, ...}}),
 -- for the caller to carry to join.lua (docs/PROTOCOL.md, Workflows).
 -- The fence and the release are batched: one HMGET of the holding hash for all jobs, one
--- HDEL/SREM each for those released; the finished sets get one ZADD per state.
+-- HDEL/SREM each for those released (one job alone: its HDEL is the check); the finished
+-- sets get one ZADD per state.
 -- An exclusive queue with jobs waiting gets a wake token (its next job may run now), and so
 -- does a queue where a job gave back a concurrency slot (one held back for it may run).
 -- A job that ends with children (a workflow's, see finalize() and settle_children() in
@@ -58,7 +59,10 @@ end
 if #ids == 0 then
   return {}
 end
-local held = redis.call('HMGET', p .. 'running', unpack(ids))
+-- One job (an unbatched finish): its holding entry is checked by the HDEL that removes it,
+-- once its fence is checked, instead of an HMGET before and an HDEL after.
+local single = #ids == 1
+local held = not single and redis.call('HMGET', p .. 'running', unpack(ids))
 local out, records, taken, dl = {}, {}, {}, {}
 local freed = false  -- a concurrency slot was given back: a job held back for it may run
 for k, id in ipairs(ids) do
@@ -66,13 +70,14 @@ for k, id in ipairs(ids) do
   records[k] = r
   if r.attempts ~= ARGV[4 + (k - 1) * 8 + 1] then
     out[k] = 0
-  elseif not held[k] then
+  elseif single and redis.call('HDEL', p .. 'running', id) == 0 or not single and not held[k] then
     out[k] = 2
   else
     out[k] = 1
-    held[k] = false  -- the same delivery twice in one call: the second answers 2
-    for j = k + 1, #ids do
-      if ids[j] == id then held[j] = false end
+    if held then  -- the same delivery twice in one call: the second answers 2
+      for j = k + 1, #ids do
+        if ids[j] == id then held[j] = false end
+      end
     end
     taken[#taken + 1] = id
     if r.max_concurrency then  -- flow control: its concurrency slot goes with the delivery
@@ -86,7 +91,9 @@ for k, id in ipairs(ids) do
   end
 end
 if #taken > 0 then
-  redis.call('HDEL', p .. 'running', unpack(taken))
+  if not single then
+    redis.call('HDEL', p .. 'running', unpack(taken))
+  end
   redis.call('SREM', p .. 'processing', unpack(taken))
   for b, list in pairs(dl) do
     redis.call('SREM', p .. 'dl:' .. b, unpack(list))
