@@ -92,7 +92,9 @@ def measure(r: redis.Redis, url: str, path: Path, n: int) -> dict[str, Phase]:
     """Each phase of `n` jobs run on the package in `path`, per job (see Phase)."""
     r.flushall()
     env = {**os.environ, "PYTHONPATH": str(path)}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, url, str(n)], env=env, stdin=subprocess.PIPE,
+    # Run in `path`: `python -c` puts the working directory first on sys.path, before
+    # PYTHONPATH, so that from this checkout every revision would run this tree's package.
+    child = subprocess.Popen([sys.executable, "-c", CHILD, url, str(n)], env=env, cwd=path, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     phases: dict[str, Phase] = {}
     try:
@@ -152,7 +154,7 @@ def main() -> None:
                     runs[label].append(measure(r, server.url, path, opts.jobs))
         finally:
             server.stop()
-    width = max(22, *(len(label) for label in specs))
+    width = max(28, *(len(label) for label in specs))
     print(f"per plain job (enqueue + heartbeat + claim + ack, one call each; {opts.jobs} jobs; median (min-max) "
           f"of {opts.rounds} rounds)")
     print(f"{'':16}" + "".join(f"{label:>{width + 2}}" for label in specs))
@@ -161,13 +163,13 @@ def main() -> None:
             ("Redis CPU us", lambda ph: sum(x["cpu"] for x in ph.values())))
     for what, get in rows:
         print(f"{what:16}" + "".join(f"{_cell([get(ph) for ph in runs[label]]):>{width + 2}}" for label in specs))
-    print("\nper phase, per job: commands | EVALSHA us | of which in the scripts' commands | Lua outside them")
+    print("\nper phase, per job (medians): commands / EVALSHA us / us in the scripts' commands / Lua outside them")
     for name in PHASES:
         cells = []
         for label in specs:
             ph = [x[name] for x in runs[label]]
             med = {k: statistics.median(x[k] for x in ph) for k in ("commands", "evalsha", "inside")}
-            cells.append(f"{med['commands']:.1f} | {med['evalsha']:.1f} | {med['inside']:.1f} | "
+            cells.append(f"{med['commands']:.1f} / {med['evalsha']:.1f} / {med['inside']:.1f} / "
                          f"{med['evalsha'] - med['inside']:.1f}")
         print(f"{name:16}" + "".join(f"{c:>{width + 2}}" for c in cells))
 
