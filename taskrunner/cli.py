@@ -1075,7 +1075,8 @@ def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -
 @click.option("--since", default="7d", show_default=True, help="Records finished within this (e.g. 7d, 12h).")
 @click.option("--master", envvar="TASKRUNNER_SPARK_MASTER", help="Spark master (default local[2]; e.g. "
               "spark://host:7077). Env: TASKRUNNER_SPARK_MASTER.")
-@click.option("--history-dir", envvar="TASKRUNNER_HISTORY_DIR", help="The archive (default ./var/history).")
+@click.option("--history-dir", envvar="TASKRUNNER_HISTORY_DIR", help="The archive (default ./var/history; "
+              "s3://bucket/path is read as s3a://, which needs the hadoop-aws jars: README).")
 @click.option("--conf", "conf", multiple=True, metavar="KEY=VALUE",
               help="A Spark setting, repeatable (e.g. --conf spark.driver.memory=4g); over TASKRUNNER_SPARK_CONF, "
                    "comma-separated KEY=VALUE pairs (e.g. spark.sql.shuffle.partitions=8,spark.driver.memory=2g), "

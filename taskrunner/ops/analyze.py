@@ -18,6 +18,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from taskrunner.errors import TaskRunnerError
 from taskrunner.ops.history import default_dir
 from taskrunner.protocol import codec
 from taskrunner.worker.spark_session import DEFAULT_CONF as DEFAULT_CONF  # the settings of every session of ours
@@ -41,6 +42,72 @@ def parse_since(value: str) -> float:
         return float(value[:-1]) * units[value[-1]] if value and value[-1] in units else float(value)
     except ValueError:
         raise ValueError(f"bad duration {value!r}: use e.g. 7d, 12h, 30m") from None
+
+
+def spark_location(history_dir: str) -> str:
+    """The archive as Spark names it. One TASKRUNNER_HISTORY_DIR serves pyarrow (the archiver,
+    compaction, analyze's listing) and Spark: a local directory, made absolute; pyarrow's
+    `s3://bucket/prefix` (its `?option=` part dropped) as `s3a://bucket/prefix`, the scheme
+    of Hadoop's S3 connector (Hadoop has no `s3://` of its own); any other URI as it is."""
+    if "://" not in history_dir:
+        return os.path.abspath(history_dir)
+    location = history_dir.split("?", 1)[0].rstrip("/")
+    return "s3a" + location[2:] if location.startswith("s3://") else location
+
+
+def s3a_conf(history_dir: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """Spark settings that make S3A reach the server pyarrow reaches for an `s3://` archive:
+    pyarrow takes the endpoint from AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (or the URI's
+    endpoint_override and scheme options) and the region from AWS_REGION or
+    AWS_DEFAULT_REGION; S3A reads neither, so they become fs.s3a.endpoint (path-style
+    access, as S3-compatible servers need; SSL as the endpoint's scheme says) and
+    fs.s3a.endpoint.region. Credentials need nothing here: S3A's default chain reads
+    AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN itself (and no secret
+    lands in the settings that --json shows)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    if not history_dir.startswith("s3://"):
+        return {}
+    env = dict(os.environ) if env is None else env
+    options = {k: v[-1] for k, v in parse_qs(urlsplit(history_dir).query).items()}
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if "endpoint_override" in options:
+        endpoint = options["endpoint_override"]
+        if "://" not in endpoint:
+            endpoint = f"{options.get('scheme', 'https')}://{endpoint}"
+    conf = {}
+    if endpoint:
+        conf = {"spark.hadoop.fs.s3a.endpoint": endpoint, "spark.hadoop.fs.s3a.path.style.access": "true",
+                "spark.hadoop.fs.s3a.connection.ssl.enabled": str(not endpoint.startswith("http://")).lower()}
+    region = options.get("region") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if region:
+        conf["spark.hadoop.fs.s3a.endpoint.region"] = region
+    return conf
+
+
+def require_filesystem(spark: Any, location: str) -> None:
+    """TaskRunnerError (one line) when Spark's driver has no Hadoop filesystem for
+    `location`'s scheme: asked before reading, instead of a Java stack trace midway. For
+    s3a:// that is the hadoop-aws jar of Spark's Hadoop version and the AWS SDK bundle it
+    depends on; PySpark does not ship them."""
+    from py4j.protocol import Py4JJavaError
+
+    scheme = location.split("://", 1)[0] if "://" in location else "file"
+    if scheme == "file":
+        return
+    jvm = spark._jvm
+    try:
+        jvm.org.apache.hadoop.fs.FileSystem.getFileSystemClass(scheme, spark._jsc.hadoopConfiguration())
+        return
+    except Py4JJavaError:
+        pass
+    hadoop = jvm.org.apache.hadoop.util.VersionInfo.getVersion()
+    hint = (f"add the hadoop-aws jar of Hadoop {hadoop} and the AWS SDK bundle it depends on, e.g. --conf "
+            f"spark.jars.packages=org.apache.hadoop:hadoop-aws:{hadoop} (from Maven Central) or --conf "
+            "spark.jars=/path/hadoop-aws.jar,/path/bundle.jar" if scheme == "s3a"
+            else f"add the jar of a Hadoop filesystem for {scheme}:// (--conf spark.jars=...)")
+    raise TaskRunnerError(f"Spark cannot read {location}: its Hadoop {hadoop} has no filesystem for "
+                          f"{scheme}:// on the classpath: {hint}")
 
 
 def _spark_schema() -> Any:
@@ -68,9 +135,10 @@ def analyze(history_dir: str | None = None, since: float = 7 * 86400, master: st
     now = now if now is not None else time.time()
     started = time.monotonic()
     progress("starting Spark")
-    conf = conf if conf is not None else spark_conf()
+    conf = {**s3a_conf(history_dir), **(conf if conf is not None else spark_conf())}
     spark = spark or spark_session(master, conf)
-    root = history_dir.rstrip("/") if "://" in history_dir else os.path.abspath(history_dir)
+    root = spark_location(history_dir)
+    require_filesystem(spark, root)
     progress(f"reading {root}")
     for tries_left in (2, 1, 0):  # a compaction may delete files listed (merged): list again
         files, read = plan(history_dir, now - since)

@@ -11,7 +11,13 @@ killed after it leaves inputs that readers already ignore. The next compaction d
 both before it goes on. It merges only the files it listed, and never a file of the batch
 an archiver has recorded but not finished (`p history:batch`): that archiver would write
 the file again, beside the merged one. One compaction at a time (`g history:compact:lock`);
-the dispatcher runs one a day and records the last day done (`g history:compacted`)."""
+the dispatcher runs one a day and records the last day done (`g history:compacted`).
+
+On an object store (S3) there is no rename: pyarrow's move is a copy, then the temporary's
+delete. The copy is the commit (an object appears whole or not at all, and S3's listings
+are consistent with it at once); one killed before the delete leaves a `.compact-` object,
+which readers ignore and the next compaction deletes, as above. A merged object must stay
+under S3's 5 GB limit of one copy: keep --target-mb below it."""
 
 from __future__ import annotations
 
@@ -133,7 +139,7 @@ class Compactor:
                 writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP)
 
     def _commit(self, tmp: str, final: str) -> None:
-        self.fs.move(tmp, final)  # atomic: from here readers read it and not its inputs
+        self.fs.move(tmp, final)  # atomic (on S3: its copy): from here readers read it and not its inputs
 
     def _drop(self, path: str) -> None:
         self.fs.delete_file(path)

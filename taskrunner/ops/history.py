@@ -48,7 +48,9 @@ def default_dir() -> str:
 
 def open_dir(directory: str) -> tuple[Any, str]:
     """The pyarrow filesystem of an archive and the archive's path in it (a local directory
-    made absolute, or any pyarrow filesystem URI)."""
+    made absolute, or any pyarrow filesystem URI: `s3://bucket/prefix`, whose server and
+    credentials come from the AWS variables, AWS_ENDPOINT_URL for an S3-compatible one, or
+    from the URI's options, e.g. `?endpoint_override=host:9000&scheme=http`)."""
     import pyarrow.fs as pafs
 
     if "://" in directory:
@@ -232,4 +234,6 @@ class Archiver:
             final = f"{folder}/{first}_{last}.parquet"
             tmp = f"{folder}/.{first}_{last}.{self.token}.tmp"
             pq.write_table(pa.Table.from_pylist(records, schema=schema()), tmp, filesystem=self.fs)
-            self.fs.move(tmp, final)  # whole file or none (an object store's PUT is atomic too)
+            # Whole file or none: a rename here; on S3 (no rename) a copy, which makes the object
+            # whole or not at all, then the temporary's delete (ignored by readers: a `.` name).
+            self.fs.move(tmp, final)
