@@ -142,48 +142,104 @@ def analyze(history_dir: str | None = None, since: float = 7 * 86400, master: st
     progress(f"reading {root}")
     for tries_left in (2, 1, 0):  # a compaction may delete files listed (merged): list again
         files, read = plan(history_dir, now - since)
-        df: Any = None
         try:
             df = _load(spark, root, files, now - since, F)
-            records = df.count()  # reads every file now, into the cache
+            progress("per task, queue, host and hour")
+            groups = _groups(spark, df)
+            progress("top error types")
+            errors = _errors(spark, df)
             break
         except Exception as e:
-            if df is not None:
-                df.unpersist()
             if not tries_left or not _vanished(e):
                 raise
             progress("a file was compacted away while read: reading again")
-    summary: dict[str, Any] = {"generated_at": now, "since": since, "records": records, "history_dir": root,
+    summary: dict[str, Any] = {"generated_at": now, "since": since,
+                               "records": sum(r["count"] for r in groups["tasks"]), "history_dir": root,
                                "read": read, "accuracy": ACCURACY,
                                "spark": {"master": spark.sparkContext.master,
                                          "conf": {k: spark.conf.get(k, None) for k in sorted(conf)}}}
     for name, key in GROUPS.items():
-        progress(f"per {key}")
-        summary[name] = _group(df, key, F)
-    progress("top error types")
-    errors = (df.where(F.col("error_type").isNotNull()).groupBy("error_type").count()
-              .orderBy(F.desc("count"), "error_type").limit(20).collect())
-    summary["errors"] = [{"error_type": r["error_type"], "count": r["count"]} for r in errors]
+        summary[name] = groups[name]
+        for row in summary[name]:
+            row["top_errors"] = [{"error_type": e, "count": c}
+                                 for c, e in sorted(errors.get((key, row[key]), []), key=lambda x: (-x[0], x[1]))
+                                 [:TOP_ERRORS]]
+    summary["errors"] = [{"error_type": e, "count": c}
+                         for c, e in sorted(errors.get(("error_type", None), []), key=lambda x: (-x[0], x[1]))[:20]]
     progress("writing results")
     out = f"{root}/_analysis"
     for name in GROUPS:
         rows = [{k: v for k, v in r.items() if k != "top_errors"} for r in summary[name]]
         if rows:
             spark.createDataFrame(rows).coalesce(1).write.mode("overwrite").parquet(f"{out}/{name}")
-    df.unpersist()
     summary["seconds"] = round(time.monotonic() - started, 2)
     return summary
 
 
 def _load(spark: Any, root: str, files: list[str], start: float, F: Any) -> Any:
-    """The records of `files` finished at `start` or later, with their hour, cached."""
+    """The records of `files` finished at `start` or later: only the columns the figures
+    need (Parquet reads no other), the hour as a number (hours since 1970, UTC; made text
+    for its 168 or so groups, not for each record). Not cached: the two jobs that read it
+    read different columns, and a cache of 10M records does not fit a 1 GB driver."""
     if not files:
         df = spark.createDataFrame([], _spark_schema())
     else:
         df = spark.read.schema(_spark_schema()).option("basePath", root).parquet(*(root + f for f in files))
-    df = (df.where(F.col("finished_at") >= F.to_timestamp(F.lit(start)))
-          .withColumn("hour", F.date_format(F.date_trunc("hour", "finished_at"), "yyyy-MM-dd'T'HH:00'Z'")))
-    return df.cache()
+    return (df.where(F.col("finished_at") >= F.to_timestamp(F.lit(start)))
+            .select("task", "queue", "host", "state", "runtime", "wait", "error_type",
+                    F.floor(F.unix_seconds("finished_at") / 3600).alias("hour")))
+
+
+#: Which grouping set a row of GROUPING SETS is of: grouping(c) is 0 where the set groups by c.
+_GROUPING = ", ".join(f"grouping({k}) AS grouping_{k}" for k in GROUPS.values())
+
+
+def _groups(spark: Any, df: Any) -> dict[str, list[dict[str, Any]]]:
+    """Counts, outcome counts and rates and percentiles per task, queue, host and hour: one
+    job, one read (GROUPING SETS), whatever the number of groups."""
+    outcomes = ", ".join(f"count_if(state = '{s}') AS {s}" for s in OUTCOMES)
+    rows = spark.sql(f"""
+        SELECT {_GROUPING}, task, queue, host, hour, count(1) AS count, {outcomes},
+               percentile_approx(runtime, array(0.5, 0.95, 0.99), {ACCURACY}) AS runtime_pct,
+               percentile_approx(wait, array(0.5, 0.95), {ACCURACY}) AS wait_pct
+        FROM {{df}} GROUP BY GROUPING SETS ((task), (queue), (host), (hour))""", df=df).collect()
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in GROUPS}
+    for r in rows:
+        name, key = next((n, k) for n, k in GROUPS.items() if not r[f"grouping_{k}"])
+        n = r["count"]
+        rp, wp = r["runtime_pct"] or [None] * 3, r["wait_pct"] or [None] * 2
+        row: dict[str, Any] = {key: _key(key, r[key]), "count": n}
+        for s in OUTCOMES:
+            row[s] = int(r[s])
+            row[f"{s}_rate"] = round(r[s] / n, 6) if n else 0.0
+        row.update(runtime_p50=rp[0], runtime_p95=rp[1], runtime_p99=rp[2], wait_p50=wp[0], wait_p95=wp[1])
+        out[name].append(row)
+    for name, key in GROUPS.items():  # as Spark orders: nulls first
+        out[name].sort(key=lambda row: (row[key] is not None, row[key]))
+    return out
+
+
+def _errors(spark: Any, df: Any) -> dict[tuple[str, Any], list[tuple[int, str]]]:
+    """(count, error type) of the records that have one, per (column, value) of each group
+    and overall (("error_type", None)): one job over those records' few columns."""
+    rows = spark.sql(f"""
+        SELECT {_GROUPING}, task, queue, host, hour, error_type, count(1) AS count
+        FROM {{df}} WHERE error_type IS NOT NULL
+        GROUP BY GROUPING SETS ((task, error_type), (queue, error_type), (host, error_type), (hour, error_type),
+                                (error_type))""", df=df).collect()
+    out: dict[tuple[str, Any], list[tuple[int, str]]] = {}
+    for r in rows:
+        key = next((k for k in GROUPS.values() if not r[f"grouping_{k}"]), None)  # None: the set (error_type)
+        where = (key, _key(key, r[key])) if key else ("error_type", None)
+        out.setdefault(where, []).append((r["count"], r["error_type"]))
+    return out
+
+
+def _key(column: str, value: Any) -> Any:
+    """A group's value as shown: an hour as `2026-11-26T01:00Z`."""
+    if column == "hour" and value is not None:
+        return datetime.fromtimestamp(value * 3600, timezone.utc).strftime("%Y-%m-%dT%H:00Z")
+    return value
 
 
 def _vanished(e: Exception) -> bool:
@@ -208,33 +264,6 @@ def plan(history_dir: str, start: float) -> tuple[list[str], dict[str, int]]:
     read = {"partitions": len(wanted), "partitions_total": len(every), "files": len(files),
             "bytes": sum(f.size for f in files)}
     return [f.path[len(root):] for f in files], read
-
-
-def _group(df: Any, key: str, F: Any) -> list[dict[str, Any]]:
-    counts = [F.sum(F.when(F.col("state") == s, 1).otherwise(0)).alias(s)
-              for s in OUTCOMES]
-    pct = F.percentile_approx
-    agg = (df.groupBy(key).agg(F.count(F.lit(1)).alias("count"), *counts,
-                               pct("runtime", [0.5, 0.95, 0.99], ACCURACY).alias("runtime_pct"),
-                               pct("wait", [0.5, 0.95], ACCURACY).alias("wait_pct"))
-           .orderBy(key))
-    top = (df.where(F.col("error_type").isNotNull()).groupBy(key, "error_type").count().collect())
-    errors: dict[str, list[tuple[int, str]]] = {}
-    for r in top:
-        errors.setdefault(r[key], []).append((r["count"], r["error_type"]))
-    rows = []
-    for r in agg.collect():
-        n = r["count"]
-        rp, wp = r["runtime_pct"] or [None] * 3, r["wait_pct"] or [None] * 2
-        row: dict[str, Any] = {key: r[key], "count": n}
-        for s in OUTCOMES:
-            row[s] = int(r[s])
-            row[f"{s}_rate"] = round(r[s] / n, 6) if n else 0.0
-        row.update(runtime_p50=rp[0], runtime_p95=rp[1], runtime_p99=rp[2], wait_p50=wp[0], wait_p95=wp[1])
-        row["top_errors"] = [{"error_type": e, "count": c}
-                             for c, e in sorted(errors.get(r[key], []), key=lambda x: (-x[0], x[1]))[:TOP_ERRORS]]
-        rows.append(row)
-    return rows
 
 
 def run_as_job(app: TaskRunner, since: str = "7d") -> dict[str, Any]:
