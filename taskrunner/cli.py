@@ -1080,7 +1080,8 @@ def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -
 @click.option("--conf", "conf", multiple=True, metavar="KEY=VALUE",
               help="A Spark setting, repeatable (e.g. --conf spark.driver.memory=4g); over TASKRUNNER_SPARK_CONF, "
                    "comma-separated KEY=VALUE pairs (e.g. spark.sql.shuffle.partitions=8,spark.driver.memory=2g), "
-                   "over the defaults: spark.sql.shuffle.partitions=4, spark.driver.memory=1g, UI off, UTC.")
+                   "over the defaults: spark.sql.shuffle.partitions=4, spark.driver.memory=1g, UI off, UTC "
+                   "(and two of listing and aggregation: README).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @common
 def analyze(since: str, master: str | None, history_dir: str | None, conf: tuple[str, ...], as_json: bool,
