@@ -96,7 +96,7 @@ say "2. make test REDIS_PY=$lowest as root (installs what it needs with apt)"
 # Without the Spark and chaos tests, the slowest part of the suite, which .ci/run's first
 # `make test` has just run: they exercise Parquet, a JVM and the protocol under faults, not
 # redis-py's API, and CI must end within 25 minutes (the suite runs twice).
-second_run="--ignore=tests/test_analyze.py --ignore=tests/test_compact.py --ignore=tests/test_chaos.py"
+second_run="--ignore=tests/test_analyze.py --ignore=tests/test_compact.py --ignore=tests/test_history_s3.py --ignore=tests/test_chaos.py"
 second_run="$second_run --ignore=tests/test_spark_tasks.py --ignore=tests/test_spark_enqueue.py"
 in_root -- root:root "PYTEST_ADDOPTS='$second_run' make test REDIS_PY=$lowest && .venv/bin/python -c 'import redis; print(\"redis-py\", redis.__version__)'"
 
