@@ -730,7 +730,8 @@ def queue() -> None:
 @click.option("--bound", type=click.IntRange(min=0), default=0, show_default=True,
               help="Most pending jobs; producers then wait for room (0: no bound).")
 @click.option("--exclusive", is_flag=True, help="At most one job of the queue runs at a time, in order.")
-@click.option("--rate", help='Most job starts, across all workers: "50/s", "N/m" or "N/h" (not given: the '
+@click.option("--rate", callback=lambda _c, _p, v: v and _rate(v, none=False),
+              help='Most job starts, across all workers: "50/s", "N/m" or "N/h" (not given: the '
               "queue's limit, if any, stays; `queue rate` changes or removes it).")
 @common
 def queue_create(name: str, bound: int, exclusive: bool, rate: str | None, app_spec: str | None,
@@ -743,9 +744,18 @@ def queue_create(name: str, bound: int, exclusive: bool, rate: str | None, app_s
                f"{f', rate {rate}' if rate else ''}")
 
 
+def _rate(value: str, none: bool = True) -> str:
+    """A rate limit (or "none", where `none`) checked as the arguments are read: a mistake
+    in one exits 2 whether or not Redis can be reached."""
+    try:
+        return value if none and value == "none" else codec.rate("rate", value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @queue.command("rate")
 @click.argument("name")
-@click.argument("rate")
+@click.argument("rate", callback=lambda _c, _p, v: _rate(v))
 @common
 def queue_rate(name: str, rate: str, app_spec: str | None, redis_url: str | None) -> None:
     """Limit how many jobs of queue NAME start, across all workers: RATE "50/s", "N/m" or

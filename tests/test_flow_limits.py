@@ -148,6 +148,14 @@ def test_bad_rate_limits_are_refused_everywhere(app, stack, bad):
         scripts.ENQUEUE(app.redis, [app.keys.q("q1")], [1, "j1", 0, 2, "task", "t", "rate_limit", bad])
 
 
+def test_a_bad_rate_is_an_argument_mistake_even_with_redis_unreachable(stack):
+    """The CLI checks a rate before it connects: exit 2 naming the rate, not exit 1 saying
+    Redis is unreachable (as a newcomer with Redis stopped saw it)."""
+    for args in (["queue", "rate", "q1", "5/fortnight"], ["queue", "create", "q1", "--rate", "0/s"]):
+        r = stack.cli(*args, "--redis-url", "redis://127.0.0.1:1/0")
+        assert r.returncode == 2 and "N/s" in r.stderr and "cannot reach Redis" not in r.stderr, r.stderr
+
+
 def test_concurrency_key_needs_a_limit_and_a_name(app):
     with pytest.raises(ValueError, match="needs max_concurrency"):
         app.enqueue("tests.apps.add", [1, 2], concurrency_key="k")  # declared here, without a limit
