@@ -443,6 +443,29 @@ def test_a_child_written_after_its_parent_ended_takes_what_join_kept(capp, clust
     assert outboxes(capp, queues) == 0
 
 
+def test_news_of_a_parent_the_child_does_not_list_is_not_counted(capp, cluster, queues):
+    """A producer names a child in another slot (cross_children) before writing it; when a
+    job with that id exists already (a workflow submitted again with fixed ids), the write
+    changes nothing, and the parent's news must not count for that other job: it still
+    waits for its own parent (it started without it, found in review)."""
+    assert scripts.ENQUEUE(capp.redis, [capp.keys.q(queues[1])], [
+        1, "x", 0, 4, "task", "tests.apps.add", "parents", f"{queues[2]} never-ends", "takes", "result",
+        "cross_slot", "1"]) == [1]
+    assert scripts.ENQUEUE(capp.redis, [capp.keys.q(queues[0])], [
+        1, "p", 0, 2, "task", "tests.apps.add", "cross_children", f"{queues[1]} x result"]) == [1]
+    assert scripts.ENQUEUE(capp.redis, [capp.keys.q(queues[1])], [
+        1, "x", 0, 4, "task", "tests.apps.add", "parents", f"{queues[0]} p", "takes", "result",
+        "cross_slot", "1"]) == [0]  # exists: nothing changed
+    [d] = Consumer(capp, [queues[0]]).claim(1)
+    answer = scripts.FINISH(capp.redis, [capp.keys.q(queues[0])],
+                            finish_args(capp.settings, [Ended(d.id, d.attempt, Outcome.completed("7"))], 0))
+    [entry] = joins.split(answer, 1)[1]
+    assert steps.run(capp, steps.carry(capp, [entry])) == 0
+    x = on_node(cluster, capp, queues[1], "x")
+    assert (x["state"], x["waiting_on"]) == ("waiting", "1")
+    assert outboxes(capp, queues) == 0
+
+
 def test_a_workflow_a_later_slot_refuses_is_killed_where_it_was_written(capp, cluster, queues):
     """Across slots a workflow takes several calls: when a queue written after others is
     closed, the jobs written before are killed (they would run without the rest)."""

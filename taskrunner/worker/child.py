@@ -179,7 +179,8 @@ def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, paren
                 state[0] = n
             began = time.perf_counter()
             outcome = run(app, message, link)
-            if spark_session.CHILD.group is not None and spark_session.CHILD.end():
+            # A job that completed stays completed: the cancel may have come as it returned.
+            if spark_session.CHILD.group is not None and spark_session.CHILD.end() and outcome.kind != "completed":
                 outcome = Outcome.killed("its Spark job group was canceled")  # the worker says why
             link.send(answer(message, time.perf_counter() - began, outcome))
     except _Killed:

@@ -11,7 +11,8 @@
 -- the child's queue must be Q), parent ("<queue> <id>"), task, state, result, error_type,
 -- error, canceled_by
 -- Per entry, with `news` = the JSON object of its task, state and the other fields it has:
---   the child is waiting, has cross_slot 1 and the parent's queue is not Q: HSETNX
+--   the child is waiting, has cross_slot 1, lists the parent in its `parents` and the
+--     parent's queue is not Q: HSETNX
 --     <p>joined:<child> <parent> <news>; set before: answer 0 (counted already). Else EXPIRE
 --     it, and the child counts the parent as when a parent of its own slot ends (_lib.lua
 --     settle(): waiting_on - 1, or pending with what it takes, the results of a chord's
@@ -19,7 +20,8 @@
 --     those in other slots by entries in this queue's outbox): answer 1
 --   there is no such job (its producer writes it after its parents): HSETNX as above and
 --     EXPIRE: enqueue.lua applies it when the child is enqueued: answer 2
---   otherwise (it no longer waits; not a cross-slot child of that parent): answer 0
+--   otherwise (it no longer waits; not a cross-slot child of that parent; its `parents` do
+--     not list that parent: a job of the child's id written before, with other parents): answer 0
 -- Returns one integer per entry; then, only when children canceled here have children in
 -- other slots, the entries this call left in the outbox, as XRANGE gives them.
 local p = KEYS[1]
@@ -45,6 +47,27 @@ for i = 2, #ARGV, 8 do
     return refuse('entry ' .. (i + 6) / 8 .. ': state must be completed, failed, killed, canceled or deleted')
   end
 end
+-- Does `job` list `name` ("<queue> <id>") among its `parents` ("<queue> <id> <queue> <id>
+-- ...")? A job with the child's id may exist already, written with other parents (the
+-- producer names a child in another slot before it writes it, and a job with that id is
+-- enqueued once): news of a parent it does not list must not count for it. A plain find,
+-- at a pair's start (an even number of spaces before it): one pass over the field.
+local function lists_parent(job, name)
+  local parents = redis.call('HGET', job, 'parents') or ''
+  local from = 1
+  while true do
+    local s, e = string.find(parents, name, from, true)
+    if not s then
+      return false
+    end
+    if (s == 1 or string.byte(parents, s - 1) == 32) and (e == #parents or string.byte(parents, e + 1) == 32)
+        and select(2, string.gsub(string.sub(parents, 1, s - 1), ' ', '')) % 2 == 0 then
+      return true
+    end
+    from = s + 1
+  end
+end
+
 local t = now()
 local out = {}
 for i = 2, #ARGV, 8 do
@@ -60,7 +83,8 @@ for i = 2, #ARGV, 8 do
     redis.call('HSETNX', joined, name, cjson.encode(e))
     redis.call('EXPIRE', joined, ttl)
     out[#out + 1] = 2
-  elseif c[1] ~= 'waiting' or c[6] ~= '1' or q == here or redis.call('HSETNX', joined, name, cjson.encode(e)) == 0 then
+  elseif c[1] ~= 'waiting' or c[6] ~= '1' or q == here or not lists_parent(job, name)
+      or redis.call('HSETNX', joined, name, cjson.encode(e)) == 0 then
     out[#out + 1] = 0
   else
     redis.call('EXPIRE', joined, ttl)
