@@ -262,3 +262,22 @@ def test_eager_mode_runs_chains_and_depends_on_inline(redis_server):
         handle.wait()
     with pytest.raises(TypeError, match="Job objects"):
         add.apply_async((1, 1), depends_on=[a.id])
+
+
+def test_a_step_whose_parents_all_completed_gets_what_the_join_would_give(app, stack):
+    """depends_on jobs that completed already: a step taking "results" gets the array of
+    their results, and an on_failure callback (on_parent_failure only) ends canceled, as
+    when a join settles them (found in review: the first took its first parent's result
+    alone, the second ran)."""
+    stack.worker()
+    a, b = apps.add.delay(1, 1), apps.add.delay(2, 2)
+    assert (a.wait(30), b.wait(30)) == (2, 4)
+    assert scripts.ENQUEUE(app.redis, [app.keys.q("default")], [
+        2, "all-done", 0, 3, "task", "tests.apps.echo", "parents", f"default {a.id} default {b.id}",
+        "takes", "results",
+        "on-fail", 0, 4, "task", "tests.apps.echo", "parents", f"default {a.id}", "on_parent_failure", "only",
+        "takes", "error"]) == [1, 1]
+    assert app.job("all-done").wait(30) == [2, 4]
+    d = app.redis.hgetall(app.keys.job("default", "on-fail"))
+    assert (d["state"], d["canceled_by"]) == ("canceled", f"default {a.id}")
+    assert "completed (an on_failure callback)" in d["error"]

@@ -17,7 +17,8 @@
 -- max_concurrency (1 to 2^31-1), concurrency_key (a name; needs max_concurrency, the job's
 -- or the declaration's); for a
 -- workflow's step (docs/PROTOCOL.md, Workflows): parents ("<queue> <id> ..."; each an
--- earlier job of this call or an existing one that has not failed; no delay), takes
+-- earlier job of this call or an existing one that has not failed; no delay; when all have
+-- completed already it is settled at once, as by the join of its last parent), takes
 -- ("result": its one parent's result goes first in its args; "results": a JSON array of
 -- its parents' results, in the order of parents, goes first: a chord's callback) and
 -- on_parent_failure ("cancel", the default: a parent that does not complete cancels it;
@@ -427,7 +428,7 @@ for n = 1, n_jobs do
       return refuse('BadValue', 'job ' .. id .. ': takes "error" goes with on_parent_failure "only" (an on_failure '
         .. 'callback)')
     end
-    steps[n] = {list, takes, cross}
+    steps[n] = {list, takes, cross, opf}
   end
   if jp ~= p then queues_of[n] = jp end
   if here then here[jp .. id] = true end
@@ -637,6 +638,18 @@ for n = 1, n_jobs do
       end
     elseif delay > 0 then
       to_delayed(jp, id, job, t + delay)
+    elseif step and (step[2] == 'results' or step[2] == 'error' or step[4] == 'only') then
+      -- Every parent completed already, and what it takes (the array of their results), or
+      -- whether it runs at all (an on_failure callback), is the join's to say: it waits for
+      -- its last parent, settled now, behind the jobs of this call before it.
+      if #qs.fresh > 0 then push(jp, qs) end
+      local e = step[1][#step[1]]
+      local pjob = prefixes[e[1]] .. 'job:' .. e[2]
+      redis.call('HSET', job, 'state', 'waiting', 'waiting_on', 1)
+      redis.call('ZADD', jp .. 'waiting', t, id)
+      settle(jp, id, {queue = e[1], id = e[2], task = redis.call('HGET', pjob, 'task') or '?', state = 'completed',
+        job = pjob}, redis.call('HMGET', job, unpack(CHILD)), t, FAILED_TTL)
+      if qs.room and redis.call('HGET', job, 'state') == 'pending' then qs.room = qs.room + 1 end
     else
       if step and step[2] then  -- its parent completed already: its result now
         local e = step[1][1]
