@@ -1,5 +1,6 @@
 -- Kill a job. Pending, delayed or waiting: it ends killed at once (the jobs waiting for it
--- end canceled). Running: flag the request and
+-- end canceled; those in other slots get an outbox entry, see _lib.lua, carried by the
+-- dispatcher). Running: flag the request and
 -- tell the caller which worker holds it, so the caller can message that worker; a
 -- delivery that is later lost with the flag set also ends killed (see lose()).
 -- KEYS[1]  queue key prefix

@@ -1,6 +1,8 @@
 -- The process running a delivery is gone (its worker's heartbeat expired, its PID is
 -- dead, or its worker found it orphaned): requeue it at the front, or end it as killed
--- (kill requested) or failed WorkerLost (lost max_lost times). Fenced by delivery.
+-- (kill requested) or failed WorkerLost (lost max_lost times). Fenced by delivery. A job
+-- that ends here settles its children (_lib.lua: canceled; those in other slots by an
+-- outbox entry, carried by the dispatcher).
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  failed TTL (s): how long a job that ends killed or failed here is kept (the
 --          setting; the record's own failed_ttl wins); then per job: id, attempt, reason,
