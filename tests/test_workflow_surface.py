@@ -11,7 +11,7 @@ import pytest
 
 from taskrunner import JobFailed, TaskRunner
 from taskrunner.client.aio import AsyncClient
-from taskrunner.ops import queue
+from taskrunner.ops import queue as queues
 from tests import apps
 from tests.conftest import wait_for
 
@@ -117,10 +117,10 @@ def test_asyncio_client_depends_on_and_callbacks(app, stack):
                                         on_success=app.signature("tests.apps.mul", [10]))
             assert await client.wait(then, 30) == 7
             assert (await client.job(then))["parents"] == [{"queue": "default", "id": first}]
-            queue.pause(app, "default")  # else boom may fail first, and a step after it is refused
+            queues.pause(app, "default")  # else boom may fail first, and a step after it is refused
             bad = await client.enqueue("tests.apps.boom", ["async"])
             after = await client.enqueue("tests.apps.add", [1, 1], depends_on=[bad])
-            queue.resume(app, "default")
+            queues.resume(app, "default")
             with pytest.raises(JobFailed, match=rf"step {bad} \(task tests.apps.boom\) failed: ValueError: async"):
                 await client.wait(after, 30)
             return then
