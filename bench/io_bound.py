@@ -65,6 +65,9 @@ SLEEP = 0.020  # seconds each job waits
 PROCESSES = 2  # worker processes (or children) per system: one per core of the development machine
 WARM = 0.2  # share of the jobs done before the clock starts
 RSS_EVERY = 0.1  # seconds between two samples of the workers' memory
+#: taskrunner-processes runs one child process per concurrent job; past this many it is left out
+#: (256 Python processes on a 2-core machine measure the machine, not Redis).
+MAX_CHILDREN = 64
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class System:
     name: str
     driver: str  # what bench/driver.py and the peers' venv call it
     kind: str  # the job it runs: io (sync, time.sleep) or aio (async, asyncio.sleep)
-    processes: int  # worker processes (taskrunner: children) sharing the concurrency
+    processes: int  # worker processes (taskrunner: children) sharing the concurrency; 0: one per job
     workers: str  # how its workers are started, for the report ({per}: concurrency / processes)
 
 
@@ -81,6 +84,10 @@ SYSTEMS = {s.name: s for s in [
            "taskrunner worker -c 2 --async-slots {per} (1 worker process + 2 children, async def tasks)"),
     System("taskrunner-threads", "taskrunner", "io", PROCESSES,
            "taskrunner worker -c 2 --threads {per} --async-slots 0 (1 worker process + 2 children, sync tasks)"),
+    # The classic model, as the issue-18 figures of "real jobs, one per script call" were taken:
+    # each child runs one sync job at a time, so each claim and finish is for few jobs.
+    System("taskrunner-processes", "taskrunner", "io", 0,
+           "taskrunner worker -c C --async-slots 0 (1 worker process + C children, one job at a time each)"),
     System("dramatiq", "dramatiq", "io", PROCESSES, "dramatiq --processes 2 --threads {per}"),
     System("celery", "celery", "io", PROCESSES, "2 x celery worker -P threads -c {per} " + " ".join(CELERY_FLAGS)
            + " (no result backend)"),
@@ -94,6 +101,9 @@ TASKRUNNER = [s for s in SYSTEMS if s.startswith("taskrunner")]
 def commands(system: System, concurrency: int, env: Env) -> tuple[list[list[str]], dict[str, str]]:
     """The worker command lines of `system` at `concurrency`, and what they add to the environment."""
     n = system.processes
+    if n == 0:
+        return [[env.tr_python, "-m", "taskrunner", "worker", "-A", "bench.tasks_taskrunner_io", "-c",
+                 str(concurrency), "--async-slots", "0", "--log-level", "warning"]], {}
     per = str(concurrency // n)
     if system.driver == "taskrunner":
         mode = ["--async-slots", per] if system.kind == "aio" else ["--threads", per, "--async-slots", "0"]
@@ -131,7 +141,7 @@ def drain(env: Env, r: redis.Redis, system: System, concurrency: int, jobs: int,
     def finished() -> bool:
         nonlocal mark, peak, peak_pss, next_sample
         now, done = time.monotonic(), record.count(rdb)
-        if mark is None and done >= warm:
+        if mark is None and warm <= done < jobs:
             mark = (now, done)
         if now >= next_sample:
             pids = [p.pid for p in workers]
@@ -147,7 +157,8 @@ def drain(env: Env, r: redis.Redis, system: System, concurrency: int, jobs: int,
         after = Snapshot.take(r)
     finally:
         env.stop_workers(workers, f"{system.name} workers")
-    assert mark is not None  # finished() set it before it returned True
+    if mark is None:  # the drain ended between two looks, before one saw it past the warm-up
+        mark = (t0, 0)
     rate = (jobs - mark[1]) / max(t1 - mark[0], 1e-9)
     res = {"system": system.name, "concurrency": concurrency, "jobs": jobs, "rate": rate,
            "of_ideal": rate / (concurrency / SLEEP), "rss_per_job_mb": peak / concurrency / 2**20,
@@ -204,7 +215,7 @@ def report(a: argparse.Namespace, runs: list[dict[str, Any]], meta: dict[str, An
              "  PSS the same with each shared page (a fork's copy-on-write) counted as each process's share",
              "Redis CPU: used_cpu_sys + used_cpu_user from the worker start to the last job, / jobs",
              "workers (C: the concurrency):"]
-    lines += [f"  {s:18} {SYSTEMS[s].workers.format(per='C' if SYSTEMS[s].processes == 1 else 'C/2')}"
+    lines += [f"  {s:20} {SYSTEMS[s].workers.format(per='C' if SYSTEMS[s].processes == 1 else 'C/2')}"
               for s in a.systems]
     for c in a.concurrency:
         lines += ["", f"{c}-way (ideal {c / SLEEP:,.0f} jobs/s)"]
@@ -231,6 +242,8 @@ def report(a: argparse.Namespace, runs: list[dict[str, Any]], meta: dict[str, An
               "    its best here: 2 workers race for the same job ids). The clock starts once 20% of the jobs are",
               "    done, so that start-up (imports, connections, forks) is left out; 'drain s incl. start' is the",
               "    whole drain from spawning the workers.",
+              "  - taskrunner-processes: C children, each running one job at a time (its claims and finishes are",
+              f"    for the few jobs that ended together); run up to {MAX_CHILDREN}-way only, '-' past it.",
               "  - RSS counts a page shared between processes (fork's copy-on-write) once in each: taskrunner's",
               "    children and Dramatiq's are forked, Celery's and arq's processes are not; PSS splits it.",
               "  - taskrunner stores each job's result (its default), as arq does; Celery runs without a result",
@@ -302,6 +315,8 @@ def run(a: argparse.Namespace, env: Env, logs: Path) -> int:
             for c in a.concurrency:
                 log(f"repeat {rep + 1}/{a.repeat}: {c}-way, {a.jobs:,} jobs")
                 for s in a.systems:
+                    if SYSTEMS[s].processes == 0 and c > MAX_CHILDREN:
+                        continue  # see MAX_CHILDREN; its cells say "-"
                     try:
                         runs.append(drain(env, r, SYSTEMS[s], c, a.jobs, logs / f"{s}-{c}-{rep}.log"))
                     except BenchError as e:

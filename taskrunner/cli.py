@@ -875,10 +875,23 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
         click.echo("no job", err=True)
         sys.exit(2)
     payload = json.dumps(delivery.to_dict())
+
+    def report(call: Callable[[], Any]) -> Any:
+        """The outcome is only here: ride out a Redis outage (with backoff) to record it,
+        rather than exit and let the job run again once its holder is found dead."""
+        backoff = Backoff(f"consumer {c.name}: reporting job {delivery.id}", None)
+        while True:
+            try:
+                answer = call()
+                backoff.ok()
+                return answer
+            except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+                time.sleep(backoff.after(e))
+
     if not command:
         click.echo(payload)
-        c.ack([delivery])
-        return c.close()
+        report(lambda: c.ack([delivery]))
+        return report(c.close)
     try:
         proc = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
@@ -936,18 +949,18 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
     if stopped:
         why = {"killed": "killed on request", "timeout": f"past its max duration ({delivery.max_duration:g} s)"}
         click.echo(f"job {delivery.id} stopped: {why[stopped[0]]}", err=True)
-        acked = c.stopped(delivery, stopped[0])
+        acked = report(lambda: c.stopped(delivery, stopped[0]))
     elif code == 0:
         try:
             result = json.loads(out) if out.strip() else None
         except ValueError:
             result = out
-        acked = c.ack([delivery], [result])[0]
+        acked = report(lambda: c.ack([delivery], [result])[0])
     else:
-        acked = c.fail(delivery, "CommandFailed", f"{' '.join(command)} exited {code}", err[-4000:])
+        acked = report(lambda: c.fail(delivery, "CommandFailed", f"{' '.join(command)} exited {code}", err[-4000:]))
     if not acked:
         click.echo(f"job {delivery.id} was requeued or killed meanwhile: this outcome was not recorded", err=True)
-    c.close()
+    report(c.close)
     sys.exit(code)
 
 

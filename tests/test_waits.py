@@ -183,3 +183,36 @@ def test_every_client_has_a_socket_timeout_unless_its_url_sets_one():
     cluster = ClusterURL.parse("redis+cluster://127.0.0.1:1")
     assert cluster._options({})["socket_timeout"] == SOCKET_TIMEOUT
     assert ClusterURL.parse("redis+cluster://127.0.0.1:1?socket_timeout=0.5")._options({})["socket_timeout"] == 0.5
+
+
+def test_consume_reports_a_command_that_ended_while_redis_was_down(app, own_redis, tmp_path):
+    """`taskrunner consume -- CMD`: CMD ends while Redis is down for longer than redis-py's own
+    retries. The consumer keeps its outcome and reports it once Redis answers: exit 0, the job
+    completed (it exited 1, "cannot reach Redis", and the job went back to run again)."""
+    app.configure(redis_url=own_redis.url)
+    stack = Stack(app, own_redis.url)
+    ended = tmp_path / "ended"
+    try:
+        job = app.enqueue("tests.apps.nap", [0], queue="byhand")
+        consume = subprocess.Popen([sys.executable, "-m", "taskrunner", "consume", "-q", "byhand", "--", "sh", "-c",
+                                    f"read -r line; while [ ! -e {tmp_path}/go ]; do sleep 0.05; done; echo 7; "
+                                    f"touch {ended}"],
+                                   cwd=ROOT, env=stack.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stack.procs.append(consume)
+        wait_for(lambda: job.state == "running", what="the job to be taken")
+        err: list[str] = []
+        reader = threading.Thread(target=lambda: err.extend(consume.stderr), daemon=True)
+        reader.start()
+        own_redis.stop()
+        (tmp_path / "go").touch()
+        wait_for(lambda: ended.exists(), what="the command to end")
+        wait_for(lambda: consume.poll() is not None or any(f"reporting job {job.id}" in line for line in err),
+                 timeout=60, what="the consumer to give up or to wait for Redis")
+        own_redis.start()
+        out = consume.stdout.read()
+        consume.wait(timeout=60)
+        reader.join(timeout=10)
+        assert (consume.returncode, out.strip()) == (0, "7"), "".join(err)
+        assert job.refresh().data["state"] == "completed" and job.data["attempts"] == "1", job.data
+    finally:
+        stack.stop()

@@ -123,8 +123,10 @@ def test_a_waiting_step_killed_then_retried_waits_for_its_parent_again(app, stac
     app.redis.set(f"{app.settings.prefix}:release:p", 1)
     assert handle.wait(30) == "released!"  # its parent's result first in its args, as a join gives it
     # killed while it waited for a parent that then failed: it could never run
+    queue.pause(app, "default")  # else its parent may fail (and cancel it) before the kill
     bad = (apps.fails_until_fixed.si(1, "k") | apps.add.s(1)).delay()
     bad.kill("tester")
+    queue.resume(app, "default")
     wait_for(lambda: record(app, "default", parent_of(app, "default", bad.id)[1]).get("state") == "failed",
              what="its parent failed")
     r = stack.cli("retry", bad.id)
