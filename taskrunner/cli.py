@@ -432,11 +432,14 @@ def jobs(queue: str | None, state: str | None, limit: int, offset: int, as_json:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--shards", "by_shard", is_flag=True, help="A sharded queue's shards each on a line of its own "
+              "(NAME~i; shard 0 is NAME), not their totals.")
 @common
-def queues(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
-    """Every queue (topic) with its counts, counters and settings. Finished counts cover
-    the result TTL; produced/consumed count messages since the queue was created."""
-    stats = listing.queue_stats(_app(app_spec, redis_url))
+def queues(as_json: bool, by_shard: bool, app_spec: str | None, redis_url: str | None) -> None:
+    """Every queue (topic) with its counts, counters and settings; a sharded queue once,
+    with its shards' totals. Finished counts cover the result TTL; produced/consumed count
+    messages since the queue was created."""
+    stats = listing.queue_stats(_app(app_spec, redis_url), shards=by_shard)
     if as_json:
         return _emit(stats)
     cols = ("waiting", "pending", "delayed", "running", "completed", "failed", "killed", "canceled",
@@ -446,7 +449,8 @@ def queues(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
         flags = " ".join(f for f, on in (("bound=" + str(s["bound"]), s["bound"]), ("closed", s["closed"]),
                                          ("exclusive", s["exclusive"]), ("paused", s["paused"]),
                                          ("priorities=" + ",".join(map(str, s["priorities"])), s["priorities"]),
-                                         (f"rate={s['rate']} used={s['rate_used']}", s["rate"])) if on)
+                                         (f"rate={s['rate']} used={s['rate_used']}", s["rate"]),
+                                         (f"shards={s['shards']}", s["shards"] > 1)) if on)
         click.echo(f"{s['name']:20}" + "".join(f"{s[c]:>11}" for c in cols) + f"  {flags}")
 
 
@@ -733,15 +737,23 @@ def queue() -> None:
 @click.option("--rate", callback=lambda _c, _p, v: v and _rate(v, none=False),
               help='Most job starts, across all workers: "50/s", "N/m" or "N/h" (not given: the '
               "queue's limit, if any, stays; `queue rate` changes or removes it).")
+@click.option("--shards", type=click.IntRange(1, 64), help="Spread the queue over this many shards, each in its own "
+              "hash slot (over a Redis Cluster's primaries); FIFO holds per shard. Bound and rate are split "
+              "evenly over them. Changes only while the queue has no unfinished job (not given: as it is).")
 @common
-def queue_create(name: str, bound: int, exclusive: bool, rate: str | None, app_spec: str | None,
+def queue_create(name: str, bound: int, exclusive: bool, rate: str | None, shards: int | None, app_spec: str | None,
                  redis_url: str | None) -> None:
-    """Create queue NAME, or change its bound, exclusivity and rate limit."""
+    """Create queue NAME, or change its bound, exclusivity, rate limit and shards."""
     from taskrunner.ops import queue as queues
 
-    queues.create(_app(app_spec, redis_url), name, bound, exclusive, rate)
+    app = _app(app_spec, redis_url)
+    try:
+        queues.create(app, name, bound, exclusive, rate, shards)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    n = queues.info(app, name)["shards"]
     click.echo(f"queue {name}: bound {bound or 'none'}{', exclusive' if exclusive else ''}"
-               f"{f', rate {rate}' if rate else ''}")
+               f"{f', rate {rate}' if rate else ''}{f', {n} shards' if n > 1 else ''}")
 
 
 def _rate(value: str, none: bool = True) -> str:

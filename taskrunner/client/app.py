@@ -21,7 +21,7 @@ from taskrunner.client.job import Job
 from taskrunner.client.middleware import Enqueued, Middleware
 from taskrunner.config import Settings
 from taskrunner.errors import MAX_RETRIES, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
-from taskrunner.protocol import codec, scripts
+from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.codec import count, seconds
 from taskrunner.protocol.connection import Client, Direct, connect, is_cluster
 from taskrunner.protocol.keys import Keys
@@ -55,7 +55,7 @@ class JobSpec:
     def __post_init__(self) -> None:
         """Each value checked: one of the wrong type or range is refused here, by name,
         rather than stored for a worker to trip on."""
-        codec.check_name("queue", self.queue)
+        codec.check_queue(self.queue)
         if self.timeout_policy not in TIMEOUT_POLICIES:
             raise ValueError(f"timeout_policy must be one of {TIMEOUT_POLICIES}, not {self.timeout_policy!r}")
         if self.max_duration is not None:
@@ -273,6 +273,7 @@ class TaskRunner:
         self._redis_pid = 0
         self._known_queues: set[str] = set()
         self._declared = declarations.Cache()
+        self._spread = shards.Spreader()
         self._producer = f"{socket.gethostname()}:{os.getpid()}"
         if self.settings.analyze_cron:
             self._schedule_analysis(self.settings.analyze_cron)
@@ -292,6 +293,7 @@ class TaskRunner:
             self._redis_pid = os.getpid()
             self._known_queues = set()
             self._declared = declarations.Cache()
+            self._spread = shards.Spreader()
         return self._redis
 
     def wait_for_redis(self, who: str) -> Client:
@@ -553,7 +555,8 @@ class TaskRunner:
         job given (not its callbacks)."""
         out: list[Job] = []
         pending: list[tuple[str, str, float, list[Any]]] = []
-        sent: tuple[scripts.Batch, dict[str, list[Any]], int] | None = None  # what Redis runs meanwhile
+        # What Redis runs meanwhile: the batch, the jobs by queue, their ids in the order given, the count.
+        sent: tuple[scripts.Batch, dict[str, list[Any]], list[str], int] | None = None
         seen: dict[str, Job] = {}  # the jobs of this call by id, for depends_on
         unsent: dict[str, str] = {}  # id -> queue of those in `pending`
         parent_queues: dict[str, set[str]] = {}  # queue -> the other queues its pending jobs' parents are in
@@ -570,7 +573,8 @@ class TaskRunner:
             if is_cluster(self.redis):  # elsewhere the script registers the queue
                 batch.pipe.sadd(self.keys.queues, *by_queue)
             batch.send()
-            sent = batch, by_queue, len(pending) - len(callbacks & unsent.keys())
+            order = [job_id for _, job_id, _, _ in pending]
+            sent = batch, by_queue, order, len(pending) - len(callbacks & unsent.keys())
             pending.clear()
             unsent.clear()
             parent_queues.clear()
@@ -580,21 +584,23 @@ class TaskRunner:
             nonlocal sent
             if sent is None:
                 return
-            batch, by_queue, count = sent
+            batch, by_queue, order, count = sent
             sent = None
             results = iter(batch.execute())
             answers = {q: next(results) for q in by_queue}
             refused = []
+            made: dict[str, Job] = {}
             for queue, items in by_queue.items():
                 for (job_id, _, _), created in zip(items, answers[queue]):
                     if job_id in callbacks:
                         continue
                     job = Job(self, created if isinstance(created, str) else job_id, queue)
                     job.created = created == 1
-                    out.append(job)
+                    made[job_id] = job
                     if isinstance(created, int) and created < 0:
                         refused.append((queue, created))
                 self._known_queues.add(queue)
+            out.extend(made[job_id] for job_id in order if job_id in made)  # in the order given
             if progress:
                 progress(count)
             if refused:
@@ -684,9 +690,10 @@ class TaskRunner:
         job_id = codec.check_id(spec["id"]) if spec.get("id") is not None else codec.new_id()
         delay = seconds("delay", spec.get("delay") or 0)
         args = spec.get("args") or []
-        headers = self._headers(task, args, spec.get("kwargs"), job.queue, job_id, spec.get("headers"))
         extra = flow.fields(task, args, spec.get("kwargs"), spec.get("priority"), spec.get("unique_for"),
                             spec.get("unique_key"), spec.get("unique_until"))
+        job = job.merged(queue=steps.run(self, steps.placed(self, task, job, extra)))
+        headers = self._headers(task, args, spec.get("kwargs"), job.queue, job_id, spec.get("headers"))
         return job.queue, job_id, delay, self._fields(task, args, spec.get("kwargs"), job, sent, headers) + extra
 
     def _links_of(self, spec: dict[str, Any], seen: dict[str, Job]) -> tuple[
@@ -788,16 +795,20 @@ class TaskRunner:
         return Job(self, job_id, *steps.run(self, steps.find(self, job_id, queue)))
 
     def purge(self, queue: str, progress: Callable[[int], Any] | None = None) -> int:
-        """Delete every pending job of a queue, a thousand per call; returns how many."""
+        """Delete every pending job of a queue (of each of its shards), a thousand per call;
+        returns how many."""
         total = 0
-        while True:
-            deleted, left = scripts.PURGE(self.redis, [self.keys.q(codec.check_name("queue", queue))],
-                                          [1000, self.settings.failed_ttl])
-            total += deleted
-            if progress:
-                progress(deleted)
-            if not left or not deleted:
-                return total
+        codec.check_queue(queue)
+        count = 1 if shards.is_shard(queue) else shards.count(self.redis.hget(self.keys.q(queue) + "meta", "shards"))
+        for shard in shards.names(queue, count):
+            while True:
+                deleted, left = scripts.PURGE(self.redis, [self.keys.q(shard)], [1000, self.settings.failed_ttl])
+                total += deleted
+                if progress:
+                    progress(deleted)
+                if not left or not deleted:
+                    break
+        return total
 
     def send_control(self, worker: str, message: dict) -> None:
         """Put a message on a worker's control list (it BRPOPs it at once)."""

@@ -13,7 +13,7 @@ from typing import Any
 from taskrunner.client import steps
 from taskrunner.client.app import TaskRunner
 from taskrunner.client.steps import REDIS_ERRORS
-from taskrunner.protocol import codec, joins, scripts
+from taskrunner.protocol import codec, joins, scripts, shards
 from taskrunner.protocol.claims import Delivery, claim_args, claim_keys, claim_rest
 from taskrunner.protocol.connection import pop_any
 from taskrunner.protocol.holders import held, identity
@@ -28,7 +28,9 @@ _SHORT = 1.0
 class Consumer:
     def __init__(self, app: TaskRunner, queues: list[str], name: str | None = None):
         self.app, self.keys = app, app.keys
-        self.queues = [codec.check_name("queue", q) for q in queues]
+        self.served = shards.Served([codec.check_name("queue", q) for q in queues])
+        self.queues = self.served.physical
+        self._counts_at = 0.0  # when the shard counts are due to be read again (monotonic)
         self.host = socket.gethostname()
         self.name = codec.check_name("worker", name or f"consumer.{self.host}.{os.getpid()}")
 
@@ -43,12 +45,20 @@ class Consumer:
         """Up to `count` jobs, queues in priority order; waits up to `block` seconds in
         Redis (BRPOP on the wake lists) when there is none."""
         self.heartbeat()
+        if time.monotonic() >= self._counts_at:  # the shard counts, at most once per shards.KEEP seconds
+            pipe = self.app.redis.pipeline(transaction=False)
+            for q in self.served.queues:
+                pipe.hget(self.keys.q(q) + "meta", "shards")
+            self.served.update([shards.count(n) for n in pipe.execute()])
+            self.queues = self.served.physical
+            self._counts_at = time.monotonic() + shards.KEEP
         deadline = time.monotonic() + block
         prefixes = [self.keys.q(q) for q in self.queues]
         argv = claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid(), ""] * count)
         while True:
-            raw = scripts.CLAIM(self.app.redis, claim_keys(self.app, prefixes), argv)
-            out, wait = claim_rest(self.app, self.queues, argv, raw)
+            order = self.served.order()
+            raw = scripts.CLAIM(self.app.redis, claim_keys(self.app, [self.keys.q(q) for q in order]), argv)
+            out, wait = claim_rest(self.app, order, argv, raw)
             left = deadline - time.monotonic()
             if out or left <= 0:
                 return out

@@ -19,7 +19,7 @@ import redis
 
 from taskrunner.client import declarations
 from taskrunner.errors import JobNotFound, QueueClosed, QueueFull, Timeout
-from taskrunner.protocol import codec, joins, scripts
+from taskrunner.protocol import codec, joins, scripts, shards
 from taskrunner.protocol.connection import Backoff, pop_any
 
 if TYPE_CHECKING:
@@ -184,11 +184,48 @@ def draft(app: TaskRunner, task: str, args: Any, kwargs: dict | None, spec: JobS
     `flow`: its priority and unique lock fields (client/flow.py), checked already."""
     spec, sent = (spec.merged(**options), None) if spec is not None else (yield from job_spec(app, task, options))
     job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
+    spec = spec.merged(queue=(yield from placed(app, task, spec, flow or [])))
     headers = app._headers(task, args, kwargs, spec.queue, job_id, headers)
     fields = app._fields(task, args, kwargs, spec, sent, headers)
     if flow:
         fields += flow
     return Draft(job_id, spec.queue, codec.seconds("delay", delay) if delay is not None else 0.0, fields)
+
+
+def shard_count(app: TaskRunner, queue: str) -> Steps[int]:
+    """How many shards `queue` has (1: not sharded), read from its meta at most once per
+    shards.KEEP seconds per queue (a shard's own name: 1, it is a queue)."""
+    if app.settings.eager or shards.is_shard(queue):
+        return 1
+    n = app._spread.cached(queue)
+    if n is None:
+        raw = yield Command("hget", (app.keys.q(queue) + "meta", "shards"))
+        n = app._spread.put(queue, shards.count(raw))  # after the answer: a new client made a new cache
+    return n
+
+
+def placed(app: TaskRunner, task: str, spec: JobSpec, flow: list[Any]) -> Steps[str]:
+    """The physical queue a job of `task` with `spec` goes to: its queue, or on a sharded
+    queue one of its shards. A job whose limits count per shard goes to the shard of its
+    key, so that they stay exact: its concurrency key (the task's name by default) when its
+    task has max_concurrency, else its task when that has a rate limit, else its unique key
+    (`flow`: its flow.fields()); any other job goes round robin (docs/PROTOCOL.md, Sharded
+    queues). A task not declared here: its limits as its workers declared them."""
+    n = yield from shard_count(app, spec.queue)
+    if n <= 1:
+        return spec.queue
+    limits: dict[str, Any] = {"max_concurrency": spec.max_concurrency, "rate_limit": spec.rate_limit}
+    if task not in app.tasks:
+        d = yield from declared(app, task)
+        limits = {**(d or {}), **{k: v for k, v in limits.items() if v is not None}}
+    key = None
+    if limits.get("max_concurrency"):
+        key = f"c:{spec.concurrency_key or task}"
+    elif limits.get("rate_limit"):
+        key = f"r:{task}"
+    elif "unique_key" in flow:
+        key = f"u:{flow[flow.index('unique_key') + 1]}"
+    return app._spread.place(spec.queue, n, key)
 
 
 def enqueue(app: TaskRunner, job: Draft, block_timeout: float | None,
@@ -226,7 +263,7 @@ def parents(app: TaskRunner, jobs: Any) -> Steps[list[tuple[str, str]]]:
             queue, _ = yield from find(app, j)
             out.append((queue, j))
         elif hasattr(j, "queue") and hasattr(j, "id"):
-            out.append((codec.check_name("queue", j.queue), codec.check_id(j.id)))
+            out.append((codec.check_queue(j.queue), codec.check_id(j.id)))
         else:
             raise TypeError(f"depends_on takes Job objects or job ids, not {type(j).__name__}")
     if not out:

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from taskrunner.client.job import Job, typed
 from taskrunner.ops import queue
-from taskrunner.ops.queue import backlog, pending_keys
+from taskrunner.ops.queue import backlog, pending_keys, shards_of
 from taskrunner.protocol import codec
+from taskrunner.protocol import shards as sharding
 from taskrunner.protocol.connection import server_time
 from taskrunner.protocol.holders import Holding, number
 
@@ -20,24 +21,29 @@ if TYPE_CHECKING:
 LIST_STATES = ("waiting", "pending", "delayed", "running", "stuck", "completed", "failed", "killed", "canceled")
 
 
-def queue_stats(app: TaskRunner) -> list[dict[str, Any]]:
+def queue_stats(app: TaskRunner, shards: bool = False) -> list[dict[str, Any]]:
+    """Counts, counters and settings per queue: a sharded queue once, its shards' figures
+    summed (queue.combined), unless `shards`: then each physical queue, shards included."""
+    rows = _physical_stats(app)
+    if shards:
+        return rows
+    by_queue: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:  # sorted by name: shard 0 ("Q") before "Q~1"
+        by_queue.setdefault(sharding.logical(row["name"]), []).append(row)
+    return [{**queue.combined(group), "name": name} for name, group in by_queue.items()]
+
+
+def _physical_stats(app: TaskRunner) -> list[dict[str, Any]]:
     names = app.queue_names()
     metas = queue.settings(app, names)
+    counts = queue.state_counts(app, names)
     pipe = app.redis.pipeline(transaction=False)
-    for q in names:
-        p = app.keys.q(q)
-        pipe.zcard(p + "waiting").zcard(p + "delayed").hlen(p + "running")
-        pipe.zcard(p + "completed").zcard(p + "failed").zcard(p + "killed").zcard(p + "canceled")
-    counts = pipe.execute()
     for q, meta in zip(names, metas):  # pending: every priority's list
         for key in _pending_keys(app, q, meta):
             pipe.llen(key)
     lengths = iter(pipe.execute())
-    fields = ("waiting", "delayed", "running", "completed", "failed", "killed", "canceled")
-    n = len(fields)
-    return [{"name": q, **dict(zip(fields, counts[i * n:(i + 1) * n])),
-             "pending": sum(next(lengths) for _ in _pending_keys(app, q, meta)), **meta}
-            for i, (q, meta) in enumerate(zip(names, metas))]
+    return [{"name": q, **c, "pending": sum(next(lengths) for _ in _pending_keys(app, q, meta)), **meta}
+            for q, c, meta in zip(names, counts, metas)]
 
 
 def _pending_keys(app: TaskRunner, q: str, meta: dict[str, Any]) -> list[str]:
@@ -86,7 +92,7 @@ def list_jobs(app: TaskRunner, queue: str | None = None, state: str | None = Non
               limit: int = 50, offset: int = 0) -> list[Job]:
     if state is not None and state not in LIST_STATES:
         raise ValueError(f"state must be one of {', '.join(LIST_STATES)}")
-    queues = [queue] if queue else app.queue_names()
+    queues = shards_of(app, queue) if queue else app.queue_names()
     states = [state] if state else ["running", "pending", "waiting", "delayed", "failed", "killed", "canceled",
                                     "completed"]
     found: list[tuple[str, str]] = []
@@ -165,7 +171,7 @@ def running(app: TaskRunner, queue: str | None = None, offset: int = 0, limit: i
     """The holding lists, oldest first: (total, one page of rows). A row is stuck when the
     job passed its max duration or its worker is dead (with `why`)."""
     now = server_time(app.redis)
-    queues = [queue] if queue else app.queue_names()
+    queues = shards_of(app, queue) if queue else app.queue_names()
     pipe = app.redis.pipeline(transaction=False)
     for q in queues:
         pipe.hgetall(app.keys.q(q) + "running")
@@ -264,18 +270,21 @@ DISPATCHER_FORGET = 3600.0
 def overview(app: TaskRunner) -> dict[str, Any]:
     """Per queue counts (and finished in the last 5 minutes), workers, dispatchers."""
     now = server_time(app.redis)
-    queues = queue_stats(app)
+    physical = queue_stats(app, shards=True)
     pipe = app.redis.pipeline(transaction=False)
-    for q in queues:
+    for q in physical:
         p = app.keys.q(q["name"])
         pipe.zcount(p + "completed", now - 300, "+inf").zcount(p + "failed", now - 300, "+inf")
     counts = pipe.execute()
     _, stuck_rows = running(app, limit=10**9, only_stuck=True)
-    for i, q in enumerate(queues):
+    by_queue: dict[str, list[dict[str, Any]]] = {}
+    for i, q in enumerate(physical):
         q["completed_5m"], q["failed_5m"] = counts[2 * i], counts[2 * i + 1]
         q["stuck"] = sum(1 for r in stuck_rows if r["queue"] == q["name"])
+        by_queue.setdefault(sharding.logical(q["name"]), []).append(q)
+    queues = [{**queue.combined(group), "name": name} for name, group in by_queue.items()]
     ws = workers(app)
-    consumed = {q for w in ws if w["state"] == "alive" for q in w.get("queues", [])}
+    consumed = {sharding.logical(q) for w in ws if w["state"] == "alive" for q in w.get("queues", [])}
     for q in queues:  # jobs wait with nobody to run them: the overview says so
         q["unserved"] = q["name"] not in consumed and q["pending"] > 0
     return {"now": now, "queues": queues, "workers": ws, "dispatchers": dispatchers(app, now)}

@@ -4,10 +4,12 @@ queue's `meta` hash, which the enqueue and claim scripts read."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from taskrunner.errors import QueueNotFound, TaskRunnerError
 from taskrunner.protocol import codec
+from taskrunner.protocol import shards as sharding
 from taskrunner.protocol.connection import server_time
 
 if TYPE_CHECKING:
@@ -16,36 +18,106 @@ if TYPE_CHECKING:
 COUNTERS = ("produced_messages", "produced_bytes", "consumed_messages", "consumed_bytes")
 
 
-def create(app: TaskRunner, name: str, bound: int = 0, exclusive: bool = False, rate: str | None = None) -> None:
+def create(app: TaskRunner, name: str, bound: int = 0, exclusive: bool = False, rate: str | None = None,
+           shards: int | None = None) -> None:
     """Create a queue, or change its settings: `bound` > 0 caps its pending jobs (producers
     block, then QueueFull); `exclusive` runs at most one of its jobs at a time, in order;
     `rate` ("50/s", "N/m", "N/h"), when given, is how many of its jobs may start, across
-    all workers (None: the queue's rate limit, if any, stays; set_rate() changes it)."""
+    all workers (None: the queue's rate limit, if any, stays; set_rate() changes it).
+    `shards` (1-64; None: as it is): one logical queue over that many physical queues, each
+    in its own hash slot (protocol/shards.py); the bound and the rate are split evenly over
+    them. The shard count changes only while no job of the queue is pending, delayed,
+    waiting or running (TaskRunnerError otherwise); an exclusive queue has one shard."""
     codec.check_name("queue", name)
     if bound < 0:
         raise ValueError("bound must be >= 0 (0: no bound)")
-    settings: dict[str, Any] = {"bound": bound, "exclusive": int(exclusive)}
-    if rate is not None:
-        settings["rate"] = codec.rate("rate", rate)
-    meta = app.keys.q(name) + "meta"
-    pipe = app.redis.pipeline(transaction=False)
-    pipe.hset(meta, mapping=settings)
-    pipe.sadd(app.keys.queues, name)
-    pipe.lpush(app.keys.q(name) + "notfull", "1").ltrim(app.keys.q(name) + "notfull", 0, 0)
+    if shards is not None and not 1 <= shards <= sharding.MAX:
+        raise ValueError(f"shards must be from 1 to {sharding.MAX}, not {shards}")
+    r, p = app.redis, app.keys.q(name)
+    before, kept_rate, closed, paused = r.hmget(p + "meta", "shards", "rate_total", "closed", "paused")
+    now = sharding.count(before)
+    n = shards or now
+    if exclusive and n > 1:
+        raise TaskRunnerError(f"queue {name} has {n} shards: an exclusive queue runs one job at a time in order, "
+                              "which takes one shard (--shards 1)")
+    rate_total = rate if rate is not None else (kept_rate if n > 1 else None)
+    each = split_rate(rate_total, n) if rate_total is not None else None
+    if n != now:
+        busy = unfinished(app, sharding.names(name, max(n, now)))
+        if busy:
+            raise TaskRunnerError(f"queue {name} has {busy} jobs pending, delayed, waiting or running: its shard "
+                                  f"count ({now}) changes only while it has none")
+        for gone in sharding.names(name, now)[n:]:
+            # Its keys go; its meta stays, closed: a producer that read the old count
+            # (within sharding.KEEP) is refused (QueueClosed), not left with jobs nobody claims.
+            _delete_keys(app, app.keys.q(gone))
+            r.pipeline(transaction=False).srem(app.keys.queues, gone).hset(
+                app.keys.q(gone) + "meta", mapping={"closed": 1, "retired": 1}).execute()
+    settings: dict[str, Any] = {"bound": -(-bound // n), "exclusive": int(exclusive)}
+    if closed == "1":
+        settings["closed"] = 1
+    if paused == "1":
+        settings["paused"] = 1
+    pipe = r.pipeline(transaction=False)
+    for shard in sharding.names(name, n):
+        sp = app.keys.q(shard)
+        if shard != name:  # a shard retired before, or new: as the queue is
+            pipe.hdel(sp + "meta", "retired", *(() if closed == "1" else ("closed",)),
+                      *(() if paused == "1" else ("paused",)))
+        pipe.hset(sp + "meta", mapping=settings)
+        if each is not None:
+            pipe.hset(sp + "meta", "rate", each)
+        elif rate_total is None and kept_rate is not None:
+            pipe.hdel(sp + "meta", "rate")
+        pipe.lpush(sp + "notfull", "1").ltrim(sp + "notfull", 0, 0)
+    if n > 1:
+        pipe.hset(p + "meta", "shards", n)
+        if rate_total is not None:
+            pipe.hset(p + "meta", "rate_total", rate_total)
+    else:
+        pipe.hdel(p + "meta", "shards")
+        pipe.hdel(p + "meta", "rate_total")
+    pipe.sadd(app.keys.queues, *sharding.names(name, n))
     pipe.execute()
+    app._spread.forget(name)
+
+
+def split_rate(rate: str, n: int) -> str:
+    """Each shard's part of a queue's rate limit: `rate` over `n` shards, in the unit that
+    keeps it whole ("50/s" over 3 shards: "1000/m" each). A rate that no unit splits
+    evenly is refused (ValueError): every shard's spacing must be exactly n times the queue's."""
+    count, period = codec.rate_period(codec.rate("rate", rate))
+    if n == 1:
+        return rate
+    for unit, seconds in (("s", 1), ("m", 60), ("h", 3600)):
+        if seconds >= period and (count * seconds // period) % n == 0:
+            return f"{count * seconds // period // n}/{unit}"
+    raise ValueError(f"rate {rate} cannot be split evenly over {n} shards (each starts at most the rate / {n}): "
+                     f"give a rate per second, minute or hour divisible by {n}")
+
+
+def unfinished(app: TaskRunner, names: list[str]) -> int:
+    """Jobs pending (any priority), delayed, waiting or running in the queues `names`."""
+    return sum(c["waiting"] + c["delayed"] + c["running"] for c in state_counts(app, names)) + sum(
+        backlog(app, q) for q in names)
+
+
+def shards_of(app: TaskRunner, name: str) -> list[str]:
+    """The physical queues of queue `name`: its shards, or itself."""
+    return sharding.names(name, sharding.count(app.redis.hget(app.keys.q(name) + "meta", "shards")))
 
 
 def close(app: TaskRunner, name: str) -> None:
     """No new jobs (enqueue raises QueueClosed); jobs already queued still run. open()
     undoes it."""
     must_exist(app, name)
-    app.redis.hset(app.keys.q(name) + "meta", "closed", 1)
+    _each(app, name, lambda pipe, p: pipe.hset(p + "meta", "closed", 1))
 
 
 def open(app: TaskRunner, name: str) -> None:  # the counterpart of close(), named as the CLI command
     """Take new jobs again after close()."""
     must_exist(app, name)
-    app.redis.hdel(app.keys.q(name) + "meta", "closed")
+    _each(app, name, lambda pipe, p: pipe.hdel(p + "meta", "closed"))
 
 
 def set_rate(app: TaskRunner, name: str, rate: str | None) -> None:
@@ -54,13 +126,22 @@ def set_rate(app: TaskRunner, name: str, rate: str | None) -> None:
     control); a lower limit applies from the next start on."""
     must_exist(app, name)
     p = app.keys.q(name)
+    n = sharding.count(app.redis.hget(p + "meta", "shards"))
+    each = split_rate(rate, n) if rate is not None else None
     pipe = app.redis.pipeline(transaction=False)
-    if rate is None:
-        pipe.hdel(p + "meta", "rate")
-    else:
-        pipe.hset(p + "meta", "rate", codec.rate("rate", rate))
-    # A wake token: a worker sleeping until the old limit's next token claims now.
-    pipe.lpush(p + "wake", "1").ltrim(p + "wake", 0, 0)
+    for shard in sharding.names(name, n):
+        sp = app.keys.q(shard)
+        if each is None:
+            pipe.hdel(sp + "meta", "rate")
+        else:
+            pipe.hset(sp + "meta", "rate", each)
+        # A wake token: a worker sleeping until the old limit's next token claims now.
+        pipe.lpush(sp + "wake", "1").ltrim(sp + "wake", 0, 0)
+    if n > 1:
+        if rate is None:
+            pipe.hdel(p + "meta", "rate_total")
+        else:
+            pipe.hset(p + "meta", "rate_total", rate)
     pipe.execute()
 
 
@@ -69,16 +150,23 @@ def pause(app: TaskRunner, name: str) -> None:
     it reads anyway) and sleep on it: an enqueue into a paused queue leaves no wake token.
     It still takes new jobs; running ones go on. resume() undoes it."""
     must_exist(app, name)
-    app.redis.hset(app.keys.q(name) + "meta", "paused", 1)
+    _each(app, name, lambda pipe, p: pipe.hset(p + "meta", "paused", 1))
 
 
 def resume(app: TaskRunner, name: str) -> None:
     """Workers claim from the queue again: a wake token wakes one idle worker, whose claim
     leaves another while jobs remain (as after an enqueue)."""
     must_exist(app, name)
-    p = app.keys.q(name)
-    app.redis.pipeline(transaction=False).hdel(p + "meta", "paused").lpush(p + "wake", "1").ltrim(
-        p + "wake", 0, 0).execute()
+    _each(app, name, lambda pipe, p: pipe.hdel(p + "meta", "paused").lpush(p + "wake", "1").ltrim(p + "wake", 0, 0))
+
+
+def _each(app: TaskRunner, name: str, change: Callable[[Any, str], Any]) -> None:
+    """Make a change to every shard of queue `name` (one, unless sharded), in one round trip:
+    `change(pipe, key prefix)`."""
+    pipe = app.redis.pipeline(transaction=False)
+    for shard in shards_of(app, name):
+        change(pipe, app.keys.q(shard))
+    pipe.execute()
 
 
 def pending_keys(p: str, priorities: str | None) -> list[str]:
@@ -88,26 +176,49 @@ def pending_keys(p: str, priorities: str | None) -> list[str]:
 
 
 def deletable(app: TaskRunner, name: str, force: bool = False) -> dict[str, int]:
-    """What delete() would remove, jobs counted by state; raises what delete() would
-    (no such queue; jobs running and not forced), so that a caller can ask first."""
+    """What delete() would remove, jobs counted by state (of every shard); raises what
+    delete() would (no such queue; jobs running and not forced), so that a caller can ask first."""
     must_exist(app, name)
-    p, r = app.keys.q(name), app.redis
-    pending = backlog(app, name)
-    delayed, waiting, running, *finished = (
-        r.pipeline(transaction=False).zcard(p + "delayed").zcard(p + "waiting")
-        .hlen(p + "running").zcard(p + "completed").zcard(p + "failed").zcard(p + "killed").zcard(p + "canceled")
-        .execute())
-    if running and not force:
-        raise TaskRunnerError(f"queue {name} has {running} running jobs: kill them, wait, or force")
-    return {"pending": pending, "delayed": delayed, "waiting": waiting, "running": running,
-            "finished": sum(finished)}
+    names = shards_of(app, name)
+    counts = {s: sum(c[s] for c in state_counts(app, names)) for s in STATES}
+    if counts["running"] and not force:
+        raise TaskRunnerError(f"queue {name} has {counts['running']} running jobs: kill them, wait, or force")
+    return {"pending": sum(backlog(app, q) for q in names), "delayed": counts["delayed"],
+            "waiting": counts["waiting"], "running": counts["running"],
+            "finished": sum(counts[s] for s in STATES[3:])}
+
+
+#: The states whose jobs a queue counts with one command each (pending: backlog()).
+STATES = ("waiting", "delayed", "running", "completed", "failed", "killed", "canceled")
+
+
+def state_counts(app: TaskRunner, names: list[str]) -> list[dict[str, int]]:
+    """Jobs of each queue of `names` in each of STATES, in one round trip."""
+    pipe = app.redis.pipeline(transaction=False)
+    for q in names:
+        p = app.keys.q(q)
+        pipe.zcard(p + "waiting").zcard(p + "delayed").hlen(p + "running")
+        pipe.zcard(p + "completed").zcard(p + "failed").zcard(p + "killed").zcard(p + "canceled")
+    counts = pipe.execute()
+    n = len(STATES)
+    return [dict(zip(STATES, counts[i * n:(i + 1) * n])) for i in range(len(names))]
 
 
 def delete(app: TaskRunner, name: str, force: bool = False) -> int:
-    """Remove every key of the queue and forget it; refused while its jobs run unless
-    forced (their workers' results are then fenced off). Returns the keys deleted."""
+    """Remove every key of the queue (of each of its shards) and forget it; refused while
+    its jobs run unless forced (their workers' results are then fenced off). Returns the
+    keys deleted."""
     deletable(app, name, force)
-    p = app.keys.q(name)
+    names = shards_of(app, name)
+    deleted = sum(_delete_keys(app, app.keys.q(q)) for q in names)
+    app.redis.srem(app.keys.queues, *names)
+    app._known_queues.difference_update(names)
+    app._spread.forget(name)
+    return deleted
+
+
+def _delete_keys(app: TaskRunner, p: str) -> int:
+    """Unlink every key of key prefix `p`; how many."""
     deleted = 0
     # SCAN, not KEYS: an admin operation that must find every job record of the queue.
     pattern = p.replace("[", "\\[") + "*"
@@ -119,14 +230,12 @@ def delete(app: TaskRunner, name: str, force: bool = False) -> int:
             batch = []
     if batch:
         deleted += app.redis.unlink(*batch)
-    app.redis.srem(app.keys.queues, name)
-    app._known_queues.discard(name)
     return deleted
 
 
 def info(app: TaskRunner, name: str) -> dict[str, Any]:
-    """Settings and counters of one queue."""
-    return settings(app, [name])[0]
+    """Settings and counters of one queue (of all its shards together)."""
+    return combined(settings(app, shards_of(app, name)))
 
 
 def backlog(app: TaskRunner, name: str) -> int:
@@ -157,7 +266,31 @@ def settings(app: TaskRunner, names: list[str]) -> list[dict[str, Any]]:
                  priorities=[int(c) for c in meta.get("priorities", "") if c in "123456789"],
                  duplicates={k.partition("|")[2]: int(v) for k, v in meta.items() if k.startswith("duplicates|")})
         d.update(rate_use(meta.get("rate"), limit, now))
+        d["shards"] = sharding.count(meta.get("shards"))
+        if d["shards"] > 1:  # shard 0 of a sharded queue: the queue's rate, and each shard's part
+            d.update(rate=meta.get("rate_total"), rate_each=meta.get("rate"))
         out.append(d)
+    return out
+
+
+def combined(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One logical queue's figures from its shards' (shard 0 first, as settings() or
+    listing.queue_stats() give them): counts, counters, bounds and rate use summed; its
+    settings (paused, closed, rate) are shard 0's, as every shard has them."""
+    if len(rows) == 1:
+        return rows[0]
+    out = dict(rows[0])
+    for k, v in rows[0].items():
+        if isinstance(v, int) and not isinstance(v, bool) and k != "shards":
+            out[k] = sum(r.get(k, 0) for r in rows)
+    out["paused"] = any(r["paused"] for r in rows)
+    out["closed"] = any(r["closed"] for r in rows)
+    out["priorities"] = sorted({p for r in rows for p in r["priorities"]}, reverse=True)
+    dups: dict[str, int] = {}
+    for r in rows:
+        for task, n in r["duplicates"].items():
+            dups[task] = dups.get(task, 0) + n
+    out["duplicates"] = dups
     return out
 
 

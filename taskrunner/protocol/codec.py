@@ -18,6 +18,7 @@ from taskrunner.errors import InvalidName, NotJSONError
 # passthrough makes them errors, so what a consumer reads is what the producer sent.
 _STRICT = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}\Z")
+_SHARD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}~[1-9][0-9]?\Z")
 _ID = re.compile(r"[A-Za-z0-9_.:@-]{1,200}\Z")
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]
@@ -56,6 +57,14 @@ def check_name(kind: str, name: str) -> str:
         raise InvalidName(f"invalid {kind} name {name!r}: use letters, digits and _.:@- "
                           "(at most 200, starting with a letter or digit)")
     return name
+
+
+def check_queue(name: str) -> str:
+    """A queue as records and keys name it: a name check_name() takes, or a shard of one,
+    "Q~i" (1 <= i < 64, protocol/shards.py), which users cannot name a queue of their own."""
+    if isinstance(name, str) and _SHARD.match(name) and int(name.rpartition("~")[2]) < 64:
+        return name
+    return check_name("queue", name)
 
 
 def check_id(job_id: str) -> str:

@@ -33,7 +33,7 @@ from taskrunner.client import declarations, steps
 from taskrunner.client.app import TaskRunner
 from taskrunner.errors import NameInUse
 from taskrunner.logs import Run, job_fields
-from taskrunner.protocol import codec, scripts
+from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.claims import claim_args, claim_keys, claim_rest
 from taskrunner.protocol.connection import Blocker, Channel, is_cluster, server_time
 from taskrunner.protocol.holders import identity, lose_held
@@ -58,6 +58,7 @@ class Flight:
     load: Load
     slots: list[tuple[Child, float]]
     claim: list[Any]
+    order: list[str]  # the physical queues claimed from, in the claim's order
 
 
 def local_ip(client: redis.Redis | redis.cluster.RedisCluster) -> str:
@@ -88,8 +89,10 @@ class Worker:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         self.app, self.s, self.keys = app, app.settings, app.keys
-        self.queues = [codec.check_name("queue", q) for q in queues]
-        self.prefixes = [self.keys.q(q) for q in self.queues]
+        # The queues served, each as its shards' physical queues (a queue not sharded: itself),
+        # whose counts are read when we start and at each heartbeat.
+        self.served = shards.Served([codec.check_name("queue", q) for q in queues])
+        self.woken: str | None = None  # the queue whose wake token woke us: claimed from first
         self.concurrency = concurrency
         self.prefetch = max(1, prefetch if prefetch is not None else self.s.prefetch)
         self.max_jobs_per_child, self.max_memory_per_child = max_jobs_per_child, max_memory_per_child
@@ -117,9 +120,8 @@ class Worker:
         self.next_declare = 0.0  # when to put back declarations that went missing
         self.redis_ok_at = 0.0  # after a Redis error, talk to it again from this time
         self.backoff = 0.0
-        wakes = [p + "wake" for p in self.prefixes]
-        groups = [[k] for k in wakes] if is_cluster(self.redis) else [wakes]  # one command's keys: one slot
-        self.wakes = [Blocker(self.redis, keys) for keys in groups]
+        self.wakes: list[Blocker] = []
+        self._served(self.served.counts)
         self.ctl = Blocker(self.redis, [self.keys.control(self.name)])
         # Syncs go on a connection of our own, answered while we read our children (with
         # TLS, Sentinel or Cluster through redis-py, one at a time, waiting for each).
@@ -127,6 +129,22 @@ class Worker:
         self.flights: deque[Flight] = deque()  # oldest first
         self.proc = psutil.Process()
         self.started_at = time.time()
+
+    def _served(self, counts: list[int]) -> None:
+        """Serve the queues' shards as `counts` says: the physical queues and their wake lists."""
+        self.served.update(counts)
+        for b in self.wakes:
+            b.reset()
+        self.queues = self.served.physical
+        self.prefixes = [self.keys.q(q) for q in self.queues]
+        wakes = [p + "wake" for p in self.prefixes]
+        groups = [[k] for k in wakes] if is_cluster(self.redis) else [wakes]  # one command's keys: one slot
+        self.wakes = [Blocker(self.redis, keys) for keys in groups]
+
+    def _shard_counts(self, pipe: Any) -> None:
+        """Ask, in `pipe`, for the shard count of each queue served (shards.count reads the answers)."""
+        for q in self.served.queues:
+            pipe.hget(self.keys.q(q) + "meta", "shards")
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -175,6 +193,9 @@ class Worker:
         if last is not None and now - last < self.s.dead_after:
             raise NameInUse(f"worker name {self.name!r} is in use by a live worker (heartbeat "
                             f"{now - last:.1f}s ago); pick another with -n")
+        pipe = self.redis.pipeline(transaction=False)
+        self._shard_counts(pipe)
+        self._served([shards.count(n) for n in pipe.execute()])
         self.redis.sadd(self.keys.queues, *self.queues)
         declarations.publish(self.app, self.queues, self.name, now)
         self.next_declare = time.monotonic() + declarations.REFRESH
@@ -342,6 +363,8 @@ class Worker:
                 return  # re-armed by the next step
             if ready is not self.ctl:  # a wake list
                 self.may_claim, self.claim_at = True, None
+                if reply:
+                    self.woken = str(reply[0])[len(self.keys.prefix) + 2:-len("}:wake")]
                 self._cancel_wakes()
             elif reply:
                 self._on_control(reply[1])
@@ -410,9 +433,10 @@ class Worker:
         if slots:
             pairs = [v for c, ahead in slots for v in (c.pid, f"{ahead:.3f}")]
             claim = claim_args(self.app, self.name, self.host, self.ip, pairs)
-            batch.call(scripts.CLAIM, claim_keys(self.app, self.prefixes), claim)
+            order, self.woken = self.served.order(self.woken), None
+            batch.call(scripts.CLAIM, claim_keys(self.app, [self.keys.q(q) for q in order]), claim)
         if len(batch):
-            self.flights.append(Flight(batch, load, slots, claim))
+            self.flights.append(Flight(batch, load, slots, claim, order if slots else []))
             if self.channel is not None:
                 self.channel.send(batch.commands())
             if wait or self.reconcile or self.channel is None:
@@ -439,7 +463,7 @@ class Worker:
         if self.outbox.to_carry:
             self._carry()
         if f.slots:
-            claimed, wait = claim_rest(self.app, self.queues, f.claim, results[-1])
+            claimed, wait = claim_rest(self.app, f.order, f.claim, results[-1])
             self.crew.deliver(f.slots, claimed)
             if len(claimed) < len(f.slots):
                 # Found nothing more: wait for a wake token, or for the token of a rate limit
@@ -477,7 +501,15 @@ class Worker:
         for _, d in held:
             batch.pipe.hmget(self.keys.job(d.queue, d.id), "attempts", "kill_requested")
             batch.pipe.hexists(self.keys.q(d.queue) + "running", d.id)
+        self._shard_counts(batch.pipe)
         results = batch.execute()
+        counts = [shards.count(n) for n in results[len(results) - len(self.served.queues):]]
+        if counts != self.served.counts:
+            log.info("worker %s: shards now %s", self.name, ", ".join(
+                f"{q}: {n}" for q, n in zip(self.served.queues, counts)))
+            self._served(counts)
+            self.may_claim = True
+            self.redis.sadd(self.keys.queues, *self.queues)
         self.next_beat = time.monotonic() + self.s.heartbeat
         if self.next_beat >= self.next_declare:
             declarations.publish(self.app, self.queues, self.name, float(results[0]), overwrite=False)

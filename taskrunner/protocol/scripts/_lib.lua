@@ -316,6 +316,15 @@ local function is_name(s)
   return type(s) == 'string' and #s <= 200 and string.find(s, '^%w[%w_.:@%-]*$') ~= nil
 end
 
+-- A queue as keys and records name it: a name, or shard i (1-63) of a sharded queue
+-- "<name>~<i>" (docs/PROTOCOL.md, Sharded queues), a name no user may give a queue.
+local function is_queue(s)
+  if is_name(s) then return true end
+  if type(s) ~= 'string' then return false end
+  local base, i = string.match(s, '^(.+)~([1-9]%d?)$')
+  return base ~= nil and is_name(base) and tonumber(i) < 64
+end
+
 -- A decimal number as JSON writes it ("30", "0.5"; not "5.", "05", "1e3", "-1", "nan"),
 -- so that it can be copied into a JSON entry as it is.
 local function json_decimal(s)

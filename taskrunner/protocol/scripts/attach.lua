@@ -22,9 +22,9 @@ local function refuse(kind, message)
 end
 local here = queue_of(p)
 local cq, cid, takes = ARGV[1], ARGV[2], ARGV[3]
-if not here or not is_name(here) then
+if not here or not is_queue(here) then
   return refuse('BadCall', 'KEYS[1] must be a queue key prefix "<prefix>:{<queue>}:"')
-elseif #ARGV < 4 or not is_name(cq) or cq == here or not cid or #cid > 200
+elseif #ARGV < 4 or not is_queue(cq) or cq == here or not cid or #cid > 200
     or not string.find(cid, '^[A-Za-z0-9_.:@%-]+$') then
   return refuse('BadCall', 'ARGV is the child\'s queue (another than KEYS[1]\'s), its id, what it takes, then the '
     .. 'parents\' ids')

@@ -190,7 +190,7 @@ local function bad_json(v, opening)
 end
 
 local queue = string.match(p, '{([^{}]*)}:$')
-if not queue or not is_name(queue) then
+if not queue or not is_queue(queue) then
   return refuse('InvalidName', 'KEYS[1] must be "<prefix>:{<queue>}:" with a queue name of letters, digits and '
     .. '_.:@- (at most 200, starting with a letter or digit), not ' .. quote(p))
 end
@@ -202,7 +202,7 @@ end
 local prefixes = {[queue] = p}  -- queue -> key prefix, for every queue this call may touch
 for k = 3, #KEYS do
   local q = string.match(KEYS[k], '{([^{}]*)}:$')
-  if not q or not is_name(q) or KEYS[k] ~= base .. '{' .. q .. '}:' then
+  if not q or not is_queue(q) or KEYS[k] ~= base .. '{' .. q .. '}:' then
     return refuse('BadCall', 'KEYS[' .. k .. '] must be the key prefix of a queue, "<prefix>:{<queue>}:" with '
       .. 'KEYS[1]\'s prefix, not ' .. quote(KEYS[k]))
   end
@@ -375,7 +375,7 @@ for n = 1, n_jobs do
   if cross_children then
     local children_of, bad = {}, false
     local rest = string.gsub(cross_children, '(%S+)%s+(%S+)%s+(%S+)', function(cq, cid, ct)
-      bad = bad or not is_name(cq) or cq == jq or #cid > 200 or not string.find(cid, '^[A-Za-z0-9_.:@%-]+$')
+      bad = bad or not is_queue(cq) or cq == jq or #cid > 200 or not string.find(cid, '^[A-Za-z0-9_.:@%-]+$')
         or not (ct == 'result' or ct == 'results' or ct == 'error' or ct == '-')
       children_of[#children_of + 1] = cq .. ' ' .. cid
       return ''

@@ -29,7 +29,7 @@ local function refuse(message)
   return redis.error_reply('ERR taskrunner: BadCall: join: ' .. message)
 end
 local here = queue_of(p)
-if not here or not is_name(here) then
+if not here or not is_queue(here) then
   return refuse('KEYS[1] must be a queue key prefix "<prefix>:{<queue>}:"')
 end
 local ttl = tonumber(ARGV[1])
@@ -41,7 +41,7 @@ local STATES = {completed = true, failed = true, killed = true, canceled = true,
 local NEWS = {'result', 'error_type', 'error', 'canceled_by'}
 for i = 2, #ARGV, 8 do
   local q, pid = string.match(ARGV[i + 1], '^(%S+) (%S+)$')
-  if not string.find(ARGV[i], '^[A-Za-z0-9_.:@%-]+$') or #ARGV[i] > 200 or not q or not is_name(q) then
+  if not string.find(ARGV[i], '^[A-Za-z0-9_.:@%-]+$') or #ARGV[i] > 200 or not q or not is_queue(q) then
     return refuse('entry ' .. (i + 6) / 8 .. ': child must be a job id and parent "<queue> <id>"')
   elseif not STATES[ARGV[i + 3]] then
     return refuse('entry ' .. (i + 6) / 8 .. ': state must be completed, failed, killed, canceled or deleted')

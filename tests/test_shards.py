@@ -1,0 +1,195 @@
+"""Sharded queues (issue 18, goal 3) on one Redis server: one logical queue over N
+physical queues ("Q", "Q~1", ...), each its own hash slot. Producers (sync, asyncio,
+enqueue_many) spread jobs over the shards, a worker claims from all of them in one call
+and sleeps on all of their wake lists, and every operation on the queue acts on every
+shard. The cluster side is in test_cluster.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections import Counter
+
+import psutil
+import pytest
+
+from taskrunner.client.aio import AsyncClient
+from taskrunner.errors import InvalidName, JobNotFound, TaskRunnerError
+from taskrunner.ops import listing, queue
+from taskrunner.protocol import shards
+from tests import apps, flow_apps
+from tests.conftest import wait_for
+from tests.test_failures import release, started_pid
+from tests.test_scripts import claim, finish
+
+
+def on_shards(jobs) -> Counter:
+    return Counter(shards.split(j.queue)[1] for j in jobs)
+
+
+def test_jobs_spread_over_shards_and_run_once_from_every_producer(app, stack):
+    r = stack.cli("queue", "create", "sq", "--shards", "4", check=True)
+    assert "4 shards" in r.stdout
+    assert app.queue_names() == ["sq", "sq~1", "sq~2", "sq~3"]  # the dispatcher sweeps each
+    jobs = [apps.add.apply_async([i, 1], queue="sq") for i in range(40)]
+    jobs += app.enqueue_many({"task": "tests.apps.add", "args": [i, 2], "queue": "sq"} for i in range(20))
+
+    async def produce() -> list[str]:
+        client = AsyncClient(app)
+        try:
+            return [await client.enqueue("tests.apps.add", [i, 3], queue="sq") for i in range(8)]
+        finally:
+            await client.close()
+
+    jobs += [app.job(i) for i in asyncio.run(produce())]
+    assert on_shards(jobs) == {0: 17, 1: 17, 2: 17, 3: 17}  # round robin, per producer
+    assert {j.refresh().data["queue"] for j in jobs} == {"sq", "sq~1", "sq~2", "sq~3"}
+    stats = json.loads(stack.cli("queues", "--json", check=True).stdout)
+    [row] = [s for s in stats if s["name"].startswith("sq")]  # one logical queue, its totals
+    assert row["name"] == "sq" and row["pending"] == 68 and row["shards"] == 4
+    per_shard = json.loads(stack.cli("queues", "--json", "--shards", check=True).stdout)
+    assert {s["name"]: s["pending"] for s in per_shard} == {"sq": 17, "sq~1": 17, "sq~2": 17, "sq~3": 17}
+    assert "shards=4" in stack.cli("queues", check=True).stdout
+
+    stack.worker("-Q", "sq", concurrency=2)
+    assert [j.wait(30) for j in jobs] == [i + 1 for i in range(40)] + [i + 2 for i in range(20)] + \
+        [i + 3 for i in range(8)]
+    assert {j.refresh().to_dict()["attempts"] for j in jobs} == {1}  # each ran once
+    info = queue.info(app, "sq")
+    assert info["produced_messages"] == 68 and info["consumed_messages"] == 68
+    done = listing.list_jobs(app, "sq", "completed", limit=100)
+    assert len(done) == 68  # `jobs -q sq` lists every shard's
+
+
+def test_an_idle_worker_sleeps_on_every_shard_and_wakes_for_any(app, stack):
+    queue.create(app, "idle", shards=8)
+    w = stack.worker("-Q", "idle", concurrency=1)
+    assert apps.add.apply_async([1, 1], queue="idle").wait(30) == 2
+    wait_for(lambda: app.redis.info("clients")["blocked_clients"] >= 2, what="the worker to block")
+    proc = psutil.Process(w.pid)
+    before = proc.cpu_times()
+    t0 = time.monotonic()
+    time.sleep(2.0)  # the window its CPU time is measured over
+    after = proc.cpu_times()
+    used = (after.user + after.system) - (before.user + before.system)
+    assert used < 0.2, f"an idle worker on 8 shards used {used:.2f}s of CPU in {time.monotonic() - t0:.1f}s: it polls"
+    jobs = [apps.add.apply_async([i, 0], queue="idle") for i in range(8)]  # one on each shard
+    assert on_shards(jobs) == {i: 1 for i in range(8)}
+    assert [j.wait(30) for j in jobs] == list(range(8))
+
+
+def test_kill_retry_delete_and_wait_by_id_on_a_shard(app, stack):
+    queue.create(app, "ops", shards=3)
+    queue.pause(app, "ops")
+    a, b, c = (apps.add.apply_async([i, i], queue="ops") for i in range(3))
+    assert {shards.split(j.queue)[1] for j in (a, b, c)} == {0, 1, 2}
+    found = app.job(b.id)  # found by id alone: every shard is a queue of the index
+    assert found.queue == b.queue and found.state == "pending"
+    assert app.job(c.id).kill() == "killed"
+    assert c.refresh().state == "killed"
+    c.retry()
+    assert c.refresh().state == "pending"
+    assert a.delete()
+    with pytest.raises(JobNotFound):
+        app.job(a.id)
+    queue.resume(app, "ops")
+    stack.worker("-Q", "ops", concurrency=1)
+    assert b.wait(30) == 2 and c.wait(30) == 4
+
+
+def test_pause_and_resume_act_on_every_shard(app, stack):
+    queue.create(app, "pq", shards=3)
+    assert json.loads(stack.cli("queue", "pause", "pq", "--json", check=True).stdout)["paused"] is True
+    assert [app.redis.hget(app.keys.q(s) + "meta", "paused") for s in ("pq", "pq~1", "pq~2")] == ["1"] * 3
+    jobs = [apps.add.apply_async([i, 0], queue="pq") for i in range(6)]
+    stack.worker("-Q", "pq,other", concurrency=1)
+    assert apps.add.apply_async([1, 1], queue="other").wait(30) == 2  # the worker runs, and claims none of pq
+    assert {j.refresh().state for j in jobs} == {"pending"}
+    stack.cli("queue", "resume", "pq", check=True)
+    assert [j.wait(30) for j in jobs] == list(range(6))
+
+
+def test_the_shard_count_changes_only_while_the_queue_has_no_unfinished_job(app, stack):
+    queue.create(app, "ch", shards=2)
+    job = apps.add.apply_async([1, 1], queue="ch")
+    r = stack.cli("queue", "create", "ch", "--shards", "4")
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "has 1 jobs pending, delayed, waiting or running" in r.stderr and "(2)" in r.stderr
+    stack.worker("-Q", "ch", concurrency=1)
+    assert job.wait(30) == 2
+    queue.create(app, "ch", shards=4)  # finished jobs do not count
+    assert queue.info(app, "ch")["shards"] == 4
+    wait_for(lambda: len([q for q in json.loads(stack.cli("workers", "--json", check=True).stdout)[0]["queues"]])
+             == 4, what="the worker to serve the new shards (at its next heartbeat)")
+    jobs = [apps.add.apply_async([i, 0], queue="ch") for i in range(8)]
+    assert set(on_shards(jobs)) == {0, 1, 2, 3}
+    assert [j.wait(30) for j in jobs] == list(range(8))
+    queue.create(app, "ch", shards=2)  # fewer: the shards that go are closed, so a producer
+    assert app.queue_names().count("ch~3") == 0  # that read the old count cannot leave jobs there
+    with pytest.raises(TaskRunnerError, match="closed"):
+        apps.add.apply_async([1, 1], queue="ch~3")
+    r = stack.cli("queue", "create", "ch", "--shards", "2", "--exclusive")
+    assert r.returncode != 0 and "exclusive" in r.stderr, r.stderr
+    with pytest.raises(InvalidName):
+        queue.create(app, "x~1")  # no user queue can take a shard's name
+
+
+def test_keys_that_limits_count_by_go_to_one_shard(app, stack):
+    """A unique key, a concurrency key and a rate-limited task each land on the shard of
+    their hash, so that the lock, the slots and the limit, which count per shard, stay exact."""
+    queue.create(app, "kq", shards=4)
+    queue.pause(app, "kq")
+    first = apps.add.apply_async([1, 2], queue="kq", unique_key="k1")
+    again = [apps.add.apply_async([i, 2], queue="kq", unique_key="k1") for i in range(6)]
+    assert {j.id for j in again} == {first.id} and not any(j.created for j in again)
+    capped = [flow_apps.capped.apply_async(["a", 0], queue="kq", concurrency_key="cust:7") for _ in range(6)]
+    assert {j.queue for j in capped} == {shards.name("kq", shards.of_key("c:cust:7", 4))}
+    limited = [flow_apps.limited.apply_async([i], queue="kq") for i in range(6)]
+    assert {j.queue for j in limited} == {shards.name("kq", shards.of_key("r:tests.flow_apps.limited", 4))}
+    plain = [apps.add.apply_async([i, 0], queue="kq") for i in range(8)]
+    assert len({j.queue for j in plain}) == 4
+
+
+def test_a_sigkilled_worker_loses_nothing_on_a_sharded_queue(app, stack):
+    queue.create(app, "kill", shards=3)
+    stack.dispatcher()
+    w1 = stack.worker("-Q", "kill", name="w1", concurrency=3)
+    held = [apps.hold.apply_async([f"s{i}"], queue="kill") for i in range(3)]
+    assert {shards.split(j.queue)[1] for j in held} == {0, 1, 2}
+    for i in range(3):
+        started_pid(app, f"s{i}")
+    os.killpg(w1.pid, signal.SIGKILL)
+    stack.worker("-Q", "kill", name="w2", concurrency=3)
+    for i in range(3):
+        started_pid(app, f"s{i}", 2)
+        release(app, f"s{i}")
+    assert [j.wait(30) for j in held] == ["released"] * 3
+    assert {j.refresh().data["worker"] for j in held} == {"w2"}
+
+
+def test_an_unsharded_queue_costs_no_command_more_per_job(app):
+    """The shard count is read once per shards.KEEP seconds per queue and producer, not per
+    job: 100 enqueues into a plain queue, then claims and finishes, cost the commands they
+    cost before sharding (measured on main: 1100 and 2599)."""
+    apps.add.apply_async([1, 1], queue="plainq")  # the scripts loaded, the count read
+    claim(app, queues=("plainq",))
+    app.redis.config_resetstat()
+    for _ in range(100):
+        apps.add.apply_async([1, 1], queue="plainq")
+    enqueued = commands(app)
+    app.redis.config_resetstat()
+    for _ in range(100):
+        [row] = claim(app, queues=("plainq",))
+        assert finish(app, row[1], str(row[2]), "completed", "2", queue="plainq") == 1
+    assert (enqueued, commands(app)) == (1100, 2599)
+
+
+def commands(app) -> int:
+    """Commands Redis ran since the last CONFIG RESETSTAT (those of scripts included), but
+    the test's own INFO and CONFIG."""
+    stats = app.redis.info("commandstats")
+    return sum(v["calls"] for k, v in stats.items()
+               if k.split("|")[0] not in ("cmdstat_info", "cmdstat_config", "cmdstat_hello", "cmdstat_client"))
