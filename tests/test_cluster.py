@@ -19,7 +19,9 @@ from taskrunner.client import steps
 from taskrunner.client.aio import AsyncClient
 from taskrunner.client.consumer import Consumer
 from taskrunner.errors import QueueClosed, Timeout
-from taskrunner.protocol import joins, scripts
+from taskrunner.ops import listing
+from taskrunner.ops import queue as queue_ops
+from taskrunner.protocol import joins, scripts, shards
 from taskrunner.protocol.connection import ClusterURL, connect, connect_async
 from taskrunner.protocol.outcome import Ended, Outcome, finish_args
 from tests import apps
@@ -617,3 +619,73 @@ def test_node_client_writes_workflows_over_slots(capp, stack, cluster, queues):
     assert capp.job(callback, queues[1]).wait(30) == 2
     assert got["refused"] == "the Node consumer needs one Redis server, not a Redis Cluster (README: Limits)"
     wait_for(lambda: outboxes(capp, queues) == 0, what="every outbox entry carried")
+
+
+# -- sharded queues (issue 18) ------------------------------------------------------------
+
+
+@pytest.fixture
+def sharded(capp, cluster) -> str:
+    """A queue of 3 shards whose slots are on the three primaries."""
+    for i in range(1000):
+        if len({cluster.owner(f"{{{s}}}").port for s in shards.names(f"sh{i}", 3)}) == 3:
+            queue_ops.create(capp, f"sh{i}", shards=3)
+            return f"sh{i}"
+    raise AssertionError("no queue whose 3 shards are on three primaries")
+
+
+def test_a_sharded_queue_spreads_over_the_primaries_and_runs_each_job_once(capp, stack, cluster, sharded):
+    stack.dispatcher()
+    stack.worker("-Q", sharded, name="w1", concurrency=3)
+    jobs = [apps.add.apply_async([i, 1], queue=sharded) for i in range(30)]
+    jobs += capp.enqueue_many({"task": "tests.apps.add", "args": [i, 2], "queue": sharded} for i in range(15))
+
+    async def produce() -> list[str]:
+        client = AsyncClient(capp)
+        try:
+            return [await client.enqueue("tests.apps.add", [i, 3], queue=sharded) for i in range(6)]
+        finally:
+            await client.close()
+
+    jobs += [capp.job(i) for i in asyncio.run(produce())]
+    assert [j.wait(30) for j in jobs] == [i + 1 for i in range(30)] + [i + 2 for i in range(15)] + \
+        [i + 3 for i in range(6)]
+    by_shard: dict[str, list] = {}
+    for j in jobs:
+        by_shard.setdefault(j.queue, []).append(j)
+    assert sorted(by_shard) == shards.names(sharded, 3) and all(len(v) == 17 for v in by_shard.values())
+    for q, done in by_shard.items():  # each shard's records on its own primary, each run once
+        with cluster.owner(f"{{{q}}}").client() as node:
+            assert {node.hget(capp.keys.job(q, j.id), "state") for j in done} == {"completed"}
+            assert {node.hget(capp.keys.job(q, j.id), "attempts") for j in done} == {"1"}
+    [row] = [s for s in listing.queue_stats(capp) if s["name"] == sharded]
+    assert row["completed"] == 51 and row["shards"] == 3
+    # The worker waits on every shard's wake list, each on its own primary: one job on each wakes it.
+    for s in shards.names(sharded, 3):
+        with cluster.owner(f"{{{s}}}").client() as node:
+            wait_for(lambda node=node: node.info("clients")["blocked_clients"] >= 1, what="a BRPOP on each primary")
+    late = [apps.add.apply_async([i, 0], queue=sharded) for i in range(3)]
+    assert sorted(j.queue for j in late) == shards.names(sharded, 3)
+    assert [j.wait(30) for j in late] == [0, 1, 2]
+
+
+def test_a_sigkilled_worker_loses_nothing_of_a_sharded_queue_on_a_cluster(capp, stack, cluster, sharded):
+    stack.dispatcher()
+    w1 = stack.worker("-Q", sharded, name="w1", concurrency=3)
+    held = [apps.hold.apply_async([f"c{i}"], queue=sharded) for i in range(3)]
+    assert sorted(j.queue for j in held) == shards.names(sharded, 3)
+    for i in range(3):
+        started_pid(capp, f"c{i}")
+    os.killpg(w1.pid, signal.SIGKILL)
+    w1.wait()
+    stack.worker("-Q", sharded, name="w2", concurrency=3)
+    for i in range(3):
+        started_pid(capp, f"c{i}", 2)
+        release(capp, f"c{i}")
+    assert [j.wait(60) for j in held] == ["released"] * 3
+    assert [(j.refresh().data["worker"], j.to_dict()["attempts"]) for j in held] == [("w2", 2)] * 3
+    queue_ops.pause(capp, sharded)  # pause and resume reach every shard's primary
+    paused = [apps.add.apply_async([i, 0], queue=sharded) for i in range(3)]
+    assert {j.refresh().state for j in paused} == {"pending"}
+    queue_ops.resume(capp, sharded)
+    assert [j.wait(30) for j in paused] == [0, 1, 2]

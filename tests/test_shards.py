@@ -193,3 +193,17 @@ def commands(app) -> int:
     stats = app.redis.info("commandstats")
     return sum(v["calls"] for k, v in stats.items()
                if k.split("|")[0] not in ("cmdstat_info", "cmdstat_config", "cmdstat_hello", "cmdstat_client"))
+
+
+def test_bound_and_rate_are_split_evenly_over_the_shards(app, stack):
+    queue.create(app, "br", bound=10, rate="50/s", shards=3)
+    metas = [app.redis.hgetall(app.keys.q(s) + "meta") for s in shards.names("br", 3)]
+    assert [(m["bound"], m["rate"]) for m in metas] == [("4", "1000/m")] * 3  # 50/s = 3 x 1000/m
+    info = queue.info(app, "br")
+    assert (info["bound"], info["rate"], info["rate_each"], info["shards"]) == (12, "50/s", "1000/m", 3)
+    queue.set_rate(app, "br", "30/s")
+    assert {app.redis.hget(app.keys.q(s) + "meta", "rate") for s in shards.names("br", 3)} == {"10/s"}
+    assert queue.info(app, "br")["rate"] == "30/s"
+    r = stack.cli("queue", "create", "br7", "--rate", "50/s", "--shards", "7")
+    assert r.returncode == 2 and "cannot be split evenly over 7 shards" in r.stderr, r.stderr
+    assert not app.redis.exists(app.keys.q("br7") + "meta")  # refused before anything was written

@@ -55,8 +55,9 @@ class Consumer:
         deadline = time.monotonic() + block
         prefixes = [self.keys.q(q) for q in self.queues]
         argv = claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid(), ""] * count)
+        woken = None  # the queue whose wake token woke us: claimed from first
         while True:
-            order = self.served.order()
+            order = self.served.order(woken)
             raw = scripts.CLAIM(self.app.redis, claim_keys(self.app, [self.keys.q(q) for q in order]), argv)
             out, wait = claim_rest(self.app, order, argv, raw)
             left = deadline - time.monotonic()
@@ -65,7 +66,8 @@ class Consumer:
             if wait is not None and wait < _SHORT:  # a rate limit's next token: Redis times a BRPOP out to 0.1 s
                 time.sleep(min(wait, left))
             else:
-                pop_any(self.app.redis, [p + "wake" for p in prefixes], max(0.01, min(left, 5, wait or 5)))
+                reply = pop_any(self.app.redis, [p + "wake" for p in prefixes], max(0.01, min(left, 5, wait or 5)))
+                woken = self.keys.queue_of(reply[0]) if reply else None
 
     def ack(self, deliveries: list[Delivery], results: list[Any] | None = None) -> list[bool]:
         """Mark jobs completed, all in one round trip; says which were really acked (a job

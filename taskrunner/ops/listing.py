@@ -221,11 +221,17 @@ def _short(args: str | None, kwargs: str | None, width: int = 80) -> str:
 
 def page_of(app: TaskRunner, queue: str, state: str, offset: int = 0, limit: int = 50
             ) -> tuple[int, list[dict[str, Any]]]:
-    """(total, one page) of a queue's pending, delayed or finished jobs."""
-    p = app.keys.q(queue)
-    total = backlog(app, queue) if state == "pending" else app.redis.zcard(p + state)
-    ids = job_ids(app, queue, state, limit, offset)
-    rows = [{"id": i, "queue": queue} for i in ids]
+    """(total, one page) of a queue's pending, delayed or finished jobs; of a sharded
+    queue, its shards' one after the other (shard 0 first), each in its own order."""
+    rows: list[dict[str, Any]] = []
+    total = 0
+    for shard in shards_of(app, queue):
+        p = app.keys.q(shard)
+        n = backlog(app, shard) if state == "pending" else app.redis.zcard(p + state)
+        total += n
+        if len(rows) < limit and offset < n:
+            rows += [{"id": i, "queue": shard} for i in job_ids(app, shard, state, limit - len(rows), offset)]
+        offset = max(0, offset - n)
     fields = ("task", "args", "kwargs", "state", "enqueued_at", "due_at", "started_at", "finished_at", "attempts",
               "error_type", "error", "worker")
     return total, _fill(app, rows, fields)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from taskrunner.protocol import codec, scripts
+from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.connection import is_cluster
 
 if TYPE_CHECKING:
@@ -110,15 +110,22 @@ def claim_rest(app: TaskRunner, queues: list[str], args: list[Any],
     the later queues go on, one call each, in priority order, while jobs are still wanted
     (strict priority, as in one call), each pair's seconds ahead counting the jobs claimed
     for its process before. Job k went to pair k. With them, the seconds until a rate
-    limit that held a job back has a token again (None: none did)."""
+    limit that held a job back has a token again (None: none did). Of a sharded queue
+    (shards.py) a cluster's claim asks the first shard in `queues` alone: no round trip
+    per empty shard; a claimer that got fewer jobs than it wanted waits on every shard's
+    wake list, and a shard with jobs left has a token there (docs/PROTOCOL.md, Sharded queues)."""
     claimed, wait = decode(answer, queues)
     if not is_cluster(app.redis):
         return claimed, wait
     head, pairs = args[:6], args[6:]
+    asked = {shards.logical(queues[0])}
     for queue in queues[1:]:
         n = len(claimed)
         if 2 * n == len(pairs):
             break
+        if shards.logical(queue) in asked:
+            continue
+        asked.add(shards.logical(queue))
         ahead: dict[Any, float] = {}  # pid -> max durations of the jobs claimed for it so far
         for pid, c in zip(pairs[0:2 * n:2], claimed):
             ahead[pid] = ahead.get(pid, 0.0) + c.max_duration

@@ -20,6 +20,10 @@ class Keys:
         """The key prefix of a queue: every key of the queue starts with it."""
         return f"{self.prefix}:{{{queue}}}:"
 
+    def queue_of(self, key: str) -> str:
+        """The queue whose key `key` is (the name in its hash tag)."""
+        return key[len(self.prefix) + 2:].partition("}")[0]
+
     def job(self, queue: str, job_id: str) -> str:
         return f"{self.q(queue)}job:{job_id}"
 

@@ -364,7 +364,7 @@ class Worker:
             if ready is not self.ctl:  # a wake list
                 self.may_claim, self.claim_at = True, None
                 if reply:
-                    self.woken = str(reply[0])[len(self.keys.prefix) + 2:-len("}:wake")]
+                    self.woken = self.keys.queue_of(reply[0])
                 self._cancel_wakes()
             elif reply:
                 self._on_control(reply[1])
