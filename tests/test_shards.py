@@ -16,6 +16,7 @@ from collections import Counter
 import psutil
 import pytest
 
+from taskrunner import chain, chord, group
 from taskrunner.client.aio import AsyncClient
 from taskrunner.errors import InvalidName, JobNotFound, TaskRunnerError
 from taskrunner.ops import listing, queue
@@ -151,6 +152,8 @@ def test_keys_that_limits_count_by_go_to_one_shard(app, stack):
     assert {j.queue for j in limited} == {shards.name("kq", shards.of_key("r:tests.flow_apps.limited", 4))}
     plain = [apps.add.apply_async([i, 0], queue="kq") for i in range(8)]
     assert len({j.queue for j in plain}) == 4
+    once = [apps.add.apply_async([1, 1], queue="kq", job_id="tick-1") for _ in range(4)]  # a schedule's tick
+    assert len({j.queue for j in once}) == 1 and [j.created for j in once] == [True, False, False, False]
 
 
 def test_a_sigkilled_worker_loses_nothing_on_a_sharded_queue(app, stack):
@@ -207,3 +210,17 @@ def test_bound_and_rate_are_split_evenly_over_the_shards(app, stack):
     r = stack.cli("queue", "create", "br7", "--rate", "50/s", "--shards", "7")
     assert r.returncode == 2 and "cannot be split evenly over 7 shards" in r.stderr, r.stderr
     assert not app.redis.exists(app.keys.q("br7") + "meta")  # refused before anything was written
+
+
+def test_workflows_run_across_the_shards_of_a_queue(app, stack):
+    """A chain's steps and a chord's members land on several shards (several slots): each
+    step runs after its parent, the chord's callback gets every result in order."""
+    queue.create(app, "wf", shards=3)
+    stack.worker("-Q", "wf", concurrency=2)
+    handle = chain(*[apps.add.s(1, 1).set(queue="wf")] + [apps.add.s(1).set(queue="wf") for _ in range(5)]).delay()
+    assert handle.wait(30) == 7
+    members = [apps.add.s(i, 0).set(queue="wf") for i in range(9)]
+    result = chord(group(members), apps.echo.s().set(queue="wf")).delay()
+    assert result.wait(30) == list(range(9))
+    spread = {j.queue for j in listing.list_jobs(app, "wf", "completed", limit=100)}
+    assert spread == {"wf", "wf~1", "wf~2"}

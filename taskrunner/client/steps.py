@@ -183,8 +183,8 @@ def draft(app: TaskRunner, task: str, args: Any, kwargs: dict | None, spec: JobS
     before_enqueue hooks leave them, before it is enqueued — or, in eager mode, run.
     `flow`: its priority and unique lock fields (client/flow.py), checked already."""
     spec, sent = (spec.merged(**options), None) if spec is not None else (yield from job_spec(app, task, options))
+    spec = spec.merged(queue=(yield from placed(app, task, spec, flow or [], job_id)))
     job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
-    spec = spec.merged(queue=(yield from placed(app, task, spec, flow or [])))
     headers = app._headers(task, args, kwargs, spec.queue, job_id, headers)
     fields = app._fields(task, args, kwargs, spec, sent, headers)
     if flow:
@@ -204,13 +204,15 @@ def shard_count(app: TaskRunner, queue: str) -> Steps[int]:
     return n
 
 
-def placed(app: TaskRunner, task: str, spec: JobSpec, flow: list[Any]) -> Steps[str]:
+def placed(app: TaskRunner, task: str, spec: JobSpec, flow: list[Any], job_id: str | None = None) -> Steps[str]:
     """The physical queue a job of `task` with `spec` goes to: its queue, or on a sharded
     queue one of its shards. A job whose limits count per shard goes to the shard of its
     key, so that they stay exact: its concurrency key (the task's name by default) when its
     task has max_concurrency, else its task when that has a rate limit, else its unique key
-    (`flow`: its flow.fields()); any other job goes round robin (docs/PROTOCOL.md, Sharded
-    queues). A task not declared here: its limits as its workers declared them."""
+    (`flow`: its flow.fields()), else the id given to it (`job_id`; None: a new one), as a
+    job with an existing id is not enqueued again (a schedule's tick fires once); any other
+    job goes round robin (docs/PROTOCOL.md, Sharded queues). A task not declared here: its
+    limits as its workers declared them."""
     n = yield from shard_count(app, spec.queue)
     if n <= 1:
         return spec.queue
@@ -225,6 +227,8 @@ def placed(app: TaskRunner, task: str, spec: JobSpec, flow: list[Any]) -> Steps[
         key = f"r:{task}"
     elif "unique_key" in flow:
         key = f"u:{flow[flow.index('unique_key') + 1]}"
+    elif job_id is not None:
+        key = f"i:{job_id}"
     return app._spread.place(spec.queue, n, key)
 
 

@@ -510,6 +510,8 @@ class Worker:
             self._served(counts)
             self.may_claim = True
             self.redis.sadd(self.keys.queues, *self.queues)
+            # New shards need the declarations enqueue.lua reads in their slots.
+            declarations.publish(self.app, self.queues, self.name, float(results[0]), overwrite=False)
         self.next_beat = time.monotonic() + self.s.heartbeat
         if self.next_beat >= self.next_declare:
             declarations.publish(self.app, self.queues, self.name, float(results[0]), overwrite=False)
