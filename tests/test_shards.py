@@ -24,6 +24,7 @@ from taskrunner.protocol import shards
 from tests import apps, flow_apps
 from tests.conftest import wait_for
 from tests.test_failures import release, started_pid
+from tests.test_node_client import need_node, node_script
 from tests.test_scripts import claim, finish
 
 
@@ -224,3 +225,24 @@ def test_workflows_run_across_the_shards_of_a_queue(app, stack):
     assert result.wait(30) == list(range(9))
     spread = {j.queue for j in listing.list_jobs(app, "wf", "completed", limit=100)}
     assert spread == {"wf", "wf~1", "wf~2"}
+
+
+def test_the_node_producer_places_jobs_on_the_shards_as_python_does(app, stack):
+    need_node()
+    queue.create(app, "nq", shards=3)
+    stack.worker("-Q", "nq", concurrency=2)
+    got = node_script(stack, """
+      const plain = [];
+      for (let i = 0; i < 6; i++) plain.push(await tr.enqueue('tests.apps.add', [i, 1], {}, { queue: 'nq' }));
+      const keyed = await tr.enqueue('tests.apps.add', [1, 1], {}, { queue: 'nq', uniqueKey: 'k-7' });
+      const again = await tr.enqueue('tests.apps.add', [1, 1], {}, { queue: 'nq', id: 'node-tick-1' });
+      const last = await tr.chain([{ task: 'tests.apps.add', args: [1, 1], queue: 'nq' },
+        { task: 'tests.apps.add', args: [1], queue: 'nq' }, { task: 'tests.apps.add', args: [1], queue: 'nq' }]);
+      const record = await tr.wait(last.id, last.queue, 30);
+      console.log(JSON.stringify({ plain, keyed, again, result: record.result }));
+    """)
+    assert sorted(j["queue"] for j in got["plain"]) == ["nq", "nq", "nq~1", "nq~1", "nq~2", "nq~2"]
+    assert got["keyed"]["queue"] == shards.name("nq", shards.of_key("u:k-7", 3))  # the hash Python uses
+    assert got["again"]["queue"] == shards.name("nq", shards.of_key("i:node-tick-1", 3))
+    assert got["result"] == "4"
+    assert [app.job(j["id"]).wait(30) for j in got["plain"]] == [i + 1 for i in range(6)]

@@ -153,6 +153,21 @@ function flow(task, args, kwargs, opts, unique) {
 
 // Loading a script: the text of _lib.lua, a newline, then <name>.lua; SCRIPT LOAD, EVALSHA,
 // and load it again after a NOSCRIPT reply (Redis restarted, a promoted replica).
+// Sharded queues (PROTOCOL.md, Sharded queues): shard i >= 1 of queue Q is the queue `Q~i`;
+// a job goes to shard crc32(key) mod N of its key, else round robin.
+const SHARD = /^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}~[1-9][0-9]?$/;
+const KEEP_MS = 10000; // how long a shard count or a declaration read is kept
+const CRC = Array.from({ length: 256 }, (_, n) => {
+  let c = n;
+  for (let k = 0; k < 8; k++) c = c & 1 ? 0xedb88320 ^ (c >>> 1) : c >>> 1;
+  return c >>> 0;
+});
+function crc32(text) {
+  let c = 0xffffffff;
+  for (const b of Buffer.from(text, 'utf8')) c = CRC[(c ^ b) & 0xff] ^ (c >>> 8);
+  return (c ^ 0xffffffff) >>> 0;
+}
+
 class Scripts {
   constructor(redis, dir) {
     this.redis = redis;
@@ -189,6 +204,8 @@ class TaskRunner {
       : new Redis(url, { lazyConnect: true });
     this.failedTtl = setting('TASKRUNNER_FAILED_TTL', '604800');
     this.registered = new Set(); // queues added to P:{_}:queues by this producer (a cluster)
+    this.kept = new Map(); // "shards <queue>" or "task <name>" -> [until (ms), value]: read at most once per KEEP_MS
+    this.turn = crc32(String(Date.now())); // round robin over a sharded queue's shards, from a start of our own
     this.scripts = new Scripts(this.redis, scriptsDir);
     this.g = `${prefix}:{_}:`;
   }
@@ -197,12 +214,48 @@ class TaskRunner {
 
   connection() { return this.redis.duplicate(); } // for blocking commands (BRPOP)
 
+  // A value read from Redis by `read()`, kept KEEP_MS (a queue not sharded: no command per job).
+  async keep(key, read) {
+    const hit = this.kept.get(key);
+    if (hit && hit[0] > Date.now()) return hit[1];
+    const value = await read();
+    this.kept.set(key, [Date.now() + KEEP_MS, value]);
+    return value;
+  }
+
+  // Put a draft on its queue's shard, as taskrunner's Python producer does: by the hash of
+  // `c:<concurrency key>` (the task's name by default) when its task has max_concurrency,
+  // else `r:<task>` when it has a rate limit (as sent, else as declared), else
+  // `u:<unique key>`, else `i:<id>` for an id given; else round robin. Before anything
+  // names its queue (a parent's edge).
+  async place(d, opts = {}) {
+    if (SHARD.test(d.queue)) return d;
+    const n = Number(await this.keep(`shards ${d.queue}`, () => this.redis.hget(this.q(d.queue) + 'meta', 'shards')));
+    if (!(n > 1)) return d;
+    const f = {};
+    for (let i = 0; i < d.fields.length; i += 2) f[d.fields[i]] = d.fields[i + 1];
+    const declared = await this.keep(`task ${f.task}`, async () => {
+      try { return JSON.parse(await this.redis.hget(this.g + 'tasks', f.task)) || {}; } catch { return {}; }
+    });
+    let key = null;
+    if (f.max_concurrency || declared.max_concurrency) key = `c:${f.concurrency_key || f.task}`;
+    else if (f.rate_limit || declared.rate_limit) key = `r:${f.task}`;
+    else if (f.unique_key !== undefined) key = `u:${f.unique_key}`;
+    else if (opts.id) key = `i:${opts.id}`;
+    const i = key === null ? (this.turn++) % n : crc32(key) % n;
+    if (i > 0) {
+      d.queue = `${d.queue}~${i}`;
+      d.fields[d.fields.indexOf('queue') + 1] = d.queue;
+    }
+    return d;
+  }
+
   // A job as enqueue.lua takes it (Enqueue): {id, queue, delay, fields}. `opts`: queue, id,
   // delay, maxDuration, retries, retryBackoff, timeoutPolicy, maxLost, headers, and flow
   // control (flow()): priority, concurrencyKey, and with `unique` (a job alone, not part of
   // a workflow) uniqueKey, uniqueFor, uniqueUntil.
   draft(task, args = [], kwargs = {}, opts = {}, { unique = false } = {}) {
-    const queue = checkName('queue', opts.queue || 'default');
+    const queue = SHARD.test(opts.queue || '') ? opts.queue : checkName('queue', opts.queue || 'default');
     const id = opts.id || ulid();
     if (!ID.test(id)) throw new Error(`invalid job id ${JSON.stringify(id)}`);
     const fields = ['task', checkName('task', task), 'queue', queue, 'args', JSON.stringify(args),
@@ -346,7 +399,7 @@ class TaskRunner {
     const queues = jobs.some((j) => typeof j === 'string') ? (await this.redis.smembers(this.g + 'queues')).sort() : [];
     for (const j of jobs) {
       if (typeof j !== 'string') {
-        out.push([checkName('queue', j.queue), j.id]);
+        out.push([SHARD.test(j.queue) ? j.queue : checkName('queue', j.queue), j.id]);
         continue;
       }
       const found = [];
@@ -368,7 +421,8 @@ class TaskRunner {
   // holds its unique key) adds nothing and answers {id: that job's id, queue, created: false,
   // duplicate: true}.
   async enqueue(task, args = [], kwargs = {}, opts = {}) {
-    const job = this.draft(task, args, kwargs, opts, { unique: !(opts.dependsOn || opts.onSuccess || opts.onFailure) });
+    const job = await this.place(this.draft(task, args, kwargs, opts,
+      { unique: !(opts.dependsOn || opts.onSuccess || opts.onFailure) }), opts);
     const drafts = [job];
     let parentQueues = [];
     if (opts.dependsOn) {
@@ -380,7 +434,7 @@ class TaskRunner {
     for (const [cb, edge, takes] of [[opts.onSuccess, [], 'result'], [opts.onFailure, ['on_parent_failure', 'only'],
       'error']]) {
       if (!cb) continue;
-      const d = this.draft(cb.task, cb.args, cb.kwargs, cb);
+      const d = await this.place(this.draft(cb.task, cb.args, cb.kwargs, cb), cb);
       d.fields.push('parents', `${job.queue} ${job.id}`, ...edge, ...(cb.immutable ? [] : ['takes', takes]));
       drafts.push(d);
     }
@@ -394,7 +448,8 @@ class TaskRunner {
   // them all. Answers the last step {id, queue}: its result is the chain's.
   async chain(steps) {
     if (!steps.length) throw new Error('a chain needs at least one step');
-    const drafts = steps.map((s) => this.draft(s.task, s.args, s.kwargs, s));
+    const drafts = [];
+    for (const s of steps) drafts.push(await this.place(this.draft(s.task, s.args, s.kwargs, s), s));
     drafts.slice(1).forEach((d, i) => {
       const takes = steps[i + 1].immutable ? [] : ['takes', 'result'];
       d.fields.push('parents', `${drafts[i].queue} ${drafts[i].id}`, ...takes);
@@ -407,7 +462,8 @@ class TaskRunner {
   // A group: jobs side by side, written by one call. Answers [{id, queue}] in order.
   async group(members) {
     if (!members.length) throw new Error('a group needs at least one member');
-    const drafts = members.map((m) => this.draft(m.task, m.args, m.kwargs, m));
+    const drafts = [];
+    for (const m of members) drafts.push(await this.place(this.draft(m.task, m.args, m.kwargs, m), m));
     await this.write(drafts);
     return drafts.map((d) => ({ id: d.id, queue: d.queue }));
   }
@@ -418,8 +474,9 @@ class TaskRunner {
   // callback {id, queue}.
   async chord(members, callback, { onMemberFailure = 'cancel' } = {}) {
     if (!members.length) throw new Error('a chord needs at least one member');
-    const drafts = members.map((m) => this.draft(m.task, m.args, m.kwargs, m));
-    const cb = this.draft(callback.task, callback.args, callback.kwargs, callback);
+    const drafts = [];
+    for (const m of members) drafts.push(await this.place(this.draft(m.task, m.args, m.kwargs, m), m));
+    const cb = await this.place(this.draft(callback.task, callback.args, callback.kwargs, callback), callback);
     cb.fields.push('parents', drafts.map((d) => `${d.queue} ${d.id}`).join(' '));
     if (!callback.immutable) cb.fields.push('takes', 'results');
     if (onMemberFailure === 'continue') cb.fields.push('on_parent_failure', 'continue');
@@ -470,7 +527,7 @@ class Consumer {
     if (tr.cluster) throw new Error('the Node consumer needs one Redis server, not a Redis Cluster (README: Limits)');
     this.tr = tr;
     this.handlers = handlers;
-    this.queues = queues.map((q) => checkName('queue', q));
+    this.queues = queues.map((q) => (SHARD.test(q) ? q : checkName('queue', q))); // a sharded queue: name its shards
     this.host = os.hostname();
     this.name = checkName('worker', name || `node.${this.host}.${process.pid}`);
     this.beatEvery = Number(setting('TASKRUNNER_HEARTBEAT', 2));
