@@ -747,10 +747,7 @@ def queue_create(name: str, bound: int, exclusive: bool, rate: str | None, shard
     from taskrunner.ops import queue as queues
 
     app = _app(app_spec, redis_url)
-    try:
-        queues.create(app, name, bound, exclusive, rate, shards)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+    queues.create(app, name, bound, exclusive, rate, shards)
     n = queues.info(app, name)["shards"]
     click.echo(f"queue {name}: bound {bound or 'none'}{', exclusive' if exclusive else ''}"
                f"{f', rate {rate}' if rate else ''}{f', {n} shards' if n > 1 else ''}")
