@@ -246,3 +246,12 @@ def test_the_node_producer_places_jobs_on_the_shards_as_python_does(app, stack):
     assert got["again"]["queue"] == shards.name("nq", shards.of_key("i:node-tick-1", 3))
     assert got["result"] == "4"
     assert [app.job(j["id"]).wait(30) for j in got["plain"]] == [i + 1 for i in range(6)]
+
+
+def test_a_queue_keeps_its_rate_when_its_shard_count_changes(app):
+    queue.create(app, "rc", rate="60/s")
+    queue.create(app, "rc", shards=3)  # the rate not given: the queue's, now split
+    assert [app.redis.hget(app.keys.q(s) + "meta", "rate") for s in shards.names("rc", 3)] == ["20/s"] * 3
+    queue.create(app, "rc", shards=1)
+    assert (app.redis.hget(app.keys.q("rc") + "meta", "rate"), queue.info(app, "rc")["rate"]) == ("60/s", "60/s")
+    assert app.redis.hget(app.keys.q("rc~1") + "meta", "retired") == "1"

@@ -34,13 +34,13 @@ def create(app: TaskRunner, name: str, bound: int = 0, exclusive: bool = False, 
     if shards is not None and not 1 <= shards <= sharding.MAX:
         raise ValueError(f"shards must be from 1 to {sharding.MAX}, not {shards}")
     r, p = app.redis, app.keys.q(name)
-    before, kept_rate, closed, paused = r.hmget(p + "meta", "shards", "rate_total", "closed", "paused")
+    before, total, own, closed, paused = r.hmget(p + "meta", "shards", "rate_total", "rate", "closed", "paused")
     now = sharding.count(before)
     n = shards or now
     if exclusive and n > 1:
         raise TaskRunnerError(f"queue {name} has {n} shards: an exclusive queue runs one job at a time in order, "
                               "which takes one shard (--shards 1)")
-    rate_total = rate if rate is not None else (kept_rate if n > 1 else None)
+    rate_total = rate if rate is not None else total if now > 1 else own  # the queue's rate, as it was given
     each = split_rate(rate_total, n) if rate_total is not None else None
     if n != now:
         busy = unfinished(app, sharding.names(name, max(n, now)))
@@ -67,14 +67,12 @@ def create(app: TaskRunner, name: str, bound: int = 0, exclusive: bool = False, 
         pipe.hset(sp + "meta", mapping=settings)
         if each is not None:
             pipe.hset(sp + "meta", "rate", each)
-        elif rate_total is None and kept_rate is not None:
-            pipe.hdel(sp + "meta", "rate")
         pipe.lpush(sp + "notfull", "1").ltrim(sp + "notfull", 0, 0)
     if n > 1:
         pipe.hset(p + "meta", "shards", n)
         if rate_total is not None:
             pipe.hset(p + "meta", "rate_total", rate_total)
-    else:
+    else:  # one shard: its `rate` is the queue's
         pipe.hdel(p + "meta", "shards")
         pipe.hdel(p + "meta", "rate_total")
     pipe.sadd(app.keys.queues, *sharding.names(name, n))
