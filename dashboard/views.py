@@ -60,7 +60,7 @@ def queue_arg(name: str | None) -> str | None:
     if name is None:
         return None
     try:
-        codec.check_name("queue", name)
+        codec.check_queue(name)  # a shard too (a job's page links to the shard it is in): that shard alone
     except InvalidName as e:
         abort(404, str(e))
     if name not in runner().queue_names():

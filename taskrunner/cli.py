@@ -979,10 +979,15 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
 def harvest(queue_list: str | None, app_spec: str | None, redis_url: str | None) -> None:
     """Return the running jobs of dead workers to their queues now."""
     from taskrunner.ops.dispatcher import Dispatcher
+    from taskrunner.ops.queue import shards_of
 
     app = _app(app_spec, redis_url)
-    qs = [q for q in queue_list.split(",") if q] if queue_list else app.queue_names()
-    _known(app, *qs)
+    if queue_list:
+        named = [q for q in queue_list.split(",") if q]
+        _known(app, *named)
+        qs = [s for q in named for s in shards_of(app, q)]
+    else:
+        qs = app.queue_names()  # every physical queue, shards included
     stats = Dispatcher(app).harvest(qs)
     click.echo(" ".join(f"{k}={v}" for k, v in stats.items()))
 
@@ -1005,12 +1010,14 @@ def recover(queue_name: str, older_than: str, count: int, app_spec: str | None, 
     their next delivery is counted. Prints the ids."""
     import socket
 
+    from taskrunner.ops.queue import shards_of
     from taskrunner.protocol import scripts
 
     app = _app(app_spec, redis_url)
     _known(app, queue_name)
-    ids = scripts.RECOVER(app.redis, [app.keys.q(queue_name)],
-                          [_seconds(older_than), count, f"{socket.gethostname()}:{os.getpid()}"])
+    ids = [i for shard in shards_of(app, queue_name)  # each shard of a sharded queue
+           for i in scripts.RECOVER(app.redis, [app.keys.q(shard)],
+                                    [_seconds(older_than), count, f"{socket.gethostname()}:{os.getpid()}"])]
     click.echo("\n".join(ids) if ids else "nothing to recover")
 
 

@@ -16,6 +16,7 @@ from collections import Counter
 import psutil
 import pytest
 
+from dashboard import create_app
 from taskrunner import chain, chord, group
 from taskrunner.client.aio import AsyncClient
 from taskrunner.errors import InvalidName, JobNotFound, TaskRunnerError
@@ -255,3 +256,25 @@ def test_a_queue_keeps_its_rate_when_its_shard_count_changes(app):
     queue.create(app, "rc", shards=1)
     assert (app.redis.hget(app.keys.q("rc") + "meta", "rate"), queue.info(app, "rc")["rate"]) == ("60/s", "60/s")
     assert app.redis.hget(app.keys.q("rc~1") + "meta", "retired") == "1"
+
+
+def test_harvest_and_recover_reach_every_shard(app, stack):
+    queue.create(app, "hv", shards=2)
+    assert stack.cli("harvest").returncode == 0  # every queue, shards included: a shard's name is no typo
+    stack.cli("harvest", "-q", "hv", check=True)
+    assert stack.cli("recover", "-q", "hv", "--older-than", "1h", check=True).stdout.strip() == "nothing to recover"
+
+
+def test_the_dashboard_shows_a_sharded_queue_once_and_pages_through_its_shards(app):
+    web = create_app(app, password="pw", token="tok").test_client()
+    queue.create(app, "dq", shards=3)
+    queue.pause(app, "dq")
+    jobs = [apps.add.apply_async([i, 0], queue="dq") for i in range(6)]
+    [row] = [q for q in web.get("/api/queues").get_json() if q["name"].startswith("dq")]
+    assert (row["name"], row["pending"], row["shards"], row["paused"]) == ("dq", 6, 3, True)
+    page = web.get("/queues/dq").get_data(as_text=True)
+    assert all(j.id in page for j in jobs)  # every shard's
+    shard = next(j for j in jobs if j.queue == "dq~2")
+    assert web.get(f"/jobs/{shard.id}").status_code == 200
+    one = web.get("/queues/dq~2").get_data(as_text=True)  # a shard's own page: its jobs alone
+    assert shard.id in one and sum(j.id in one for j in jobs) == 2
