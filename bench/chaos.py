@@ -81,8 +81,9 @@ sys.path.insert(0, str(ROOT))
 from bench import tasks_chaos  # noqa: E402
 from bench.bench import exited  # noqa: E402
 from bench.limits import stop_after  # noqa: E402
+from taskrunner.ops import queue as queue_ops  # noqa: E402
 from taskrunner.ops.redis_server import RedisServer  # noqa: E402
-from taskrunner.protocol import codec  # noqa: E402
+from taskrunner.protocol import codec, shards  # noqa: E402
 
 KINDS = ("worker-kill", "child-kill", "dispatcher-kill", "worker-pause",
          "redis-term", "redis-kill", "redis-powerloss", "client-kill")
@@ -433,7 +434,7 @@ def held(run: Run, match: dict[str, Any]) -> list[str]:
     does not answer."""
     ids = []
     try:
-        for q in QUEUES:
+        for q in physical(run, QUEUES):
             for job_id, raw in run.r.hgetall(tasks_chaos.app.keys.q(q) + "running").items():
                 entry = codec.loads(raw)
                 if all(entry.get(k) == v for k, v in match.items()):
@@ -555,24 +556,28 @@ def batched(items: list[str], n: int = 1000) -> list[list[str]]:
     return [items[i:i + n] for i in range(0, len(items), n)]
 
 
+def physical(run: Run, queues: tuple[str, ...] | list[str]) -> list[str]:
+    """The queues as Redis has them: with --shards, default's shards (docs/PROTOCOL.md, Sharded queues)."""
+    return [s for q in queues for s in shards.names(q, run.args.shards if q == "default" else 1)]
+
+
 def records(run: Run, ids: list[str], queue: str = "default") -> dict[str, dict[str, str]]:
-    out = {}
+    """Each job's record ({}: none), in whichever shard of `queue` it is."""
+    out: dict[str, dict[str, str]] = {}
+    where = physical(run, [queue])
     for chunk in batched(ids):
         pipe = run.r.pipeline(transaction=False)
         for job_id in chunk:
-            pipe.hgetall(tasks_chaos.app.keys.job(queue, job_id))
-        out.update(zip(chunk, pipe.execute()))
+            for q in where:
+                pipe.hgetall(tasks_chaos.app.keys.job(q, job_id))
+        found = pipe.execute()
+        for i, job_id in enumerate(chunk):
+            out[job_id] = next((rec for rec in found[i * len(where):(i + 1) * len(where)] if rec), {})
     return out
 
 
 def states(run: Run, ids: list[str]) -> dict[str, str | None]:
-    out = {}
-    for chunk in batched(ids, 5000):
-        pipe = run.r.pipeline(transaction=False)
-        for job_id in chunk:
-            pipe.hget(tasks_chaos.app.keys.job("default", job_id), "state")
-        out.update(zip(chunk, pipe.execute()))
-    return out
+    return {job_id: rec.get("state") for job_id, rec in records(run, ids).items()}
 
 
 def in_cut(run: Run, at: float) -> bool:
@@ -821,6 +826,8 @@ def run_once(args: argparse.Namespace, fsync: str, base: Path) -> dict[str, Any]
         r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=10)
         ledger = redis.Redis.from_url(ledger_server.url, decode_responses=True)
         aof = AofTail(server.dir)
+        if args.shards > 1:  # before the workers start (they read the count then) and any job
+            queue_ops.create(tasks_chaos.app, "default", shards=args.shards)
         sup = Supervisor(run_dir, env, args.workers)
         run = Run(args, fsync, run_dir, server, r, ledger, sup, aof)
         faults = fault_schedule(args.seed, args.window, args.workers)
@@ -991,6 +998,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stop everything after this many seconds (default 1800)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs, AOF) even when the run passes")
+    p.add_argument("--shards", type=int, default=1, help="spread queue default over this many shards "
+                   "(docs/PROTOCOL.md, Sharded queues; default 1: not sharded)")
     p.add_argument("--workflows", action="store_true", help="also a chord and a chain, with their own faults (above)")
     p.add_argument("--chord", type=int, default=500, help="members of --workflows' chord (default 500)")
     p.add_argument("--chain", type=int, default=50, help="steps of --workflows' chain (default 50)")

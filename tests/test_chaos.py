@@ -34,3 +34,18 @@ def test_chaos_run_loses_nothing(tmp_path):
     assert wf["ok"] and wf["members_completed"] == 200 and wf["chain_result"] == "30"
     assert wf["callback_runs"] >= 1 and wf["callback_runs_with_every_result_in_order"] == wf["callback_runs"]
     assert {k: res["faults"].get(k, 0) >= 1 for k in KINDS} == {k: True for k in KINDS}
+
+
+@pytest.mark.timeout(300)
+def test_chaos_run_on_a_sharded_queue_loses_nothing(tmp_path):
+    """The same faults with queue default over 3 shards (issue 18): every shard's jobs are
+    found, run and judged; nothing lost."""
+    out = tmp_path / "chaos.json"
+    cmd = [sys.executable, "-m", "bench.chaos", "--jobs", "800", "--seed", "11", "--fsync", "always",
+           "--window", "30", "--drain", "90", "--max-time", "240", "--json", str(out), "--shards", "3"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["enqueued"] == 800 and res["lost"] == {} and res["lost_to_everysec"] == {}
+    assert res["stuck"] == {} and res["inconsistent"] == {} and "unexplained" not in res["why"]
+    assert res["completed"] + sum(res["failed_as_designed"].values()) + len(res["failed_otherwise"]) == 800
