@@ -19,7 +19,7 @@ import pytest
 from dashboard import create_app
 from taskrunner import chain, chord, group
 from taskrunner.client.aio import AsyncClient
-from taskrunner.errors import InvalidName, JobNotFound, TaskRunnerError
+from taskrunner.errors import InvalidName, JobNotFound, QueueFull, TaskRunnerError
 from taskrunner.ops import listing, queue
 from taskrunner.protocol import shards
 from tests import apps, flow_apps
@@ -278,3 +278,18 @@ def test_the_dashboard_shows_a_sharded_queue_once_and_pages_through_its_shards(a
     assert web.get(f"/jobs/{shard.id}").status_code == 200
     one = web.get("/queues/dq~2").get_data(as_text=True)  # a shard's own page: its jobs alone
     assert shard.id in one and sum(j.id in one for j in jobs) == 2
+
+
+def test_a_bounded_sharded_queue_bounds_each_shard(app, stack):
+    """bound 2 over 2 shards: 1 pending job each; a producer whose shard is full waits for
+    room there, then gets QueueFull; a worker makes room."""
+    queue.create(app, "bq", bound=2, shards=2)
+    queue.pause(app, "bq")
+    first = [apps.add.apply_async([i, 0], queue="bq") for i in range(2)]  # round robin: one on each
+    assert sorted(j.queue for j in first) == ["bq", "bq~1"]
+    with pytest.raises(QueueFull):
+        apps.add.apply_async([2, 0], queue="bq", block_timeout=0.2)
+    stack.worker("-Q", "bq", concurrency=1)
+    queue.resume(app, "bq")
+    assert [j.wait(30) for j in first] == [0, 1]
+    assert apps.add.apply_async([3, 0], queue="bq", block_timeout=5).wait(30) == 3
