@@ -13,6 +13,7 @@ Sharded queues)."""
 from __future__ import annotations
 
 import itertools
+import random
 import re
 import time
 import zlib
@@ -98,7 +99,7 @@ class Spreader:
             return name(queue, of_key(key, n))
         turn = self._turns.get(queue)
         if turn is None:
-            turn = self._turns[queue] = itertools.count(zlib.crc32(f"{time.time_ns()}".encode()))
+            turn = self._turns[queue] = itertools.count(random.randrange(n))
         return name(queue, next(turn) % n)
 
 

@@ -430,13 +430,14 @@ class Worker:
         load = self.outbox.put_into(batch, now)
         slots = policy.slots(self.crew.children, self._depth(), now, self._spare()) if self._can_claim() else []
         claim: list[Any] = []
+        order: list[str] = []
         if slots:
             pairs = [v for c, ahead in slots for v in (c.pid, f"{ahead:.3f}")]
             claim = claim_args(self.app, self.name, self.host, self.ip, pairs)
             order, self.woken = self.served.order(self.woken), None
             batch.call(scripts.CLAIM, claim_keys(self.app, [self.keys.q(q) for q in order]), claim)
         if len(batch):
-            self.flights.append(Flight(batch, load, slots, claim, order if slots else []))
+            self.flights.append(Flight(batch, load, slots, claim, order))
             if self.channel is not None:
                 self.channel.send(batch.commands())
             if wait or self.reconcile or self.channel is None:
