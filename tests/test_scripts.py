@@ -283,3 +283,29 @@ def test_a_batch_runs_in_order_after_the_server_lost_its_scripts(app):
     batch.call(scripts.FINISH, [p], finish(second.id))
     assert batch.execute() == [[1], [1]]
     assert "last words" in r.hget(app.keys.job("default", second.id), "logs")
+
+
+def test_each_script_carries_only_the_lib_helpers_it_uses():
+    """Every helper of `_lib.lua` is made at every call of a script that carries it (a closure
+    each, before the script's first line): a script carries those it uses, directly or
+    through another helper, and no other; names in comments and strings are no use."""
+    lib = "\n".join([
+        "-- the header", "", "local function a() return 1 end",
+        "local X, Y = 1, 2", "-- b uses a", "local function b()", "  return a() + X", "end",
+        "local c  -- made below", "local function d() return 'c' end  -- not c: a string",
+        "c = function()", "  -- a() here is a comment", "  return Y", "end"])
+    assert scripts.prelude(lib, "return b()") == "-- the header\n\nlocal function a() return 1 end\n" \
+        "local X, Y = 1, 2\n-- b uses a\nlocal function b()\n  return a() + X\nend"
+    assert scripts.prelude(lib, "return c() -- not d()") == "local X, Y = 1, 2\nlocal c  -- made below\n" \
+        "c = function()\n  -- a() here is a comment\n  return Y\nend"
+    assert scripts.prelude(lib, "return 'a'") == ""
+    with pytest.raises(ValueError, match="outside any definition"):
+        scripts.prelude("redis.call('PING')", "")
+    helpers = scripts._definitions((scripts._DIR / "_lib.lua").read_text())
+    for script in scripts.ALL:  # every helper a script names (itself, or a helper it carries) is carried
+        used = scripts._names(script.source) & {name for names, _ in helpers for name in names}
+        carried = {name for names, text in helpers if text in script.source for name in names}
+        assert used <= carried, (script.name, used - carried)
+    heartbeat = scripts.HEARTBEAT.source
+    assert "local function is_name" in heartbeat and "local function finalize" not in heartbeat
+    assert "local function finalize" in scripts.FINISH.source
