@@ -225,7 +225,10 @@ end
 -- sweep trims the finished sets by the longest, so that such a job stays listed.
 -- With `index`, a table state -> ids, the caller adds the id to the finished set itself
 -- (one ZADD for many jobs).
-local settle_children  -- below: finalize() and it call each other (a chain cancels step by step)
+-- The workflow helpers (below; finalize() and settle_children() call each other: a chain
+-- cancels step by step), made by workflows() in the calls that need them.
+local sibling, queue_of, prepend, emitted, emit, blame, CHILD, far_parent, join, settle, settle_children
+local workflows
 
 local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
   local kind = state == 'completed' and 'result_ttl' or 'failed_ttl'
@@ -259,6 +262,7 @@ local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
     redis.call('HDEL', job, 'waiters')
   end
   if r.children then
+    workflows()
     settle_children(p, id, job, r, state, t, ttl)
   end
 end
@@ -342,171 +346,178 @@ end
 -- <takes> ..."), and the child has `cross_slot` 1; the parent's end leaves an entry in its
 -- own queue's outbox, which a carrier applies with join.lua in the child's slot.
 
--- The key prefix of queue q beside the key prefix p ("tr:{a}:", "b" -> "tr:{b}:").
-local function sibling(p, q)
-  return string.match(p, '^(.*){[^{}]*}:$') .. '{' .. q .. '}:'
-end
-
--- The queue of key prefix p ("tr:{a}:" -> "a").
-local function queue_of(p)
-  return string.match(p, '{([^{}]*)}:$')
-end
-
--- A JSON array's text with `value` (JSON text) put first: '[1,2]' -> '[<value>,1,2]'.
-local function prepend(value, args)
-  local rest = string.sub(args, string.find(args, '[', 1, true) + 1)
-  if string.find(rest, '^%s*%]') then
-    return '[' .. value .. ']'
+-- They are made by workflows(), by the calls that need them (a job with children ended, a
+-- workflow enqueued or joined): each helper carried is made again at every call of a script,
+-- and most calls (a plain job's claim, finish) end no job with children. A script calls
+-- workflows() before it uses one of them.
+workflows = function()
+  if settle then return end  -- made already in this call
+  -- The key prefix of queue q beside the key prefix p ("tr:{a}:", "b" -> "tr:{b}:").
+  function sibling(p, q)
+    return string.match(p, '^(.*){[^{}]*}:$') .. '{' .. q .. '}:'
   end
-  return '[' .. value .. ',' .. rest
-end
 
--- The entries this script call left in outboxes, as XRANGE gives them ({stream id, {field,
--- value, ...}}): finish.lua, join.lua and attach.lua answer them, for their caller to carry.
-local emitted = {}
-
--- A parent ended (`parent`: queue, id, task, state; error_type, error, canceled_by when it did
--- not complete): tell its child `cid` of queue `cq`, in another slot, with an entry in the
--- parent's queue's outbox (prefix p); `result` (JSON text) when the child takes it.
-local function emit(p, cq, cid, parent, result)
-  local f = {'child', cq .. ' ' .. cid, 'parent', parent.queue .. ' ' .. parent.id, 'task', parent.task,
-    'state', parent.state}
-  if result then
-    f[#f + 1], f[#f + 2] = 'result', result
+  -- The queue of key prefix p ("tr:{a}:" -> "a").
+  function queue_of(p)
+    return string.match(p, '{([^{}]*)}:$')
   end
-  for _, k in ipairs({'error_type', 'error', 'canceled_by'}) do
-    if parent[k] then
-      f[#f + 1], f[#f + 2] = k, parent[k]
+
+  -- A JSON array's text with `value` (JSON text) put first: '[1,2]' -> '[<value>,1,2]'.
+  function prepend(value, args)
+    local rest = string.sub(args, string.find(args, '[', 1, true) + 1)
+    if string.find(rest, '^%s*%]') then
+      return '[' .. value .. ']'
     end
+    return '[' .. value .. ',' .. rest
   end
-  emitted[#emitted + 1] = {redis.call('XADD', p .. 'outbox', '*', unpack(f)), f}
-end
 
--- Why the children that `parent` cancels end canceled: {canceled_by, error}. A parent that was
--- itself canceled passes on its own (the whole rest of a chain names the step that failed).
-local function blame(parent)
-  if parent.state == 'canceled' then
-    return parent.canceled_by or '', parent.error or ''
-  end
-  local by = parent.queue .. ' ' .. parent.id
-  if parent.state == 'completed' then  -- to an on_failure callback
-    return by, string.format('not run: step %s (task %s) completed (an on_failure callback)', parent.id, parent.task)
-  end
-  local why = string.format('step %s (task %s) %s', parent.id, parent.task, parent.state)
-  if parent.state ~= 'deleted' then
-    why = why .. ': ' .. (parent.error_type or '?') .. ': ' .. string.sub(parent.error or '', 1, 200)
-  end
-  return by, why
-end
+  -- The entries this script call left in outboxes, as XRANGE gives them ({stream id, {field,
+  -- value, ...}}): finish.lua, join.lua and attach.lua answer them, for their caller to carry.
+  emitted = {}
 
--- The fields of a waiting child that settling it needs, in this order (one HMGET; not its
--- `parents`, which a chord's callback has thousands of: read only by the join that needs them).
-local CHILD = {'state', 'on_parent_failure', 'takes', 'args', 'waiting_on', 'cross_slot', 'priority'}
-
--- A parent in another slot, named "<queue> <id>", as its outbox entry gave it (join.lua) or
--- the child's joined hash keeps it (`e`: its news, decoded): the `parent` table of settle().
-local function far_parent(name, e)
-  local q, id = string.match(name, '^(%S+) (%S+)$')
-  return {queue = q, id = id, task = e.task or '?', state = e.state, result = e.result, error_type = e.error_type,
-    error = e.error, canceled_by = e.canceled_by}
-end
-
--- `parent` completed (or ended otherwise, for a child that continues then): count it for
--- child `id` of queue prefix `cp`; the last one makes the child pending, with what it takes
--- first in its args: its parent's result ("result"), or the array of its parents' results in
--- the order of its `parents` ("results", a chord's callback: read now, from the parents'
--- records, or for parents in other slots from its joined hash; one that did not complete, or
--- whose record is gone, gives null), or how its parent failed ("error", an on_failure
--- callback: {"id", "task", "state", "error_type", "error"} of the parent). `c`: the child's
--- CHILD fields (it is waiting). A parent of this slot has `job` (its record, where its result
--- is read); one of another slot brings its `result`. A waiting job has no due_at (it cannot be
--- delayed), so none is cleared: about 7 commands a child, the last parent.
-local function join(cp, id, job, parent, c)
-  if (tonumber(c[5]) or 1) > 1 then
-    redis.call('HINCRBY', job, 'waiting_on', -1)
-    return
-  end
-  redis.call('ZREM', cp .. 'waiting', id)
-  local takes, own = c[3], c[4]
-  local fields = {'state', 'pending', 'waiting_on', '0'}
-  if takes == 'error' then
-    fields[5], fields[6] = 'args', prepend(cjson.encode({id = parent.id, task = parent.task, state = parent.state,
-      error_type = parent.error_type or cjson.null, error = parent.error or cjson.null}), own)
-  elseif takes == 'result' then
-    fields[5], fields[6] = 'args', prepend(parent.result or parent.job and redis.call('HGET', parent.job, 'result')
-      or 'null', own)
-  elseif takes == 'results' then
-    local results, here = {}, queue_of(cp)
-    local joined = c[6] == '1' and cp .. 'joined:' .. id
-    for q, pid in string.gmatch(redis.call('HGET', job, 'parents') or '', '(%S+) (%S+)') do
-      if joined and q ~= here then
-        local news = redis.call('HGET', joined, q .. ' ' .. pid)
-        local e = news and cjson.decode(news)
-        results[#results + 1] = e and e.state == 'completed' and e.result or 'null'
-      else
-        local r = redis.call('HMGET', sibling(cp, q) .. 'job:' .. pid, 'state', 'result')
-        results[#results + 1] = r[1] == 'completed' and r[2] or 'null'
+  -- A parent ended (`parent`: queue, id, task, state; error_type, error, canceled_by when it did
+  -- not complete): tell its child `cid` of queue `cq`, in another slot, with an entry in the
+  -- parent's queue's outbox (prefix p); `result` (JSON text) when the child takes it.
+  function emit(p, cq, cid, parent, result)
+    local f = {'child', cq .. ' ' .. cid, 'parent', parent.queue .. ' ' .. parent.id, 'task', parent.task,
+      'state', parent.state}
+    if result then
+      f[#f + 1], f[#f + 2] = 'result', result
+    end
+    for _, k in ipairs({'error_type', 'error', 'canceled_by'}) do
+      if parent[k] then
+        f[#f + 1], f[#f + 2] = k, parent[k]
       end
     end
-    fields[5], fields[6] = 'args', prepend('[' .. table.concat(results, ',') .. ']', own)
+    emitted[#emitted + 1] = {redis.call('XADD', p .. 'outbox', '*', unpack(f)), f}
   end
-  redis.call('HSET', job, unpack(fields))
-  redis.call('SADD', cp .. 'items', id)
-  redis.call('LPUSH', pending_of(cp, c[7]), id)
-  wake(cp)
-  if c[6] == '1' then
-    redis.call('DEL', cp .. 'joined:' .. id)
-  end
-end
 
--- `parent` ended: waiting child `id` of queue prefix `cp` (its CHILD fields `c`) counts it
--- (join) when the edge says so — it completed, and the child is not an on_failure callback
--- (on_parent_failure "only"); or it did not, and the child goes on ("continue") or is such a
--- callback — else ends canceled, naming the step that failed (blame()), and its own children
--- are settled in turn, in this same call. `ttl`: the failed TTL (setting) for it.
-local function settle(cp, id, parent, c, t, ttl)
-  local job = cp .. 'job:' .. id
-  local only = c[2] == 'only'
-  if parent.state == 'completed' and not only or parent.state ~= 'completed' and (only or c[2] == 'continue') then
-    join(cp, id, job, parent, c)
-    return
+  -- Why the children that `parent` cancels end canceled: {canceled_by, error}. A parent that was
+  -- itself canceled passes on its own (the whole rest of a chain names the step that failed).
+  function blame(parent)
+    if parent.state == 'canceled' then
+      return parent.canceled_by or '', parent.error or ''
+    end
+    local by = parent.queue .. ' ' .. parent.id
+    if parent.state == 'completed' then  -- to an on_failure callback
+      return by, string.format('not run: step %s (task %s) completed (an on_failure callback)', parent.id, parent.task)
+    end
+    local why = string.format('step %s (task %s) %s', parent.id, parent.task, parent.state)
+    if parent.state ~= 'deleted' then
+      why = why .. ': ' .. (parent.error_type or '?') .. ': ' .. string.sub(parent.error or '', 1, 200)
+    end
+    return by, why
   end
-  local by, why = blame(parent)
-  redis.call('ZREM', cp .. 'waiting', id)
-  finalize(cp, id, job, load(job), 'canceled', t, ttl, {'canceled_by', by, 'error_type', 'Canceled', 'error', why},
-    'Canceled')
-end
 
--- A job with children ended in `state` (finalize(), or deleted: "deleted"): settle each
--- child of this slot that is still waiting (one that is not — killed, deleted, canceled by
--- another parent — is left as it is), and leave an outbox entry for each child in another
--- slot (`cross_children`), with the result when it takes it.
-settle_children = function(p, id, job, r, state, t, ttl)
-  local parent = {queue = queue_of(p), id = id, task = r.task or '?', state = state, job = job}
-  if state ~= 'completed' and state ~= 'deleted' then  -- its error, as finalize() just wrote it
-    local e = redis.call('HMGET', job, 'error_type', 'error', 'canceled_by')
-    parent.error_type, parent.error, parent.canceled_by = e[1] or nil, e[2] or nil, e[3] or nil
+  -- The fields of a waiting child that settling it needs, in this order (one HMGET; not its
+  -- `parents`, which a chord's callback has thousands of: read only by the join that needs them).
+  CHILD = {'state', 'on_parent_failure', 'takes', 'args', 'waiting_on', 'cross_slot', 'priority'}
+
+  -- A parent in another slot, named "<queue> <id>", as its outbox entry gave it (join.lua) or
+  -- the child's joined hash keeps it (`e`: its news, decoded): the `parent` table of settle().
+  function far_parent(name, e)
+    local q, id = string.match(name, '^(%S+) (%S+)$')
+    return {queue = q, id = id, task = e.task or '?', state = e.state, result = e.result, error_type = e.error_type,
+      error = e.error, canceled_by = e.canceled_by}
   end
-  local far
-  if r.cross_children then
-    far = {}
-    local result
-    for q, cid, takes in string.gmatch(r.cross_children, '(%S+) (%S+) (%S+)') do
-      far[q .. ' ' .. cid] = true
-      if state == 'completed' and (takes == 'result' or takes == 'results') then
-        result = result or redis.call('HGET', job, 'result') or 'null'
-        emit(p, q, cid, parent, result)
-      else
-        emit(p, q, cid, parent, nil)
+
+  -- `parent` completed (or ended otherwise, for a child that continues then): count it for
+  -- child `id` of queue prefix `cp`; the last one makes the child pending, with what it takes
+  -- first in its args: its parent's result ("result"), or the array of its parents' results in
+  -- the order of its `parents` ("results", a chord's callback: read now, from the parents'
+  -- records, or for parents in other slots from its joined hash; one that did not complete, or
+  -- whose record is gone, gives null), or how its parent failed ("error", an on_failure
+  -- callback: {"id", "task", "state", "error_type", "error"} of the parent). `c`: the child's
+  -- CHILD fields (it is waiting). A parent of this slot has `job` (its record, where its result
+  -- is read); one of another slot brings its `result`. A waiting job has no due_at (it cannot be
+  -- delayed), so none is cleared: about 7 commands a child, the last parent.
+  function join(cp, id, job, parent, c)
+    if (tonumber(c[5]) or 1) > 1 then
+      redis.call('HINCRBY', job, 'waiting_on', -1)
+      return
+    end
+    redis.call('ZREM', cp .. 'waiting', id)
+    local takes, own = c[3], c[4]
+    local fields = {'state', 'pending', 'waiting_on', '0'}
+    if takes == 'error' then
+      fields[5], fields[6] = 'args', prepend(cjson.encode({id = parent.id, task = parent.task, state = parent.state,
+        error_type = parent.error_type or cjson.null, error = parent.error or cjson.null}), own)
+    elseif takes == 'result' then
+      fields[5], fields[6] = 'args', prepend(parent.result or parent.job and redis.call('HGET', parent.job, 'result')
+        or 'null', own)
+    elseif takes == 'results' then
+      local results, here = {}, queue_of(cp)
+      local joined = c[6] == '1' and cp .. 'joined:' .. id
+      for q, pid in string.gmatch(redis.call('HGET', job, 'parents') or '', '(%S+) (%S+)') do
+        if joined and q ~= here then
+          local news = redis.call('HGET', joined, q .. ' ' .. pid)
+          local e = news and cjson.decode(news)
+          results[#results + 1] = e and e.state == 'completed' and e.result or 'null'
+        else
+          local r = redis.call('HMGET', sibling(cp, q) .. 'job:' .. pid, 'state', 'result')
+          results[#results + 1] = r[1] == 'completed' and r[2] or 'null'
+        end
       end
+      fields[5], fields[6] = 'args', prepend('[' .. table.concat(results, ',') .. ']', own)
+    end
+    redis.call('HSET', job, unpack(fields))
+    redis.call('SADD', cp .. 'items', id)
+    redis.call('LPUSH', pending_of(cp, c[7]), id)
+    wake(cp)
+    if c[6] == '1' then
+      redis.call('DEL', cp .. 'joined:' .. id)
     end
   end
-  for q, cid in string.gmatch(r.children, '(%S+) (%S+)') do
-    if not (far and far[q .. ' ' .. cid]) then
-      local cp = sibling(p, q)
-      local c = redis.call('HMGET', cp .. 'job:' .. cid, unpack(CHILD))
-      if c[1] == 'waiting' then
-        settle(cp, cid, parent, c, t, ttl)
+
+  -- `parent` ended: waiting child `id` of queue prefix `cp` (its CHILD fields `c`) counts it
+  -- (join) when the edge says so — it completed, and the child is not an on_failure callback
+  -- (on_parent_failure "only"); or it did not, and the child goes on ("continue") or is such a
+  -- callback — else ends canceled, naming the step that failed (blame()), and its own children
+  -- are settled in turn, in this same call. `ttl`: the failed TTL (setting) for it.
+  function settle(cp, id, parent, c, t, ttl)
+    local job = cp .. 'job:' .. id
+    local only = c[2] == 'only'
+    if parent.state == 'completed' and not only or parent.state ~= 'completed' and (only or c[2] == 'continue') then
+      join(cp, id, job, parent, c)
+      return
+    end
+    local by, why = blame(parent)
+    redis.call('ZREM', cp .. 'waiting', id)
+    finalize(cp, id, job, load(job), 'canceled', t, ttl, {'canceled_by', by, 'error_type', 'Canceled', 'error', why},
+      'Canceled')
+  end
+
+  -- A job with children ended in `state` (finalize(), or deleted: "deleted"): settle each
+  -- child of this slot that is still waiting (one that is not — killed, deleted, canceled by
+  -- another parent — is left as it is), and leave an outbox entry for each child in another
+  -- slot (`cross_children`), with the result when it takes it.
+  function settle_children(p, id, job, r, state, t, ttl)
+    local parent = {queue = queue_of(p), id = id, task = r.task or '?', state = state, job = job}
+    if state ~= 'completed' and state ~= 'deleted' then  -- its error, as finalize() just wrote it
+      local e = redis.call('HMGET', job, 'error_type', 'error', 'canceled_by')
+      parent.error_type, parent.error, parent.canceled_by = e[1] or nil, e[2] or nil, e[3] or nil
+    end
+    local far
+    if r.cross_children then
+      far = {}
+      local result
+      for q, cid, takes in string.gmatch(r.cross_children, '(%S+) (%S+) (%S+)') do
+        far[q .. ' ' .. cid] = true
+        if state == 'completed' and (takes == 'result' or takes == 'results') then
+          result = result or redis.call('HGET', job, 'result') or 'null'
+          emit(p, q, cid, parent, result)
+        else
+          emit(p, q, cid, parent, nil)
+        end
+      end
+    end
+    for q, cid in string.gmatch(r.children, '(%S+) (%S+)') do
+      if not (far and far[q .. ' ' .. cid]) then
+        local cp = sibling(p, q)
+        local c = redis.call('HMGET', cp .. 'job:' .. cid, unpack(CHILD))
+        if c[1] == 'waiting' then
+          settle(cp, cid, parent, c, t, ttl)
+        end
       end
     end
   end

@@ -17,6 +17,7 @@
 -- Returns one integer per parent; then, only when entries were left, them (as XRANGE gives
 -- them), for the caller to carry once it has enqueued the child.
 local p = KEYS[1]
+workflows()
 local function refuse(kind, message)
   return redis.error_reply('ERR taskrunner: ' .. kind .. ': attach: ' .. message)
 end

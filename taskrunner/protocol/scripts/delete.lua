@@ -23,6 +23,7 @@ for _, k in ipairs({'delayed', 'waiting', 'completed', 'failed', 'killed', 'canc
 end
 local f = redis.call('HMGET', job, 'children', 'task', 'cross_children')
 if f[1] and state ~= 'completed' then
+  workflows()
   settle_children(p, id, job, {children = f[1], task = f[2], cross_children = f[3] or nil}, 'deleted', now(),
     tonumber(ARGV[2]) or 604800)
 end

@@ -599,6 +599,7 @@ for n = 1, n_jobs do
     out[n] = -1
   else
     if step then  -- each parent not completed yet gets it among its children
+      workflows()
       for _, e in ipairs(step[1]) do
         local pjob = not e[3] and prefixes[e[1]] .. 'job:' .. e[2]
         local f = pjob and redis.call('HMGET', pjob, 'state', 'children') or {}

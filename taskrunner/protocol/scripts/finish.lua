@@ -194,7 +194,7 @@ local meta = not freed and redis.call('HMGET', p .. 'meta', 'exclusive', 'priori
 if freed or meta[1] == '1' and backlog(p, meta[2]) > 0 then
   wake(p)
 end
-if #emitted > 0 then  -- children in other slots: the caller carries these (join.lua)
+if emitted and #emitted > 0 then  -- children in other slots: the caller carries these (join.lua)
   out[#out + 1] = emitted
 end
 return out

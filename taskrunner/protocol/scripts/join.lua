@@ -25,6 +25,7 @@
 -- Returns one integer per entry; then, only when children canceled here have children in
 -- other slots, the entries this call left in the outbox, as XRANGE gives them.
 local p = KEYS[1]
+workflows()
 local function refuse(message)
   return redis.error_reply('ERR taskrunner: BadCall: join: ' .. message)
 end

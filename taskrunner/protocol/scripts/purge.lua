@@ -20,6 +20,7 @@ for _ = 1, tonumber(ARGV[1]) do
     local job = p .. 'job:' .. id
     local f = redis.call('HMGET', job, 'children', 'task', 'cross_children', 'unique_key')
     if f[1] then
+      workflows()
       settle_children(p, id, job, {children = f[1], task = f[2], cross_children = f[3] or nil}, 'deleted', now(),
         tonumber(ARGV[2]) or 604800)
     end

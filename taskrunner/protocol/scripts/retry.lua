@@ -17,6 +17,7 @@
 -- cannot run ("ERR retry: ...").
 local p = KEYS[1]
 local id = ARGV[1]
+workflows()
 local job = p .. 'job:' .. id
 local r = redis.call('HMGET', job, 'state', 'children', 'parents', 'waiting_on', 'on_parent_failure', 'takes',
   'args', 'task', 'priority', 'unique_key', 'unique_for')
