@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import time
 
 import pytest
 
@@ -309,3 +311,16 @@ def test_each_script_carries_only_the_lib_helpers_it_uses():
     heartbeat = scripts.HEARTBEAT.source
     assert "local function is_name" in heartbeat and "local function finalize" not in heartbeat
     assert "local function finalize" in scripts.FINISH.source
+
+
+def test_now_is_written_as_formatting_it_would(app):
+    """A script writes its `now` from TIME's own digits, not by formatting the number: the
+    text must be what string.format('%.6f') gives, leading zeros of the microseconds too."""
+    info = json.dumps({"name": "w1", "host": "h", "pid": 1})
+    deadline, padded = time.monotonic() + 5, False
+    while not padded:  # until a second's first tenth: microseconds written with a leading zero
+        assert time.monotonic() < deadline
+        text = scripts.HEARTBEAT(app.redis, [app.keys.g], ["w1", info, 30])
+        text = text.decode() if isinstance(text, bytes) else text
+        assert re.fullmatch(r"\d{10}\.\d{6}", text) and text == f"{float(text):.6f}", text
+        padded = text.split(".")[1].startswith("0")

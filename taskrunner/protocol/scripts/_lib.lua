@@ -1,4 +1,7 @@
--- Shared helpers, prepended to every per-queue script when it is loaded.
+-- Shared helpers: a script is loaded with those it uses (directly or through another) put
+-- before it (scripts/__init__.py, prelude()): each one carried is made again at every call.
+-- Every top-level statement here is a definition (`local function f`, `local a, b = ...`,
+-- `f = function` for one declared above), so that a script can carry only some.
 --
 -- Every per-queue script gets KEYS[1] = the queue's key prefix, e.g. "tr:{emails}:",
 -- and touches only keys that start with it (one hash slot, see docs/PROTOCOL.md; enqueue.lua
@@ -32,14 +35,21 @@
 --                          win, used, before (see "Flow control" below)
 --   <p>slots:<key>  SET   ids of the running jobs that hold a slot of concurrency key <key>
 
+-- fmt()'s last answer: a number and its text.
+local fmt_x, fmt_s
+
+-- The server's time, in seconds. Its text ("<seconds>.<6 digits>", what
+-- string.format('%.6f') gives for it: the same for every microsecond) is fmt()'s last answer
+-- from TIME's own digits, so that a script writes its `now` without formatting a number.
 local function now()
   local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+  fmt_x = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  fmt_s = t[1] .. '.' .. string.sub('00000' .. t[2], -6)
+  return fmt_x
 end
 
 -- Seconds as text with microseconds. The last answer is kept: a script formats its `now`
 -- many times (number formatting is a good part of a script's cost).
-local fmt_x, fmt_s
 local function fmt(x)
   if x ~= fmt_x then
     fmt_x, fmt_s = x, string.format('%.6f', x)
