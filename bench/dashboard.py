@@ -1,9 +1,10 @@
-"""Dashboard render times at scale: `python -m bench.dashboard [--pending N] [--running N]`.
+"""Dashboard render times at scale: `python -m bench.dashboard [--pending N] [--running N] [--failed N]`.
 
 Fills a redis-server of its own with N pending jobs and M running ones (held by a live
-worker), then renders each page through the Flask app in-process (no network) and prints
-median and p95 times. A page reads only what it shows, so times should barely move with
-N pending."""
+worker), and F failed ones (queue `failing`, 4 tasks x 5 error types, failed through the
+claim and finish scripts as a worker's), then renders each page through the Flask app
+in-process (no network) and prints median and p95 times. A page reads only what it shows,
+so times should barely move with N pending or F failed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 import click
 
@@ -22,6 +24,11 @@ from taskrunner.protocol import codec, scripts
 
 PAGES = ["/", "/running", "/api/jobs?state=running", "/stuck", "/queues/default", "/queues/default?page=10000",
          "/api/queues", "/api/workers"]
+#: The Failed page's filters and the search (issue 21); {id} is a failed job's id.
+FAILED_PAGES = ["/failed", "/failed?page=1000", "/failed?error=E3", "/failed?queue=failing&task=bench.t1",
+                "/failed?task=bench.t2&error=E4", "/failed?task=bench.t2&error=E4&page=500",
+                "/api/failed?error=E1", "/search?q={id}", "/search?q=needle", "/api/search?q=needle&state=failed"]
+TASKS, ERRORS = 4, 5
 
 
 def fill(app: TaskRunner, pending: int, running: int) -> None:
@@ -37,38 +44,73 @@ def fill(app: TaskRunner, pending: int, running: int) -> None:
                                                                     "queues": ["default"], "concurrency": running}),
                                                   3600])
     head = codec.dumps({"worker": worker, "host": "bench", "ip": "127.0.0.1"}).decode()[:-1]
-    # The oldest jobs get claimed: claim from the right end, 500 at a time.
+    # The oldest jobs get claimed: claim from the right end, 500 at a time (a (pid, ahead) pair each).
     for start in range(0, running, 500):
         n = min(500, running - start)
         scripts.CLAIM(app.redis, [app.keys.q("default")],
-                      [head, worker, "bench", "127.0.0.1", 1, 3600, *range(10000 + start, 10000 + start + n)])
+                      [head, worker, "bench", "127.0.0.1", 1, 3600, *claim_slots(10000 + start, n)])
+
+
+def claim_slots(first_pid: int, n: int) -> list[Any]:
+    return [v for pid in range(first_pid, first_pid + n) for v in (pid, "")]
+
+
+def fill_failed(app: TaskRunner, failed: int) -> str:
+    """`failed` jobs of queue `failing` that ran and failed: task bench.t<i % TASKS>, error
+    type E<i % ERRORS>; returns one's id."""
+    from taskrunner.protocol.claims import STRIDE
+
+    worker = "bench-failer"
+    head = codec.dumps({"worker": worker, "host": "bench", "ip": "127.0.0.1"}).decode()[:-1]
+    p = app.keys.q("failing")
+    last = ""
+    with click.progressbar(length=failed, label="failing", file=sys.stderr) as bar:
+        for start in range(0, failed, 500):
+            n = min(500, failed - start)
+            batch = []
+            for i in range(start, start + n):
+                task = f"bench.t{i % TASKS}"
+                fields = app._fields(task, [i, "hay"], {}, *app._job_spec(task, {"queue": "failing"}))
+                batch.append((codec.new_id(), 0, fields))
+            app._enqueue_batch("failing", batch)
+            out = scripts.CLAIM(app.redis, [p], [head, worker, "bench", "127.0.0.1", 1, 3600, *claim_slots(20000, n)])
+            args: list[Any] = [3600, 600, 86400]
+            for k, j in enumerate(range(0, len(out), STRIDE)):
+                last = out[j + 1]
+                args += [last, out[j + 2], "error", "", f"E{(start + k) % ERRORS}", "it broke", "Traceback", ""]
+            scripts.FINISH(app.redis, [p], args)
+            bar.update(n)
+    return last
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pending", type=int, default=1_000_000)
     parser.add_argument("--running", type=int, default=2_000)
+    parser.add_argument("--failed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=20)
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, RedisServer(tmp, appendonly=False) as server:
         app = TaskRunner("bench", redis_url=server.url, prefix="trdash")
         t0 = time.monotonic()
         fill(app, a.pending, a.running)
-        print(f"filled {a.pending:,} pending + {a.running:,} running in {time.monotonic() - t0:.0f} s; "
+        failed_id = fill_failed(app, a.failed) if a.failed else ""
+        print(f"filled {a.pending:,} pending + {a.running:,} running + {a.failed:,} failed in "
+              f"{time.monotonic() - t0:.0f} s; "
               f"Redis used_memory {app.redis.info('memory')['used_memory_human']}")
         client = create_app(app, password="", token="").test_client()
-        print(f"\n{'page':32} {'median ms':>10} {'p95 ms':>8} {'bytes':>9}")
-        for path in PAGES:
+        print(f"\n{'page':44} {'median ms':>10} {'p95 ms':>8} {'bytes':>9}")
+        for path in PAGES + ([p.format(id=failed_id) for p in FAILED_PAGES] if a.failed else []):
             times, size = [], 0
             for _ in range(a.repeat):
                 t = time.perf_counter()
                 r = client.get(path)
                 times.append((time.perf_counter() - t) * 1000)
                 size = len(r.data)
-                assert r.status_code == 200, (path, r.status_code)
+                assert r.status_code in (200, 302), (path, r.status_code)
             times.sort()
             p95 = times[min(len(times) - 1, int(len(times) * 0.95))]
-            print(f"{path:32} {statistics.median(times):>10.1f} {p95:>8.1f} {size:>9,}")
+            print(f"{path[:44]:44} {statistics.median(times):>10.1f} {p95:>8.1f} {size:>9,}")
     return 0
 
 

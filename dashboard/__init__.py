@@ -75,7 +75,7 @@ def create_app(runner: TaskRunner | None = None, password: str | None = None, to
 
     @web.errorhandler(HTTPException)
     def error(e: HTTPException) -> Any:
-        if request.path.startswith("/api/"):
+        if request.path.startswith("/api/") or request.accept_mimetypes.best == "application/json":
             return jsonify(error=e.description, status=e.code), e.code
         return render_template("error.html", error=e), e.code
 

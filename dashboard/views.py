@@ -25,8 +25,9 @@ from flask import (
 from taskrunner.client import declarations
 from taskrunner.client.job import Job
 from taskrunner.errors import InvalidName, JobNotFound, TaskRunnerError
-from taskrunner.ops import listing
+from taskrunner.ops import failures, listing
 from taskrunner.ops import queue as taskqueue
+from taskrunner.ops import search as searching
 from taskrunner.protocol import codec
 from taskrunner.protocol.connection import server_time
 
@@ -39,6 +40,9 @@ PAGE = 50
 ACTIONS = ("kill", "retry", "requeue", "delete")
 QUEUE_ACTIONS = ("purge", "close", "open", "pause", "resume")
 SCHEDULE_ACTIONS = ("pause", "resume", "run-now", "delete")
+#: A worker's actions, and the control message each sends it (the worker acts as on SIGTERM,
+#: or requeues its running jobs at once).
+WORKER_ACTIONS = {"stop": "graceful", "stop-now": "now"}
 FINISHED = ("completed", "failed", "killed", "canceled")
 
 
@@ -161,6 +165,77 @@ def schedule_act(name: str, action: str, who: str) -> dict[str, Any]:
     return out
 
 
+#: A bulk action over a filter runs batches for at most this long per request.
+BULK_SECONDS = 10.0
+
+
+def bulk(action: str, body: Any) -> dict[str, Any]:
+    """Retry or delete failed (or killed) jobs: `{"ids": [...], "state"?}` or `{"filter":
+    {...}, "cursor"?, "limit"?}`; the counts, `left` and the `cursor` to go on with. With a
+    filter and no limit it runs batches of failures.BATCH_MAX for up to BULK_SECONDS.
+    Audited: one entry per call."""
+    if action not in ("retry", "delete"):
+        abort(404, f"no bulk action {action!r}: use retry or delete")
+    if not isinstance(body, dict) or ("ids" in body) == ("filter" in body):
+        abort(400, 'send {"ids": [...]} or {"filter": {"state", "queue", "task", "error"}}')
+    who = security.who()
+    if "ids" in body:
+        ids, state = body["ids"], body.get("state") or "failed"
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids) or len(ids) > failures.BATCH_MAX:
+            abort(400, f"ids must be a list of at most {failures.BATCH_MAX} job ids")
+        if state not in failures.STATES:
+            abort(400, "state must be failed or killed")
+        out = failures.act_on_ids(runner(), action, state, ids, who)
+        audit(f"{action} {out['done']} {state} jobs (selected)", who, bool(out["done"]))
+        return out
+    f = failure_filter(body["filter"])
+    try:
+        cursor = failures.Cursor.parse(body.get("cursor"))
+        limit = int(body.get("limit") or 0)
+    except (TypeError, ValueError) as e:
+        abort(400, str(e) if "cursor" in str(e) else "limit must be a whole number")
+    if not 0 <= limit <= failures.BATCH_MAX:
+        abort(400, f"limit must be 1 to {failures.BATCH_MAX}")
+    deadline = time.monotonic() + BULK_SECONDS
+    total: dict[str, Any] = {"done": 0, "refused": 0, "gone": 0, "errors": []}
+    while True:
+        out = failures.act_on_filter(runner(), action, f, cursor, limit or failures.BATCH_MAX, who)
+        for k in ("done", "refused", "gone"):
+            total[k] += out[k]
+        total["errors"] = (total["errors"] + out["errors"])[:5]
+        cursor = failures.Cursor.parse(out["cursor"])
+        if cursor is None or limit or time.monotonic() > deadline:
+            break
+    what = " ".join(f"{k}={v}" for k, v in f.as_dict().items())
+    audit(f"{action} {total['done']} jobs matching {what}", who, bool(total["done"]))
+    return {**total, "left": out["left"], "cursor": out["cursor"]}
+
+
+def find_worker(name: str) -> dict[str, Any]:
+    try:
+        codec.check_name("worker", name)
+    except InvalidName as e:
+        abort(404, str(e))
+    w = listing.worker(runner(), name)
+    if w is None:
+        abort(404, f"no worker {name!r} (never started, or dead for over an hour)")
+    return w
+
+
+def worker_act(name: str, action: str, who: str) -> dict[str, Any]:
+    """Ask a live worker to stop: gracefully (its running jobs have its shutdown grace to
+    finish) or now (they go back in line at once). Audited."""
+    if action not in WORKER_ACTIONS:
+        abort(404, f"no worker action {action!r}: use stop or stop-now")
+    w = find_worker(name)
+    if w["state"] != "alive":
+        abort(409, f"worker {name} is not alive: nothing to stop")
+    runner().send_control(name, {"stop": WORKER_ACTIONS[action], "who": who})
+    audit(f"{action} worker {name}", who, True)
+    return {"message": "stopping: its running jobs have its shutdown grace to finish" if action == "stop"
+            else "stopping now: its running jobs go back in line"}
+
+
 def audit(what: str, who: str, done: bool) -> None:
     r = runner()
     log.warning("dashboard: %s by %s: %s", what, who, "done" if done else "refused")
@@ -195,15 +270,77 @@ def stuck() -> str:
                            title="Stuck", live=url_for("pages.stuck", page=page, fragment=1))
 
 
+def failure_filter(raw: dict[str, Any] | None = None) -> failures.Filter:
+    """The Failed page's filter from the query string (or a form, an API body): 400 with the
+    reason when a field is not one; 404 for a queue that does not exist."""
+    try:
+        f = failures.Filter.parse(raw if raw is not None else dict(request.args.items()))
+    except ValueError as e:
+        abort(400, str(e))
+    queue_arg(f.queue)
+    return f
+
+
+def failed_page(f: failures.Filter) -> dict[str, Any]:
+    """One page of the filter's jobs, its pager, and the tasks and error types to filter by."""
+    page = page_arg()
+    total, rows = failures.page(runner(), f, (page - 1) * PAGE, PAGE)
+    return {"rows": rows, "pager": pager(total, page), "facets": failures.facets(runner(), f.state, f.queue)}
+
+
 @pages.get("/failed")
 def failed() -> str:
-    state = request.args.get("state", "failed")
-    if state not in ("failed", "killed"):
-        abort(400, "state must be failed or killed")
-    page = page_arg()
-    total, rows = listing.finished(runner(), state, (page - 1) * PAGE, PAGE)
-    return render_template("jobs.html", rows=rows, pager=pager(total, page), title=state.capitalize(),
-                           state=state, queue=None, now=server_time(runner().redis))
+    """Failed (or killed) jobs, filtered by queue, task and error type, each from its index
+    (taskrunner/ops/failures.py): a page costs the same at any number of jobs."""
+    f = failure_filter({k: v for k, v in request.args.items() if k != "page"})
+    data = failed_page(f)
+    base = url_for("pages.failed", **f.as_dict())
+    return render_template("failed.html", title=f.state.capitalize(), state=f.state, filter=f,
+                           base=base + ("&" if "?" in base else "?"), queues=runner().queue_names(),
+                           now=server_time(runner().redis), **data)
+
+
+@pages.get("/search")
+def search() -> Any:
+    """The header's search box: a job id opens the job; other text lists the tasks and the
+    jobs whose task or arguments contain it (taskrunner/ops/search.py)."""
+    text, states, after = search_args()
+    found = job_by_id(text)
+    if found is not None:
+        return redirect(url_for("pages.job", job_id=found))
+    result = run_search(text, states, after)
+    base = url_for("pages.search", q=text, state=list(states))
+    return render_template("search.html", title="Search", q=text, states=states, result=result,
+                           all_states=searching.STATES, base=base, now=server_time(runner().redis))
+
+
+def search_args() -> tuple[str, tuple[str, ...], searching.Cursor]:
+    text = request.args.get("q", "").strip()
+    if not text:
+        abort(400, "q must be a job id or some text to look for")
+    if len(text) > searching.TEXT_MAX:
+        abort(400, f"q must be at most {searching.TEXT_MAX} characters")
+    states = tuple(request.args.getlist("state")) or searching.DEFAULT_STATES
+    bad = [s for s in states if s not in searching.STATES]
+    if bad:
+        abort(400, f"state must be among {', '.join(searching.STATES)}")
+    try:
+        after = searching.Cursor.parse(request.args.get("after"))
+    except ValueError as e:
+        abort(400, str(e))
+    return text, tuple(dict.fromkeys(states)), after
+
+
+def job_by_id(text: str) -> str | None:
+    """The text, when it is the id of a job."""
+    try:
+        return runner().job(text).id
+    except (JobNotFound, InvalidName):
+        return None
+
+
+def run_search(text: str, states: tuple[str, ...], after: searching.Cursor) -> dict[str, Any]:
+    return searching.search(runner(), text, states, after, limit=PAGE)
 
 
 @pages.get("/queues/<name>")
@@ -235,6 +372,18 @@ def workflow(job_id: str) -> str:
 def job(job_id: str) -> str:
     j = find_job(job_id)
     return render_template("_job.html" if request.args.get("fragment") else "job.html", job=j.to_dict(),
+                           now=server_time(runner().redis))
+
+
+@pages.get("/workers")
+def workers() -> str:
+    return render_template("workers.html", title="Workers", workers=listing.workers(runner()),
+                           now=server_time(runner().redis))
+
+
+@pages.get("/workers/<name>")
+def worker(name: str) -> str:
+    return render_template("worker.html", title=f"Worker {name}", w=find_worker(name),
                            now=server_time(runner().redis))
 
 
@@ -309,11 +458,40 @@ def job_action(job_id: str, action: str) -> Any:
     return redirect(local_path(request.form.get("next", ""), url_for("pages.job", job_id=job_id)))
 
 
+@pages.post("/failed/<action>")
+@security.form_action
+def failed_action(action: str) -> Any:
+    """Retry or delete the ticked jobs (`id` fields), or every job of the filter (`all`);
+    a browser's script sends `limit` and the `cursor` fields and shows progress between calls
+    (JSON answers), a plain form runs batches for up to BULK_SECONDS and says what is left."""
+    form = request.form
+    f = failure_filter({k: form.get(k, "") for k in ("state", "queue", "task", "error")})
+    if form.get("all"):
+        cursor = {k: form.get("cursor_" + k) for k in ("before", "queue", "skip") if form.get("cursor_" + k)}
+        out = bulk(action, {"filter": f.as_dict(), "cursor": cursor or None, "limit": form.get("limit")})
+    else:
+        out = bulk(action, {"ids": form.getlist("id"), "state": f.state})
+    if request.accept_mimetypes.best == "application/json":
+        return jsonify(out)
+    verb = "retried" if action == "retry" else "deleted"
+    flash(f"{out['done']} {verb}, {out['refused']} refused, {out['gone']} gone"
+          + (f"; {out['left']} left: press again" if out["left"] else "")
+          + "".join(f"; {e}" for e in out["errors"]))
+    return redirect(url_for("pages.failed", **f.as_dict()))
+
+
 @pages.post("/queues/<name>/<action>")
 @security.form_action
 def queue_action(name: str, action: str) -> Any:
     flash(f"queue {name}: {queue_act(name, action, security.who())['message']}")
     return redirect(url_for("pages.queue", name=name))
+
+
+@pages.post("/workers/<name>/<action>")
+@security.form_action
+def worker_action(name: str, action: str) -> Any:
+    flash(f"worker {name}: {worker_act(name, action, security.who())['message']}")
+    return redirect(url_for("pages.worker", name=name))
 
 
 @pages.post("/schedules/<name>/<action>")
@@ -365,6 +543,17 @@ def api_queues() -> Any:
 @api.get("/workers")
 def api_workers() -> Any:
     return jsonify(listing.workers(runner()))
+
+
+@api.get("/workers/<name>")
+def api_worker(name: str) -> Any:
+    return jsonify(find_worker(name))
+
+
+@api.post("/workers/<name>/<action>")
+@security.api_action
+def api_worker_action(name: str, action: str) -> Any:
+    return jsonify({"worker": name, "action": action, **worker_act(name, action, security.who())})
 
 
 @api.get("/schedules")
@@ -437,3 +626,32 @@ def api_queue_action(name: str, action: str) -> Any:
 @security.api_action
 def api_schedule_action(name: str, action: str) -> Any:
     return jsonify({"schedule": name, "action": action, **schedule_act(name, action, security.who())})
+
+
+@api.get("/failed")
+def api_failed() -> Any:
+    """The Failed page's twin: {"total", "page", "pages", "jobs", "facets"}."""
+    f = failure_filter({k: v for k, v in request.args.items() if k != "page"})
+    data = failed_page(f)
+    return jsonify({"filter": f.as_dict(), **{k: data["pager"][k] for k in ("total", "page", "pages")},
+                    "jobs": data["rows"], "facets": data["facets"]})
+
+
+@api.post("/failed/<action>")
+@security.api_action
+def api_failed_action(action: str) -> Any:
+    """Bulk retry or delete: {"ids": [...]} or {"filter": {...}} (see bulk())."""
+    body = request.get_json(silent=True)
+    if body is None:
+        abort(400, "send a JSON object")
+    return jsonify(bulk(action, body))
+
+
+@api.get("/search")
+def api_search() -> Any:
+    """The search's twin: {"job": id} for a job id, else {"tasks", "jobs", "examined", "after"}."""
+    text, states, after = search_args()
+    found = job_by_id(text)
+    if found is not None:
+        return jsonify({"job": found})
+    return jsonify(run_search(text, states, after))

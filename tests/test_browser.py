@@ -109,6 +109,30 @@ def screenshot(page: Page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / name), full_page=True)
 
 
+def screenshots(page: Page, name: str, buttons: tuple[str, ...]) -> None:
+    """Screenshots at desktop width and 420 px wide (<name>.png, <name>-420.png); at 420 px
+    each of these buttons (data-action) is on screen."""
+    screenshot(page, f"{name}.png")
+    page.set_viewport_size({"width": 420, "height": 900})
+    screenshot(page, f"{name}-420.png")
+    for b in buttons:
+        box = page.locator(f'button[data-action="{b}"]').first.bounding_box()
+        assert box is not None and box["x"] + box["width"] <= 420, (b, box)
+    page.set_viewport_size({"width": 1400, "height": 900})
+
+
+def accept_next_dialog(page: Page) -> list[str]:
+    """Accept the page's next dialog (live.js's confirm()); the list gets its message."""
+    dialogs: list[str] = []
+
+    def accept(d: Any) -> None:
+        dialogs.append(d.message)
+        d.accept()
+
+    page.once("dialog", accept)
+    return dialogs
+
+
 def row_of(page: Page, job_id: str) -> Any:
     return page.locator(f'tr[data-job="{job_id}"]')
 
@@ -140,13 +164,7 @@ def login(page: Page, base: str, next_path: str) -> None:
 
 def click_kill(page: Page, job_id: str) -> list[str]:
     """Click the Kill button in the job's row and accept live.js's confirm(); the dialogs seen."""
-    dialogs: list[str] = []
-
-    def accept(d: Any) -> None:
-        dialogs.append(d.message)
-        d.accept()
-
-    page.once("dialog", accept)
+    dialogs = accept_next_dialog(page)
     with page.expect_navigation():
         row_of(page, job_id).locator('button[data-action="kill"]').click()
     return dialogs

@@ -127,6 +127,22 @@ def workers(app: TaskRunner) -> list[dict[str, Any]]:
     return out
 
 
+def worker(app: TaskRunner, name: str) -> dict[str, Any] | None:
+    """One worker as workers() gives it, with its children (PID and RSS, when the worker
+    publishes them) and the jobs it runs now; None when no worker of that name is listed."""
+    found = next((w for w in workers(app) if w["name"] == name), None)
+    if found is None:
+        return None
+    rss = found.pop("children_rss", None)
+    rss = rss if isinstance(rss, dict) else {}
+    pids = found.get("children")
+    found["children"] = [{"pid": pid, "rss": number(rss.get(str(pid)))}
+                         for pid in (pids if isinstance(pids, list) else []) if number(pid) is not None]
+    _, rows = running(app, limit=10**9)
+    found["jobs"] = [r for r in rows if r["worker"] == name] if found["state"] == "alive" else []
+    return found
+
+
 #: Fields of a worker's info that pages and the CLI format as numbers, and as text.
 _WORKER_NUMBERS = ("pid", "busy", "concurrency", "processed", "rss", "cpu", "started_at")
 _WORKER_TEXT = ("host", "ip", "kind")
@@ -184,12 +200,12 @@ def running(app: TaskRunner, queue: str | None = None, offset: int = 0, limit: i
     rows.sort(key=lambda r: (r["started_at"], r["id"]))  # ids sort by creation too
     alive = live_workers(app, now)
     if only_stuck:
-        flags = _hmget(app, rows, "stuck")
+        flags = hmget(app, rows, "stuck")
         rows = [r for r, (s,) in zip(rows, flags) if s == "1" or r["worker"] not in alive
                 or now > r["started_at"] + r["ahead"] + r["max_duration"]]
     total = len(rows)
     page = rows[offset:offset + limit]
-    for r, (task, args, kwargs, stuck, kill) in zip(page, _hmget(app, page, "task", "args", "kwargs", "stuck",
+    for r, (task, args, kwargs, stuck, kill) in zip(page, hmget(app, page, "task", "args", "kwargs", "stuck",
                                                                  "kill_requested")):
         elapsed = max(0.0, now - r["started_at"])
         over = elapsed > r["ahead"] + r["max_duration"]
@@ -204,7 +220,7 @@ def running(app: TaskRunner, queue: str | None = None, offset: int = 0, limit: i
     return total, page
 
 
-def _hmget(app: TaskRunner, rows: list[dict[str, Any]], *fields: str) -> list[list[Any]]:
+def hmget(app: TaskRunner, rows: list[dict[str, Any]], *fields: str) -> list[list[Any]]:
     pipe = app.redis.pipeline(transaction=False)
     for r in rows:
         pipe.hmget(app.keys.job(r["queue"], r["id"]), *fields)
@@ -234,20 +250,25 @@ def page_of(app: TaskRunner, queue: str, state: str, offset: int = 0, limit: int
         offset = max(0, offset - n)
     fields = ("task", "args", "kwargs", "state", "enqueued_at", "due_at", "started_at", "finished_at", "attempts",
               "error_type", "error", "worker")
-    return total, _fill(app, rows, fields)
+    return total, fill(app, rows, fields)
 
 
-def _fill(app: TaskRunner, rows: list[dict[str, Any]], fields: tuple[str, ...]) -> list[dict[str, Any]]:
+def fill(app: TaskRunner, rows: list[dict[str, Any]], fields: tuple[str, ...]) -> list[dict[str, Any]]:
     """Add the fields of each row's job record (typed), with args shortened for tables.
     Rows whose record is gone are left out: a job with a shorter result_ttl or failed_ttl
     than the one its queue's finished sets are trimmed by (see sweep.lua) expired first."""
     out = []
-    for r, values in zip(rows, _hmget(app, rows, *fields)):
+    for r, values in zip(rows, hmget(app, rows, *fields)):
         d = {f: typed(f, v) for f, v in zip(fields, values)}
         if d["state"] is not None:
             r.update(d, args=_short(d["args"], d.pop("kwargs")))
             out.append(r)
     return out
+
+
+#: The fields of a finished job that its row in a table shows.
+FINISHED_FIELDS = ("task", "args", "kwargs", "state", "finished_at", "attempts", "error_type", "error", "worker",
+                   "host", "pid", "killed_by")
 
 
 def finished(app: TaskRunner, state: str, offset: int = 0, limit: int = 50) -> tuple[int, list[dict[str, Any]]]:
@@ -261,9 +282,7 @@ def finished(app: TaskRunner, state: str, offset: int = 0, limit: int = 50) -> t
     total = sum(res[0::2])
     merged = sorted(((t, q, i) for q, entries in zip(queues, res[1::2]) for i, t in entries), reverse=True)
     rows = [{"id": i, "queue": q} for _, q, i in merged[offset:offset + limit]]
-    fields = ("task", "args", "kwargs", "state", "finished_at", "attempts", "error_type", "error", "worker",
-              "host", "pid", "killed_by")
-    return total, _fill(app, rows, fields)
+    return total, fill(app, rows, FINISHED_FIELDS)
 
 
 #: A dispatcher silent this long (seconds) is shown gone, not late: it was killed or lost

@@ -70,19 +70,22 @@ class Crew:
         """Children with jobs."""
         return sum(1 for c in self.children if c.jobs)
 
-    def usage(self) -> tuple[int, float]:
-        """RSS (bytes) and CPU (%) of the children, for heartbeats."""
+    def usage(self) -> tuple[int, float, dict[int, int]]:
+        """RSS (bytes) and CPU (%) of the children, and each child's RSS by PID, for
+        heartbeats (the dashboard's worker page)."""
         for pid in set(_procs) - {c.pid for c in self.children}:
             del _procs[pid]
-        rss, cpu = 0, 0.0
-        for p in (_proc(c.pid) for c in self.children):
+        rss, cpu, each = 0, 0.0, {}
+        for c in self.children:
+            p = _proc(c.pid)
             try:
                 if p is not None:
-                    rss += p.memory_info().rss
+                    each[c.pid] = p.memory_info().rss
+                    rss += each[c.pid]
                     cpu += p.cpu_percent(None)
             except psutil.Error:
                 pass
-        return rss, cpu
+        return rss, cpu, each
 
     # -- jobs in -----------------------------------------------------------------------
 

@@ -403,9 +403,26 @@ class Worker:
         return policy.spare(self.crew.runtime, max((c.capacity for c in self.crew.children), default=1),
                             self.prefetch)
 
+    def _stop(self, at_once: bool, why: str) -> None:
+        """Stop as SIGTERM does (running jobs have shutdown_grace to finish), or at once
+        (requeue them now, as a second SIGINT or SIGQUIT while stopping)."""
+        now = time.monotonic()
+        log.warning("worker %s: %s: %s", self.name, why, "stop now: requeueing running jobs" if at_once else
+                    f"stopping; running jobs have {self.s.shutdown_grace:.0f}s to finish")
+        if not self.stopping:
+            self.stopping = True
+            self.stop_at = now + self.s.shutdown_grace
+        if at_once:
+            self.stop_at = min(self.stop_at, now)
+
     def _on_control(self, raw: str) -> None:
+        """A kill request for a job ({"kill", "attempt", "reason"}), or an operator's stop
+        ({"stop": "graceful" | "now", "who"}, the dashboard's worker page)."""
         try:
             msg = codec.loads(raw)
+            if isinstance(msg, dict) and msg.get("stop") in ("graceful", "now"):
+                self._stop(msg["stop"] == "now", f"stop requested by {str(msg.get('who'))[:200]}")
+                return
             job_id, attempt = str(msg["kill"]), str(msg["attempt"])
             reason = "timeout" if msg.get("reason") == "timeout" else "killed"
         except (ValueError, KeyError, TypeError):
@@ -528,7 +545,7 @@ class Worker:
             self.crew.stop(c, d, "lost" if lost else "killed")
 
     def info(self) -> dict[str, Any]:
-        rss, cpu = self.crew.usage()
+        rss, cpu, child_rss = self.crew.usage()
         try:
             rss += self.proc.memory_info().rss
             cpu += self.proc.cpu_percent(None)
@@ -537,6 +554,7 @@ class Worker:
         return {"name": self.name, "host": self.host, "ip": self.ip, "pid": os.getpid(),
                 "create_time": self.proc.create_time(), **identity(),
                 "children": [c.pid for c in self.crew.children],
+                "children_rss": {str(pid): n for pid, n in child_rss.items()},
                 "queues": self.queues, "concurrency": self.concurrency, "prefetch": self.prefetch,
                 "threads": self.threads, "async_slots": self.async_slots, "busy": self.crew.busy(),
                 "processed": self.crew.processed, "rss": rss, "cpu": round(cpu, 1), "started_at": self.started_at}

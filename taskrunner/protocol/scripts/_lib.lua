@@ -34,6 +34,10 @@
 --   <p>limit, <p>limit:<task>  HASH  a rate limiter's state (the queue's, a task's): tat,
 --                          win, used, before (see "Flow control" below)
 --   <p>slots:<key>  SET   ids of the running jobs that hold a slot of concurrency key <key>
+--   <p><s>:task:<task>, <p><s>:error:<type>, <p><s>:te:<task> <type>  ZSET  id -> finish time:
+--                          the failed (s = failed) or killed (s = killed) jobs of a task, an
+--                          error type, both (see "Failure indexes" below)
+--   <p><s>:facets   SET   "<task> <type>" of every <p><s>:te: index that may hold ids
 
 -- fmt()'s last answer: a number and its text.
 local fmt_x, fmt_s
@@ -212,6 +216,56 @@ local function to_delayed(p, id, job, due, extra)
   redis.call('ZADD', p .. 'delayed', due, id)
 end
 
+-- Queue, task and worker names (docs/PROTOCOL.md, Names): 1-200 of [A-Za-z0-9_.:@-], the
+-- first a letter or digit.
+local function is_name(s)
+  return type(s) == 'string' and #s <= 200 and string.find(s, '^%w[%w_.:@%-]*$') ~= nil
+end
+
+-- >>> Failure indexes (issue 21) -----------------------------------------------------
+-- A job that ends failed or killed is listed, beside <p><state>, by its task, its error
+-- type and both (ZSETs id -> finish time), so that the dashboard pages a filtered list with
+-- one ZREVRANGE; <p><state>:facets names every pair. Whatever takes a job out of <p><state>
+-- takes it out of these too: retry.lua and delete.lua (unindex_failure), sweep.lua (trims
+-- them by time as it trims <p><state>, and drops pairs whose index is empty). Completed and
+-- canceled jobs are not indexed: a job that completes pays nothing here.
+
+-- The (task, error type) pair a job is indexed under: a task that is not a name (a corrupt
+-- record) is "?", an error type is cut to 200 characters ("?" when there is none).
+local function facet_of(task, error_type)
+  if not is_name(task) then
+    task = '?'
+  end
+  if not error_type or error_type == '' then
+    return task, '?'
+  end
+  return task, string.sub(error_type, 1, 200)
+end
+
+local function index_failure(p, state, id, task, error_type, t)
+  local s = p .. state .. ':'
+  task, error_type = facet_of(task, error_type)
+  redis.call('ZADD', s .. 'task:' .. task, t, id)
+  redis.call('ZADD', s .. 'error:' .. error_type, t, id)
+  redis.call('ZADD', s .. 'te:' .. task .. ' ' .. error_type, t, id)
+  redis.call('SADD', s .. 'facets', task .. ' ' .. error_type)
+end
+
+-- A failed or killed job leaves <p><state> (retried, deleted): it leaves the indexes too,
+-- and its pair leaves the facets once no job has it.
+local function unindex_failure(p, state, id, task, error_type)
+  local s = p .. state .. ':'
+  task, error_type = facet_of(task, error_type)
+  redis.call('ZREM', s .. 'task:' .. task, id)
+  redis.call('ZREM', s .. 'error:' .. error_type, id)
+  local te = s .. 'te:' .. task .. ' ' .. error_type
+  redis.call('ZREM', te, id)
+  if redis.call('EXISTS', te) == 0 then
+    redis.call('SREM', s .. 'facets', task .. ' ' .. error_type)
+  end
+end
+-- <<< Failure indexes ------------------------------------------------------------------
+
 -- The history stream is capped (approximately) at this many entries; the archiver empties
 -- it long before, and the dispatcher warns when it holds half as many.
 local HISTORY_MAX = '500000'
@@ -257,6 +311,9 @@ local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
     ids[#ids + 1] = id
   else
     redis.call('ZADD', p .. state, t, id)
+  end
+  if state == 'failed' or state == 'killed' then  -- the same score as the finished set's
+    index_failure(p, state, id, r.task, error_type, index and fmt(t) or t)
   end
   redis.call('EXPIRE', job, ttl)
   if r.unique_key then
@@ -322,12 +379,6 @@ local function holder_check(p, id, r, attempt, take)
     return 2
   end
   return 1
-end
-
--- Queue, task and worker names (docs/PROTOCOL.md, Names): 1-200 of [A-Za-z0-9_.:@-], the
--- first a letter or digit.
-local function is_name(s)
-  return type(s) == 'string' and #s <= 200 and string.find(s, '^%w[%w_.:@%-]*$') ~= nil
 end
 
 -- A queue as keys and records name it: a name, or shard i (1-63) of a sharded queue

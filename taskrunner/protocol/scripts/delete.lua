@@ -1,10 +1,13 @@
 -- Delete a job that is not running (kill it first): every trace of it goes. The jobs
 -- waiting for one that had not completed end canceled (they would wait for ever). A unique
--- job's lock goes with it.
+-- job's lock goes with it, a failed or killed one leaves the failure indexes (see _lib.lua).
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  id   ARGV[2] (optional) failed TTL (s) for those canceled; default 604800
+-- ARGV[3]  (optional) the states it may delete, e.g. "failed killed" (a bulk delete of the
+--          failed ones: a job retried meanwhile is left as it is); default: any but running
 -- Children in other slots get an outbox entry (see _lib.lua), carried by the dispatcher.
--- Returns the state before; "" when there is no such job; "running" (refused).
+-- Returns the state before; "" when there is no such job; "running" or a state not in ARGV[3]
+-- (refused: nothing changed).
 local p = KEYS[1]
 local id = ARGV[1]
 local job = p .. 'job:' .. id
@@ -12,6 +15,9 @@ local f = redis.call('HMGET', job, 'state', 'priority', 'unique_key')
 local state = f[1]
 if not state or state == 'running' then
   return state or ''
+end
+if ARGV[3] and not string.find(' ' .. ARGV[3] .. ' ', ' ' .. state .. ' ', 1, true) then
+  return state
 end
 redis.call('SREM', p .. 'items', id)
 redis.call('LREM', pending_of(p, f[2]), 0, id)
@@ -21,7 +27,10 @@ end
 for _, k in ipairs({'delayed', 'waiting', 'completed', 'failed', 'killed', 'canceled'}) do
   redis.call('ZREM', p .. k, id)
 end
-local f = redis.call('HMGET', job, 'children', 'task', 'cross_children')
+local f = redis.call('HMGET', job, 'children', 'task', 'cross_children', 'error_type')
+if state == 'failed' or state == 'killed' then
+  unindex_failure(p, state, id, f[2], f[4])
+end
 if f[1] and state ~= 'completed' then
   workflows()
   settle_children(p, id, job, {children = f[1], task = f[2], cross_children = f[3] or nil}, 'deleted', now(),

@@ -8,6 +8,7 @@
 -- one brings it back). The steps that counted it as done (on_parent_failure continue) count
 -- it again. A step that never joined (killed while it waited) waits again for its parents.
 -- KEYS[1]  queue key prefix
+-- It leaves the failure indexes of its state too (see _lib.lua).
 -- ARGV[1]  id   ARGV[2] who asked
 -- ARGV[3]  (optional) "1": steps in other queues may be touched (one Redis server); else
 --          only this queue's (a Redis Cluster: a step with a parent or child in another
@@ -20,7 +21,7 @@ local id = ARGV[1]
 workflows()
 local job = p .. 'job:' .. id
 local r = redis.call('HMGET', job, 'state', 'children', 'parents', 'waiting_on', 'on_parent_failure', 'takes',
-  'args', 'task', 'priority', 'unique_key', 'unique_for')
+  'args', 'task', 'priority', 'unique_key', 'unique_for', 'error_type')
 local state = r[1]
 if state ~= 'failed' and state ~= 'killed' then
   return state or ''
@@ -86,6 +87,7 @@ if r[3] and (tonumber(r[4]) or 0) > 0 then
 end
 
 redis.call('ZREM', p .. state, id)
+unindex_failure(p, state, id, r[8], r[12])
 redis.call('PERSIST', job)
 redis.call('HDEL', job, 'kill_requested', 'finished_at', 'result', 'stuck', 'stuck_at')
 redis.call('HSET', job, 'failures', '0', 'lost', '0', 'retry_requests', '0')  -- a fresh budget

@@ -1,5 +1,5 @@
 -- One dispatcher pass over a queue: promote due delayed jobs, list due deadlines,
--- trim the finished-job indexes.
+-- trim the finished-job indexes (the failure indexes with them, see _lib.lua).
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  most delayed jobs to promote   ARGV[2] most deadline buckets to read
 -- ARGV[3]  result TTL (s): entries of `completed` older than this are trimmed
@@ -49,6 +49,22 @@ local longest = redis.call('HMGET', p .. 'meta', 'longest_result_ttl', 'longest_
 local result_ttl = math.max(tonumber(ARGV[3]), tonumber(longest[1]) or 0)
 local failed_ttl = math.max(tonumber(ARGV[4]), tonumber(longest[2]) or 0)
 for _, state in ipairs({'completed', 'failed', 'killed', 'canceled'}) do
-  redis.call('ZREMRANGEBYSCORE', p .. state, '-inf', t - (state == 'completed' and result_ttl or failed_ttl))
+  local before = t - (state == 'completed' and result_ttl or failed_ttl)
+  local trimmed = redis.call('ZREMRANGEBYSCORE', p .. state, '-inf', before)
+  if trimmed > 0 and (state == 'failed' or state == 'killed') then
+    -- The failure indexes hold the same ids with the same scores: trim those too. A pair
+    -- whose index lost nothing costs one command; one left empty leaves the facets.
+    local s = p .. state .. ':'
+    for _, pair in ipairs(redis.call('SMEMBERS', s .. 'facets')) do
+      if redis.call('ZREMRANGEBYSCORE', s .. 'te:' .. pair, '-inf', before) > 0 then
+        local task, error_type = string.match(pair, '^(%S+) (.*)$')
+        redis.call('ZREMRANGEBYSCORE', s .. 'task:' .. task, '-inf', before)
+        redis.call('ZREMRANGEBYSCORE', s .. 'error:' .. error_type, '-inf', before)
+        if redis.call('EXISTS', s .. 'te:' .. pair) == 0 then
+          redis.call('SREM', s .. 'facets', pair)
+        end
+      end
+    end
+  end
 end
 return out

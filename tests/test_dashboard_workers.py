@@ -1,0 +1,114 @@
+"""The dashboard's Workers pages (issue 21): what a worker publishes (host, IP, PID, queues,
+children with PIDs and RSS, jobs now and done, heartbeat) and its Stop actions, against real
+worker processes."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from dashboard import create_app
+from tests import apps
+from tests.conftest import wait_for
+from tests.test_dashboard import login
+from tests.test_failures import release, started_pid
+
+API = {"Authorization": "Bearer tok"}
+
+
+@pytest.fixture
+def web(app):
+    return create_app(app, password="pw", token="tok").test_client()
+
+
+def alive(web, name: str) -> dict:
+    return wait_for(lambda: (web.get(f"/api/workers/{name}").get_json() or {}).get("state") == "alive"
+                    and web.get(f"/api/workers/{name}").get_json(), what=f"worker {name} alive")
+
+
+def test_worker_page_shows_its_process_children_and_jobs(app, stack, web):
+    w = stack.worker(concurrency=2, name="w-page")
+    d = alive(web, "w-page")
+    job = apps.hold.delay("wp", 60)
+    pid = started_pid(app, "wp")
+    d = wait_for(lambda: (lambda x: x["jobs"] and x)(web.get("/api/workers/w-page").get_json()), what="its job")
+    assert d["pid"] == w.pid and "default" in d["queues"] and d["concurrency"] == 2
+    assert sorted(c["pid"] for c in d["children"]) == sorted(stack.children_of(w))
+    assert all(c["rss"] > 1e6 for c in d["children"])
+    [row] = d["jobs"]
+    assert row["id"] == job.id and row["pid"] == pid
+    page = web.get("/workers/w-page").get_data(as_text=True)
+    assert job.id in page and str(pid) in page and "jobs done" in page
+    assert "Stop gracefully" not in page  # not logged in
+    assert '<a href="/workers/w-page">w-page</a>' in web.get("/workers").get_data(as_text=True)
+    assert '<a href="/workers/w-page">w-page</a>' in web.get("/").get_data(as_text=True)
+    release(app, "wp")
+    job.wait(30)
+
+
+def test_stop_gracefully_lets_the_running_job_finish(app, stack, web):
+    w = stack.worker(concurrency=1, name="w-grace")
+    alive(web, "w-grace")
+    job = apps.hold.delay("wg", 60)
+    started_pid(app, "wg")
+    token = login(web)
+    assert 'data-action="stop"' in web.get("/workers/w-grace").get_data(as_text=True)
+    r = web.post("/workers/w-grace/stop", data={"csrf_token": token})
+    assert r.status_code == 302 and r.headers["Location"] == "/workers/w-grace"
+    assert "stopping: its running jobs have" in web.get("/workers/w-grace").get_data(as_text=True)
+    release(app, "wg")  # within the grace: it completes, then the worker exits
+    assert job.wait(30) == "released"
+    assert w.wait(30) == 0
+    audit = app.redis.lrange(app.keys.g + "audit", 0, -1)
+    assert any('"what":"stop worker w-grace"' in a for a in audit)
+
+
+def test_stop_now_requeues_the_running_job(app, stack, web):
+    w = stack.worker(concurrency=1, name="w-now")
+    alive(web, "w-now")
+    job = apps.hold.delay("wn", 60)
+    pid = started_pid(app, "wn")
+    r = web.post("/api/workers/w-now/stop-now", headers=API)
+    assert r.status_code == 200 and r.get_json()["action"] == "stop-now"
+    assert w.wait(30) == 0
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert job.state == "pending" and job.refresh().data.get("requeues") == "1"
+    assert web.get("/api/workers/w-now").status_code == 404  # a worker that stops cleanly leaves the list
+    assert web.post("/api/workers/w-now/stop", headers=API).status_code == 404
+
+
+def test_worker_refusals(app, stack, web):
+    stack.worker(concurrency=1, name="w-ref")
+    alive(web, "w-ref")
+    assert web.get("/workers/nope").status_code == 404
+    assert web.get("/workers/bad%20name").status_code == 404
+    assert web.get("/api/workers/nope").status_code == 404
+    assert web.post("/workers/w-ref/stop").status_code == 401
+    token = login(web)
+    assert web.post("/workers/w-ref/stop").status_code == 403  # no CSRF token
+    r = web.post("/workers/w-ref/stop", data={"csrf_token": token}, headers={"Sec-Fetch-Site": "cross-site"})
+    assert r.status_code == 403
+    assert web.post("/workers/w-ref/explode", data={"csrf_token": token}).status_code == 404
+    assert web.post("/api/workers/w-ref/stop").status_code == 401
+    assert web.post("/api/workers/w-ref/explode", headers=API).status_code == 404
+    assert web.post("/api/workers/nope/stop", headers=API).status_code == 404
+    ro = create_app(app, password="", token="").test_client()
+    assert ro.post("/api/workers/w-ref/stop", headers=API).status_code == 403
+    assert "Stop gracefully" not in ro.get("/workers/w-ref").get_data(as_text=True)
+    assert web.get("/api/workers/w-ref").get_json()["state"] == "alive"  # still running
+
+
+def test_hostile_worker_info_is_escaped(app, web):
+    from taskrunner.protocol import codec, scripts
+
+    evil = "<script>alert(1)</script>"
+    info = {"name": "w-evil", "host": evil, "pid": 1, "ip": evil, "queues": [evil], "children": [evil, 5],
+            "children_rss": {"5": evil}}
+    scripts.HEARTBEAT(app.redis, [app.keys.g], ["w-evil", codec.dumps(info), 60])
+    page = web.get("/workers/w-evil").get_data(as_text=True)
+    assert "<script>alert" not in page and "&lt;script&gt;" in page
+    d = web.get("/api/workers/w-evil").get_json()
+    assert d["children"] == [{"pid": 5, "rss": None}]
+    app.redis.zadd(app.keys.workers, {"w-evil": 1})  # its heartbeat long ago: dead
+    assert web.post("/api/workers/w-evil/stop", headers=API).status_code == 409
+    assert "<script>alert" not in web.get("/workers").get_data(as_text=True)
