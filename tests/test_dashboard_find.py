@@ -130,6 +130,11 @@ def test_failed_filter_pages_newest_first(app, web):
     assert ids[54] in page1 and ids[5] in page1 and ids[4] not in page1
     assert all(i in page2 for i in ids[:5]) and "page 2 of 2 (55 jobs)" in page2
     assert 'href="/failed?state=failed&amp;error=ValueError&amp;page=1"' in page2
+    [newest] = fail(app, "tests.apps.add", "ValueError", queue="other")  # two queues: pages merged
+    page1 = web.get("/failed?error=ValueError").get_data(as_text=True)
+    page2 = web.get("/failed?error=ValueError&page=2").get_data(as_text=True)
+    assert newest in page1 and ids[6] in page1 and ids[5] not in page1
+    assert all(i in page2 for i in ids[:6]) and "page 2 of 2 (56 jobs)" in page2
 
 
 def test_killed_page_filters_too(app, web):
@@ -361,6 +366,8 @@ def test_delete_lua_leaves_a_job_in_another_state_than_asked(app):
     p = app.keys.q("default")
     assert scripts.DELETE(app.redis, [p], [job_id, 600, "failed killed"]) == "pending"
     assert app.job(job_id).state == "pending"
+    with pytest.raises(ValueError, match="ARGV.3. lists the states it may delete"):
+        scripts.DELETE(app.redis, [p], [job_id, 600, "failed running"])
     assert scripts.DELETE(app.redis, [p], [job_id, 600]) == "pending" and not app.redis.exists(p + "job:" + job_id)
 
 

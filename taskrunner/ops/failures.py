@@ -90,17 +90,21 @@ class Filter:
 
 def page(app: TaskRunner, f: Filter, offset: int = 0, limit: int = 50) -> tuple[int, list[dict[str, Any]]]:
     """(total, one page of rows) of the jobs the filter picks, newest first, across its
-    queues: a ZCARD and a ZREVRANGE per queue — of the page alone for one queue, of offset +
-    limit entries to merge for several (as listing.finished)."""
+    queues: a ZCARD per queue, then a ZREVRANGE of the page alone when one queue has such
+    jobs (any page costs the same), else of offset + limit entries of each queue that has,
+    merged (as listing.finished: a deep page over several queues costs its depth)."""
     queues = f.queues(app)
-    start = offset if len(queues) == 1 else 0
     pipe = app.redis.pipeline(transaction=False)
     for q in queues:
         pipe.zcard(f.key(app, q))
+    counts = pipe.execute() if queues else []
+    total = sum(counts)
+    queues = [q for q, n in zip(queues, counts) if n]  # the others have nothing to show
+    start = offset if len(queues) == 1 else 0
+    for q in queues:
         pipe.zrevrange(f.key(app, q), start, offset + limit - 1, withscores=True)
     res = pipe.execute() if queues else []
-    total = sum(res[0::2])
-    merged = sorted(((t, q, i) for q, entries in zip(queues, res[1::2]) for i, t in entries), reverse=True)
+    merged = sorted(((t, q, i) for q, entries in zip(queues, res) for i, t in entries), reverse=True)
     rows = [{"id": i, "queue": q} for _, q, i in merged[offset - start:offset - start + limit]]
     return total, listing.fill(app, rows, listing.FINISHED_FIELDS)
 

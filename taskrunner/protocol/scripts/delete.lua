@@ -10,6 +10,16 @@
 -- (refused: nothing changed).
 local p = KEYS[1]
 local id = ARGV[1]
+if ARGV[3] then
+  local known = {pending = true, delayed = true, waiting = true, completed = true, failed = true, killed = true,
+    canceled = true}
+  for w in string.gmatch(ARGV[3], '%S+') do
+    if not known[w] then
+      return redis.error_reply('ERR taskrunner: BadCall: delete: ARGV[3] lists the states it may delete (pending, delayed, waiting, '
+        .. 'completed, failed, killed, canceled, space-separated); got ' .. string.format('%q', string.sub(w, 1, 50)))
+    end
+  end
+end
 local job = p .. 'job:' .. id
 local f = redis.call('HMGET', job, 'state', 'priority', 'unique_key')
 local state = f[1]
