@@ -3,8 +3,8 @@
 Fills a redis-server of its own with N pending jobs and M running ones (held by a live
 worker), and F failed ones (queue `failing`, 4 tasks x 5 error types, failed through the
 claim and finish scripts as a worker's), then renders each page through the Flask app
-in-process (no network) and prints median and p95 times. A page reads only what it shows,
-so times should barely move with N pending or F failed."""
+in-process (no network) and prints median and p95 times, and the rows an HTML page listed.
+A page reads only what it shows, so times should barely move with N pending or F failed."""
 
 from __future__ import annotations
 
@@ -99,18 +99,18 @@ def main() -> int:
               f"{time.monotonic() - t0:.0f} s; "
               f"Redis used_memory {app.redis.info('memory')['used_memory_human']}")
         client = create_app(app, password="", token="").test_client()
-        print(f"\n{'page':44} {'median ms':>10} {'p95 ms':>8} {'bytes':>9}")
+        print(f"\n{'page':44} {'median ms':>10} {'p95 ms':>8} {'bytes':>9} {'rows':>5}")
         for path in PAGES + ([p.format(id=failed_id) for p in FAILED_PAGES] if a.failed else []):
-            times, size = [], 0
+            times, size, rows = [], 0, 0
             for _ in range(a.repeat):
                 t = time.perf_counter()
                 r = client.get(path)
                 times.append((time.perf_counter() - t) * 1000)
-                size = len(r.data)
+                size, rows = len(r.data), r.data.count(b'data-job="')
                 assert r.status_code in (200, 302), (path, r.status_code)
             times.sort()
             p95 = times[min(len(times) - 1, int(len(times) * 0.95))]
-            print(f"{path[:44]:44} {statistics.median(times):>10.1f} {p95:>8.1f} {size:>9,}")
+            print(f"{path[:44]:44} {statistics.median(times):>10.1f} {p95:>8.1f} {size:>9,} {rows:>5}")
     return 0
 
 
