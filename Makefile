@@ -5,8 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 # The suite's tests mostly wait (for workers, children, Redis, a JVM, a browser): 4 pytest
-# processes, each test file in one of them (its module fixtures made once), the Spark files all
-# in the same one (tests/conftest.py: JVM_FILES), take half the time of one on 2 cores.
+# processes, each test file in one of them (its module fixtures made once), the Spark files in
+# two groups (tests/conftest.py: JVM_FILES), take half the time of one on 2 cores.
 # `make test TEST_PROCESSES=0` runs them in this process, one at a time.
 TEST_PROCESSES ?= 4
 

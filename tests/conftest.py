@@ -51,21 +51,23 @@ def until_logged(p: subprocess.Popen, text: str) -> None:
     wait_for(lambda: text in p.stdout.readline(), what=repr(text))
 
 
-#: Test files that run Spark (a JVM each, heavy on 2 cores): run by one pytest process, one at a time.
-JVM_FILES = {"test_analyze.py", "test_spark_enqueue.py", "test_spark_tasks.py"}
+#: Test files that run Spark (a JVM each, heavy on 2 cores), by the pytest process that runs
+#: their group: at most two JVM-heavy files at once (the groups' lengths are about even).
+JVM_FILES = {"test_analyze.py": "jvm-1", "test_spark_enqueue.py": "jvm-2", "test_spark_tasks.py": "jvm-2"}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`make test` runs 4 pytest processes (pytest-xdist): each test file goes whole to one
-    of them (its module fixtures made once, as --dist loadfile does), and JVM_FILES all to
-    the same one, so that no two JVM-heavy tests compete for the cores (under load they
-    outlived pytest-timeout, and a Py4J call cut off there broke the rest of the file)."""
+    of them (its module fixtures made once, as --dist loadfile does), and the JVM_FILES of a
+    group to the same one, so that no more than two JVM-heavy tests compete for the cores
+    (three at once under load outlived pytest-timeout, and a Py4J call cut off there broke
+    the rest of the file)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "jvm" if Path(path).name in JVM_FILES else path
+            return JVM_FILES.get(Path(path).name, path)
 
     return ByFile(config, log)
 
