@@ -689,3 +689,25 @@ def test_a_sigkilled_worker_loses_nothing_of_a_sharded_queue_on_a_cluster(capp, 
     assert {j.refresh().state for j in paused} == {"pending"}
     queue_ops.resume(capp, sharded)
     assert [j.wait(30) for j in paused] == [0, 1, 2]
+
+
+def test_wake_tokens_that_come_together_on_every_shard_each_bring_a_claim(capp, stack, cluster, sharded):
+    """Jobs enqueued at once on every shard of an idle worker's queue: each shard's wake token
+    answers one of the worker's BRPOPs (one per primary). Woken by the first, the worker closed
+    the others' connections, and a token already on its way was lost: the jobs of those shards
+    waited for its idle block (60 s here) before a claim found them (a sharded queue drained at
+    62 jobs/s in bench/cluster.py)."""
+    stack.worker("-Q", sharded, name="w1", concurrency=3, env={"TASKRUNNER_IDLE_BLOCK": "60"})
+
+    def listening() -> bool:
+        for s in shards.names(sharded, 3):
+            with cluster.owner(f"{{{s}}}").client() as node:
+                if node.info("clients")["blocked_clients"] < 1:
+                    return False
+        return True
+
+    for i in range(5):
+        wait_for(listening, what="the worker's BRPOP on each primary")
+        jobs = capp.enqueue_many({"task": "tests.apps.add", "args": [i, k], "queue": sharded} for k in range(3))
+        assert sorted(j.queue for j in jobs) == shards.names(sharded, 3)
+        assert [j.wait(20) for j in jobs] == [i, i + 1, i + 2]

@@ -362,10 +362,12 @@ class Worker:
             except _REDIS_ERRORS:
                 return  # re-armed by the next step
             if ready is not self.ctl:  # a wake list
-                self.may_claim, self.claim_at = True, None
-                if reply:
-                    self.woken = self.keys.queue_of(reply[0])
-                self._cancel_wakes()
+                if reply and self.may_claim:  # woken already (a cluster's other list): for another
+                    self._give_back(reply[0])
+                else:
+                    self.may_claim, self.claim_at = True, None
+                    if reply:
+                        self.woken = self.keys.queue_of(reply[0])
             elif reply:
                 self._on_control(reply[1])
             return
@@ -377,16 +379,16 @@ class Worker:
                 self.crew.exited(c, replace=not self.stopping)
                 return
 
-    def _cancel_wakes(self) -> None:
-        """Woken: cancel the BRPOPs still out on other wake lists (a cluster's, one per
-        queue), so that their tokens go to other idle workers, as with one BRPOP on every
-        list. One whose answer has come already stays, to be read."""
-        armed = [b for b in self.wakes if b.armed]
-        if armed:
-            answered = wait_ready(armed, 0)
-            for b in armed:
-                if b not in answered:
-                    b.reset()
+    def _give_back(self, wake: str) -> None:
+        """A token that came on one of a cluster's wake lists (one BRPOP each) once another
+        had woken us: put it back for another idle worker, as one BRPOP on every list would
+        have left it. The BRPOPs still out are left to answer, not cancelled: closing one
+        whose token was on its way lost the token, and idle workers slept while that shard
+        had jobs (a sharded queue drained at 62 jobs/s against 3,800 unsharded)."""
+        try:
+            self.redis.pipeline(transaction=False).lpush(wake, "1").ltrim(wake, 0, 0).execute()
+        except _REDIS_ERRORS:
+            pass
 
     def _arm(self) -> None:
         self.ctl.arm(self.s.idle_block)

@@ -1,0 +1,177 @@
+"""One hot queue on a Redis Cluster: a sharded queue on a local cluster of N primaries against
+the same queue, unsharded, on one server, in one run (issue 18, goal 3).
+
+    python -m bench.cluster                                 # 3 primaries, 12 shards, 8 workers -c 2
+    python -m bench.cluster --jobs 50000 --workers 4 --repeat 1 --json /tmp/cluster.json
+
+For each topology (`one`: one redis-server; `cluster`: --primaries primaries, the queue made
+with `--shards`), and each repeat: --jobs no-op jobs are enqueued (enqueue_many), then
+--workers worker processes (`taskrunner worker -A bench.tasks_taskrunner -c C -Q q`) drain
+them; each job appends a byte to a file (bench/record.py). Reported per topology: jobs/s over
+the last 80% of the jobs (the clock starts once 20% are done: every worker has started),
+Redis CPU per job (used_cpu_sys + used_cpu_user, summed over the nodes) and the busiest node's
+share of it, and the ratio cluster / one. Every server runs on TCP on loopback, without
+persistence. A job's placement over shards is round robin per producer: the shards get even
+loads. Needs as many cores as workers + nodes to show what a cluster adds: on a 2-core machine
+both topologies are bound by the cores, not by Redis.
+
+Every process started here runs in its own session and is stopped at the end; every wait has a
+deadline, and the whole run stops after --max-time seconds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from bench import record
+from bench.bench import BenchError, BenchTimeout, log
+from bench.limits import stop_after
+from taskrunner import TaskRunner
+from taskrunner.ops import queue
+from tests.topologies import DATA_NODE, Topology, redis_cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+QUEUE = "q"
+WARM = 0.2  # share of the jobs done before the clock starts
+
+
+def cpu(nodes: list[redis.Redis]) -> list[float]:
+    """Each node's CPU seconds so far (its main thread and the rest)."""
+    out = []
+    for n in nodes:
+        info = n.info("cpu")
+        out.append(float(info["used_cpu_sys"]) + float(info["used_cpu_user"]))
+    return out
+
+
+def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int | None, work: Path,
+          tag: str) -> dict[str, Any]:
+    """One run on the topology at `url`: fill, drain, figures."""
+    for n in nodes:
+        n.flushall()
+    prefix = f"bc{os.getpid()}"
+    app = TaskRunner("bench-cluster", redis_url=url, prefix=prefix)
+    if shards:
+        queue.create(app, QUEUE, shards=shards)
+    t = time.monotonic()
+    for start in range(0, a.jobs, 10_000):
+        app.enqueue_many([{"task": "bench.noop", "queue": QUEUE} for _ in range(min(10_000, a.jobs - start))])
+    fill = time.monotonic() - t
+    socket = work / f"{tag}.sock"  # record.py's done file is named after it; no server listens there
+    env = {**os.environ, "REDIS_URL": url, "TASKRUNNER_PREFIX": prefix, record.SOCKET_ENV: str(socket),
+           "PYTHONPATH": str(ROOT)}
+    os.environ[record.SOCKET_ENV] = str(socket)  # for record.reset() and done_file() here
+    record.reset()
+    done_file = Path(record.done_file())
+    before = cpu(nodes)
+    procs: list[subprocess.Popen] = []
+    logs = [open(work / f"{tag}-worker{i}.log", "w") for i in range(a.workers)]
+    t0 = time.monotonic()
+    try:
+        for i in range(a.workers):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "taskrunner", "worker", "-A", "bench.tasks_taskrunner", "-c", str(a.concurrency),
+                 "-Q", QUEUE, "-n", f"{tag}-{i}", "--log-level", "warning"],
+                cwd=ROOT, env=env, stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True))
+        mark: tuple[float, int] | None = None
+        deadline = t0 + a.timeout
+        while True:
+            done = done_file.stat().st_size if done_file.exists() else 0
+            now = time.monotonic()
+            if mark is None and a.jobs * WARM <= done < a.jobs:
+                mark = (now, done)
+            if done >= a.jobs:
+                break
+            if now > deadline:
+                raise BenchTimeout(f"{tag}: {done} of {a.jobs} jobs done after {a.timeout:g} s (logs in {work})")
+            if any(p.poll() is not None for p in procs):
+                raise BenchError(f"{tag}: a worker exited (logs in {work})")
+            time.sleep(0.005)
+        t1 = time.monotonic()
+        after = cpu(nodes)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 15)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+                p.wait()
+        for f in logs:
+            f.close()
+    if mark is None:  # ended between two looks, before one saw it past the warm-up
+        mark = (t0, 0)
+    used = [x - y for x, y in zip(after, before)]
+    res = {"topology": tag, "jobs": a.jobs, "rate": (a.jobs - mark[1]) / max(t1 - mark[0], 1e-9),
+           "redis_cpu_us_per_job": sum(used) / a.jobs * 1e6,
+           "busiest_node_share": max(used) / sum(used) if sum(used) else 0.0,
+           "busiest_node_cpu_per_s": max(used) / max(t1 - t0, 1e-9),
+           "seconds_incl_start": t1 - t0, "fill_seconds": fill}
+    log(f"  {tag:8} {res['rate']:9,.0f} jobs/s  Redis {res['redis_cpu_us_per_job']:5.1f} us/job  busiest node "
+        f"{res['busiest_node_share']:.0%} of it, {res['busiest_node_cpu_per_s']:.2f} cores  (fill {fill:.1f} s)")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", type=int, default=200_000, help="no-op jobs per run (default 200,000)")
+    p.add_argument("--primaries", type=int, default=3, help="primaries of the cluster (default 3)")
+    p.add_argument("--shards", type=int, default=12, help="shards of the queue on the cluster (default 12)")
+    p.add_argument("--workers", type=int, default=8, help="worker processes (default 8)")
+    p.add_argument("--concurrency", type=int, default=2, help="children per worker (default 2)")
+    p.add_argument("--repeat", type=int, default=2, help="runs of each topology, alternating (default 2)")
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline of each drain, seconds")
+    p.add_argument("--max-time", type=float, default=1200.0, help="the whole run stops after this many seconds")
+    p.add_argument("--json", help="also write every run's figures as JSON to this path")
+    a = p.parse_args(argv)
+    if a.jobs < 100 or a.repeat < 1 or a.workers < 1 or a.primaries < 1 or not 1 <= a.shards <= 64:
+        p.error("--jobs >= 100, --repeat, --workers and --primaries >= 1, --shards from 1 to 64")
+    stop_after(a.max_time, lambda: BenchTimeout(f"the run passed --max-time {a.max_time:g} s"))
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp, Topology(Path(tmp) / "one") as one_t, \
+            Topology(Path(tmp) / "cluster") as cluster_t:
+        single = one_t.start(*DATA_NODE)
+        cluster = redis_cluster(cluster_t, a.primaries)
+        one_nodes = [single.client()]
+        cluster_nodes = [n.client() for n in cluster.primaries]
+        log(f"one server at 127.0.0.1:{single.port}; cluster {cluster.url()}; {a.jobs:,} jobs, "
+            f"{a.workers} workers -c {a.concurrency}, queue {QUEUE} with {a.shards} shards on the cluster")
+        try:
+            for rep in range(a.repeat):
+                log(f"repeat {rep + 1}/{a.repeat}")
+                runs.append(drain(a, f"redis://127.0.0.1:{single.port}", one_nodes, None, Path(tmp), "one"))
+                runs.append(drain(a, cluster.url(), cluster_nodes, a.shards, Path(tmp), "cluster"))
+        except BenchError as e:
+            log(f"bench stopped: {e}")
+            return 2
+        finally:
+            for n in one_nodes + cluster_nodes:
+                n.close()
+    rate = {t: statistics.median(r["rate"] for r in runs if r["topology"] == t) for t in ("one", "cluster")}
+    cpu_job = {t: statistics.median(r["redis_cpu_us_per_job"] for r in runs if r["topology"] == t)
+               for t in ("one", "cluster")}
+    print(f"one hot queue, {a.jobs:,} no-op jobs, {a.workers} workers -c {a.concurrency}, {os.cpu_count()} cores, "
+          f"medians of {a.repeat}")
+    print(f"  one server:                {rate['one']:9,.0f} jobs/s  Redis {cpu_job['one']:.1f} us/job")
+    print(f"  cluster of {a.primaries}, {a.shards} shards: {rate['cluster']:9,.0f} jobs/s  "
+          f"Redis {cpu_job['cluster']:.1f} us/job (all nodes)")
+    print(f"  cluster / one server: {rate['cluster'] / rate['one']:.2f}x jobs/s")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
