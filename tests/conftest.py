@@ -79,6 +79,68 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
+class SparkCluster:
+    """A Spark standalone master and one worker (2 cores, 2 GB), from pyspark's own scripts,
+    on loopback: `master` is its spark:// URL, `status()` the master's JSON status page."""
+
+    def __init__(self, root: Path) -> None:
+        import pyspark
+
+        self.root, self.home = root, os.path.dirname(pyspark.__file__)
+        self.env = {**os.environ, "SPARK_HOME": self.home, "SPARK_LOCAL_IP": "127.0.0.1",
+                    "PYSPARK_PYTHON": sys.executable}
+        self.port, self.ui_port = free_port(), free_port()
+        self.master = f"spark://127.0.0.1:{self.port}"
+        self.logs = {name: root / f"{name}.log" for name in ("master", "worker")}
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> SparkCluster:
+        self._spawn("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port",
+                    str(self.port), "--webui-port", str(self.ui_port))
+        wait_for(lambda: "I have been elected leader" in self.logs["master"].read_text(), 90, "the Spark master up")
+        self._spawn("worker", "org.apache.spark.deploy.worker.Worker", self.master, "--host", "127.0.0.1",
+                    "--cores", "2", "--memory", "2g", "--webui-port", str(free_port()))
+        wait_for(lambda: "Successfully registered with master" in self.logs["worker"].read_text(), 90,
+                 "the Spark worker registered")
+        return self
+
+    def _spawn(self, name: str, *args: str) -> None:
+        self.procs.append(subprocess.Popen([os.path.join(self.home, "bin", "spark-class"), *args], env=self.env,
+                                           stdout=self.logs[name].open("w"), stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+
+    def status(self) -> dict[str, Any]:
+        """The master's status (GET /json/): its workers, active and completed applications."""
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/", timeout=10) as r:
+            return json.load(r)
+
+    def stop(self) -> None:
+        kill_groups(self.procs)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """One Spark standalone cluster for the tests of a process that ask for it (its JVMs
+    take 10-20 s to start on 2 cores: not one per test); they run their applications one
+    at a time."""
+    cluster = SparkCluster(tmp_path_factory.mktemp("spark-cluster"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
 class Stack:
     """Starts worker/dispatcher processes in their own process groups; stops them all."""
 

@@ -6,7 +6,10 @@ seconds after it began, so that it can clean up before the hard kill at its max 
   its handler raises in the task wherever it is, blocking calls included (time.sleep,
   socket reads: they fail with SoftTimeLimit). A handler that comes while the job is
   writing a frame to the worker (a progress or log line) waits for the frame to be whole
-  (Link.send raises it then): a frame cut short would break the pipe.
+  (Link.send raises it then): a frame cut short would break the pipe. One that comes while
+  a spark=True task waits on the JVM (a Spark action) cancels the job's Spark job group and
+  is raised as that call returns (spark_session.py): py4j's exchange cut short would be
+  lost, the Spark job running on.
 - A thread of a loop child (`--threads`): a timer thread sets SoftTimeLimit as the job
   thread's asynchronous exception (PyThreadState_SetAsyncExc). Python raises it at the
   thread's next bytecode: a thread blocked in C (time.sleep, a socket read) gets it only
@@ -29,6 +32,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from taskrunner.errors import SoftTimeLimit
+from taskrunner.worker import spark_session
 
 
 def message(seconds: float) -> str:
@@ -56,10 +60,11 @@ def _alarm(seconds: float, link: Any) -> Iterator[None]:
     def on_alarm(signum: int, frame: Any) -> None:
         if not armed:
             return  # it came as the block ended
+        exc = SoftTimeLimit(message(seconds))
         if link is not None and link.sending:
-            link.interrupt = SoftTimeLimit(message(seconds))
-        else:
-            raise SoftTimeLimit(message(seconds))
+            link.interrupt = exc
+        elif not spark_session.CHILD.defer(exc):  # in a call to the JVM: raised as it returns
+            raise exc
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -69,6 +74,7 @@ def _alarm(seconds: float, link: Any) -> Iterator[None]:
         armed = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        spark_session.CHILD.forget()
         if link is not None:
             link.interrupt = None
 

@@ -114,8 +114,14 @@ class ChildSpark:
         self.session: Any = None
         self.group: str | None = None  # the running job whose Spark jobs are in its group (it used the session)
         self.canceled = False  # the worker stopped that job: its group was canceled
-        self._cancels: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # put() is safe in a signal handler
+        self._cancels: queue.SimpleQueue[tuple[str, threading.Event | None] | None] = queue.SimpleQueue()
         self._pid = 0
+        #: A soft limit that came while the main thread (a classic child's task) waited on the
+        #: JVM (`_waiting` calls under way): raised there as the call returns, once
+        #: `_canceled` says the group's cancel is done (defer()).
+        self._due: BaseException | None = None
+        self._waiting = 0
+        self._canceled = threading.Event()
 
     def get(self, job_id: str) -> Any:
         """The session, made on first use, with this thread's Spark jobs in `job_id`'s group."""
@@ -123,6 +129,8 @@ class ChildSpark:
             require_extra("spark", "a spark=True task", "pyspark")
             self.session = spark_session(default_master="local[*]", app_name=f"taskrunner-{os.getpid()}")
             self._pid = os.getpid()
+            client = self.session.sparkContext._gateway._gateway_client
+            client.send_command = self._raising_when_due(client.send_command)  # this gateway's only
             threading.Thread(target=self._cancel_loop, name="taskrunner-spark-cancel", daemon=True).start()
             log.info("started a Spark session (%s, application %s) for spark=True tasks",
                      self.session.sparkContext.master, self.session.sparkContext.applicationId)
@@ -142,7 +150,7 @@ class ChildSpark:
             return False
         if not self.canceled:
             self.canceled = True
-            self._cancels.put(self.group)
+            self._cancels.put((self.group, None))
         return True
 
     def end(self) -> bool:
@@ -150,13 +158,58 @@ class ChildSpark:
         canceled, self.group, self.canceled = self.canceled, None, False
         return canceled
 
+    def defer(self, exc: BaseException) -> bool:
+        """Called by the SIGALRM handler of a job's soft limit (soft_limit.py, the main
+        thread) with the exception it would raise: True when the task is waiting on the
+        JVM (py4j waits for the answer to a call, usually a Spark action's). Raised there,
+        SoftTimeLimit would cut py4j's exchange short (py4j makes it a Py4JError and closes
+        the connection) and the Spark job would run on. Instead the job's group is canceled
+        (by our thread) and `exc` is raised in the task as that call returns (failed, as
+        the cancel makes a running action fail; or done), once the cancel is done: a Spark
+        job that the task's except block starts is not canceled by it."""
+        if not self._waiting or self._pid != os.getpid():
+            return False
+        self._due = exc
+        self._canceled.clear()
+        if self.group is not None:
+            self._cancels.put((self.group, self._canceled))
+        else:
+            self._canceled.set()
+        return True
+
+    def forget(self) -> None:
+        """The soft limit's block ended: nothing deferred to raise any more."""
+        self._due = None
+
+    def _raising_when_due(self, send: Any) -> Any:
+        """py4j's send_command (a call to the JVM and the wait for its answer), counted in
+        `_waiting` on the main thread, which then raises a soft limit deferred meanwhile."""
+        main = threading.main_thread().ident
+
+        def send_command(command: str, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != main:  # our cancel thread's, py4j's finalizer's
+                return send(command, *args, **kwargs)
+            self._waiting += 1
+            try:
+                return send(command, *args, **kwargs)
+            finally:
+                self._waiting -= 1
+                if self._due is not None:
+                    exc, self._due = self._due, None
+                    self._canceled.wait(30)
+                    raise exc
+        return send_command
+
     def _cancel_loop(self) -> None:
-        while (group := self._cancels.get()) is not None:
+        while (entry := self._cancels.get()) is not None:
+            group, done = entry
             try:
                 self.session.sparkContext.cancelJobGroup(group)
                 log.info("canceled the Spark job group of job %s", group)
             except Exception as e:  # noqa: BLE001 — the kill at kill_grace is the backstop
                 log.warning("could not cancel the Spark job group of job %s: %s", group, e)
+            if done is not None:
+                done.set()
 
     def stop(self) -> None:
         """The child exits (recycled, its worker stopping): stop the session, then its JVM,
