@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 from taskrunner import TaskRunner
+from taskrunner.client.consumer import Consumer
 from taskrunner.ops.redis_server import RedisServer
 from tests.conftest import FAST, ROOT, kill_groups, wait_for
 from tests.topologies import free_port
@@ -187,12 +188,14 @@ def test_installed_dashboard_serves_every_page_json_route_and_static_file(
             continue
         unknown = set(re.findall(r"<(?:\w+:)?(\w+)>", rule)) - set(values)
         assert not unknown, f"{rule}: give this test a value for {unknown}"
-        urls.append(re.sub(r"<(?:\w+:)?(\w+)>", lambda m: values[m.group(1)], rule))
+        urls.append(re.sub(r"<(?:\w+:)?(\w+)>", lambda m: values[m.group(1)], rule)
+                    + ("?q=add" if rule.endswith("/search") else ""))  # a search needs something to look for
     urls += ["/?fragment=1", "/running?fragment=1", "/stuck?fragment=1", "/failed?state=killed",
              "/queues/default?state=completed"]
     pages: dict[str, bytes] = {}
     # /readyz wants a dispatcher that passed lately: one that says so
     app.redis.hset(app.keys.dispatchers, "d", json.dumps({"name": "d", "last_pass": app.redis.time()[0] + 60}))
+    Consumer(app, ["default"], name="default").heartbeat()  # /workers/<name>: a live one of that name
     for url in urls:
         status, body = _get(base + url)
         assert status == 200 and b"TemplateNotFound" not in body, f"GET {url}: {status} {body[:300]!r}"
