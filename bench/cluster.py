@@ -69,7 +69,7 @@ def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int
     fill = time.monotonic() - t
     socket = work / f"{tag}.sock"  # record.py's done file is named after it; no server listens there
     env = {**os.environ, "REDIS_URL": url, "TASKRUNNER_PREFIX": prefix, record.SOCKET_ENV: str(socket),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     os.environ[record.SOCKET_ENV] = str(socket)  # for record.reset() and done_file() here
     record.reset()
     done_file = Path(record.done_file())
@@ -94,8 +94,10 @@ def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int
                 break
             if now > deadline:
                 raise BenchTimeout(f"{tag}: {done} of {a.jobs} jobs done after {a.timeout:g} s (logs in {work})")
-            if any(p.poll() is not None for p in procs):
-                raise BenchError(f"{tag}: a worker exited (logs in {work})")
+            gone = [i for i, p in enumerate(procs) if p.poll() is not None]
+            if gone:
+                tail = (work / f"{tag}-worker{gone[0]}.log").read_text()[-2000:]
+                raise BenchError(f"{tag}: worker {gone[0]} exited {procs[gone[0]].returncode}; its log ends:\n{tail}")
             time.sleep(0.005)
         t1 = time.monotonic()
         after = cpu(nodes)
