@@ -50,7 +50,10 @@ LOGS = RESULTS / "logs"
 
 SYSTEMS = ("taskrunner", "celery", "rq", "dramatiq")
 BATCH_SYSTEMS = ("taskrunner", "rq")  # those with a batch enqueue call
-PEER_PACKAGES = ["celery[redis]", "rq", "dramatiq[redis]", "arq", "redis[hiredis]"]
+#: The versions measured in docs/PERFORMANCE.md. Unpinned, pip's resolver (2026-11-26) went back
+#: through every celery and kombu release for one that agrees with the newest arq on redis-py,
+#: down to kombu 3, whose setup.py no longer builds: `make bench` failed on a fresh machine.
+PEER_PACKAGES = ["celery[redis]==5.7.0", "rq", "dramatiq[redis]==2.2.1", "arq==0.25.0", "redis[hiredis]"]
 #: Each peer's distribution, importable under the same name (arq: only in bench/io_bound.py).
 PEER_MODULES = {"celery": "celery", "rq": "rq", "dramatiq": "dramatiq", "arq": "arq"}
 
