@@ -885,22 +885,34 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
         sys.exit(2)
     payload = json.dumps(delivery.to_dict())
 
-    def report(call: Callable[[], Any]) -> Any:
+    def report(call: Callable[[], Any], deadline: float | None = None) -> Any:
         """The outcome is only here: ride out a Redis outage (with backoff) to record it,
-        rather than exit and let the job run again once its holder is found dead."""
-        backoff = Backoff(f"consumer {c.name}: reporting job {delivery.id}", None)
+        rather than exit and let the job run again once its holder is found dead. Each try
+        beats first, so that the dispatcher, if it answers, does not take us for dead (and run
+        the job again) before the outcome lands. `deadline` (monotonic): give up then."""
+        backoff = Backoff(f"consumer {c.name}: reporting job {delivery.id}", deadline)
         while True:
             try:
+                if backoff.pause:
+                    c.heartbeat(busy=1)
                 answer = call()
                 backoff.ok()
                 return answer
             except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
                 time.sleep(backoff.after(e))
 
+    def leave() -> None:
+        """Leave the list of workers; the outcome is recorded: an outage now is not worth a
+        wait beyond a heartbeat's worth (the dispatcher then forgets us in its time)."""
+        try:
+            report(c.close, time.monotonic() + max(app.settings.heartbeat, 5.0))
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+            click.echo(f"could not leave the list of workers ({e}); the dispatcher will drop this consumer", err=True)
+
     if not command:
         click.echo(payload)
         report(lambda: c.ack([delivery]))
-        return report(c.close)
+        return leave()
     try:
         proc = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
@@ -969,7 +981,7 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
         acked = report(lambda: c.fail(delivery, "CommandFailed", f"{' '.join(command)} exited {code}", err[-4000:]))
     if not acked:
         click.echo(f"job {delivery.id} was requeued or killed meanwhile: this outcome was not recorded", err=True)
-    report(c.close)
+    leave()
     sys.exit(code)
 
 

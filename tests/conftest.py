@@ -56,6 +56,7 @@ def until_logged(p: subprocess.Popen, text: str) -> None:
 JVM_FILES = {"test_analyze.py": "jvm-1", "test_spark_enqueue.py": "jvm-2", "test_spark_tasks.py": "jvm-2"}
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without it (-p no:xdist) must still collect
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`make test` runs 4 pytest processes (pytest-xdist): each test file goes whole to one
     of them (its module fixtures made once, as --dist loadfile does), and the JVM_FILES of a

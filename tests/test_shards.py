@@ -156,6 +156,10 @@ def test_keys_that_limits_count_by_go_to_one_shard(app, stack):
     assert len({j.queue for j in plain}) == 4
     once = [apps.add.apply_async([1, 1], queue="kq", job_id="tick-1") for _ in range(4)]  # a schedule's tick
     assert len({j.queue for j in once}) == 1 and [j.created for j in once] == [True, False, False, False]
+    # enqueue_many's too (it went round robin: one job per shard, four runs of one id)
+    many = [app.enqueue_many([{"task": "tests.apps.add", "args": [1, 1], "queue": "kq", "id": "tick-2"}])[0]
+            for _ in range(4)]
+    assert len({j.queue for j in many}) == 1 and [j.created for j in many] == [True, False, False, False]
 
 
 def test_a_sigkilled_worker_loses_nothing_on_a_sharded_queue(app, stack):

@@ -128,26 +128,28 @@ def test_a_redis_outage_loses_no_wait_and_kills_no_job(app, own_redis):
     try:
         stack.worker()
         stack.dispatcher()
-        job = apps.nap.delay(9)
-        by_hand = app.enqueue("tests.apps.nap", [0], queue="byhand")
-        consume = subprocess.Popen([sys.executable, "-m", "taskrunner", "consume", "-q", "byhand", "--", "sh", "-c",
-                                    "sleep 9; echo 7"], cwd=ROOT, env=stack.env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
-        stack.procs.append(consume)
-        wait_for(lambda: job.state == "running" and by_hand.state == "running", what="the jobs to start")
+        job = apps.nap.delay(15)  # long enough for the waiters and the consumer to start on a loaded machine
+        wait_for(lambda: job.state == "running", what="the job to start")
         sync = _in_thread(apps.app.job(job.id).wait, 60)
         aio = _in_thread(_async_wait, app, job.id, 60)
         cli = subprocess.Popen([sys.executable, "-m", "taskrunner", "wait", job.id, "--timeout", "60"], cwd=ROOT,
                                env=stack.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         stack.procs.append(cli)
+        # counted before the consumer starts: its watch for kill requests is a BLPOP too
         wait_for(lambda: sum(c["cmd"] == "blpop" for c in app.redis.client_list()) == 3,
                  what="the three waiters to block")
+        by_hand = app.enqueue("tests.apps.nap", [0], queue="byhand")
+        consume = subprocess.Popen([sys.executable, "-m", "taskrunner", "consume", "-q", "byhand", "--", "sh", "-c",
+                                    "sleep 15; echo 7"], cwd=ROOT, env=stack.env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        stack.procs.append(consume)
+        wait_for(lambda: by_hand.state == "running", what="the consumer to take its job")
         own_redis.stop()
         time.sleep(6)  # the outage: longer than redis-py's retries, shorter than the job
         own_redis.start()
         out, err = cli.communicate(timeout=60)
-        assert (cli.returncode, out.strip()) == (0, "9"), err
-        assert _joined(sync) == 9 and _joined(aio) == 9
+        assert (cli.returncode, out.strip()) == (0, "15"), err
+        assert _joined(sync) == 15 and _joined(aio) == 15
         assert job.refresh().data["attempts"] == "1" and not job.data.get("lost"), job.data
         out, err = consume.communicate(timeout=60)
         assert (consume.returncode, out.strip()) == (0, "7"), err

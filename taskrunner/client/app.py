@@ -692,7 +692,7 @@ class TaskRunner:
         args = spec.get("args") or []
         extra = flow.fields(task, args, spec.get("kwargs"), spec.get("priority"), spec.get("unique_for"),
                             spec.get("unique_key"), spec.get("unique_until"))
-        job = job.merged(queue=steps.run(self, steps.placed(self, task, job, extra)))
+        job = job.merged(queue=steps.run(self, steps.placed(self, task, job, extra, spec.get("id"))))
         headers = self._headers(task, args, spec.get("kwargs"), job.queue, job_id, spec.get("headers"))
         return job.queue, job_id, delay, self._fields(task, args, spec.get("kwargs"), job, sent, headers) + extra
 
