@@ -739,7 +739,8 @@ def queue() -> None:
               "queue's limit, if any, stays; `queue rate` changes or removes it).")
 @click.option("--shards", type=click.IntRange(1, 64), help="Spread the queue over this many shards, each in its own "
               "hash slot (over a Redis Cluster's primaries); FIFO holds per shard. Bound and rate are split "
-              "evenly over them. Changes only while the queue has no unfinished job (not given: as it is).")
+              "evenly over them. Changes only while the queue has no unfinished job (not given: as it is); "
+              "fewer shards drop the removed shards' finished records (results, failures, history).")
 @common
 def queue_create(name: str, bound: int, exclusive: bool, rate: str | None, shards: int | None, app_spec: str | None,
                  redis_url: str | None) -> None:

@@ -140,6 +140,64 @@ def test_the_shard_count_changes_only_while_the_queue_has_no_unfinished_job(app,
         queue.create(app, "x~1")  # no user queue can take a shard's name
 
 
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_job_a_stale_producer_puts_on_a_shard_being_removed_is_never_lost(app, stack, monkeypatch, at):
+    """A producer that still has the old shard count (sharding.KEEP) enqueues into a shard
+    that a smaller count removes, at the `at`-th check for unfinished jobs: before the shards
+    are closed (the change is then refused and the job runs), or after (it is refused,
+    QueueClosed). Never a job its producer was told was enqueued and that is deleted, or left
+    where no worker serves it."""
+    queue.create(app, "sh", shards=4)
+    real, calls, stale = queue.unfinished, [], []
+
+    def producer_in_between(app_, names):
+        found = real(app_, names)
+        calls.append(names)
+        if len(calls) == at:  # just after the check
+            try:
+                stale.append(apps.add.apply_async([2, 3], queue="sh~3"))
+            except TaskRunnerError as e:
+                stale.append(e)
+        return found
+
+    monkeypatch.setattr(queue, "unfinished", producer_in_between)
+    if at == 1:
+        with pytest.raises(TaskRunnerError, match="came into the shards to remove") as refused:
+            queue.create(app, "sh", shards=2)
+        assert "\n" not in str(refused.value)
+        monkeypatch.setattr(queue, "unfinished", real)
+        [job] = stale
+        assert queue.info(app, "sh")["shards"] == 4 and "sh~3" in app.queue_names()
+        stack.worker("-Q", "sh", concurrency=1)
+        assert job.wait(30) == 5
+        assert apps.add.apply_async([1, 1], queue="sh~3").wait(30) == 2  # opened again
+        queue.create(app, "sh", shards=2)
+    else:
+        queue.create(app, "sh", shards=2)
+        assert len(stale) == 1 and isinstance(stale[0], TaskRunnerError) and "closed" in str(stale[0])
+    assert queue.info(app, "sh")["shards"] == 2 and "sh~3" not in app.queue_names()
+    assert app.redis.keys(app.keys.q("sh~3") + "*") == [app.keys.q("sh~3") + "meta"]  # finished records gone
+    with pytest.raises(TaskRunnerError, match="closed"):
+        apps.add.apply_async([1, 1], queue="sh~3")
+
+
+def test_a_job_placed_on_a_shard_that_is_not_part_of_the_queue_is_refused(app):
+    """enqueue.lua, not the producer, refuses a shard past the queue's count (one a client
+    that places jobs itself names), before writing anything: no worker would serve it."""
+    queue.create(app, "few", shards=2)
+    for stray in ("few~2", "few~9", "plain~1"):
+        with pytest.raises(InvalidName, match=f"queue {stray} is not a shard of queue {stray.split('~')[0]}"):
+            apps.add.apply_async([1, 1], queue=stray)
+        assert app.redis.keys(app.keys.q(stray) + "*") == []
+        assert stray not in app.queue_names()
+    with pytest.raises(InvalidName, match="few~2 is not a shard"):
+        app.enqueue_many([{"task": "tests.apps.add", "args": [1, 1], "queue": "few~2"}])
+    with pytest.raises(InvalidName, match="few~7 is not a shard"):  # a step in another queue (KEYS[3..])
+        chain(apps.add.s(1, 1).set(queue="few"), apps.add.s(1).set(queue="few~7")).delay()
+    assert queue.unfinished(app, ["few", "few~1"]) == 0
+    assert apps.add.apply_async([1, 1], queue="few~1").created  # a shard of the queue takes it
+
+
 def test_keys_that_limits_count_by_go_to_one_shard(app, stack):
     """A unique key, a concurrency key and a rate-limited task each land on the shard of
     their hash, so that the lock, the slots and the limit, which count per shard, stay exact."""

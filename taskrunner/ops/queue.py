@@ -27,7 +27,8 @@ def create(app: TaskRunner, name: str, bound: int = 0, exclusive: bool = False, 
     `shards` (1-64; None: as it is): one logical queue over that many physical queues, each
     in its own hash slot (protocol/shards.py); the bound and the rate are split evenly over
     them. The shard count changes only while no job of the queue is pending, delayed,
-    waiting or running (TaskRunnerError otherwise); an exclusive queue has one shard."""
+    waiting or running (TaskRunnerError otherwise; see _retire for fewer shards, whose
+    removed shards' finished records go); an exclusive queue has one shard."""
     codec.check_name("queue", name)
     if bound < 0:
         raise ValueError("bound must be >= 0 (0: no bound)")
@@ -47,12 +48,8 @@ def create(app: TaskRunner, name: str, bound: int = 0, exclusive: bool = False, 
         if busy:
             raise TaskRunnerError(f"queue {name} has {busy} jobs pending, delayed, waiting or running: its shard "
                                   f"count ({now}) changes only while it has none")
-        for gone in sharding.names(name, now)[n:]:
-            # Its keys go; its meta stays, closed: a producer that read the old count
-            # (within sharding.KEEP) is refused (QueueClosed), not left with jobs nobody claims.
-            _delete_keys(app, app.keys.q(gone))
-            r.pipeline(transaction=False).srem(app.keys.queues, gone).hset(
-                app.keys.q(gone) + "meta", mapping={"closed": 1, "retired": 1}).execute()
+        if n < now:
+            _retire(app, name, sharding.names(name, now)[n:], keep_closed=closed == "1")
     settings: dict[str, Any] = {"bound": -(-bound // n), "exclusive": int(exclusive)}
     if closed == "1":
         settings["closed"] = 1
@@ -78,6 +75,32 @@ def create(app: TaskRunner, name: str, bound: int = 0, exclusive: bool = False, 
     pipe.sadd(app.keys.queues, *sharding.names(name, n))
     pipe.execute()
     app._spread.forget(name)
+
+
+def _retire(app: TaskRunner, name: str, gone: list[str], keep_closed: bool) -> None:
+    """Remove the shards `gone` of queue `name` (a smaller shard count). A producer that read
+    the old count (within sharding.KEEP) may still place jobs there, so they are closed and
+    marked `retired` first (it gets QueueClosed from then on), and only then checked for
+    jobs: one that came in before the close refuses the change (TaskRunnerError), the shards
+    opened again as they were, so no job is left where no worker serves it, nor deleted after
+    its producer was told it was enqueued. Then every key of theirs goes, finished records
+    (results, failures, history) included, but their meta: closed and retired, it keeps
+    refusing producers."""
+    pipe = app.redis.pipeline(transaction=False)
+    for shard in gone:
+        pipe.hset(app.keys.q(shard) + "meta", mapping={"closed": 1, "retired": 1})
+    pipe.execute()
+    busy = unfinished(app, gone)
+    if busy:
+        pipe = app.redis.pipeline(transaction=False)
+        for shard in gone:
+            pipe.hdel(app.keys.q(shard) + "meta", "retired", *(() if keep_closed else ("closed",)))
+        pipe.execute()
+        raise TaskRunnerError(f"queue {name}: {busy} jobs came into the shards to remove while the shard count "
+                              "changed (a producer had the old count): it stays; run it again once they are done")
+    for shard in gone:
+        _delete_keys(app, app.keys.q(shard), keep=app.keys.q(shard) + "meta")
+    app.redis.srem(app.keys.queues, *gone)
 
 
 def split_rate(rate: str, n: int) -> str:
@@ -215,13 +238,15 @@ def delete(app: TaskRunner, name: str, force: bool = False) -> int:
     return deleted
 
 
-def _delete_keys(app: TaskRunner, p: str) -> int:
-    """Unlink every key of key prefix `p`; how many."""
+def _delete_keys(app: TaskRunner, p: str, keep: str | None = None) -> int:
+    """Unlink every key of key prefix `p` but `keep`; how many."""
     deleted = 0
     # SCAN, not KEYS: an admin operation that must find every job record of the queue.
     pattern = p.replace("[", "\\[") + "*"
     batch: list[str] = []
     for key in app.redis.scan_iter(match=pattern, count=1000):
+        if key == keep:
+            continue
         batch.append(key)
         if len(batch) >= 1000:
             deleted += app.redis.unlink(*batch)

@@ -1,6 +1,9 @@
 -- Add jobs to one queue, all in one call. Every job is checked before any is written: a
 -- call with one bad job changes nothing and answers an error (below).
--- KEYS[1]  queue key prefix "<P>:{<Q>}:"; Q must be a valid queue name
+-- KEYS[1]  queue key prefix "<P>:{<Q>}:"; Q must be a valid queue name; a shard's name
+--          (Q~i) only while its meta has `bound` (written by `queue create` to each shard it
+--          makes: InvalidName otherwise, as for such a queue among KEYS[3..]); a shard a
+--          smaller count retired (meta `retired`, `closed`) answers -2, as a closed queue
 -- KEYS[2]  optional, never on a Redis Cluster (another slot): the global queue set
 --          "<P>:{_}:queues"; Q is added to it (the dispatcher sweeps the queues listed there)
 -- KEYS[3..] optional, after KEYS[2], off a cluster only: the key prefixes of other queues
@@ -552,11 +555,11 @@ end
 local enqueued_at = fmt(t)
 local into = {}  -- queue prefix -> what this call does there
 local function queue_at(jp)
-  local meta = redis.call('HMGET', jp .. 'meta', 'bound', 'closed', 'paused', 'priorities')
-  local bound, closed = tonumber(meta[1]) or 0, meta[2] == '1'
+  local meta = redis.call('HMGET', jp .. 'meta', 'bound', 'closed', 'paused', 'priorities', 'retired')
+  local bound, closed = tonumber(meta[1]) or 0, meta[2] == '1' or meta[5] == '1'
   -- room: the pending jobs, counted here on, of a bounded queue; levels: meta priorities
   local qs = {bound = bound, closed = closed, room = bound > 0 and not closed and backlog(jp, meta[4]),
-    fresh = {}, added = 0, bytes = 0, pushed = 0, paused = meta[3] == '1', levels = meta[4]}
+    fresh = {}, added = 0, bytes = 0, pushed = 0, paused = meta[3] == '1', levels = meta[4], made = meta[1] ~= false}
   into[jp] = qs
   return qs
 end
@@ -566,10 +569,28 @@ local function push(jp, qs)
   qs.pushed = qs.pushed + #qs.fresh
   qs.fresh = {}
 end
+-- A shard (Q~i) takes jobs only while it is one of Q's shards (docs/PROTOCOL.md, Sharded
+-- queues). Its meta is all this slot holds of Q: `queue create` writes `bound` to the meta of
+-- every shard it makes, so a shard whose meta has none was never made (it is at or past Q's
+-- count, where no worker serves it) and is refused before anything is written; one a smaller
+-- count retired has `retired` and `closed` and is answered closed (-2). A plain queue's
+-- check costs no command: its meta is read anyway, and the other queues' only when shards.
+local function unmade(q, bound)
+  if bound or not string.find(q, '~', 1, true) then return nil end
+  return refuse('InvalidName', 'queue ' .. q .. ' is not a shard of queue ' .. string.match(q, '^(.*)~')
+    .. ' (shard i of a queue with N shards (its meta shards) is <queue>~i, 1 <= i < N; '
+    .. '`taskrunner queue create <queue> --shards N` makes them)')
+end
+local main = queue_at(p)
+local stray = unmade(queue, main.made)
+if stray then return stray end
+for q, jp in pairs(prefixes) do  -- KEYS[3..]: a workflow's other queues, off a cluster
+  stray = jp ~= p and string.find(q, '~', 1, true) and unmade(q, redis.call('HEXISTS', jp .. 'meta', 'bound') == 1)
+  if stray then return stray end
+end
 if registry then
   redis.call('SADD', registry, queue)
 end
-local main = queue_at(p)
 local workflow = next(steps) ~= nil
 local out, answer = {}, {}  -- answer: "<queue prefix><id>" -> out of a job of this call
 for n = 1, n_jobs do
