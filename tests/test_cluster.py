@@ -96,16 +96,23 @@ def test_worker_and_dispatcher_run_jobs_of_queues_on_three_primaries(capp, stack
     assert apps.add.apply_async([1, 1], queue=queues[2]).wait(30) == 2  # its worker carries on
 
 
-def test_a_woken_worker_leaves_other_queues_wake_tokens_to_other_workers(capp, stack, cluster, queues):
-    """One BRPOP per queue: once one answers, the others are cancelled (as one BRPOP on
-    every list would be answered once), so a busy worker takes no token it cannot use."""
+def test_a_busy_worker_leaves_other_queues_wake_tokens_to_other_workers(capp, stack, cluster, queues):
+    """One BRPOP per queue (their lists are in other slots). Woken by one, the worker leaves
+    the others out (closing them lost tokens on their way); a token one of them brings while
+    its children have no room is put back at once, as one BRPOP on every list would have left
+    it: another worker, idle and woken by tokens alone (idle block 60 s), runs that job."""
     first, second = [q for q in queues if cluster.owner(f"{{{q}}}") != cluster.owner(capp.keys.g)][:2]
-    stack.worker("-Q", f"{first},{second}", concurrency=1)
+    stack.worker("-Q", f"{first},{second}", concurrency=1, name="busy", env={"TASKRUNNER_IDLE_BLOCK": "60"})
     with cluster.owner(f"{{{second}}}").client() as node:  # only the BRPOP on `second`'s wake list blocks there
         wait_for(lambda: node.info("clients")["blocked_clients"] == 1, what="the idle worker waiting on both queues")
         held = apps.hold.apply_async(["w"], queue=first)
         wait_for(lambda: held.state == "running", what="the job to run")
-        assert node.info("clients")["blocked_clients"] == 0
+        stack.worker("-Q", second, concurrency=1, name="idle", env={"TASKRUNNER_IDLE_BLOCK": "60"})
+        wait_for(lambda: node.info("clients")["blocked_clients"] >= 1, what="the other worker waiting")
+        later = apps.add.apply_async([1, 2], queue=second)
+        assert later.wait(30) == 3 and later.refresh().data["worker"] == "idle"
+    release(capp, "w")
+    assert held.wait(30) == "released"
 
 
 def test_sigterm_stops_a_cluster_worker_cleanly(capp, stack, queues):

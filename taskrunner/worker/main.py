@@ -362,8 +362,8 @@ class Worker:
             except _REDIS_ERRORS:
                 return  # re-armed by the next step
             if ready is not self.ctl:  # a wake list
-                if reply and self.may_claim:  # woken already (a cluster's other list): for another
-                    self._give_back(reply[0])
+                if reply and (self.may_claim or not policy.listening(self.crew.children)):
+                    self._give_back(reply[0])  # woken already (a cluster's other list), or no room: another's
                 else:
                     self.may_claim, self.claim_at = True, None
                     if reply:
@@ -381,10 +381,11 @@ class Worker:
 
     def _give_back(self, wake: str) -> None:
         """A token that came on one of a cluster's wake lists (one BRPOP each) once another
-        had woken us: put it back for another idle worker, as one BRPOP on every list would
-        have left it. The BRPOPs still out are left to answer, not cancelled: closing one
-        whose token was on its way lost the token, and idle workers slept while that shard
-        had jobs (a sharded queue drained at 62 jobs/s against 3,800 unsharded)."""
+        had woken us, or once our children had no room left: put it back for another idle
+        worker, as one BRPOP on every list would have left it. The BRPOPs still out are left
+        to answer, not cancelled: closing one whose token was on its way lost the token, and
+        idle workers slept while that shard had jobs (a sharded queue drained at 62 jobs/s
+        against 3,800 unsharded)."""
         try:
             self.redis.pipeline(transaction=False).lpush(wake, "1").ltrim(wake, 0, 0).execute()
         except _REDIS_ERRORS:
