@@ -29,6 +29,7 @@ from taskrunner.ops import failures, listing
 from taskrunner.ops import queue as taskqueue
 from taskrunner.ops import search as searching
 from taskrunner.protocol import codec
+from taskrunner.protocol import shards as sharding
 from taskrunner.protocol.connection import server_time
 
 from . import security
@@ -295,8 +296,11 @@ def failed() -> str:
     f = failure_filter({k: v for k, v in request.args.items() if k != "page"})
     data = failed_page(f)
     base = url_for("pages.failed", **f.as_dict())
+    # The queues as users name them (a sharded one once: its filter takes every shard), and
+    # the shard the filter names, if it names one (a link from a job's page).
+    queues = [q for q in runner().queue_names() if not sharding.is_shard(q) or q == f.queue]
     return render_template("failed.html", title=f.state.capitalize(), state=f.state, filter=f,
-                           base=base + ("&" if "?" in base else "?"), queues=runner().queue_names(),
+                           base=base + ("&" if "?" in base else "?"), queues=queues,
                            now=server_time(runner().redis), **data)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dashboard import create_app
-from taskrunner.ops import failures
+from taskrunner.ops import failures, queue
 from taskrunner.protocol import scripts
 from tests import apps
 from tests.conftest import wait_for
@@ -22,15 +22,17 @@ def web(app):
     return create_app(app, password="pw", token="tok").test_client()
 
 
-def fail(app, task: str, error_type: str, n: int = 1, queue: str = "default", args: list | None = None) -> list[str]:
-    """Jobs that ran and failed with `error_type`, as a worker reports it."""
+def fail(app, task: str, error_type: str, n: int = 1, queue: str = "default", args: list | None = None,
+         **options) -> list[str]:
+    """Jobs that ran and failed with `error_type`, as a worker reports it (each in the shard
+    it was put in, of a sharded queue)."""
     ids = []
     for _ in range(n):
-        job = app.enqueue(task, args if args is not None else [1, 2], queue=queue)
-        [row] = claim(app, queues=(queue,))
+        job = app.enqueue(task, args if args is not None else [1, 2], queue=queue, **options)
+        [row] = claim(app, queues=(job.queue,))
         assert row[1] == job.id
         assert finish(app, job.id, str(row[2]), "error", error_type, f"{error_type} went wrong", "Traceback",
-                      queue=queue) == 1
+                      queue=job.queue) == 1
         ids.append(job.id)
     return ids
 
@@ -237,6 +239,24 @@ def test_the_header_has_the_search_box(app, web):
     assert '<form method="get" action="/search" class="find" role="search">' in page
 
 
+def test_a_sharded_queue_is_filtered_and_acted_on_as_one_queue(app, web):
+    queue.create(app, "sq", shards=3)
+    ids = fail(app, "tests.apps.add", "ValueError", 3, queue="sq")
+    by_shard = {app.job(i).queue: i for i in ids}
+    assert set(by_shard) == {"sq", "sq~1", "sq~2"}  # round robin: one job in each shard
+    d = web.get("/api/failed?queue=sq").get_json()
+    assert d["total"] == 3 and {j["id"] for j in d["jobs"]} == set(ids)
+    assert d["facets"] == {"tasks": {"tests.apps.add": 3}, "errors": {"ValueError": 3}}
+    page = web.get("/failed").get_data(as_text=True)
+    assert '<option value="sq">sq</option>' in page and "sq~1" not in page.split("</select>")[0]
+    # A shard's name (a job's page names the shard it is in): that shard alone.
+    d = web.get("/api/failed?queue=sq~1").get_json()
+    assert d["total"] == 1 and [j["id"] for j in d["jobs"]] == [by_shard["sq~1"]]
+    assert '<option value="sq~1" selected>sq~1</option>' in web.get("/failed?queue=sq~1").get_data(as_text=True)
+    r = web.post("/api/failed/retry", json={"filter": {"queue": "sq"}}, headers=API)
+    assert r.get_json()["done"] == 3 and all(app.job(i).state == "pending" for i in ids)
+
+
 # -- bulk retry and delete -----------------------------------------------------------------
 
 
@@ -378,3 +398,44 @@ def test_the_failed_page_has_no_stale_rows_after_a_bulk_delete(app, web):
     page = web.get("/failed?error=ValueError").get_data(as_text=True)
     assert "no failed jobs match this filter" in page and "ValueError (0)</option>" in page  # the filter stays
     assert web.get("/api/failed").get_json()["facets"] == {"tasks": {}, "errors": {}}
+
+
+@pytest.mark.parametrize("action", ["delete", "retry"])
+def test_a_bulk_action_gets_past_jobs_whose_record_expired(app, web, action):
+    """A task's own failed_ttl shorter than the setting: its record expires while the
+    indexes keep its id until the sweep trims them. Such an id is gone (not refused), leaves
+    the indexes, and the cursor goes past it: a batch of them must not be read for ever."""
+    live = fail(app, "tests.apps.add", "ValueError", 2)
+    ghosts = fail(app, "tests.apps.add", "ValueError", 2, failed_ttl=1)  # the newest: the first batch
+    wait_for(lambda: not any(app.redis.exists(app.keys.job("default", i)) for i in ghosts), 10, "the records expire")
+    counts, cursor = {"done": 0, "refused": 0, "gone": 0}, None
+    for _ in range(5):
+        body = {"filter": {"error": "ValueError"}, "limit": 2, **({"cursor": cursor} if cursor else {})}
+        out = web.post(f"/api/failed/{action}", json=body, headers=API).get_json()
+        counts = {k: v + out[k] for k, v in counts.items()}
+        cursor = out["cursor"]
+        if cursor is None:
+            break
+    assert cursor is None and counts == {"done": 2, "refused": 0, "gone": 2}, counts
+    assert all(app.job(i).state == "pending" for i in live) if action == "retry" else not any(
+        app.redis.exists(app.keys.job("default", i)) for i in live)
+    p = app.keys.q("default")
+    for key in ("failed", "failed:task:tests.apps.add", "failed:error:ValueError",
+                "failed:te:tests.apps.add ValueError", "failed:facets"):
+        assert not app.redis.exists(p + key), key
+
+
+def test_delete_and_retry_lua_take_a_gone_job_out_of_the_indexes(app):
+    p = app.keys.q("default")
+    kept = fail(app, "tests.apps.add", "ValueError")
+    ghosts = fail(app, "tests.apps.boom", "ValueError", 2) + fail(app, "tests.apps.add", "KeyError")
+    app.redis.delete(*(app.keys.job("default", i) for i in ghosts))  # what their records' expiry does
+    assert scripts.DELETE(app.redis, [p], [ghosts[0], 600, "killed"]) == ""  # not a state it may touch
+    assert ghosts[0] in index(app, "failed", "error:ValueError")
+    assert scripts.DELETE(app.redis, [p], [ghosts[0], 600, "failed"]) == ""
+    assert index(app, "failed", "te:tests.apps.boom ValueError") == {ghosts[1]}
+    assert scripts.RETRY(app.redis, [p], [ghosts[1], "t"]) == ""
+    assert scripts.DELETE(app.redis, [p], [ghosts[2], 600]) == ""  # any state it may delete
+    assert index(app, "failed", "error:ValueError") == set(kept) and not index(app, "failed", "error:KeyError")
+    assert set(app.redis.zrange(p + "failed", 0, -1)) == set(kept)
+    assert app.redis.smembers(p + "failed:facets") == {"tests.apps.add ValueError"}

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 from taskrunner.client.job import Job
 from taskrunner.errors import InvalidName, JobNotFound, TaskRunnerError
 from taskrunner.ops import listing
+from taskrunner.ops.queue import shards_of
 from taskrunner.protocol import codec, scripts
+from taskrunner.protocol import shards as sharding
 from taskrunner.protocol.connection import server_time
 
 if TYPE_CHECKING:
@@ -31,7 +33,10 @@ BATCH_MAX = 1000
 
 @dataclass(frozen=True)
 class Filter:
-    """Which failed (or killed) jobs: every field None means all of that state."""
+    """Which failed (or killed) jobs: every field None means all of that state. A queue is
+    a queue as users name it (a sharded one: all its shards, docs/PROTOCOL.md, Sharded
+    queues), or one shard's name, "Q~i" (a job's page names the shard it is in): that shard
+    alone."""
 
     state: str = "failed"
     queue: str | None = None
@@ -56,7 +61,7 @@ class Filter:
             raise ValueError("state must be failed or killed")
         try:
             if values["queue"] is not None:
-                codec.check_name("queue", values["queue"])
+                codec.check_queue(values["queue"])
             if values["task"] is not None:
                 codec.check_name("task", values["task"])
         except InvalidName as e:
@@ -82,10 +87,14 @@ class Filter:
         return s
 
     def queues(self, app: TaskRunner) -> list[str]:
+        """The physical queues whose indexes the filter reads, in a fixed order (a cursor
+        counts in it): every queue's, or the shards of the one it names (shard 0 first)."""
         names = sorted(app.queue_names())
         if self.queue is None:
             return names
-        return [self.queue] if self.queue in names else []
+        if self.queue not in names:
+            return []
+        return [self.queue] if sharding.is_shard(self.queue) else shards_of(app, self.queue)
 
 
 def page(app: TaskRunner, f: Filter, offset: int = 0, limit: int = 50) -> tuple[int, list[dict[str, Any]]]:
@@ -136,7 +145,10 @@ class Cursor:
     """Where a bulk action over a filter goes on: jobs that ended at or before `before`
     (the server's time at the first call: jobs that fail meanwhile, a retried one failing
     again among them, are not taken), in queue `queue` (an index into the filter's queues)
-    past the `skip` jobs there that were refused (they stay in the index, newest first)."""
+    past the `skip` jobs there that were refused (they stay in the index, newest first). Jobs
+    done and jobs gone leave the index: a gone one's record expired (its own failed_ttl was
+    shorter than the setting) and the script that found it so took its id out of every index
+    (docs/PROTOCOL.md, Failure indexes, "Forget"), so no call reads it again."""
 
     before: float
     queue: int = 0

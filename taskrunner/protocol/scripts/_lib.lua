@@ -264,6 +264,25 @@ local function unindex_failure(p, state, id, task, error_type)
     redis.call('SREM', s .. 'facets', task .. ' ' .. error_type)
   end
 end
+
+-- A job whose record is gone may still be listed: its own failed_ttl (or result_ttl) was
+-- shorter than the TTL the sweep trims its state's set by, so the record expired first. The
+-- script that finds it gone (delete.lua, retry.lua) takes its id out of <p><s> for each state
+-- s of `states` (ZSETs only), and out of a failed or killed one's failure indexes, whose pair
+-- the record no longer gives: the facet whose te: index holds it. So nothing stale stays,
+-- and a bulk action that read the id from an index reads it no more.
+local function forget_gone(p, id, states)
+  for _, s in ipairs(states) do
+    redis.call('ZREM', p .. s, id)
+    local facets = (s == 'failed' or s == 'killed') and redis.call('SMEMBERS', p .. s .. ':facets') or {}
+    for _, pair in ipairs(facets) do
+      if redis.call('ZSCORE', p .. s .. ':te:' .. pair, id) then
+        unindex_failure(p, s, id, string.match(pair, '^(%S+) (.*)$'))  -- a task has no space
+        break
+      end
+    end
+  end
+end
 -- <<< Failure indexes ------------------------------------------------------------------
 
 -- The history stream is capped (approximately) at this many entries; the archiver empties

@@ -6,25 +6,36 @@
 -- ARGV[3]  (optional) the states it may delete, e.g. "failed killed" (a bulk delete of the
 --          failed ones: a job retried meanwhile is left as it is); default: any but running
 -- Children in other slots get an outbox entry (see _lib.lua), carried by the dispatcher.
--- Returns the state before; "" when there is no such job; "running" or a state not in ARGV[3]
--- (refused: nothing changed).
+-- Returns the state before; "" when there is no such job (its record expired: its id leaves the
+-- sets of the states it may delete and their failure indexes, see forget_gone in _lib.lua);
+-- "running" or a state not in ARGV[3] (refused: nothing changed).
 local p = KEYS[1]
 local id = ARGV[1]
+local SETS = {'delayed', 'waiting', 'completed', 'failed', 'killed', 'canceled'}  -- the states kept in a ZSET
+local may = SETS
 if ARGV[3] then
   local known = {pending = true, delayed = true, waiting = true, completed = true, failed = true, killed = true,
     canceled = true}
+  may = {}
   for w in string.gmatch(ARGV[3], '%S+') do
     if not known[w] then
       return redis.error_reply('ERR taskrunner: BadCall: delete: ARGV[3] lists the states it may delete (pending, delayed, waiting, '
         .. 'completed, failed, killed, canceled, space-separated); got ' .. string.format('%q', string.sub(w, 1, 50)))
+    end
+    if w ~= 'pending' then
+      may[#may + 1] = w
     end
   end
 end
 local job = p .. 'job:' .. id
 local f = redis.call('HMGET', job, 'state', 'priority', 'unique_key')
 local state = f[1]
-if not state or state == 'running' then
-  return state or ''
+if not state then
+  forget_gone(p, id, may)
+  return ''
+end
+if state == 'running' then
+  return state
 end
 if ARGV[3] and not string.find(' ' .. ARGV[3] .. ' ', ' ' .. state .. ' ', 1, true) then
   return state
@@ -34,7 +45,7 @@ redis.call('LREM', pending_of(p, f[2]), 0, id)
 if f[3] then
   unlock(p, f[3], id)
 end
-for _, k in ipairs({'delayed', 'waiting', 'completed', 'failed', 'killed', 'canceled'}) do
+for _, k in ipairs(SETS) do
   redis.call('ZREM', p .. k, id)
 end
 local f = redis.call('HMGET', job, 'children', 'task', 'cross_children', 'error_type')

@@ -13,7 +13,9 @@
 -- ARGV[3]  (optional) "1": steps in other queues may be touched (one Redis server); else
 --          only this queue's (a Redis Cluster: a step with a parent or child in another
 --          queue is left as it is)
--- Returns the state before ("" when there is no such job); only failed and killed change.
+-- Returns the state before ("" when there is no such job: its record expired, and its id
+-- leaves p failed, p killed and their failure indexes, see forget_gone in _lib.lua); only
+-- failed and killed change.
 -- Refused (nothing changed): a step that never joined whose parents ended so that it
 -- cannot run ("ERR retry: ...").
 local p = KEYS[1]
@@ -23,8 +25,12 @@ local job = p .. 'job:' .. id
 local r = redis.call('HMGET', job, 'state', 'children', 'parents', 'waiting_on', 'on_parent_failure', 'takes',
   'args', 'task', 'priority', 'unique_key', 'unique_for', 'error_type')
 local state = r[1]
+if not state then
+  forget_gone(p, id, {'failed', 'killed'})
+  return ''
+end
 if state ~= 'failed' and state ~= 'killed' then
-  return state or ''
+  return state
 end
 local t = now()
 local here = string.match(p, '{([^{}]*)}:$')
