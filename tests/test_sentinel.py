@@ -13,7 +13,7 @@ from dashboard import create_app
 from taskrunner.client.aio import AsyncClient
 from taskrunner.errors import JobNotFound, Timeout
 from taskrunner.protocol import scripts
-from taskrunner.protocol.connection import SentinelURL, connect, connect_async
+from taskrunner.protocol.connection import SentinelURL, close_async, connect, connect_async
 from tests import apps
 from tests.conftest import Stack, wait_for
 from tests.topologies import SentinelGroup, Topology, sentinel_group
@@ -122,6 +122,7 @@ def test_demoted_primary_failover(app, stack, group):
     assert worker.poll() is None and dispatcher.poll() is None
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # a connection left to the GC
 def test_asyncio_client_through_sentinel(app, group):
     async def roundtrip() -> str:
         client = connect_async(group.url())
@@ -129,7 +130,7 @@ def test_asyncio_client_through_sentinel(app, group):
             await client.set("k", "v")
             return await client.get("k")
         finally:
-            await client.aclose()
+            await close_async(client)
 
     assert asyncio.run(roundtrip()) == "v"
     assert connect(group.url()).get("k") == "v"

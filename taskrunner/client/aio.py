@@ -22,7 +22,7 @@ from taskrunner.client.app import TaskRunner, _enqueue_args
 from taskrunner.client.canvas import Chain, Chord, Group, Signature
 from taskrunner.client.job import Job
 from taskrunner.protocol import connection, scripts
-from taskrunner.protocol.connection import connect_async, is_cluster, slack
+from taskrunner.protocol.connection import close_async, connect_async, is_cluster, slack
 
 T = TypeVar("T")
 
@@ -150,7 +150,7 @@ class AsyncClient:
         return await self._run(steps.kill(self.app, job_id, queue, who))
 
     async def close(self) -> None:
-        await self.redis.aclose()
+        await close_async(self.redis)
 
 
 __all__ = ["AsyncClient"]

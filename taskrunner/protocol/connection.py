@@ -629,6 +629,21 @@ def connect_async(url: str | None = None, **options: Any) -> AsyncClient:
         raise BadURL(f"bad Redis URL {redact(url)!r}: {e}; expected {FORMS}") from None
 
 
+async def close_async(client: AsyncClient) -> None:
+    """Close an asyncio client of connect_async() with what it opened: its pool and, for a
+    Sentinel-managed one, its connections to the sentinels. redis-py 5.0's aclose() leaves
+    open a pool given to the client (as master_for gives it), and nothing closes the
+    sentinels' own: the garbage collector closed them after their event loop had ended
+    ("Event loop is closed", seen with redis-py 5.0.8)."""
+    pool = getattr(client, "connection_pool", None)
+    if isinstance(pool, AsyncSentinelPool):
+        await client.aclose(close_connection_pool=True)
+        for sentinel in pool.sentinel_manager.sentinels:
+            await sentinel.aclose()
+    else:
+        await client.aclose()
+
+
 def slack(socket_timeout: float | None) -> float:
     """Seconds a blocking command's answer may come after its own timeout before the
     connection counts as hung: the connection's socket_timeout (what an answer due at once
