@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from typing import Any
 import redis
 
 from bench import record
-from bench.bench import BenchError, BenchTimeout, log
+from bench.bench import BenchError, BenchTimeout, Procs, log, wait_for
 from bench.limits import stop_after
 from taskrunner import TaskRunner
 from taskrunner.ops import queue
@@ -74,45 +73,28 @@ def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int
     record.reset()
     done_file = Path(record.done_file())
     before = cpu(nodes)
-    procs: list[subprocess.Popen] = []
-    logs = [open(work / f"{tag}-worker{i}.log", "w") for i in range(a.workers)]
+    procs = Procs()
+    logfile = work / f"{tag}-workers.log"
+    mark: tuple[float, int] | None = None
+
+    def finished() -> bool:
+        nonlocal mark
+        done = done_file.stat().st_size if done_file.exists() else 0
+        if mark is None and a.jobs * WARM <= done < a.jobs:
+            mark = (time.monotonic(), done)
+        return done >= a.jobs
+
     t0 = time.monotonic()
     try:
-        for i in range(a.workers):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "taskrunner", "worker", "-A", "bench.tasks_taskrunner", "-c", str(a.concurrency),
-                 "-Q", QUEUE, "-n", f"{tag}-{i}", "--log-level", "warning"],
-                cwd=ROOT, env=env, stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True))
-        mark: tuple[float, int] | None = None
-        deadline = t0 + a.timeout
-        while True:
-            done = done_file.stat().st_size if done_file.exists() else 0
-            now = time.monotonic()
-            if mark is None and a.jobs * WARM <= done < a.jobs:
-                mark = (now, done)
-            if done >= a.jobs:
-                break
-            if now > deadline:
-                raise BenchTimeout(f"{tag}: {done} of {a.jobs} jobs done after {a.timeout:g} s (logs in {work})")
-            gone = [i for i, p in enumerate(procs) if p.poll() is not None]
-            if gone:
-                tail = (work / f"{tag}-worker{gone[0]}.log").read_text()[-2000:]
-                raise BenchError(f"{tag}: worker {gone[0]} exited {procs[gone[0]].returncode}; its log ends:\n{tail}")
-            time.sleep(0.005)
-        t1 = time.monotonic()
+        workers = [procs.start([sys.executable, "-m", "taskrunner", "worker", "-A", "bench.tasks_taskrunner", "-c",
+                                str(a.concurrency), "-Q", QUEUE, "-n", f"{tag}-{i}", "--log-level", "warning"],
+                               env, logfile) for i in range(a.workers)]
+        t1 = wait_for(f"{tag} drain", finished, a.timeout, 0.005, workers)
         after = cpu(nodes)
+    except BenchError as e:
+        raise BenchError(f"{e}; the workers' log ends:\n{logfile.read_text()[-2000:]}") from None
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 15)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, 9)
-                p.wait()
-        for f in logs:
-            f.close()
+        procs.stop_all(grace=30)
     if mark is None:  # ended between two looks, before one saw it past the warm-up
         mark = (t0, 0)
     used = [x - y for x, y in zip(after, before)]
