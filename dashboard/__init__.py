@@ -23,7 +23,7 @@ from taskrunner.client.loader import load_app
 from taskrunner.errors import AppNotFound
 from taskrunner.ops.diagnose import explain
 
-from . import security
+from . import charts, security
 from .views import api, pages
 
 log = logging.getLogger("taskrunner.dashboard")
@@ -116,13 +116,17 @@ def ago(t: Any, now: float | None = None) -> str:
 
 
 def duration(seconds: Any) -> str:
+    """'29 µs', '4.2 ms', '2.5 s', '12 s', '1.2 min', '12 min', '1.5 h', '2.0 d' (under a second:
+    charts.seconds)."""
     s = _seconds(seconds or 0)
     if s is None:
         return str(seconds)
+    if s < 1:
+        return charts.seconds(s)
     if s < 60:
         return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
     if s < 3600:
-        return f"{s / 60:.0f} min"
+        return f"{s / 60:.1f} min" if s < 600 else f"{s / 60:.0f} min"
     if s < 86400:
         return f"{s / 3600:.1f} h"
     return f"{s / 86400:.1f} d"

@@ -38,7 +38,7 @@ log = logging.getLogger("taskrunner.dashboard")
 pages = Blueprint("pages", __name__)
 api = Blueprint("api", __name__, url_prefix="/api")
 PAGE = 50
-ACTIONS = ("kill", "retry", "requeue", "delete")
+ACTIONS = ("kill", "retry", "requeue", "delete", "enqueue-now")
 QUEUE_ACTIONS = ("purge", "close", "open", "pause", "resume")
 SCHEDULE_ACTIONS = ("pause", "resume", "run-now", "delete")
 #: A worker's actions, and the control message each sends it (the worker acts as on SIGTERM,
@@ -111,6 +111,14 @@ def act(job: Job, action: str, who: str) -> tuple[bool, str]:
     elif action == "requeue":
         done = job.requeue(who)
         message = "back in line" if done else "only delayed or running jobs can be requeued"
+    elif action == "enqueue-now":
+        try:
+            before = job.enqueue_now(who)
+        except JobNotFound as e:  # deleted, or its record expired, since find_job()
+            abort(404, str(e))
+        done = before == "delayed"
+        message = "enqueued now: next in line" if done else (
+            f"it is {before}, not delayed: only a delayed job can be enqueued now")
     else:
         done = job.delete()
         message = "deleted" if done else "a running job cannot be deleted: kill it first"
@@ -355,9 +363,10 @@ def queue(name: str) -> str:
         abort(400, "state must be pending, delayed, waiting, completed, failed, killed or canceled")
     page = page_arg()
     total, rows = listing.page_of(runner(), name, state, (page - 1) * PAGE, PAGE)
+    shards = listing.shard_stats(runner(), name)  # each state's count for its tab, per shard
     return render_template("jobs.html", rows=rows, pager=pager(total, page), title=f"Queue {name}",
                            state=state, queue=name, now=server_time(runner().redis),
-                           info=taskqueue.info(runner(), name))
+                           info=taskqueue.combined(shards), shards=shards)
 
 
 @pages.get("/workflows/<job_id>")
@@ -417,10 +426,12 @@ def history() -> str:
         hours = [(h["hour"][5:13].replace("T", " ") + "h", h["count"]) for h in summary["hours"]]
         runtimes = [(t["task"], [t["runtime_p50"], t["runtime_p95"], t["runtime_p99"]]) for t in tasks]
         extra = {
-            "throughput": charts.columns(hours, "Throughput per hour (jobs)"),
-            "runtimes": charts.bars(runtimes, ["p50", "p95", "p99"], "Runtime percentiles per task", " s"),
+            "throughput": charts.columns(hours, "Throughput per hour", charts.per("h"),
+                                         axis="jobs finished (UTC hour)"),
+            "runtimes": charts.bars(runtimes, ["p50", "p95", "p99"], "Runtime percentiles per task (log scale)",
+                                    charts.seconds, log=True),
             "failures": charts.bars([(t["task"], [100 * t["failed_rate"], 100 * t["killed_rate"]]) for t in tasks],
-                                    ["failed", "killed"], "Failure rate per task", "%"),
+                                    ["failed", "killed"], "Failure rate per task (% of its jobs)", charts.percent),
         }
     return render_template("history.html", summary=summary, now=server_time(runner().redis), **extra)
 

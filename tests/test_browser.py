@@ -200,7 +200,7 @@ def test_running_page_kill_button_kills_the_job(app, stack, dashboard, page):
     assert "fragment" not in row_of(page, job.id).locator('input[name="next"]').get_attribute("value")
 
     dialogs = click_kill(page, job.id)
-    assert dialogs == ["Kill? This cannot be undone."]
+    assert dialogs == [f"Kill job {job.id[:8]}… (tests.apps.hold)? It ends killed; if it runs, it is stopped."]
     # The form redirects back to the Running page with a message.
     wait_for(lambda: urlparse(page.url).path == "/running", what="back on /running")
     expect(page.locator("h1")).to_have_text("Running")
@@ -287,7 +287,8 @@ def test_kill_after_live_refresh_returns_to_the_full_page(app, stack, dashboard,
         login(page, dashboard, "/running")
         expect(row_of(page, job.id)).to_have_count(1)
         wait_for_live_refresh(page)  # as for anyone who stays on the page for 2 s
-        assert click_kill(page, job.id) == ["Kill? This cannot be undone."]
+        assert click_kill(page, job.id) == [f"Kill job {job.id[:8]}… (tests.apps.hold)? It ends killed; if it runs, "
+                                            "it is stopped."]
         assert "fragment" not in page.url, page.url
         expect(page.locator("h1")).to_have_text("Running", timeout=2_000)
         expect(page.locator("p.flash")).to_contain_text(f"{job.id}: kill", timeout=2_000)

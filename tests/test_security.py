@@ -30,7 +30,7 @@ from tests.test_dashboard import csrf, login
 #: Breaks out of text, attributes (both quotes) and tags, wherever a page puts it.
 X = "\"'><script>x()</script><img src=x onerror=x()>"
 ESCAPED = "&lt;script&gt;x()&lt;/script&gt;"
-ACTIONS = ["kill", "retry", "requeue", "delete"]
+ACTIONS = ["kill", "retry", "requeue", "delete", "enqueue-now"]
 
 
 @pytest.fixture

@@ -135,11 +135,29 @@ class Job:
         """Put a delayed or running job back in line now; False in another state."""
         return self._act(scripts.REQUEUE, who) in ("delayed", "running")
 
+    def enqueue_now(self, who: str | None = None) -> str:
+        """Make a delayed job pending now, next in line, instead of at its due time; the
+        state it was in (done only when "delayed"). Atomic in requeue.lua: a job the
+        dispatcher promoted meanwhile (pending), or a worker then claimed (running), is left
+        as it is, so it is never put in line twice nor its run cut short."""
+        return self._act(scripts.REQUEUE, who, "delayed")
+
     def delete(self) -> bool:
         """Delete the job unless it runs (kill it first); False when it runs. The jobs
         waiting for it, unless it had completed, end canceled."""
         return scripts.DELETE(self.app.redis, [self._prefix], [self.id, self.app.settings.failed_ttl]) not in (
             "", "running")
+
+    def _claimed_at(self) -> float | None:
+        """When a worker took the current (or last) delivery from the queue: its holding
+        entry's `started_at` (run:<attempts>). The record's `started_at` is that time until
+        the delivery ends, then when its child began running it (later, when the job waited
+        in the worker's prefetch)."""
+        try:
+            run = codec.loads(self.data.get(f"run:{self.data.get('attempts')}") or "null")
+            return float(run["started_at"]) if isinstance(run, dict) else None
+        except (ValueError, TypeError, KeyError):
+            return None
 
     def to_dict(self) -> dict[str, Any]:
         """Every recorded field, typed: numbers as numbers, JSON fields decoded, the
@@ -159,6 +177,7 @@ class Job:
         for k in ("parents", "children"):  # workflows: "<queue> <id> ..." as [{"queue", "id"}]
             words = self.data.get(k, "").split()
             out[k] = [{"queue": q, "id": i} for q, i in zip(words[::2], words[1::2])]
+        out["claimed_at"] = self._claimed_at()
         out["logs"] = log_lines(self.data.get("logs"))
         out.setdefault("attempts", 0)
         out.setdefault("headers", {})

@@ -33,8 +33,15 @@ def queue_stats(app: TaskRunner, shards: bool = False) -> list[dict[str, Any]]:
     return [{**queue.combined(group), "name": name} for name, group in by_queue.items()]
 
 
-def _physical_stats(app: TaskRunner) -> list[dict[str, Any]]:
-    names = app.queue_names()
+def shard_stats(app: TaskRunner, name: str) -> list[dict[str, Any]]:
+    """Counts, counters and settings of each shard of queue `name` (shard 0 first; one row
+    when it is not sharded), for its dashboard page: a few round trips, O(1) commands per
+    shard and state (LLEN, ZCARD, HLEN), whatever the number of jobs."""
+    return _physical_stats(app, shards_of(app, name))
+
+
+def _physical_stats(app: TaskRunner, names: list[str] | None = None) -> list[dict[str, Any]]:
+    names = app.queue_names() if names is None else names
     metas = queue.settings(app, names)
     counts = queue.state_counts(app, names)
     pipe = app.redis.pipeline(transaction=False)

@@ -274,7 +274,8 @@ def settings(app: TaskRunner, names: list[str]) -> list[dict[str, Any]]:
     """Settings and counters of each queue (bound, closed, exclusive, paused), the priorities
     its jobs used (e.g. [9, 5]) and the duplicates of unique jobs not added, per task; with
     its rate limit (None: none) the starts it counted in the current period of the limit
-    (`rate_used`: this second, minute or hour) and in the one before (`rate_used_last`)."""
+    (`rate_used`: this second, minute or hour) and in the one before (`rate_used_last`), and
+    the seconds until its limiter lets the next job start (`rate_next`, 0.0: now)."""
     pipe = app.redis.pipeline(transaction=False)
     for n in names:
         pipe.hgetall(app.keys.q(n) + "meta")
@@ -289,6 +290,7 @@ def settings(app: TaskRunner, names: list[str]) -> list[dict[str, Any]]:
                  priorities=[int(c) for c in meta.get("priorities", "") if c in "123456789"],
                  duplicates={k.partition("|")[2]: int(v) for k, v in meta.items() if k.startswith("duplicates|")})
         d.update(rate_use(meta.get("rate"), limit, now))
+        d["rate_next"] = rate_next(limit, now) if meta.get("rate") else 0.0
         d["shards"] = sharding.count(meta.get("shards"))
         if d["shards"] > 1:  # shard 0 of a sharded queue: the queue's rate, and each shard's part
             d.update(rate=meta.get("rate_total"), rate_each=meta.get("rate"))
@@ -330,6 +332,15 @@ def rate_use(rate: str | None, limit: dict[str, str], now: float) -> dict[str, i
     if win == current:
         return {"rate_used": used, "rate_used_last": before}
     return {"rate_used": 0, "rate_used_last": used if win == current - 1 else 0}
+
+
+def rate_next(limit: dict[str, str], now: float) -> float:
+    """Seconds from server time `now` until a GCRA limiter (claim.lua's `tat`: the time
+    from which the next start is allowed) lets a job start; 0.0 when one may start now."""
+    try:
+        return max(0.0, float(limit.get("tat") or 0) - now)
+    except ValueError:
+        return 0.0
 
 
 def must_exist(app: TaskRunner, name: str) -> None:

@@ -61,7 +61,9 @@ def graph(app: TaskRunner, job_id: str, queue: str | None = None) -> dict[str, A
     return {"root": start.id, "jobs": jobs, "truncated": len(found) >= MOST}
 
 
-#: Fill colours of the states, for the SVG (the dashboard's badges' palette).
+#: Fill colours of the states, for the SVG on its own (the dashboard's badges' light palette).
+#: Each element also has a class (its state; `root`, `state`) by which a page's stylesheet
+#: colours it instead, e.g. for a dark colour scheme (dashboard/static/style.css).
 COLOURS = {"completed": "#e3f4ea", "failed": "#fbe5e7", "killed": "#fbe5e7", "canceled": "#eeeeee",
            "running": "#e5effb", "pending": "#fff6dc", "delayed": "#fff6dc", "waiting": "#f3ecfb", "gone": "#ffffff"}
 W, H, GAP_X, GAP_Y = 190, 46, 60, 14
@@ -94,10 +96,12 @@ def svg(g: dict[str, Any], link: str = "/jobs/{id}", most: int = 400) -> str:
         state = str(n["state"])
         fill = COLOURS.get(state, "#ffffff")
         root = ' stroke-width="3"' if n["id"] == g["root"] else ""
+        kind = escape(state if state in COLOURS else "other") + (" root" if root else "")
         out.append(f'<a href="{escape(link.format(id=n["id"]))}"><rect x="{x}" y="{y}" width="{W}" height="{H}" '
-                   f'rx="6" fill="{fill}" stroke="#556"{root} />'
+                   f'rx="6" fill="{fill}" stroke="#556"{root} class="{kind}" />'
                    f'<text x="{x + 8}" y="{y + 18}" font-size="12">{escape(str(n["task"] or "?")[:40])}</text>'
-                   f'<text x="{x + 8}" y="{y + 36}" font-size="11" class="state-{escape(state)}">{escape(state)} · '
+                   f'<text x="{x + 8}" y="{y + 36}" font-size="11" class="state state-{escape(state)}">'
+                   f'{escape(state)} · '
                    f'{escape(n["id"][-8:])}</text></a>')
     out.append("</svg>")
     return "".join(out)

@@ -3,12 +3,30 @@
 -- late finish from it is fenced off); no loss is counted.
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  id   ARGV[2] who asked
--- Returns the state before ("" when there is no such job); only delayed and running change.
+-- ARGV[3]  (optional) the states it may requeue, space-separated: "delayed" is the dashboard's
+--          "Enqueue now" (a job the dispatcher promoted meanwhile, or a worker claimed, is left
+--          as it is); default "delayed running"
+-- Returns the state before ("" when there is no such job); only delayed and running change,
+-- and only those ARGV[3] lists (another is refused: nothing changed).
 local p = KEYS[1]
 local id = ARGV[1]
+local may = {delayed = true, running = true}
+if ARGV[3] then
+  may = {}
+  for w in string.gmatch(ARGV[3], '%S+') do
+    if w ~= 'delayed' and w ~= 'running' then
+      return redis.error_reply('ERR taskrunner: BadCall: requeue: ARGV[3] lists the states it may requeue (delayed, '
+        .. 'running, space-separated); got ' .. string.format('%q', string.sub(w, 1, 50)))
+    end
+    may[w] = true
+  end
+end
 local job = p .. 'job:' .. id
 local f = redis.call('HMGET', job, 'state', 'priority')
 local state = f[1]
+if not may[state] then
+  return state or ''
+end
 local t = now()
 local action = {'action:' .. fmt(t), 'requeued by ' .. ARGV[2]}
 if state == 'delayed' then
