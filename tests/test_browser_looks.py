@@ -15,6 +15,7 @@ from tests import apps
 from tests.conftest import wait_for
 from tests.test_browser import browser, dashboard, login, page, row_of, screenshot  # noqa: F401 (fixtures)
 from tests.test_dashboard_looks import publish_summary
+from tests.test_failures import release
 
 
 def looks(pg: Page, name: str, buttons: tuple[str, ...] = ()) -> None:
@@ -119,3 +120,41 @@ def test_pages_look_right_in_both_schemes(app, stack, dashboard, page: Page):  #
     assert fill == "rgb(20, 51, 34)", fill  # the dark palette's, not the SVG's own light fill
     page.emulate_media(color_scheme="light")
     looks(page, "workflow-graph")
+
+
+#: In dark mode, elements whose background is light (luminance over a half), as CSS selectors.
+LIGHT_BACKGROUNDS = """[...document.querySelectorAll('body *')].filter(e => {
+  const m = getComputedStyle(e).backgroundColor.match(/[\\d.]+/g);
+  if (!m || (m.length > 3 && +m[3] === 0)) return false;
+  return (0.2126 * m[0] + 0.7152 * m[1] + 0.0722 * m[2]) / 255 > 0.5;
+}).map(e => e.tagName.toLowerCase() + (e.className && typeof e.className === 'string' ? '.' + e.className : ''))"""
+
+
+def test_every_page_is_dark_in_dark_mode(app, stack, dashboard, page: Page):  # noqa: F811
+    """Each page in dark mode has no light background left (a colour written outside the
+    variables would show here); screenshots of each, dark, at desktop width and 420 px."""
+    w = stack.worker(concurrency=2, name="w-dark")
+    held = apps.hold.delay("dark", 60)
+    failed = app.enqueue("tests.apps.boom", ["it broke"])
+    wait_for(lambda: failed.state == "failed" and held.state == "running", what="a failed and a running job")
+    login(page, dashboard, "/running")
+    page.emulate_media(color_scheme="dark")
+    for name, path in [("running", "/running"), ("failed", "/failed"), ("workers", "/workers"),
+                       ("worker", "/workers/w-dark"), ("schedules", "/schedules"), ("tasks", "/tasks"),
+                       ("search", "/search?q=boom"), ("job-failed", f"/jobs/{failed.id}"),
+                       ("job-running", f"/jobs/{held.id}")]:
+        page.goto(dashboard + path)
+        page.mouse.move(0, 0)
+        assert page.evaluate(LIGHT_BACKGROUNDS) == [], path
+        screenshot(page, f"dark-{name}.png")
+        page.set_viewport_size({"width": 420, "height": 900})
+        screenshot(page, f"dark-{name}-420.png")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 420, path
+        page.set_viewport_size({"width": 1400, "height": 900})
+    page.goto(dashboard + "/running")
+    page.click("header .who button")  # log out: the login form, dark too
+    page.goto(dashboard + "/login")
+    assert page.evaluate(LIGHT_BACKGROUNDS) == []
+    screenshot(page, "dark-login.png")
+    release(app, "dark")
+    assert held.wait(30) == "released" and w.poll() is None
