@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -698,6 +699,15 @@ def test_a_sigkilled_worker_loses_nothing_of_a_sharded_queue_on_a_cluster(capp, 
     assert [j.wait(30) for j in paused] == [0, 1, 2]
 
 
+def blocked_on_every_shard(cluster: Cluster, queue: str) -> bool:
+    """Whether a client blocks (a BRPOP) on the primary of each of the 3 shards of `queue`."""
+    for s in shards.names(queue, 3):
+        with cluster.owner(f"{{{s}}}").client() as node:
+            if node.info("clients")["blocked_clients"] < 1:
+                return False
+    return True
+
+
 def test_wake_tokens_that_come_together_on_every_shard_each_bring_a_claim(capp, stack, cluster, sharded):
     """Jobs enqueued at once on every shard of an idle worker's queue: each shard's wake token
     answers one of the worker's BRPOPs (one per primary). Woken by the first, the worker closed
@@ -705,16 +715,34 @@ def test_wake_tokens_that_come_together_on_every_shard_each_bring_a_claim(capp, 
     waited for its idle block (60 s here) before a claim found them (a sharded queue drained at
     62 jobs/s in bench/cluster.py)."""
     stack.worker("-Q", sharded, name="w1", concurrency=3, env={"TASKRUNNER_IDLE_BLOCK": "60"})
-
-    def listening() -> bool:
-        for s in shards.names(sharded, 3):
-            with cluster.owner(f"{{{s}}}").client() as node:
-                if node.info("clients")["blocked_clients"] < 1:
-                    return False
-        return True
-
     for i in range(5):
-        wait_for(listening, what="the worker's BRPOP on each primary")
+        wait_for(lambda: blocked_on_every_shard(cluster, sharded), what="the worker's BRPOP on each primary")
         jobs = capp.enqueue_many({"task": "tests.apps.add", "args": [i, k], "queue": sharded} for k in range(3))
         assert sorted(j.queue for j in jobs) == shards.names(sharded, 3)
         assert [j.wait(20) for j in jobs] == [i, i + 1, i + 2]
+
+
+def test_a_consumers_wake_tokens_that_come_together_on_every_shard_each_bring_a_claim(capp, cluster, sharded):
+    """The Consumer's blocking claim, as the worker's above: woken by one shard's token, it
+    closed its BRPOPs on the other primaries, and dropped the other tokens that came with the
+    first; a token lost so left the next claim that started at an empty shard asleep for its
+    block (5 s) while another shard had a job. Tokens that come once it is woken go back to
+    their list, so each job is claimed at once, and none is left armed between claims."""
+    consumer = Consumer(capp, [sharded], name="c1")
+    try:
+        for i in range(5):
+            first: list = []
+            waiter = threading.Thread(target=lambda got=first: got.extend(consumer.claim(1, block=30)))
+            waiter.start()
+            wait_for(lambda: blocked_on_every_shard(cluster, sharded), what="the consumer's BRPOP on each primary")
+            jobs = capp.enqueue_many({"task": "tests.apps.add", "args": [i, k], "queue": sharded} for k in range(3))
+            enqueued = time.monotonic()
+            waiter.join(30)
+            got = first + consumer.claim(1, block=30)
+            got += consumer.claim(1, block=30)
+            took = time.monotonic() - enqueued
+            assert sorted(d.id for d in got) == sorted(j.id for j in jobs)
+            assert took < 3, f"round {i}: three jobs, one per shard, claimed in {took:.1f} s"
+            assert consumer.ack(got) == [True] * 3
+    finally:
+        consumer.close()

@@ -8,14 +8,17 @@ import logging
 import os
 import socket
 import time
+from multiprocessing.connection import wait as wait_any
 from typing import Any
+
+import redis
 
 from taskrunner.client import steps
 from taskrunner.client.app import TaskRunner
 from taskrunner.client.steps import REDIS_ERRORS
 from taskrunner.protocol import codec, joins, scripts, shards
 from taskrunner.protocol.claims import Delivery, claim_args, claim_keys, claim_rest
-from taskrunner.protocol.connection import pop_any
+from taskrunner.protocol.connection import Blocker, blockers_on, give_back, pop_any, slack
 from taskrunner.protocol.holders import held, identity
 from taskrunner.protocol.outcome import Ended, Outcome, finish_args
 
@@ -31,6 +34,7 @@ class Consumer:
         self.served = shards.Served([codec.check_name("queue", q) for q in queues])
         self.queues = self.served.physical
         self._counts_at = 0.0  # when the shard counts are due to be read again (monotonic)
+        self._wakes: list[Blocker] = []  # our BRPOPs on the wake lists of self.queues
         self.host = socket.gethostname()
         self.name = codec.check_name("worker", name or f"consumer.{self.host}.{os.getpid()}")
 
@@ -50,10 +54,20 @@ class Consumer:
             for q in self.served.queues:
                 pipe.hget(self.keys.q(q) + "meta", "shards")
             self.served.update([shards.count(n) for n in pipe.execute()])
+            if self.served.physical != self.queues or not self._wakes:
+                for b in self._wakes:  # none armed: each claim ends with _settle()
+                    b.reset()
+                self._wakes = blockers_on(self.app.redis, [self.keys.q(q) + "wake" for q in self.served.physical],
+                                          cancellable=True)
             self.queues = self.served.physical
             self._counts_at = time.monotonic() + shards.KEEP
+        try:
+            return self._claim(count, block)
+        finally:
+            self._settle()
+
+    def _claim(self, count: int, block: float) -> list[Delivery]:
         deadline = time.monotonic() + block
-        prefixes = [self.keys.q(q) for q in self.queues]
         argv = claim_args(self.app, self.name, self.host, "127.0.0.1", [os.getpid(), ""] * count)
         woken = None  # the queue whose wake token woke us: claimed from first
         while True:
@@ -66,8 +80,44 @@ class Consumer:
             if wait is not None and wait < _SHORT:  # a rate limit's next token: Redis times a BRPOP out to 0.1 s
                 time.sleep(min(wait, left))
             else:
-                reply = pop_any(self.app.redis, [p + "wake" for p in prefixes], max(0.01, min(left, 5, wait or 5)))
-                woken = self.keys.queue_of(reply[0]) if reply else None
+                woken = self._woken(max(0.01, min(left, 5, wait or 5)))
+
+    def _woken(self, timeout: float) -> str | None:
+        """Wait up to `timeout` s for a wake token: the queue it came on, or None. On a cluster
+        (one BRPOP per list) the BRPOPs that did not answer stay armed: closing one could lose
+        a token on its way. Tokens that come beside the one we take go back (give_back)."""
+        for b in self._wakes:
+            b.arm(timeout)
+        waitables: list[Any] = list(self._wakes)  # each has a fileno(), as wait() needs
+        ready: list[Any] = wait_any(waitables, timeout + slack(self._wakes[0].conn.socket_timeout))
+        if not ready:
+            late = [b for b in self._wakes if b.armed and time.monotonic() > b.due]
+            for b in late:
+                b.reset()
+            if late:
+                raise redis.TimeoutError(f"no answer from Redis to a {timeout:g}s BRPOP in time")
+            return None
+        woken = None
+        for b in ready:
+            reply = b.read()
+            if reply and woken is None:
+                woken = self.keys.queue_of(reply[0])
+            elif reply:
+                give_back(self.app.redis, reply[0])
+        return woken
+
+    def _settle(self) -> None:
+        """End the BRPOPs still armed when a claim returns, without losing a token one took
+        (Blocker.cancel), and give such a token back: no token waits in our socket for our
+        next claim while another claimer sleeps."""
+        for b in self._wakes:
+            if b.armed:
+                try:
+                    reply = b.cancel()
+                except REDIS_ERRORS:
+                    continue  # its connection is gone (closed by cancel): so is what it held
+                if reply:
+                    give_back(self.app.redis, reply[0])
 
     def ack(self, deliveries: list[Delivery], results: list[Any] | None = None) -> list[bool]:
         """Mark jobs completed, all in one round trip; says which were really acked (a job
@@ -134,6 +184,9 @@ class Consumer:
         """Leave cleanly: what we still hold goes back to its queue now, next in line (left
         to the dispatcher it would wait for its deadline: a holder that left is not dead),
         then we leave the list of workers."""
+        self._settle()
+        for b in self._wakes:
+            b.reset()  # their idle connections
         back = Outcome.requeue(front=True, why=f"{self.name} left")
         mine = [(q, Ended(job_id, attempt, back)) for q, job_id, worker, attempt in held(self.app, self.queues)
                 if worker == self.name]

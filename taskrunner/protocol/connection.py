@@ -703,12 +703,15 @@ class Blocker:
     holds with the new primary, which may lack writes the old one took (jobs we finished)."""
 
     def __init__(self, client: redis.Redis | redis.cluster.RedisCluster, keys: list[str],
-                 command: str = "BRPOP") -> None:
+                 command: str = "BRPOP", cancellable: bool = False) -> None:
         self.client, self.keys, self.command = client, keys, command
         self.pool: Any = None
         self.conn: Any = None
         self.armed = False
+        self.due = 0.0  # when an armed command's answer is late: the connection hangs (monotonic)
         self.address: tuple[Any, Any] | None = None  # where our connection went, since the last reset()
+        self.cancellable = cancellable  # cancel() may be called: know our connection's CLIENT ID
+        self.client_id: int | None = None
 
     def _pool(self) -> Any:
         if isinstance(self.client, redis.cluster.RedisCluster):
@@ -729,8 +732,12 @@ class Blocker:
             before, self.address = self.address, (getattr(self.conn, "host", None), getattr(self.conn, "port", None))
             if before not in (None, self.address):
                 raise redis.ConnectionError(f"the Redis primary moved to {self.address[0]}:{self.address[1]}")
+            if self.cancellable and self.client_id is None:
+                self.conn.send_command("CLIENT", "ID")
+                self.client_id = int(self.conn.read_response())
             self.conn.send_command(self.command, *self.keys, timeout)
             self.armed = True
+            self.due = time.monotonic() + timeout + slack(self.conn.socket_timeout)
 
     def pop(self, timeout: float) -> Any:
         """Block up to `timeout` seconds for an item: [key, item], or None. The connection
@@ -752,6 +759,19 @@ class Blocker:
             self._close()
             raise
 
+    def cancel(self) -> Any:
+        """End an armed command without losing what it took (made with cancellable=True):
+        CLIENT UNBLOCK from another connection to its server, then its answer: None, or the
+        [key, item] it had taken already (closing the connection would drop that item)."""
+        if not self.armed:
+            return None
+        try:
+            redis.Redis(connection_pool=self.pool).execute_command("CLIENT", "UNBLOCK", self.client_id)
+        except BaseException:
+            self._close()
+            raise
+        return self.read()
+
     def reset(self) -> None:
         """Cancel: closing the connection ends the BRPOP on the server. The worker also
         calls this after a Redis error, and reconciles then: no move left to tell."""
@@ -760,9 +780,25 @@ class Blocker:
 
     def _close(self) -> None:
         self.armed = False
+        self.client_id = None
         if self.conn is not None:
             self.conn.disconnect()
             self.conn = None
+
+
+def blockers_on(client: redis.Redis | redis.cluster.RedisCluster, keys: list[str], command: str = "BRPOP",
+                cancellable: bool = False) -> list[Blocker]:
+    """What waits on any of the lists `keys`: one Blocker on all of them; on a cluster, where
+    one command's keys must share a slot, one per key (each to the primary of its slot)."""
+    groups = [[key] for key in keys] if is_cluster(client) else [keys]
+    return [Blocker(client, group, command, cancellable) for group in groups]
+
+
+def give_back(client: Any, wake: str) -> None:
+    """Put back a wake token taken but not used (one BRPOP of several answered once another
+    had woken the claimer, or once it had no room): for another idle claimer, as one BRPOP
+    on every list would have left it. At most one token, as the scripts leave it."""
+    client.pipeline(transaction=False).lpush(wake, "1").ltrim(wake, 0, 0).execute()
 
 
 def _pop(blockers: list[Blocker], timeout: float) -> Any:
@@ -784,8 +820,7 @@ def pop_any(client: redis.Redis | redis.cluster.RedisCluster, keys: list[str], t
     """Wait up to `timeout` (any length) for an item on any of the lists `keys`, and take
     it: [key, item], or None. One BRPOP (or BLPOP); on a cluster, where one command's keys
     must share a slot, one per key, each to the node of its slot, until one answers."""
-    groups = [[key] for key in keys] if is_cluster(client) else [keys]
-    blockers = [Blocker(client, group, command) for group in groups]
+    blockers = blockers_on(client, keys, command)
     try:
         return _pop(blockers, timeout)
     finally:

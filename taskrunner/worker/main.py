@@ -35,7 +35,7 @@ from taskrunner.errors import NameInUse
 from taskrunner.logs import Run, job_fields
 from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.claims import claim_args, claim_keys, claim_rest
-from taskrunner.protocol.connection import Blocker, Channel, is_cluster, server_time
+from taskrunner.protocol.connection import Blocker, Channel, blockers_on, give_back, server_time
 from taskrunner.protocol.holders import identity, lose_held
 from taskrunner.worker import policy
 from taskrunner.worker.children import Child, wait_ready
@@ -137,9 +137,7 @@ class Worker:
             b.reset()
         self.queues = self.served.physical
         self.prefixes = [self.keys.q(q) for q in self.queues]
-        wakes = [p + "wake" for p in self.prefixes]
-        groups = [[k] for k in wakes] if is_cluster(self.redis) else [wakes]  # one command's keys: one slot
-        self.wakes = [Blocker(self.redis, keys) for keys in groups]
+        self.wakes = blockers_on(self.redis, [p + "wake" for p in self.prefixes])
 
     def _shard_counts(self, pipe: Any) -> None:
         """Ask, in `pipe`, for the shard count of each queue served (shards.count reads the answers)."""
@@ -387,7 +385,7 @@ class Worker:
         idle workers slept while that shard had jobs (a sharded queue drained at 62 jobs/s
         against 3,800 unsharded)."""
         try:
-            self.redis.pipeline(transaction=False).lpush(wake, "1").ltrim(wake, 0, 0).execute()
+            give_back(self.redis, wake)
         except _REDIS_ERRORS:
             pass
 
