@@ -13,7 +13,14 @@ Metrics (each repeated --repeat times; the table shows median and min-max):
      --recorder redis: INCRs a counter in Redis instead, the method before 2026-11-21);
   3. pickup latency: idle workers, 200 jobs enqueued 20 ms apart, start - enqueue in ms;
   4. taskrunner only: the job of a SIGKILLed worker running again on a new worker;
-  5. Redis work per job during the drain: commands, and Redis CPU per 1000 jobs.
+  5. Redis work per job during the drain: commands, and Redis CPU per 1000 jobs;
+     beside it (--metrics rt) the same drain with each job making one Redis round trip (an INCR:
+     the redis recorder), and (io) jobs of 20 ms each at --io-concurrency, run unbatched
+     (taskrunner: a child per concurrent job; RQ: a worker process each; Dramatiq and Celery:
+     2 processes of threads), as bench/io_bound.py runs them: jobs/s and Redis CPU per job.
+
+    python -m bench.bench --cluster [OPTIONS]   # one hot queue: a sharded queue on a local
+                                                # 3-primary cluster vs one server (bench/cluster.py)
 
 The peers run from their own virtualenv, bench/.venv-peers, made here on first use.
 Every process started here runs in its own session and is killed as a group at the end;
@@ -312,6 +319,10 @@ METRICS = [
     Metric("drain_seconds", "2. drain {jobs} no-op jobs (incl. worker start)", "s", False, "{:,.2f}",
            short="drain time"),
     Metric("drain_rate", "   drain throughput", "jobs/s", True, short="drain throughput"),
+    Metric("rt_drain_rate", "   drain throughput, each job one Redis round trip (INCR)", "jobs/s", True, group="rt",
+           short="drain, 1 round trip/job"),
+    Metric("io_rate", "   {io_c}-way, 20 ms jobs, unbatched (last 80%)", "jobs/s", True, group="io",
+           short="20 ms jobs throughput"),
     Metric("latency_p50", "3. pickup latency, idle workers, p50", "ms", False, "{:,.1f}", "latency",
            "pickup latency p50"),
     Metric("latency_p99", "   pickup latency, idle workers, p99", "ms", False, "{:,.1f}", "latency",
@@ -324,8 +335,33 @@ METRICS = [
            short="Redis bytes per job"),
     Metric("redis_cpu_per_1000", "   Redis CPU per 1000 jobs (drain)", "ms", False, "{:,.1f}",
            short="Redis CPU per 1000 jobs"),
+    Metric("rt_redis_cpu_per_1000", "   Redis CPU per 1000 jobs (drain, 1 round trip/job)", "ms", False, "{:,.1f}",
+           group="rt", short="Redis CPU/1000, round trip"),
+    Metric("io_redis_cpu_per_1000", "   Redis CPU per 1000 jobs ({io_c}-way, 20 ms jobs, unbatched)", "ms", False,
+           "{:,.1f}", group="io", short="Redis CPU/1000, 20 ms jobs"),
 ]
+#: The io metrics start a process per concurrent job for taskrunner and RQ (bench/io_bound.py's MAX_CHILDREN).
+MAX_IO_CONCURRENCY = 64
+GROUPS = ("enqueue", "batch", "drain", "rt", "io", "latency", "recovery")
+#: The system of bench/io_bound.py that runs each system's 20 ms jobs for the io metrics: one job per
+#: process or thread at a time, as real jobs come (taskrunner: a child per concurrent job).
+IO_SYSTEMS = {"taskrunner": "taskrunner-processes", "celery": "celery", "rq": "rq", "dramatiq": "dramatiq"}
 SCRIPT_COMMANDS = ("eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro")
+
+
+@contextmanager
+def recording(name: str) -> Iterator[None]:
+    """No-op jobs record their runs with `name` (record.RECORDERS) in what starts meanwhile
+    (and in record.count() here)."""
+    before = os.environ.get(record.RECORDER_ENV)
+    os.environ[record.RECORDER_ENV] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(record.RECORDER_ENV, None)
+        else:
+            os.environ[record.RECORDER_ENV] = before
 
 
 def flush(r: redis.Redis) -> None:
@@ -342,7 +378,8 @@ class Bench:
         self.results: dict[str, dict[str, Series]] = {}
         self.failures: dict[tuple[str, str], int] = {}  # (metric group, system) -> failed repeats
         self.unshare = "recovery" in args.metric_set and "taskrunner" in args.systems and can_unshare()
-        self.details: dict[str, Any] = {"drain": [], "latency": [], "recovery": [], "enqueue": [], "batch": []}
+        self.details: dict[str, Any] = {"drain": [], "latency": [], "recovery": [], "enqueue": [], "batch": [],
+                                        "io": []}
 
     def add(self, metric: str, system: str, value: float) -> None:
         self.results.setdefault(metric, {}).setdefault(system, Series()).values.append(value)
@@ -368,7 +405,15 @@ class Bench:
 
     # 2 + 5. drain -----------------------------------------------------------------------
 
-    def drain(self, system: str, rep: int) -> None:
+    def drain(self, system: str, rep: int, recorder: str | None = None) -> None:
+        """recorder: how the jobs record their run (record.RECORDERS), for this drain; its
+        figures then go under the metrics of that name (rt: one Redis round trip per job)."""
+        if recorder is not None:
+            with recording(recorder):
+                return self._drain(system, rep, "rt_" if recorder == "redis" else "")
+        return self._drain(system, rep, "")
+
+    def _drain(self, system: str, rep: int, key: str) -> None:
         n = self.a.jobs
         self.flush()
         fill = self.env.drive(system, "fill", n, timeout=max(self.a.timeout, n / 200))
@@ -400,18 +445,31 @@ class Bench:
         # total_commands_processed alike; so the script calls are shown apart as well.
         scripts = sum(delta.get(c, 0) for c in SCRIPT_COMMANDS)
         cpu_ms = (after.cpu - before.cpu) * 1000
-        self.add("drain_seconds", system, seconds)
-        self.add("drain_rate", system, n / seconds)
-        self.add("redis_cmds_per_job", system, commands / n)
-        self.add("redis_cpu_per_1000", system, cpu_ms / n * 1000)
-        self.add("redis_scripts_per_job", system, scripts / n)
-        self.add("redis_bytes_per_job", system, (after.net - before.net) / n)
-        self.details["drain"].append({"system": system, "rep": rep, "jobs": n, "seconds": seconds,
+        self.add(key + "drain_rate", system, n / seconds)
+        self.add(key + "redis_cpu_per_1000", system, cpu_ms / n * 1000)
+        if not key:
+            self.add("drain_seconds", system, seconds)
+            self.add("redis_cmds_per_job", system, commands / n)
+            self.add("redis_scripts_per_job", system, scripts / n)
+            self.add("redis_bytes_per_job", system, (after.net - before.net) / n)
+        self.details["drain"].append({"system": system, "rep": rep, "round_trip": bool(key), "jobs": n,
+                                      "seconds": seconds,
                                       "fill_seconds": fill["seconds"], "total_commands": commands,
                                       "script_calls": scripts, "redis_cpu_ms": cpu_ms, "commandstats": delta,
                                       "net_bytes": after.net - before.net, "polls": polls})
-        log(f"  drain   {system:10} {seconds:8.2f} s  {n / seconds:8,.0f} jobs/s  {commands / n:5.1f} cmds/job  "
-            f"{cpu_ms / n * 1000:6.1f} ms cpu/1000  (fill {fill['seconds']:.1f}s)")
+        log(f"  drain{'+rt' if key else '   '} {system:10} {seconds:8.2f} s  {n / seconds:8,.0f} jobs/s  "
+            f"{commands / n:5.1f} cmds/job  {cpu_ms / n * 1000:6.1f} ms cpu/1000  (fill {fill['seconds']:.1f}s)")
+
+    # 5, unbatched: 20 ms jobs, as bench/io_bound.py runs them --------------------------
+
+    def io(self, system: str, rep: int) -> None:
+        from bench import io_bound  # it imports this module
+
+        name, c = IO_SYSTEMS[system], self.a.io_concurrency
+        res = io_bound.drain(self.env, self.r, io_bound.SYSTEMS[name], c, self.a.io_jobs, LOGS / f"io-{name}-{rep}.log")
+        self.add("io_rate", system, res["rate"])
+        self.add("io_redis_cpu_per_1000", system, res["redis_cpu_us_per_job"])  # us per job = ms per 1000
+        self.details["io"].append({"rep": rep, **res})
 
     # 3. latency -------------------------------------------------------------------------
 
@@ -537,7 +595,7 @@ def report(b: Bench, systems: list[str], meta: dict[str, Any]) -> str:
         res = b.results.get(m.key, {})
         if not res and not any(f[0] == m.group for f in b.failures):
             continue
-        rows.append([m.label.format(jobs=a.jobs), m.unit,
+        rows.append([m.label.format(jobs=a.jobs, io_c=a.io_concurrency), m.unit,
                      *(cell(res.get(s), m.fmt, b.failures.get((m.group, s), 0)) for s in cols)])
     ev = b.results.get("evalsha_rate", {}).get("evalsha")
     if ev:
@@ -562,7 +620,7 @@ def report(b: Bench, systems: list[str], meta: dict[str, Any]) -> str:
             line = ratio_line(m, b.results.get(m.key, {}), systems) if m.short != "-" else None
             if line:
                 lines.append(f"  {m.short:24} {line}")
-    drains = [d for d in b.details["drain"]]
+    drains = [d for d in b.details["drain"] if not d["round_trip"]]
     if drains:
         lines += ["", "Redis commands per job in the drain (last repeat; commands called from Lua count too):"]
         last = {d["system"]: d for d in drains}
@@ -579,6 +637,13 @@ def report(b: Bench, systems: list[str], meta: dict[str, Any]) -> str:
               "    job is the task's own, and about 50 us of each job's CPU is redis-py's).",
               "    Redis figures cover the same window: commands less the bench's own polling; network bytes",
               "    include it (a few bytes per job at most).",
+              "  - drain, 1 round trip/job (rt): the same drain, each job INCRs a counter in Redis (db 1) to",
+              "    record its run (--recorder redis): a job that talks to Redis once, as most real jobs do.",
+              f"  - {a.io_concurrency}-way, 20 ms jobs (io): {a.io_jobs:,} jobs that each sleep 20 ms then append",
+              "    a byte to a file, run as bench/io_bound.py runs them, one job at a time per process or thread",
+              "    (so claims and acks are for one job or few): taskrunner worker -c C (a child per job), C x rq",
+              "    worker, dramatiq --processes 2 --threads C/2, 2 x celery worker -P threads -c C/2; jobs/s over",
+              "    the last 80% of the jobs, Redis CPU from the workers' start to the last job (make bench-io).",
               "  - latency: start of the task (time.time()) minus time.time() just before the enqueue call.",
               "  - Celery runs with --without-gossip --without-mingle --without-heartbeat: no start-up sync",
               "    with other nodes and no broadcast traffic (as commonly advised for Redis; favours Celery).",
@@ -677,8 +742,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat", type=float, default=1.0, help="TASKRUNNER_HEARTBEAT for the recovery test")
     p.add_argument("--dead-after", type=float, default=5.0, help="TASKRUNNER_DEAD_AFTER for the recovery test")
     p.add_argument("--batch-n", type=int, help="jobs for the batch enqueue rate (default 20000; --quick: 5000)")
-    p.add_argument("--metrics", default="enqueue,batch,drain,latency,recovery",
-                   help="which to run, among enqueue,batch,drain,latency,recovery")
+    p.add_argument("--metrics", default=",".join(GROUPS), help="which to run, among " + ",".join(GROUPS)
+                   + " (rt: the drain with one Redis round trip per job; io: 20 ms jobs, unbatched)")
+    p.add_argument("--io-jobs", type=int, help="20 ms jobs per run of the io metrics (default 10000; --quick: 1000)")
+    p.add_argument("--io-concurrency", type=int, default=64,
+                   help=f"concurrent 20 ms jobs in the io metrics, even, at most {MAX_IO_CONCURRENCY} (default 64)")
+    p.add_argument("--cluster", action="store_true",
+                   help="run bench/cluster.py instead, with the options that follow (its own; see "
+                        "python -m bench.cluster --help): one hot queue, sharded on a local 3-primary cluster, "
+                        "vs one server")
     p.add_argument("--recorder", choices=record.RECORDERS, default="file",
                    help="how a no-op job records that it ran: append a byte to a file (default), or INCR a "
                         "counter in Redis (the method before 2026-11-21; it costs every system a round trip)")
@@ -691,12 +763,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.enqueue_n = a.enqueue_n or (2000 if a.quick else 5000)
     a.batch_n = a.batch_n or (5000 if a.quick else 20000)
     a.jobs = a.jobs or (2000 if a.quick else 20000)
+    a.io_jobs = a.io_jobs or (1000 if a.quick else 10000)
+    if a.io_concurrency < 2 or a.io_concurrency % 2 or a.io_concurrency > MAX_IO_CONCURRENCY:
+        p.error(f"--io-concurrency: an even number from 2 to {MAX_IO_CONCURRENCY}")
     a.systems = [s.strip() for s in (a.only or ",".join(SYSTEMS)).split(",") if s.strip()]
     bad = set(a.systems) - set(SYSTEMS)
     if bad:
         p.error(f"unknown system(s) {', '.join(sorted(bad))}; choose among {', '.join(SYSTEMS)}")
     a.metric_set = {m.strip() for m in a.metrics.split(",") if m.strip()}
-    bad = a.metric_set - {"enqueue", "batch", "drain", "latency", "recovery"}
+    bad = a.metric_set - set(GROUPS)
     if bad:
         p.error(f"unknown metric(s) {', '.join(sorted(bad))}")
     return a
@@ -748,6 +823,11 @@ def save(text: str, out: Path, json_path: str | None, data: Callable[[], dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--cluster" in argv and "-h" not in argv and "--help" not in argv:
+        from bench import cluster  # it imports this module
+
+        return cluster.main([x for x in argv if x != "--cluster"])
     a = parse_args(argv)
     os.chdir(ROOT)
     if LOGS.exists():
@@ -796,6 +876,14 @@ def run(a: argparse.Namespace, procs: Procs, socket: str) -> int:
                 log(f"repeat {rep + 1}/{a.repeat}: drain")
                 for s in a.systems:
                     attempt("drain", s, rep, lambda s=s, rep=rep: b.drain(s, rep))
+            if "rt" in a.metric_set:
+                log(f"repeat {rep + 1}/{a.repeat}: drain, each job one Redis round trip")
+                for s in a.systems:
+                    attempt("rt", s, rep, lambda s=s, rep=rep: b.drain(s, rep, recorder="redis"))
+            if "io" in a.metric_set:
+                log(f"repeat {rep + 1}/{a.repeat}: 20 ms jobs at {a.io_concurrency}-way, unbatched")
+                for s in a.systems:
+                    attempt("io", s, rep, lambda s=s, rep=rep: b.io(s, rep))
             if "latency" in a.metric_set:
                 log(f"repeat {rep + 1}/{a.repeat}: latency")
                 for s in a.systems:

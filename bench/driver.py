@@ -52,7 +52,8 @@ def producers(system: str) -> dict[str, Callable[..., Any]]:
                 q.enqueue_many([Queue.prepare_data(t.noop) for _ in range(min(1000, n - i))])
 
         return {"noop": lambda: q.enqueue(t.noop), "latency": lambda ts: q.enqueue(t.latency, ts),
-                "sleep": lambda s: q.enqueue(t.sleep, s, job_timeout=120), "batch": batch}
+                "sleep": lambda s: q.enqueue(t.sleep, s, job_timeout=120), "batch": batch,
+                "io": lambda s: q.enqueue(t.io, s)}
     if system == "dramatiq":
         from bench import tasks_dramatiq as t
 

@@ -1,5 +1,5 @@
-"""I/O-bound jobs: taskrunner beside Dramatiq (threads), Celery (threads pool) and arq
-(asyncio), on one redis-server of our own, in one run.
+"""I/O-bound jobs: taskrunner beside Dramatiq (threads), Celery (threads pool), arq
+(asyncio) and RQ (a process per concurrent job), on one redis-server of our own, in one run.
 
     make bench-io                      # 20,000 jobs at 64- and 256-way; ~3 minutes
     make bench-io ARGS=--quick         # 2,000 jobs: a one-minute check
@@ -89,6 +89,8 @@ SYSTEMS = {s.name: s for s in [
     System("taskrunner-processes", "taskrunner", "io", 0,
            "taskrunner worker -c C --async-slots 0 (1 worker process + C children, one job at a time each)"),
     System("dramatiq", "dramatiq", "io", PROCESSES, "dramatiq --processes 2 --threads {per}"),
+    # RQ runs one job at a time per worker process: C of them (bench/bench.py's -m io).
+    System("rq", "rq", "io", 0, "C x rq worker --worker-class rq.worker.SimpleWorker"),
     System("celery", "celery", "io", PROCESSES, "2 x celery worker -P threads -c {per} " + " ".join(CELERY_FLAGS)
            + " (no result backend)"),
     # One process: arq's model (asyncio, no pool), and its best here: two workers read the same
@@ -101,6 +103,9 @@ TASKRUNNER = [s for s in SYSTEMS if s.startswith("taskrunner")]
 def commands(system: System, concurrency: int, env: Env) -> tuple[list[list[str]], dict[str, str]]:
     """The worker command lines of `system` at `concurrency`, and what they add to the environment."""
     n = system.processes
+    if n == 0 and system.name == "rq":
+        return [[str(PEERS_BIN / "rq"), "worker", "--url", f"unix://{env.socket}", "--worker-class",
+                 "rq.worker.SimpleWorker", "--logging_level", "WARNING", "default"]] * concurrency, {}
     if n == 0:
         return [[env.tr_python, "-m", "taskrunner", "worker", "-A", "bench.tasks_taskrunner_io", "-c",
                  str(concurrency), "--async-slots", "0", "--log-level", "warning"]], {}
@@ -243,7 +248,8 @@ def report(a: argparse.Namespace, runs: list[dict[str, Any]], meta: dict[str, An
               "    done, so that start-up (imports, connections, forks) is left out; 'drain s incl. start' is the",
               "    whole drain from spawning the workers.",
               "  - taskrunner-processes: C children, each running one job at a time (its claims and finishes are",
-              f"    for the few jobs that ended together); run up to {MAX_CHILDREN}-way only, '-' past it.",
+              f"    for the few jobs that ended together); run up to {MAX_CHILDREN}-way only, '-' past it; so is rq",
+              "    (C worker processes, one job at a time each: RQ's model).",
               "  - RSS counts a page shared between processes (fork's copy-on-write) once in each: taskrunner's",
               "    children and Dramatiq's are forked, Celery's and arq's processes are not; PSS splits it.",
               "  - taskrunner stores each job's result (its default), as arq does; Celery runs without a result",

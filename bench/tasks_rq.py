@@ -24,3 +24,7 @@ def latency(enqueued_at):
 
 def sleep(seconds):
     record.sleep(seconds)
+
+
+def io(seconds):
+    record.io(seconds)

@@ -1,5 +1,6 @@
-"""bench/cluster.py runs end to end on a small scale: one hot queue, sharded on a local
-cluster, against one server; every job drained in both, and everything it started stopped."""
+"""bench/cluster.py runs end to end on a small scale, through `python -m bench.bench --cluster`
+(which hands it the options that follow): one hot queue, sharded on a local cluster, against
+one server; every job drained in both, and everything it started stopped."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from tests.test_bench_io import started_by
 
 def test_cluster_bench_runs_and_reports(tmp_path):
     js = tmp_path / "cluster.json"
-    cmd = [sys.executable, "-m", "bench.cluster", "--jobs", "400", "--workers", "1", "--repeat", "1", "--shards", "3",
-           "--json", str(js), "--max-time", "170"]
+    cmd = [sys.executable, "-m", "bench.bench", "--cluster", "--jobs", "400", "--workers", "1", "--repeat", "1",
+           "--shards", "3", "--json", str(js), "--max-time", "170"]
     mark = {"TEST_BENCH_CLUSTER_RUN": str(tmp_path)}  # inherited by every process the bench starts
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **mark, "PYTHONPATH": str(ROOT)}, capture_output=True,
                        text=True, timeout=190)

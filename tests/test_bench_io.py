@@ -56,7 +56,7 @@ def started_by(mark: dict[str, str]) -> list[psutil.Process]:
 @pytest.mark.parametrize("args, message", [
     (["--concurrency", "63"], "multiple of 2"),
     (["--concurrency", "x"], "comma-separated integers"),
-    (["--only", "rq"], "unknown system(s) rq"),
+    (["--only", "huey"], "unknown system(s) huey"),
     (["--jobs", "0"], "at least 1"),
 ])
 def test_bad_arguments_get_one_clear_line(args, message, capsys):
