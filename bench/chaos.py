@@ -3,6 +3,7 @@ no job was lost.
 
     python -m bench.chaos                      # 20,000 jobs, fsync everysec then always (~15 min)
     python -m bench.chaos --jobs 2000 --window 40 --fsync always --seed 7
+    python -m bench.chaos --cluster --jobs 2000 --window 40    # on a 3-primary Redis Cluster
     make chaos ARGS="--seed 3"
 
 One run: a redis-server with AOF on (TCP on 127.0.0.1, `appendfsync` from --fsync), 2
@@ -28,6 +29,11 @@ the same faults at the same offsets against the same targets), at least two of e
                    loss drops under everysec (Redis fsyncs once a second). Under always
                    every acknowledged write was fsynced: nothing is cut.
   client-kill      CLIENT KILL TYPE normal: every client's connection dropped
+
+--cluster [N] runs the same on a local Redis Cluster of N primaries (3), each with its AOF
+and no replica, queue default sharded over them (--shards, 3 by default there): a Redis
+fault stops one primary (the target's slot modulo N; a power loss cuts that node's AOF) and
+restarts it on its AOF, dir and ports; client-kill drops the connections of every node.
 
 Killed processes are started again 0.5 s later, as a supervisor would. When the window
 ends, it waits (at most --drain s) until every acknowledged job is final, stops the stack
@@ -84,6 +90,7 @@ from bench.limits import stop_after  # noqa: E402
 from taskrunner.ops import queue as queue_ops  # noqa: E402
 from taskrunner.ops.redis_server import RedisServer  # noqa: E402
 from taskrunner.protocol import codec, shards  # noqa: E402
+from taskrunner.protocol.connection import connect, transient  # noqa: E402
 
 KINDS = ("worker-kill", "child-kill", "dispatcher-kill", "worker-pause",
          "redis-term", "redis-kill", "redis-powerloss", "client-kill")
@@ -109,6 +116,8 @@ FINAL = ("completed", "failed", "killed")
 #: The mix of jobs: (kind, weight). "fail" runs twice by design (one retry).
 MIX = (("noop", 880), ("sleep", 70), ("delayed", 25), ("fail", 15), ("overtime", 3))
 PLANNED_RUNS = {"fail": 2}
+#: What a Redis (or Redis Cluster) call may raise; transient() tells which pass by themselves.
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
 class ChaosError(Exception):
@@ -393,7 +402,9 @@ class Enqueuer(threading.Thread):
                 try:
                     app.enqueue_many(chunk)
                     break
-                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                except REDIS_ERRORS as e:
+                    if not transient(e) and not isinstance(e, redis.BusyLoadingError):
+                        raise
                     self.retries += 1
                     if time.monotonic() > self.deadline or self.stop_now.wait(0.2):
                         self.error = f"gave up on {len(self.jobs) - self.acked} jobs: Redis unreachable"
@@ -413,11 +424,11 @@ class Run:
     args: argparse.Namespace
     fsync: str
     dir: Path
-    redis_server: RedisServer
-    r: redis.Redis
+    servers: list[RedisServer]  # one, or the primaries of a cluster (--cluster)
+    r: Any  # a client of it (redis.Redis, or redis.RedisCluster)
     ledger: redis.Redis
     sup: Supervisor
-    aof: AofTail
+    aofs: list[AofTail]  # one per server
     injected: collections.Counter[str] = field(default_factory=collections.Counter)
     skipped: collections.Counter[str] = field(default_factory=collections.Counter)
     #: (kind, wall time, job ids held by what was killed or paused)
@@ -439,7 +450,7 @@ def held(run: Run, match: dict[str, Any]) -> list[str]:
                 entry = codec.loads(raw)
                 if all(entry.get(k) == v for k, v in match.items()):
                     ids.append(job_id)
-    except (redis.RedisError, ValueError):
+    except (*REDIS_ERRORS, ValueError):
         pass
     return ids
 
@@ -453,21 +464,36 @@ def pick(run: Run, role: str, slot: int, n: int) -> Any:
     return None
 
 
-def restart_redis(run: Run, how: str) -> None:
-    server = run.redis_server
+def node(server: RedisServer) -> redis.Redis:
+    """A client of this very server (on a cluster, of this one node), on its unix socket."""
+    return redis.Redis.from_url(server.url, decode_responses=True, socket_timeout=10)
+
+
+def delayed_fsyncs(server: RedisServer) -> int:
+    """Writes the server postponed behind a slow fsync so far (INFO's aof_delayed_fsync)."""
+    with node(server) as c:
+        return int(c.info("persistence").get("aof_delayed_fsync", 0))
+
+
+def restart_redis(run: Run, how: str, target: int) -> int:
+    """Stop (as `how` says) and start again the server `target` (on a cluster, modulo its
+    primaries); which one it was."""
+    i = target % len(run.servers)
+    server = run.servers[i]
     try:
-        run.delayed_fsyncs += int(run.r.info("persistence").get("aof_delayed_fsync", 0))
-    except redis.RedisError:
+        run.delayed_fsyncs += delayed_fsyncs(server)
+    except REDIS_ERRORS:
         pass
     down = time.monotonic()
     killed_at = time.time()
     server.stop(kill=how != "redis-term")
     if how == "redis-powerloss" and run.fsync == "everysec":
-        cut_at, dropped = run.aof.cut(killed_at)
+        cut_at, dropped = run.aofs[i].cut(killed_at)
         run.cuts.append((cut_at, killed_at, dropped))
         log(f"  AOF cut back {dropped} bytes ({killed_at - cut_at:.2f}s of writes)")
     server.start()
     run.redis_restarts.append(time.monotonic() - down)
+    return i
 
 
 def inject(run: Run, fault: Fault) -> None:
@@ -512,15 +538,18 @@ def inject(run: Run, fault: Fault) -> None:
         run.sup.kill(proc)
         detail = proc.name
     elif fault.kind.startswith("redis-"):
-        restart_redis(run, fault.kind)
-        detail = f"down {run.redis_restarts[-1]:.2f}s"
-    elif fault.kind == "client-kill":
-        try:
-            dropped = run.r.client_kill_filter(_type="normal", skipme=True)
-        except redis.RedisError as e:
-            run.skipped[fault.kind] += 1
-            log(f"  client-kill skipped: {e}")
-            return
+        i = restart_redis(run, fault.kind, fault.target)
+        detail = f"{'node ' + str(i) + ' ' if len(run.servers) > 1 else ''}down {run.redis_restarts[-1]:.2f}s"
+    elif fault.kind == "client-kill":  # on every server (each node of a cluster)
+        dropped = 0
+        for server in run.servers:
+            try:
+                with node(server) as c:
+                    dropped += c.client_kill_filter(_type="normal", skipme=True)
+            except REDIS_ERRORS as e:
+                run.skipped[fault.kind] += 1
+                log(f"  client-kill skipped: {e}")
+                return
         detail = f"{dropped} connections"
     else:
         raise ValueError(fault.kind)
@@ -658,7 +687,9 @@ def enqueue_workflows(args: argparse.Namespace, ledger: redis.Redis) -> None:
             try:
                 what.apply_async()
                 break
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            except REDIS_ERRORS as e:
+                if not transient(e) and not isinstance(e, redis.BusyLoadingError):
+                    raise
                 time.sleep(0.2)
     ledger.set("wf:acked", f"{time.time():.6f}")
 
@@ -777,7 +808,7 @@ def wait_drained(run: Run, deadline: float, enqueuer: Enqueuer) -> int:
             open_ids |= fresh
             found = states(run, sorted(open_ids))
             open_ids = {i for i, s in found.items() if s is not None and s not in FINAL}
-        except redis.RedisError:
+        except REDIS_ERRORS:
             pass
         if not open_ids and not enqueuer.is_alive() and workflows_final(run):
             return 0
@@ -798,44 +829,63 @@ def workflows_final(run: Run) -> bool:
         p = tasks_chaos.app.keys.q("wf")
         ends = run.r.pipeline(transaction=False).hget(p + "job:wf-collect", "state").hget(
             p + f"job:wf-s-{run.args.chain - 1}", "state").execute()
-    except redis.RedisError:
+    except REDIS_ERRORS:
         return False
     return all(s is None or s in (*FINAL, "canceled") for s in ends)
+
+
+def start_servers(args: argparse.Namespace, fsync: str, run_dir: Path) -> tuple[list[RedisServer], str]:
+    """The Redis under test, started: one server, or with --cluster a cluster of that many
+    primaries (no replicas: a primary that goes down is restarted on its own AOF, dir and
+    port, as one server is); and the URL that reaches it."""
+    servers, buses = [], []
+    for i in range(args.cluster or 1):
+        extra: tuple[str, ...] = ("--bind", "127.0.0.1", "--auto-aof-rewrite-percentage", "0")
+        if args.cluster:
+            buses.append(free_port())
+            extra += ("--cluster-enabled", "yes", "--cluster-port", str(buses[-1]),
+                      "--cluster-config-file", "nodes.conf")
+        folder = run_dir / (f"redis-{i}" if args.cluster else "redis")
+        servers.append(RedisServer(folder, appendonly=True, appendfsync=fsync, port=free_port(), extra=extra))
+        servers[-1].start()
+    if not args.cluster:
+        return servers, f"redis://127.0.0.1:{servers[0].port}/0"
+    from tests.topologies import join_cluster
+
+    join_cluster([lambda s=s: node(s) for s in servers], servers[0].port, buses[0])
+    return servers, "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
 
 
 def run_once(args: argparse.Namespace, fsync: str, base: Path) -> dict[str, Any]:
     run_dir = base / fsync
     run_dir.mkdir(parents=True)
-    port = free_port()
-    server = RedisServer(run_dir / "redis", appendonly=True, appendfsync=fsync, port=port,
-                         extra=("--bind", "127.0.0.1", "--auto-aof-rewrite-percentage", "0"))
     ledger_server = RedisServer(run_dir / "ledger", appendonly=False)
-    url = f"redis://127.0.0.1:{port}/0"
-    env = {**os.environ, **SETTINGS, "REDIS_URL": url, "TASKRUNNER_PREFIX": PREFIX,
-           tasks_chaos.LEDGER_ENV: ledger_server.url, "TASKRUNNER_HISTORY_DIR": str(run_dir / "history"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "PYTHONUNBUFFERED": "1"}
-    env.pop("TASKRUNNER_APP", None)
-    tasks_chaos.app.configure(redis_url=url, prefix=PREFIX)
+    servers: list[RedisServer] = []
     sup: Supervisor | None = None
-    aof: AofTail | None = None
+    aofs: list[AofTail] = []
     enqueuer: Enqueuer | None = None
     try:
-        server.start()
+        servers, url = start_servers(args, fsync, run_dir)
+        env = {**os.environ, **SETTINGS, "REDIS_URL": url, "TASKRUNNER_PREFIX": PREFIX,
+               tasks_chaos.LEDGER_ENV: ledger_server.url, "TASKRUNNER_HISTORY_DIR": str(run_dir / "history"),
+               "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("TASKRUNNER_APP", None)
+        tasks_chaos.app.configure(redis_url=url, prefix=PREFIX)
         ledger_server.start()
-        r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=10)
+        r = connect(url, socket_timeout=10)
         ledger = redis.Redis.from_url(ledger_server.url, decode_responses=True)
-        aof = AofTail(server.dir)
+        aofs = [AofTail(server.dir) for server in servers]
         if args.shards > 1:  # before the workers start (they read the count then) and any job
             queue_ops.create(tasks_chaos.app, "default", shards=args.shards)
         sup = Supervisor(run_dir, env, args.workers)
-        run = Run(args, fsync, run_dir, server, r, ledger, sup, aof)
+        run = Run(args, fsync, run_dir, servers, r, ledger, sup, aofs)
         faults = fault_schedule(args.seed, args.window, args.workers)
         if args.workflows:  # its own schedule beside the run's
             faults = sorted(faults + fault_schedule(args.seed + 1000, args.window, args.workers), key=lambda f: f.at)
             enqueue_workflows(args, ledger)
         plan = job_plan(args.seed, args.jobs)
-        log(f"run fsync={fsync}: redis on 127.0.0.1:{port}, {args.workers} workers (-c {CONCURRENCY}), "
+        log(f"run fsync={fsync}: redis at {url}, {args.workers} workers (-c {CONCURRENCY}), "
             f"{DISPATCHERS} dispatchers, {len(plan)} jobs over {0.7 * args.window:.0f}s, "
             f"{len(faults)} faults over {args.window:.0f}s; logs in {run_dir}")
         started = time.monotonic()
@@ -865,10 +915,11 @@ def run_once(args: argparse.Namespace, fsync: str, base: Path) -> dict[str, Any]
             sup.tick(time.monotonic())
             time.sleep(0.2)
         sup.stop("worker", grace=15)
-        run.delayed_fsyncs += int(r.info("persistence").get("aof_delayed_fsync", 0))
+        run.delayed_fsyncs += sum(delayed_fsyncs(server) for server in servers)
         res = check(run, plan)
         res["workflows"] = check_workflows(run) if args.workflows else None
         res.update(fsync=fsync, seed=args.seed, workers=args.workers, window=args.window, seconds=drained_after,
+                   cluster=args.cluster, shards=args.shards,
                    not_final_at_deadline=not_final, faults=dict(run.injected), skipped=dict(run.skipped),
                    planned_faults=len(faults), redis_down=run.redis_restarts, aof_cuts=run.cuts,
                    aof_delayed_fsync=run.delayed_fsyncs, process_starts=sup.starts, unexpected_exits=sup.unexpected,
@@ -879,9 +930,10 @@ def run_once(args: argparse.Namespace, fsync: str, base: Path) -> dict[str, Any]
             enqueuer.stop_now.set()
         if sup is not None:
             sup.kill_all()
-        if aof is not None:
+        for aof in aofs:
             aof.stop()
-        server.stop()
+        for server in servers:
+            server.stop()
         ledger_server.stop()
 
 
@@ -913,6 +965,10 @@ def report(res: dict[str, Any]) -> str:
         f"== fsync {res['fsync']}, seed {res['seed']}: {res['planned']} jobs, {res['workers']} workers "
         f"(-c {CONCURRENCY}), {DISPATCHERS} dispatchers, {res['window']:.0f}s of faults, "
         f"drained {res['seconds']:.0f}s after start ==",
+        "redis                          "
+        + (f"a cluster of {res['cluster']} primaries (faults hit one node each; client-kill every node)"
+           if res["cluster"] else "one server")
+        + (f"; queue default over {res['shards']} shards" if res["shards"] > 1 else ""),
         f"machine                        {res['machine']}",
         f"jobs enqueued (acknowledged)   {res['enqueued']}"
         + (f"  ({res['never_acknowledged']} never acknowledged: {res['enqueue_error']})"
@@ -970,7 +1026,8 @@ def report(res: dict[str, Any]) -> str:
 
 def summary(res: dict[str, Any]) -> str:
     rec = [x for v in res["recovery"].values() for x in v]
-    return (f"fsync={res['fsync']} seed={res['seed']} jobs={res['enqueued']} completed={res['completed']} "
+    where = f"cluster={res['cluster']} shards={res['shards']} " if res["cluster"] else ""
+    return (f"fsync={res['fsync']} seed={res['seed']} {where}jobs={res['enqueued']} completed={res['completed']} "
             f"failed_as_designed={sum(res['failed_as_designed'].values())} lost={len(res['lost'])} "
             f"dropped_by_redis_everysec={len(res['lost_to_everysec'])} "
             f"stuck={len(res['stuck']) + len(res['cron']['stuck'])} "
@@ -998,14 +1055,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stop everything after this many seconds (default 1800)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs, AOF) even when the run passes")
-    p.add_argument("--shards", type=int, default=1, help="spread queue default over this many shards "
-                   "(docs/PROTOCOL.md, Sharded queues; default 1: not sharded)")
+    p.add_argument("--shards", type=int, help="spread queue default over this many shards "
+                   "(docs/PROTOCOL.md, Sharded queues; default 1: not sharded; with --cluster, 3)")
+    p.add_argument("--cluster", type=int, nargs="?", const=3, default=0, metavar="PRIMARIES",
+                   help="run on a local Redis Cluster of this many primaries (3 if not given), each with its AOF, "
+                        "queue default sharded over them; redis faults hit one primary each")
     p.add_argument("--workflows", action="store_true", help="also a chord and a chain, with their own faults (above)")
     p.add_argument("--chord", type=int, default=500, help="members of --workflows' chord (default 500)")
     p.add_argument("--chain", type=int, default=50, help="steps of --workflows' chain (default 50)")
     a = p.parse_args(argv)
     if a.jobs < 1 or a.workers < 1 or a.window < 20:
         p.error("--jobs and --workers must be >= 1, --window >= 20")
+    if a.cluster and not 2 <= a.cluster <= 16:
+        p.error("--cluster: from 2 to 16 primaries")
+    a.shards = a.shards if a.shards is not None else (3 if a.cluster else 1)
+    if not 1 <= a.shards <= 64:
+        p.error("--shards: from 1 to 64")
     return a
 
 

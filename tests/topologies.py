@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,18 +199,26 @@ def redis_cluster(topology: Topology, primaries: int = 3) -> Cluster:
         except RuntimeError:
             if len(topology.nodes) > 5 * primaries:  # not a port clash now and then: give up
                 raise
-    per = 16384 // primaries
-    for i, node in enumerate(nodes):
-        with node.client() as c:
-            last = 16383 if i == primaries - 1 else (i + 1) * per - 1
+    join_cluster([n.client for n in nodes], nodes[0].port, buses[0])
+    return Cluster(nodes)
+
+
+def join_cluster(clients: list[Callable[[], redis.Redis]], first_port: int, first_bus: int) -> None:
+    """Make one cluster of fresh --cluster-enabled nodes (`clients`: a client of each, with
+    decoded replies; the first's port and cluster bus port): the slots split evenly between
+    them, the others MEET the first. Returns once every node reports cluster_state:ok and
+    knows every other."""
+    per = 16384 // len(clients)
+    for i, client in enumerate(clients):
+        with client() as c:
+            last = 16383 if i == len(clients) - 1 else (i + 1) * per - 1
             c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
             if i:
-                c.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port, buses[0])
+                c.execute_command("CLUSTER", "MEET", "127.0.0.1", first_port, first_bus)
 
-    def ready(n: Node) -> bool:
-        with n.client() as c:
-            return c.cluster("info")["cluster_state"] == "ok" and len(c.cluster("nodes")) == primaries
+    def ready(client: Callable[[], redis.Redis]) -> bool:
+        with client() as c:
+            return c.cluster("info")["cluster_state"] == "ok" and len(c.cluster("nodes")) == len(clients)
 
-    for n in nodes:
-        wait_for(lambda n=n: ready(n), what=f"cluster node {n.port} to be ok and know every node")
-    return Cluster(nodes)
+    for i, client in enumerate(clients):
+        wait_for(lambda client=client: ready(client), what=f"cluster node {i} to be ok and know every node")
