@@ -336,9 +336,9 @@ METRICS = [
     Metric("redis_cpu_per_1000", "   Redis CPU per 1000 jobs (drain)", "ms", False, "{:,.1f}",
            short="Redis CPU per 1000 jobs"),
     Metric("rt_redis_cpu_per_1000", "   Redis CPU per 1000 jobs (drain, 1 round trip/job)", "ms", False, "{:,.1f}",
-           group="rt", short="Redis CPU/1000, round trip"),
+           group="rt", short="Redis CPU, round trip"),
     Metric("io_redis_cpu_per_1000", "   Redis CPU per 1000 jobs ({io_c}-way, 20 ms jobs, unbatched)", "ms", False,
-           "{:,.1f}", group="io", short="Redis CPU/1000, 20 ms jobs"),
+           "{:,.1f}", group="io", short="Redis CPU, 20 ms jobs"),
 ]
 #: The io metrics start a process per concurrent job for taskrunner and RQ (bench/io_bound.py's MAX_CHILDREN).
 MAX_IO_CONCURRENCY = 64
@@ -824,7 +824,7 @@ def save(text: str, out: Path, json_path: str | None, data: Callable[[], dict[st
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--cluster" in argv and "-h" not in argv and "--help" not in argv:
+    if "--cluster" in argv:  # with --help: bench/cluster.py's
         from bench import cluster  # it imports this module
 
         return cluster.main([x for x in argv if x != "--cluster"])
