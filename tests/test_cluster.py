@@ -744,5 +744,8 @@ def test_a_consumers_wake_tokens_that_come_together_on_every_shard_each_bring_a_
             assert sorted(d.id for d in got) == sorted(j.id for j in jobs)
             assert took < 3, f"round {i}: three jobs, one per shard, claimed in {took:.1f} s"
             assert consumer.ack(got) == [True] * 3
+            for n in cluster.primaries:  # between claims no BRPOP of ours holds a token others may need
+                with n.client() as node:
+                    assert node.info("clients")["blocked_clients"] == 0
     finally:
         consumer.close()
