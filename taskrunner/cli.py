@@ -1123,6 +1123,44 @@ def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -
         click.echo(f"{q:20} {n:>10} waiting")
 
 
+@main.group()
+def failures() -> None:
+    """The failure indexes the dashboard's Failed and Killed filters read (docs/PROTOCOL.md,
+    Failure indexes)."""
+
+
+@failures.command("reindex")
+@click.option("-q", "--queue", "queue_name", help="Only this queue (a sharded one: each shard); default: every queue.")
+@click.option("--batch", type=click.IntRange(1, 10_000), default=500, show_default=True,
+              help="Jobs read and indexed per step (one ZSCAN and one script call).")
+@click.option("--json", "as_json", is_flag=True, help="Print the counts per queue and state as JSON.")
+@common
+def failures_reindex(queue_name: str | None, batch: int, as_json: bool, app_spec: str | None,
+                     redis_url: str | None) -> None:
+    """Index the failed and killed jobs that ended before the indexes existed (an upgrade
+    from a version without them): they then show in the filters. Safe beside live workers,
+    to interrupt and to run again."""
+    from taskrunner.ops import failures as failing
+
+    app = _app(app_spec, redis_url)
+    if queue_name is not None:
+        codec.check_queue(queue_name)
+        if queue_name not in app.queue_names():
+            raise click.ClickException(f"no queue {queue_name!r}")
+
+    def progress(q: str, state: str, seen: int, total: int, last: bool) -> None:
+        if not as_json:
+            click.echo(f"\r{q} {state}: {seen}/{total}", nl=last, err=True)
+
+    out = failing.reindex(app, queue_name, batch, progress)
+    if as_json:
+        return _emit(out)
+    indexed = sum(c["indexed"] for states in out.values() for c in states.values())
+    skipped = sum(c["skipped"] for states in out.values() for c in states.values())
+    click.echo(f"{indexed} jobs indexed, {skipped} no longer failed or killed left as they are; queues: "
+               f"{', '.join(out) or 'none'}")
+
+
 @main.command()
 @click.option("--since", default="7d", show_default=True, help="Records finished within this (e.g. 7d, 12h).")
 @click.option("--master", envvar="TASKRUNNER_SPARK_MASTER", help="Spark master (default local[2]; e.g. "

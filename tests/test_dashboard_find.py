@@ -100,6 +100,64 @@ def test_a_job_without_a_task_or_with_a_long_error_type_is_indexed_as_the_script
     assert app.job(job.id).delete() and app.job(long).delete() and not app.redis.exists(p + "failed:facets")
 
 
+def test_a_long_error_type_is_cut_on_a_character_boundary(app, web):
+    """An error type past 200 bytes is cut before the character that crosses byte 200, not
+    inside it: the index key, the facet and the page's filter stay valid UTF-8."""
+    name = "E" * 199 + "é"  # 200 characters; "é" is bytes 200-201
+    [job] = fail(app, "tests.apps.add", name)
+    p = app.keys.q("default")
+    members = app.redis.smembers(p + "failed:facets")
+    assert members == {"tests.apps.add " + "E" * 199}
+    assert index(app, "failed", "error:" + "E" * 199) == {job}
+    d = web.get("/api/failed", query_string={"error": name}).get_json()
+    assert [j["id"] for j in d["jobs"]] == [job] and d["facets"]["errors"] == {"E" * 199: 1}
+    assert app.job(job).delete() and not app.redis.exists(p + "failed:facets")
+
+
+def test_reindex_builds_the_indexes_of_jobs_that_failed_before_them(app, stack, web):
+    """Jobs that failed or were killed before the scripts kept the failure indexes (their
+    keys gone here) are not in the filters until `taskrunner failures reindex`, which builds
+    them in batches, with progress, again and again the same."""
+    import json
+
+    a = fail(app, "tests.apps.add", "ValueError", 3)
+    b = fail(app, "tests.apps.boom", "KeyError", 2, queue="other")
+    killed = apps.add.delay(1, 1)
+    killed.kill("t")
+    gone = fail(app, "tests.apps.add", "ValueError")  # listed in the failed set, its record expired
+    app.redis.delete(app.keys.job("default", gone[0]))
+    for q in ("default", "other"):  # as before the indexes: only the state sets
+        for state in ("failed", "killed"):
+            for k in app.redis.scan_iter(f"{app.keys.q(q)}{state}:*"):
+                app.redis.delete(k)
+    assert web.get("/api/failed?error=ValueError").get_json()["total"] == 0
+
+    r = stack.cli("failures", "reindex", "--queue", "default", "--batch", "2")
+    assert r.returncode == 0, r.stderr
+    assert "default failed: 4/4" in r.stderr and "default killed: 1/1" in r.stderr
+    assert r.stdout == "4 jobs indexed, 1 no longer failed or killed left as they are; queues: default\n"
+    d = web.get("/api/failed?error=ValueError").get_json()
+    assert d["total"] == 3 and {j["id"] for j in d["jobs"]} == set(a)
+    assert web.get("/api/failed?state=killed&task=tests.apps.add").get_json()["total"] == 1
+    assert web.get("/api/failed?task=tests.apps.boom").get_json()["total"] == 0  # queue other: not asked
+    assert app.redis.zscore(app.keys.q("default") + "failed:task:tests.apps.add", a[0]) == \
+        app.redis.zscore(app.keys.q("default") + "failed", a[0])
+
+    out = json.loads(stack.cli("failures", "reindex", "--json", check=True).stdout)  # every queue, again
+    assert out["default"]["failed"] == {"total": 4, "indexed": 3, "skipped": 1}
+    assert out["default"]["killed"] == {"total": 1, "indexed": 1, "skipped": 0}
+    assert out["other"]["failed"] == {"total": 2, "indexed": 2, "skipped": 0}
+    d = web.get("/api/failed?task=tests.apps.boom").get_json()
+    assert {j["id"] for j in d["jobs"]} == set(b) and d["facets"]["errors"]["KeyError"] == 2
+    assert app.redis.smembers(app.keys.q("default") + "failed:facets") == {"tests.apps.add ValueError"}
+    assert app.job(a[0]).retry("t") and a[0] not in index(app, "failed", "error:ValueError")  # unindexed as usual
+
+    r = stack.cli("failures", "reindex", "--queue", "nope")
+    assert r.returncode == 1 and "no queue 'nope'" in r.stderr
+    with pytest.raises(ValueError, match="must be failed or killed"):
+        scripts.REINDEX(app.redis, [app.keys.q("default")], ["completed", a[1]])
+
+
 # -- Failed and Killed pages: filters ------------------------------------------------------
 
 

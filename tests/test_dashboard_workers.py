@@ -112,3 +112,19 @@ def test_hostile_worker_info_is_escaped(app, web):
     app.redis.zadd(app.keys.workers, {"w-evil": 1})  # its heartbeat long ago: dead
     assert web.post("/api/workers/w-evil/stop", headers=API).status_code == 409
     assert "<script>alert" not in web.get("/workers").get_data(as_text=True)
+
+
+def test_stop_is_refused_for_a_consumer(app, web):
+    """A `taskrunner consume` consumer is listed with the workers but reads kill messages
+    only: a stop would be dropped, so the dashboard refuses it and says what to do."""
+    from taskrunner.client.consumer import Consumer
+
+    c = Consumer(app, ["default"], name="c-ref")
+    c.heartbeat()
+    token = login(web)
+    page = web.get("/workers/c-ref").get_data(as_text=True)
+    assert "taskrunner consume" in page and 'data-action="stop"' not in page
+    r = web.post("/api/workers/c-ref/stop", headers=API)
+    assert r.status_code == 409 and "consumer, not a worker" in r.get_json()["error"]
+    r = web.post("/workers/c-ref/stop-now", data={"csrf_token": token})
+    assert r.status_code == 409 and not app.redis.llen(app.keys.control("c-ref"))

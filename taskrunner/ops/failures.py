@@ -9,6 +9,7 @@ of jobs, and a job that completes pays nothing."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,11 +25,18 @@ if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
 
 STATES = ("failed", "killed")
-#: The longest error type the indexes keep (failure indexes in _lib.lua cut it there).
+#: The longest error type the indexes keep, in UTF-8 bytes (facet_of in _lib.lua cuts it there).
 ERROR_TYPE_MAX = 200
 #: Most jobs one bulk call acts on: a call stays well under a second or two, and the
 #: dashboard shows progress between calls.
 BATCH_MAX = 1000
+
+
+def cut_error_type(error_type: str) -> str:
+    """An error type as the indexes keep it: its first ERROR_TYPE_MAX bytes of UTF-8, less a
+    character they cut in two (as cut_utf8 in _lib.lua), so that a job's whole type filters."""
+    raw = error_type.encode()
+    return raw[:ERROR_TYPE_MAX].decode(errors="ignore") if len(raw) > ERROR_TYPE_MAX else error_type
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,7 @@ class Filter:
         error = values["error"]
         if error is not None and len(error) > ERROR_TYPE_MAX:
             raise ValueError(f"error type longer than {ERROR_TYPE_MAX} characters")
-        return cls(state, values["queue"], values["task"], error)
+        return cls(state, values["queue"], values["task"], None if error is None else cut_error_type(error))
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in (("state", self.state), ("queue", self.queue), ("task", self.task),
@@ -233,3 +241,36 @@ def _left(app: TaskRunner, f: Filter, queues: list[str], c: Cursor) -> int:
     for q in rest:
         pipe.zcount(f.key(app, q), "-inf", c.before)
     return max(0, sum(pipe.execute()) - c.skip)
+
+
+#: Ids one reindex step reads (ZSCAN's COUNT) and indexes (one reindex.lua call).
+REINDEX_BATCH = 500
+
+
+def reindex(app: TaskRunner, queue: str | None = None, batch: int = REINDEX_BATCH,
+            progress: Callable[[str, str, int, int, bool], None] | None = None) -> dict[str, dict[str, dict[str, int]]]:
+    """Build the failure indexes of the failed and killed jobs that ended before the scripts
+    kept them (`taskrunner failures reindex`): every queue's, or one queue's (a sharded one:
+    each shard). Reads each `p <state>` with ZSCAN (every id there from start to end is seen,
+    whatever jobs come and go meanwhile), `batch` ids a step, and hands each batch to
+    reindex.lua, which indexes the ids still in that state with their score: safe beside live
+    workers and to run again. `progress(queue, state, seen, total, last)` after each step. Answers
+    {queue: {state: {"total", "indexed", "skipped"}}} (ZSCAN may give an id twice: counted
+    twice, indexed once)."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for q in Filter(queue=queue).queues(app):
+        p = app.keys.q(q)
+        for state in STATES:
+            counts = {"total": app.redis.zcard(p + state), "indexed": 0, "skipped": 0}
+            cursor = None
+            while cursor != 0 and counts["total"]:
+                cursor, entries = app.redis.zscan(p + state, cursor or 0, count=batch)
+                ids = [i for i, _ in entries]
+                if ids:
+                    indexed, skipped = scripts.REINDEX(app.redis, [p], [state, *ids])
+                    counts["indexed"] += indexed
+                    counts["skipped"] += skipped
+                if progress:
+                    progress(q, state, counts["indexed"] + counts["skipped"], counts["total"], cursor == 0)
+            out.setdefault(q, {})[state] = counts
+    return out

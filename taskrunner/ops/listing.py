@@ -134,9 +134,11 @@ def workers(app: TaskRunner) -> list[dict[str, Any]]:
     return out
 
 
-def worker(app: TaskRunner, name: str) -> dict[str, Any] | None:
+def worker(app: TaskRunner, name: str, limit: int = 100) -> dict[str, Any] | None:
     """One worker as workers() gives it, with its children (PID and RSS, when the worker
-    publishes them) and the jobs it runs now; None when no worker of that name is listed."""
+    publishes them) and up to `limit` jobs it runs now (those its heartbeat lists: a read of
+    each, whatever the number of running jobs); None when no worker of that name is listed."""
+    now = server_time(app.redis)
     found = next((w for w in workers(app) if w["name"] == name), None)
     if found is None:
         return None
@@ -145,9 +147,30 @@ def worker(app: TaskRunner, name: str) -> dict[str, Any] | None:
     pids = found.get("children")
     found["children"] = [{"pid": pid, "rss": number(rss.get(str(pid)))}
                          for pid in (pids if isinstance(pids, list) else []) if number(pid) is not None]
-    _, rows = running(app, limit=10**9)
-    found["jobs"] = [r for r in rows if r["worker"] == name] if found["state"] == "alive" else []
+    held = found.pop("running", None)
+    found["jobs"] = held_by(app, name, held[:limit] if isinstance(held, list) else [], now) \
+        if found["state"] == "alive" else []
     return found
+
+
+def held_by(app: TaskRunner, name: str, held: list[Any], now: float) -> list[dict[str, Any]]:
+    """The jobs of `held` (the [queue, id] pairs a worker's heartbeat lists) that the holding
+    lists still give to worker `name`, as running() rows: a read per job, not of every
+    running job. Pairs that are not one are left out."""
+    pairs = [(q, i) for q, i in (h for h in held if isinstance(h, list) and len(h) == 2)
+             if isinstance(q, str) and isinstance(i, str)]
+    pipe = app.redis.pipeline(transaction=False)
+    for q, job_id in pairs:
+        pipe.hget(app.keys.q(q) + "running", job_id)
+        pipe.hmget(app.keys.job(q, job_id), "task", "args", "kwargs")
+    res = pipe.execute() if pairs else []
+    rows = []
+    for (q, job_id), raw, (task, args, kwargs) in zip(pairs, res[0::2], res[1::2]):
+        h = Holding.parse(raw) if raw else None
+        if h is not None and h.worker == name:
+            rows.append({"id": job_id, "queue": q, **asdict(h), "task": task, "args": _short(args, kwargs),
+                         "elapsed": max(0.0, now - h.started_at), "state": "running"})
+    return sorted(rows, key=lambda r: (r["started_at"], r["id"]))
 
 
 #: Fields of a worker's info that pages and the CLI format as numbers, and as text.

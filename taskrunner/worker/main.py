@@ -558,4 +558,6 @@ class Worker:
                 "children_rss": {str(pid): n for pid, n in child_rss.items()},
                 "queues": self.queues, "concurrency": self.concurrency, "prefetch": self.prefetch,
                 "threads": self.threads, "async_slots": self.async_slots, "busy": self.crew.busy(),
-                "processed": self.crew.processed, "rss": rss, "cpu": round(cpu, 1), "started_at": self.started_at}
+                "processed": self.crew.processed, "rss": rss, "cpu": round(cpu, 1), "started_at": self.started_at,
+                # the deliveries it holds: its dashboard page reads these jobs, not every running one
+                "running": [[d.queue, d.id] for _, d in self.crew.held()]}

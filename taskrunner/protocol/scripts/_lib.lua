@@ -230,8 +230,26 @@ end
 -- them by time as it trims <p><state>, and drops pairs whose index is empty). Completed and
 -- canceled jobs are not indexed: a job that completes pays nothing here.
 
+-- The first `n` bytes of UTF-8 text `s`, less the start of a character that byte n cuts:
+-- the cut text stays valid UTF-8 (a key, a facet the dashboard shows and filters by).
+local function cut_utf8(s, n)
+  if #s <= n then
+    return s
+  end
+  local i = n + 1  -- the first byte left out; while it continues a character (10xxxxxx), step
+  while i > 1 and i > n - 2 do  -- back to that character's first byte (4 bytes at most)
+    local b = string.byte(s, i)
+    if b < 0x80 or b >= 0xC0 then
+      break
+    end
+    i = i - 1
+  end
+  return string.sub(s, 1, i - 1)
+end
+
 -- The (task, error type) pair a job is indexed under: a task that is not a name (a corrupt
--- record) is "?", an error type is cut to 200 characters ("?" when there is none).
+-- record) is "?", an error type is cut to at most 200 bytes on a character boundary ("?"
+-- when there is none; taskrunner/ops/failures.py cuts a filter's the same way).
 local function facet_of(task, error_type)
   if not is_name(task) then
     task = '?'
@@ -239,7 +257,7 @@ local function facet_of(task, error_type)
   if not error_type or error_type == '' then
     return task, '?'
   end
-  return task, string.sub(error_type, 1, 200)
+  return task, cut_utf8(error_type, 200)
 end
 
 local function index_failure(p, state, id, task, error_type, t)
@@ -484,7 +502,7 @@ workflows = function()
     end
     local why = string.format('step %s (task %s) %s', parent.id, parent.task, parent.state)
     if parent.state ~= 'deleted' then
-      why = why .. ': ' .. (parent.error_type or '?') .. ': ' .. string.sub(parent.error or '', 1, 200)
+      why = why .. ': ' .. (parent.error_type or '?') .. ': ' .. cut_utf8(parent.error or '', 200)
     end
     return by, why
   end
