@@ -23,7 +23,7 @@ from taskrunner.client.loader import load_app
 from taskrunner.errors import AppNotFound
 from taskrunner.ops.diagnose import explain
 
-from . import charts, security
+from . import charts, security, watch
 from .views import api, pages
 
 log = logging.getLogger("taskrunner.dashboard")
@@ -54,7 +54,8 @@ def create_app(runner: TaskRunner | None = None, password: str | None = None, to
     web.session_interface = security.Sessions()
     web.register_blueprint(pages)
     web.register_blueprint(api)
-    web.jinja_env.globals.update(csrf_token=security.csrf_token, app_name=runner.name)
+    web.register_blueprint(watch.watching)
+    web.jinja_env.globals.update(csrf_token=security.csrf_token, app_name=runner.name, live_poll=watch.live)
     web.jinja_env.filters.update(ago=ago, exact=exact, duration=duration, json=pretty_json)
 
     @web.context_processor

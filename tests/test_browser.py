@@ -306,7 +306,7 @@ def test_job_page_shows_progress_and_logs_live(app, stack, dashboard, page):
     expect(page.locator("pre.logs")).to_contain_text("line 3 of 3")
     expect(page.locator("progress").first).to_have_attribute("value", "1.0")
     expect(page.locator("h1 .badge")).to_have_text("running")
-    screenshot(page, "job-progress-logs.png")
+    screenshots(page, "job-progress-logs", ())
     release(app, "pl")
     assert job.wait(30) == 3
     expect(page.locator("h1 .badge")).to_have_text("completed")

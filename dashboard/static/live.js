@@ -23,7 +23,8 @@
   function bulk(e) {
     var form = e.target, b = e.submitter, danger = b && b.classList.contains("danger");
     if (b && b.hasAttribute("data-selected")) {
-      var n = form.ownerDocument.querySelectorAll('input[name="id"][form="' + form.getAttribute("id") + '"]:checked').length;
+      var sel = '[name="id"][form="' + form.getAttribute("id") + '"]';
+      var n = form.ownerDocument.querySelectorAll("input" + sel + ":checked, input[data-kept]" + sel).length;
       if (!n) { e.preventDefault(); window.alert("Tick the jobs first."); return; }
       if (danger && !window.confirm("Delete " + n + " selected job" + (n === 1 ? "" : "s") + "? This cannot be undone.")) e.preventDefault();
       return;
@@ -64,18 +65,97 @@
     }
     step(null);
   }
+  // Watched list pages (the p.live-note[data-watch] base.html draws, dashboard/watch.py):
+  // poll the page's version every WATCH ms while the tab is shown (at once when it shows
+  // again; slower after errors). When it changed, a page of things now (data-auto) redraws
+  // itself in place unless the user is busy with it (a box ticked, a control focused, the
+  // pointer on a table, form, button or link); else, and on lists that grow, the note says "N new — reload".
+  // Redrawing keeps the ticked boxes (one no longer on the page stays selected, a hidden
+  // input of the bulk form) and the scroll.
+  var WATCH = 5000, WATCH_MAX = 60000;
+  function watch(note) {
+    var delay = WATCH, timer = null, busy = false;
+    var text = note.querySelector(".live-text");
+    function schedule(ms) { clearTimeout(timer); timer = setTimeout(poll, ms); }
+    function poll() {
+      if (document.hidden || busy) return;  // visibilitychange polls again
+      busy = true;
+      var since = note.getAttribute("data-version");
+      var url = note.getAttribute("data-watch");
+      url += (url.indexOf("?") < 0 ? "?" : "&") + "since=" + encodeURIComponent(since);
+      fetch(url, {credentials: "same-origin", headers: {"Accept": "application/json"}})
+        .then(function (r) { return r.ok ? r.json() : Promise.reject(r.status); })
+        .then(function (v) {
+          delay = WATCH; note.classList.remove("stale");
+          if (v.version === since) return;
+          if (note.hasAttribute("data-auto") && !engaged()) return redraw();
+          text.textContent = v["new"] > 0 ? v["new"] + " new \u2014" : "This list changed \u2014";
+          note.hidden = false;
+        })
+        .catch(function () { delay = Math.min(delay * 2, WATCH_MAX); note.classList.add("stale"); })
+        .then(function () { busy = false; schedule(delay); });
+    }
+    function engaged() {
+      var main = note.closest("main"), focus = document.activeElement;
+      return !!(main.querySelector('input[name="id"]:checked, input[data-kept]') || (focus && focus !== document.body && main.contains(focus))
+                || main.querySelector("table:hover, form:hover, button:hover, a:hover"));
+    }
+    function redraw() {
+      var main = note.closest("main");
+      var ticked = Array.prototype.map.call(main.querySelectorAll('input[name="id"]:checked, input[name="id"][data-kept]'), function (c) { return c.value; });
+      var x = window.scrollX, y = window.scrollY;
+      return fetch(window.location.href, {credentials: "same-origin", headers: {"Accept": "text/html"}})
+        .then(function (r) { return r.ok ? r.text() : Promise.reject(r.status); })
+        .then(function (html) {
+          var fresh = new DOMParser().parseFromString(html, "text/html").querySelector("main");
+          var freshNote = fresh && fresh.querySelector(".live-note");
+          if (!freshNote) return Promise.reject("no page");
+          fresh.querySelectorAll(".flash").forEach(function (f) { f.remove(); });
+          note.setAttribute("data-version", freshNote.getAttribute("data-version"));
+          note.hidden = true;
+          freshNote.replaceWith(note);  // the same note (its timer) in the new page
+          main.replaceChildren.apply(main, Array.prototype.slice.call(fresh.childNodes));
+          restore(main, ticked);
+          window.scrollTo(x, y);
+        });
+    }
+    note.querySelector("[data-reload]").addEventListener("click", function () {
+      redraw().catch(function () { window.location.reload(); });
+    });
+    document.addEventListener("visibilitychange", function () { if (!document.hidden) schedule(0); });
+    schedule(delay);
+  }
+  // Tick again the boxes of `ids` the new page lists; the others stay selected as hidden
+  // inputs of their bulk form (its "selected" buttons send them), and the note says so.
+  function restore(main, ids) {
+    var form = main.querySelector("form[data-bulk]"), kept = 0;
+    ids.forEach(function (id) {
+      var box = Array.prototype.find.call(main.querySelectorAll('input[name="id"]'), function (c) { return c.value === id; });
+      if (box) { box.checked = true; return; }
+      if (!form) return;
+      var hidden = document.createElement("input");
+      hidden.type = "hidden"; hidden.name = "id"; hidden.value = id; hidden.setAttribute("form", form.getAttribute("id"));  // form.id: its inputs named "id"
+      hidden.setAttribute("data-kept", ""); form.appendChild(hidden); kept += 1;
+    });
+    if (kept && form) {
+      var say = document.createElement("span");
+      say.className = "muted kept"; say.textContent = " (" + kept + " selected not on this page)";
+      form.appendChild(say);
+    }
+  }
   document.addEventListener("DOMContentLoaded", function () {
     document.querySelectorAll("[data-live]").forEach(live);
+    document.querySelectorAll(".live-note[data-watch]").forEach(watch);
     document.addEventListener("submit", function (e) {
       var b = e.submitter || e.target.querySelector("button.danger");
       if (e.target.hasAttribute("data-bulk")) return bulk(e);
       if (b && b.classList.contains("danger")
           && !window.confirm(b.getAttribute("data-confirm") || b.textContent.trim() + "? This cannot be undone.")) e.preventDefault();
     });
-    document.querySelectorAll("[data-check-all]").forEach(function (all) {
-      all.addEventListener("change", function () {
-        document.querySelectorAll('input[name="id"][form="' + all.getAttribute("form") + '"]').forEach(function (c) { c.checked = all.checked; });
-      });
+    document.addEventListener("change", function (e) {  // on the document: a redrawn table has new boxes
+      var all = e.target;
+      if (!all.hasAttribute || !all.hasAttribute("data-check-all")) return;
+      document.querySelectorAll('input[type="checkbox"][name="id"][form="' + all.getAttribute("form") + '"]').forEach(function (c) { c.checked = all.checked; });
     });
   });
 })();
