@@ -20,7 +20,7 @@ from tests.test_dashboard_find import fail
 SHOWS_MS = 15_000
 
 
-def in_view(page: Page, name: str) -> None:
+def in_view(page: Page, name: str) -> None:  # noqa: F811
     """A screenshot of what a 420 px wide screen shows, scrolled down the list: the note stays in view."""
     page.set_viewport_size({"width": 420, "height": 900})
     page.evaluate("window.scrollTo(0, 1500)")
