@@ -21,13 +21,21 @@ from dashboard import create_app
 from taskrunner import TaskRunner
 from taskrunner.ops.redis_server import RedisServer
 from taskrunner.protocol import codec, scripts
+from taskrunner.protocol.claims import STRIDE
 
 PAGES = ["/", "/running", "/api/jobs?state=running", "/stuck", "/queues/default", "/queues/default?page=10000",
-         "/api/queues", "/api/workers"]
+         "/api/queues", "/api/workers",
+         # issue 21: the workers pages (a worker holding every running job), a workflow, the
+         # live pages' polls (dashboard/watch.py)
+         "/workers", "/workers/bench-worker", "/workflows/{workflow}", "/api/version/queue/default",
+         "/api/version/queue/default?page=10000", "/api/version/workers", "/api/version/worker/bench-worker"]
 #: The Failed page's filters and the search (issue 21); {id} is a failed job's id.
 FAILED_PAGES = ["/failed", "/failed?page=1000", "/failed?error=E3", "/failed?queue=failing&task=bench.t1",
                 "/failed?task=bench.t2&error=E4", "/failed?task=bench.t2&error=E4&page=500",
-                "/api/failed?error=E1", "/search?q={id}", "/search?q=needle", "/api/search?q=needle&state=failed"]
+                "/api/failed?error=E1", "/search?q={id}", "/search?q=needle", "/api/search?q=needle&state=failed",
+                "/queues/failing?state=failed", "/queues/failing?state=failed&page=1000",
+                "/api/version/failed?since=0:0", "/api/version/failed?task=bench.t2&error=E4&since=0:0",
+                "/api/version/search?q=needle"]
 TASKS, ERRORS = 4, 5
 
 
@@ -40,15 +48,26 @@ def fill(app: TaskRunner, pending: int, running: int) -> None:
             app._enqueue_batch("default", [(codec.new_id(), 0, fields) for _ in range(n)])
             bar.update(n)
     worker = "bench-worker"
-    scripts.HEARTBEAT(app.redis, [app.keys.g], [worker, codec.dumps({"name": worker, "host": "bench", "pid": 1,
-                                                                    "queues": ["default"], "concurrency": running}),
-                                                  3600])
     head = codec.dumps({"worker": worker, "host": "bench", "ip": "127.0.0.1"}).decode()[:-1]
     # The oldest jobs get claimed: claim from the right end, 500 at a time (a (pid, ahead) pair each).
+    held = []
     for start in range(0, running, 500):
         n = min(500, running - start)
-        scripts.CLAIM(app.redis, [app.keys.q("default")],
-                      [head, worker, "bench", "127.0.0.1", 1, 3600, *claim_slots(10000 + start, n)])
+        out = scripts.CLAIM(app.redis, [app.keys.q("default")],
+                            [head, worker, "bench", "127.0.0.1", 1, 3600, *claim_slots(10000 + start, n)])
+        held += [["default", out[j + 1]] for j in range(0, len(out), STRIDE)]
+    # Its heartbeat lists what it holds, as a worker's does (its page reads those jobs).
+    scripts.HEARTBEAT(app.redis, [app.keys.g], [worker, codec.dumps({"name": worker, "host": "bench", "pid": 1,
+                                                                    "queues": ["default"], "concurrency": running,
+                                                                    "running": held}), 3600])
+
+
+def fill_workflow(app: TaskRunner, width: int = 50) -> str:
+    """A chord of `width` jobs and its callback in queue `flows`; the callback's id."""
+    from taskrunner import chord
+
+    return chord([app.signature("bench.noop", [i], queue="flows") for i in range(width)],
+                 app.signature("bench.noop", [], queue="flows")).delay().id
 
 
 def claim_slots(first_pid: int, n: int) -> list[Any]:
@@ -58,8 +77,6 @@ def claim_slots(first_pid: int, n: int) -> list[Any]:
 def fill_failed(app: TaskRunner, failed: int) -> str:
     """`failed` jobs of queue `failing` that ran and failed: task bench.t<i % TASKS>, error
     type E<i % ERRORS>; returns one's id."""
-    from taskrunner.protocol.claims import STRIDE
-
     worker = "bench-failer"
     head = codec.dumps({"worker": worker, "host": "bench", "ip": "127.0.0.1"}).decode()[:-1]
     p = app.keys.q("failing")
@@ -83,24 +100,47 @@ def fill_failed(app: TaskRunner, failed: int) -> str:
     return last
 
 
+def reindex(app: TaskRunner) -> None:
+    """Drop queue `failing`'s failure indexes (as before they existed), build them again with
+    failures.reindex, and check they are the same."""
+    from taskrunner.ops import failures
+
+    p = app.keys.q("failing") + "failed:"
+    keys = sorted(app.redis.scan_iter(p + "*", count=1000))
+    before = {k: app.redis.zcard(k) for k in keys if not k.endswith(":facets")}
+    app.redis.delete(*keys)
+    t = time.monotonic()
+    out = failures.reindex(app, "failing")
+    took = time.monotonic() - t
+    assert {k: app.redis.zcard(k) for k in before} == before, "reindex built other indexes"
+    n = out["failing"]["failed"]["indexed"]
+    print(f"failures reindex: {n:,} failed jobs of queue failing indexed in {took:.1f} s ({n / took:,.0f} jobs/s)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pending", type=int, default=1_000_000)
     parser.add_argument("--running", type=int, default=2_000)
     parser.add_argument("--failed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--reindex", action="store_true", help="Drop queue failing's failure indexes and time "
+                        "`taskrunner failures reindex` building them again (before the pages).")
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, RedisServer(tmp, appendonly=False) as server:
         app = TaskRunner("bench", redis_url=server.url, prefix="trdash")
         t0 = time.monotonic()
         fill(app, a.pending, a.running)
         failed_id = fill_failed(app, a.failed) if a.failed else ""
+        workflow = fill_workflow(app)
         print(f"filled {a.pending:,} pending + {a.running:,} running + {a.failed:,} failed in "
               f"{time.monotonic() - t0:.0f} s; "
               f"Redis used_memory {app.redis.info('memory')['used_memory_human']}")
+        if a.reindex and a.failed:
+            reindex(app)
         client = create_app(app, password="", token="").test_client()
         print(f"\n{'page':44} {'median ms':>10} {'p95 ms':>8} {'bytes':>9} {'rows':>5}")
-        for path in PAGES + ([p.format(id=failed_id) for p in FAILED_PAGES] if a.failed else []):
+        for path in [p.format(workflow=workflow) for p in PAGES] + (
+                [p.format(id=failed_id) for p in FAILED_PAGES] if a.failed else []):
             times, size, rows = [], 0, 0
             for _ in range(a.repeat):
                 t = time.perf_counter()

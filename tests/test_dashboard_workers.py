@@ -128,3 +128,24 @@ def test_stop_is_refused_for_a_consumer(app, web):
     assert r.status_code == 409 and "consumer, not a worker" in r.get_json()["error"]
     r = web.post("/workers/c-ref/stop-now", data={"csrf_token": token})
     assert r.status_code == 409 and not app.redis.llen(app.keys.control("c-ref"))
+
+
+def test_a_worker_page_lists_only_the_jobs_the_holding_lists_give_it(app, web):
+    """The page reads the jobs the worker's heartbeat lists (not every running job): one
+    another worker holds, one that ended and entries that are not [queue, id] are left out."""
+    from taskrunner.protocol import codec, scripts
+    from tests.test_scripts import claim
+
+    apps.add.delay(1, 2)
+    [row] = claim(app)  # held by the claim helper's worker, not by w-list
+    info = {"name": "w-list", "host": "h", "pid": 1, "queues": ["default"],
+            "running": [["default", row[1]], ["default", "01NOSUCHJOB"], "junk", [1, 2], ["default"]]}
+    scripts.HEARTBEAT(app.redis, [app.keys.g], ["w-list", codec.dumps(info), 60])
+    d = web.get("/api/workers/w-list").get_json()
+    assert d["state"] == "alive" and d["jobs"] == []
+    assert "running" not in web.get("/api/workers").get_json()[0]
+    holder = app.redis.hget(app.keys.q("default") + "running", row[1])
+    name = codec.loads(holder)["worker"]
+    info["name"] = name
+    scripts.HEARTBEAT(app.redis, [app.keys.g], [name, codec.dumps(info), 60])
+    assert [j["id"] for j in web.get(f"/api/workers/{name}").get_json()["jobs"]] == [row[1]]

@@ -115,8 +115,9 @@ def list_jobs(app: TaskRunner, queue: str | None = None, state: str | None = Non
     return jobs[:limit] if queue or state else jobs
 
 
-def workers(app: TaskRunner) -> list[dict[str, Any]]:
-    """Live workers with their last heartbeat, then the dead ones (kept an hour)."""
+def workers(app: TaskRunner, held: bool = False) -> list[dict[str, Any]]:
+    """Live workers with their last heartbeat, then the dead ones (kept an hour); with
+    `held`, each keeps the `running` list its heartbeat gives (worker() reads those jobs)."""
     r = app.redis
     now = server_time(app.redis)
     live = r.zrange(app.keys.workers, 0, -1, withscores=True)
@@ -129,6 +130,8 @@ def workers(app: TaskRunner) -> list[dict[str, Any]]:
         is_dead = buried or now - t >= app.settings.dead_after
         if is_dead:  # its last heartbeat's figures are not the truth any more: a dead worker runs nothing
             info.update(busy=None, cpu=None)
+        if not held:
+            info.pop("running", None)
         out.append({**info, "name": n, "state": "dead" if is_dead else "alive",
                     "heartbeat_age": None if buried else round(now - t, 3), "died_at": t if buried else None})
     return out
@@ -139,7 +142,7 @@ def worker(app: TaskRunner, name: str, limit: int = 100) -> dict[str, Any] | Non
     publishes them) and up to `limit` jobs it runs now (those its heartbeat lists: a read of
     each, whatever the number of running jobs); None when no worker of that name is listed."""
     now = server_time(app.redis)
-    found = next((w for w in workers(app) if w["name"] == name), None)
+    found = next((w for w in workers(app, held=True) if w["name"] == name), None)
     if found is None:
         return None
     rss = found.pop("children_rss", None)
