@@ -5,6 +5,7 @@ tests/test_browser.py; screenshots (desktop and 420 px wide) go to test-artifact
 
 from __future__ import annotations
 
+import time
 from urllib.parse import urlparse
 
 from playwright.sync_api import Page, expect
@@ -97,3 +98,22 @@ def test_open_a_workflow_graph_from_its_job(app, stack, dashboard, page: Page): 
     with page.expect_navigation():
         page.click(f'main a[href="/jobs/{members[1]}"]')
     assert urlparse(page.url).path == f"/jobs/{members[1]}"
+
+
+def test_a_waiting_page_polls_every_few_seconds_and_not_while_hidden(app, dashboard, page: Page):  # noqa: F811
+    fail(app, "tests.apps.add", "ValueError")
+    polls: list[float] = []
+    page.on("request", lambda r: polls.append(time.monotonic()) if "/api/version/failed" in r.url else None)
+    page.goto(f"{dashboard}/failed")
+    page.wait_for_timeout(11_000)  # how often it polls in a while: the fixed time is the measure
+    assert 1 <= len(polls) <= 3, polls
+    page.evaluate("Object.defineProperty(document, 'hidden', {value: true, configurable: true});"
+                  "document.dispatchEvent(new Event('visibilitychange'))")
+    page.wait_for_timeout(1_000)  # a poll already sent may still be on its way
+    hidden_at = len(polls)
+    page.wait_for_timeout(11_000)
+    assert len(polls) == hidden_at  # hidden: no poll at all
+    page.evaluate("Object.defineProperty(document, 'hidden', {value: false, configurable: true});"
+                  "document.dispatchEvent(new Event('visibilitychange'))")
+    page.wait_for_timeout(1_000)
+    assert len(polls) == hidden_at + 1  # at once when the tab shows again

@@ -92,7 +92,10 @@
           text.textContent = v["new"] > 0 ? v["new"] + " new \u2014" : "This list changed \u2014";
           note.hidden = false;
         })
-        .catch(function () { delay = Math.min(delay * 2, WATCH_MAX); note.classList.add("stale"); })
+        .catch(function (status) {
+          delay = Math.min(delay * 2, WATCH_MAX); note.classList.add("stale");
+          if (status === 404) { text.textContent = "Gone (a worker that left, a queue deleted) \u2014"; note.hidden = false; }
+        })
         .then(function () { busy = false; schedule(delay); });
     }
     function engaged() {
