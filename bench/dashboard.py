@@ -27,8 +27,8 @@ PAGES = ["/", "/running", "/api/jobs?state=running", "/stuck", "/queues/default"
          "/api/queues", "/api/workers",
          # issue 21: the workers pages (a worker holding every running job), a workflow, the
          # live pages' polls (dashboard/watch.py)
-         "/workers", "/workers/bench-worker", "/workflows/{workflow}", "/api/version/queue/default",
-         "/api/version/queue/default?page=10000", "/api/version/workers", "/api/version/worker/bench-worker"]
+         "/workers", "/workers/bench-worker", "/workflows/{workflow}", "/api/version/queues/default",
+         "/api/version/queues/default?page=10000", "/api/version/workers", "/api/version/workers/bench-worker"]
 #: The Failed page's filters and the search (issue 21); {id} is a failed job's id.
 FAILED_PAGES = ["/failed", "/failed?page=1000", "/failed?error=E3", "/failed?queue=failing&task=bench.t1",
                 "/failed?task=bench.t2&error=E4", "/failed?task=bench.t2&error=E4&page=500",
@@ -39,7 +39,9 @@ FAILED_PAGES = ["/failed", "/failed?page=1000", "/failed?error=E3", "/failed?que
 TASKS, ERRORS = 4, 5
 
 
-def fill(app: TaskRunner, pending: int, running: int) -> None:
+def fill(app: TaskRunner, pending: int, running: int) -> list[list[str]]:
+    """Enqueue `pending` + `running` jobs and claim `running` of them as worker bench-worker;
+    the [queue, id] pairs it holds."""
     fields = app._fields("bench.noop", [1, "two", {"three": 3}], {"k": "v"}, *app._job_spec("bench.noop", {}))
     batch = 1000
     with click.progressbar(length=pending + running, label="enqueueing", file=sys.stderr) as bar:
@@ -56,10 +58,15 @@ def fill(app: TaskRunner, pending: int, running: int) -> None:
         out = scripts.CLAIM(app.redis, [app.keys.q("default")],
                             [head, worker, "bench", "127.0.0.1", 1, 3600, *claim_slots(10000 + start, n)])
         held += [["default", out[j + 1]] for j in range(0, len(out), STRIDE)]
-    # Its heartbeat lists what it holds, as a worker's does (its page reads those jobs).
-    scripts.HEARTBEAT(app.redis, [app.keys.g], [worker, codec.dumps({"name": worker, "host": "bench", "pid": 1,
-                                                                    "queues": ["default"], "concurrency": running,
-                                                                    "running": held}), 3600])
+    return held
+
+
+def heartbeat(app: TaskRunner, held: list[list[str]]) -> None:
+    """bench-worker's heartbeat, listing what it holds as a worker's does (its page reads
+    those jobs): sent after the filling, so that it is alive when the pages are read."""
+    scripts.HEARTBEAT(app.redis, [app.keys.g], ["bench-worker", codec.dumps(
+        {"name": "bench-worker", "host": "bench", "pid": 1, "queues": ["default"], "concurrency": len(held),
+         "running": held}), 3600])
 
 
 def fill_workflow(app: TaskRunner, width: int = 50) -> str:
@@ -129,7 +136,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, RedisServer(tmp, appendonly=False) as server:
         app = TaskRunner("bench", redis_url=server.url, prefix="trdash")
         t0 = time.monotonic()
-        fill(app, a.pending, a.running)
+        held = fill(app, a.pending, a.running)
         failed_id = fill_failed(app, a.failed) if a.failed else ""
         workflow = fill_workflow(app)
         print(f"filled {a.pending:,} pending + {a.running:,} running + {a.failed:,} failed in "
@@ -137,6 +144,7 @@ def main() -> int:
               f"Redis used_memory {app.redis.info('memory')['used_memory_human']}")
         if a.reindex and a.failed:
             reindex(app)
+        heartbeat(app, held)
         client = create_app(app, password="", token="").test_client()
         print(f"\n{'page':44} {'median ms':>10} {'p95 ms':>8} {'bytes':>9} {'rows':>5}")
         for path in [p.format(workflow=workflow) for p in PAGES] + (

@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
-from flask import Blueprint, abort, jsonify, request, url_for
+from flask import Blueprint, abort, jsonify, request
 
 from taskrunner.ops import listing
 from taskrunner.ops.queue import backlog, shards_of
@@ -127,17 +127,22 @@ PAGES: dict[str, tuple[Callable[..., dict[str, Any]], bool]] = {
     "pages.failed": (failed, False), "pages.queue": (queue, True), "pages.workers": (workers, True),
     "pages.worker": (worker, True), "pages.search": (searched, False), "pages.history": (history, False)}
 
+# Each watched page's poll is at /api/version + the page's path, with the page's query and
+# `since`: /api/version/failed?state=&queue=&task=&error=, /api/version/queues/<name>?state=&page=,
+# /api/version/workers, /api/version/workers/<name>, /api/version/search?q=&state=,
+# /api/version/history.
 
-@watching.get("/<page>")
-@watching.get("/<page>/<name>")
-def version(page: str, name: str | None = None) -> Any:
-    """`/api/version/failed?state=&queue=&task=&error=&since=`, `/api/version/queue/<name>?state=&page=`,
-    `/api/version/workers`, `/api/version/worker/<name>`, `/api/version/search?q=&state=`,
-    `/api/version/history`."""
-    entry = PAGES.get(f"pages.{page}")
-    if entry is None or (name is not None) != (page in ("queue", "worker")):
-        abort(404, f"no live page {page!r}: use failed, queue/<name>, workers, worker/<name>, search or history")
-    return jsonify(entry[0](name) if name is not None else entry[0]())
+
+def _poll(version: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
+    def view(**kwargs: Any) -> Any:
+        return jsonify(version(**kwargs))
+
+    return view
+
+
+for _endpoint, _rule in (("failed", "/failed"), ("queue", "/queues/<name>"), ("workers", "/workers"),
+                         ("worker", "/workers/<name>"), ("search", "/search"), ("history", "/history")):
+    watching.add_url_rule(_rule, _endpoint, _poll(PAGES["pages." + _endpoint][0]))
 
 
 def live() -> dict[str, Any] | None:
@@ -146,10 +151,7 @@ def live() -> dict[str, Any] | None:
     entry = PAGES.get(request.endpoint or "")
     if entry is None or request.args.get("fragment"):
         return None
-    args = dict(request.view_args or {})
-    name = args.get("name")
-    page = (request.endpoint or "").split(".", 1)[1]
-    answer = entry[0](name) if name is not None else entry[0]()  # the page checked its arguments
+    answer = entry[0](**(request.view_args or {}))  # the page checked its arguments
     query = request.query_string.decode()
-    url = url_for("watch.version", page=page, name=name) + ("?" + query if query else "")
-    return {"url": url, "version": answer["version"], "auto": entry[1]}
+    return {"url": "/api/version" + request.path + ("?" + query if query else ""), "version": answer["version"],
+            "auto": entry[1]}

@@ -51,7 +51,7 @@ def test_failed_page_counts_what_failed_since_it_was_drawn(app, web):
 def test_queue_workers_search_and_history_pages_are_watched(app, web):
     apps.add.delay(1, 2)
     url, version, auto = poll_of(web, "/queues/default")
-    assert url == "/api/version/queue/default" and auto
+    assert url == "/api/version/queues/default" and auto
     apps.add.delay(3, 4)
     d = since(web, url, version)
     assert d["total"] == 2 and d["new"] == 1 and d["version"] != version
@@ -74,14 +74,14 @@ def test_pages_that_refresh_from_fragments_and_error_pages_have_no_note(app, web
 
 
 @pytest.mark.parametrize("path, status, message", [
-    ("/api/version/nope", 404, "no live page 'nope'"),
-    ("/api/version/queue", 404, "no live page 'queue'"),
-    ("/api/version/workers/w1", 404, "no live page 'workers'"),
-    ("/api/version/queue/nope", 404, "no queue 'nope'"),
+    ("/api/version/nope", 404, "was not found"),
+    ("/api/version/queues", 404, "was not found"),
+    ("/api/version/queues/nope", 404, "no queue 'nope'"),
     ("/api/version/failed?state=completed", 400, "state must be failed or killed"),
-    ("/api/version/queue/default?state=running", 400, "state must be pending"),
+    ("/api/version/queues/default?state=running", 400, "state must be pending"),
+    ("/api/version/queues/default?page=0", 400, "page must be 1 or more"),
     ("/api/version/search", 400, "q must be a job id"),
-    ("/api/version/worker/nobody", 404, "no worker 'nobody'"),
+    ("/api/version/workers/nobody", 404, "no worker 'nobody'"),
     ("/api/version/failed?since=garbage", 200, '"total"'),
 ])
 def test_version_refusals(app, web, path, status, message):
