@@ -1143,10 +1143,10 @@ def failures_reindex(queue_name: str | None, batch: int, as_json: bool, app_spec
     from taskrunner.ops import failures as failing
 
     app = _app(app_spec, redis_url)
-    if queue_name is not None:
-        codec.check_queue(queue_name)
-        if queue_name not in app.queue_names():
-            raise click.ClickException(f"no queue {queue_name!r}")
+    if queue_name is not None and queue_name not in app.queue_names():  # a queue, or one shard's name
+        from taskrunner.ops.queue import must_exist
+
+        must_exist(app, queue_name)  # no such queue, or not a name: says so
 
     def progress(q: str, state: str, seen: int, total: int, last: bool) -> None:
         if not as_json:

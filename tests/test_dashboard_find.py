@@ -153,7 +153,9 @@ def test_reindex_builds_the_indexes_of_jobs_that_failed_before_them(app, stack, 
     assert app.job(a[0]).retry("t") and a[0] not in index(app, "failed", "error:ValueError")  # unindexed as usual
 
     r = stack.cli("failures", "reindex", "--queue", "nope")
-    assert r.returncode == 1 and "no queue 'nope'" in r.stderr
+    assert r.returncode == 1 and "no queue 'nope' (see `taskrunner queues`)" in r.stderr
+    r = stack.cli("failures", "reindex", "--queue", "bad name")
+    assert r.returncode == 2 and "invalid queue name 'bad name'" in r.stderr
     with pytest.raises(ValueError, match="must be failed or killed"):
         scripts.REINDEX(app.redis, [app.keys.q("default")], ["completed", a[1]])
 
