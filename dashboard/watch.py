@@ -115,6 +115,15 @@ def history() -> dict[str, Any]:
     return _counted(summary.get("records") or 0, _digest(summary.get("generated_at")))
 
 
+def workflow(job_id: str) -> dict[str, Any]:
+    """A workflow's page: the state of each of its jobs (the graph the page draws, as bounded)."""
+    from taskrunner.ops.workflow import graph
+
+    views.find_job(job_id)
+    g = graph(views.runner(), job_id)
+    return _counted(len(g["jobs"]), _digest([(n["id"], n["state"]) for n in g["jobs"]]))
+
+
 def _counted(total: int, rest: str) -> dict[str, Any]:
     """The answer of a page whose `new` is how many more jobs it lists than at `since`."""
     then = _total_of(request.args.get("since"))
@@ -125,12 +134,13 @@ def _counted(total: int, rest: str) -> dict[str, Any]:
 #: changes: a page of things now, not a list that grows; else it says "N new — reload").
 PAGES: dict[str, tuple[Callable[..., dict[str, Any]], bool]] = {
     "pages.failed": (failed, False), "pages.queue": (queue, True), "pages.workers": (workers, True),
-    "pages.worker": (worker, True), "pages.search": (searched, False), "pages.history": (history, False)}
+    "pages.worker": (worker, True), "pages.search": (searched, False), "pages.history": (history, False),
+    "pages.workflow": (workflow, True)}
 
 # Each watched page's poll is at /api/version + the page's path, with the page's query and
 # `since`: /api/version/failed?state=&queue=&task=&error=, /api/version/queues/<name>?state=&page=,
 # /api/version/workers, /api/version/workers/<name>, /api/version/search?q=&state=,
-# /api/version/history.
+# /api/version/history, /api/version/workflows/<id>.
 
 
 def _poll(version: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
@@ -141,7 +151,8 @@ def _poll(version: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
 
 
 for _endpoint, _rule in (("failed", "/failed"), ("queue", "/queues/<name>"), ("workers", "/workers"),
-                         ("worker", "/workers/<name>"), ("search", "/search"), ("history", "/history")):
+                         ("worker", "/workers/<name>"), ("search", "/search"), ("history", "/history"),
+                         ("workflow", "/workflows/<job_id>")):
     watching.add_url_rule(_rule, _endpoint, _poll(PAGES["pages." + _endpoint][0]))
 
 

@@ -91,10 +91,12 @@ def test_open_a_workflow_graph_from_its_job(app, stack, dashboard, page: Page): 
     expect(svg).to_contain_text("tests.apps.tsum")
     expect(page.locator("tbody tr")).to_have_count(4)
     screenshots(page, "workflow", ())
+    page.evaluate("window.__same_document = true")
+    page.mouse.move(0, 0)
     stack.worker(concurrency=2)
     assert callback.wait(30) == 12
-    page.reload()
-    expect(page.locator("tbody .badge.completed")).to_have_count(4)
+    expect(page.locator("tbody .badge.completed")).to_have_count(4, timeout=SHOWS_MS)  # redrawn: no reload
+    assert page.evaluate("window.__same_document") is True
     with page.expect_navigation():
         page.click(f'main a[href="/jobs/{members[1]}"]')
     assert urlparse(page.url).path == f"/jobs/{members[1]}"

@@ -63,6 +63,12 @@ def test_queue_workers_search_and_history_pages_are_watched(app, web):
     assert url == "/api/version/search?q=add" and not auto
     apps.add.delay(5, 6)
     assert since(web, url, version)["new"] == 1
+    handle = (apps.add.s(1, 2) | apps.mul.s(10)).delay()
+    url, version, auto = poll_of(web, f"/workflows/{handle.id}")
+    assert url == f"/api/version/workflows/{handle.id}" and auto
+    app.job(handle.id).kill("t")  # and its child canceled
+    assert since(web, url, version)["version"] != version
+    assert web.get("/api/version/workflows/nope").status_code == 404
     url, version, auto = poll_of(web, "/history")
     app.redis.set(app.keys.g + "history:summary", '{"generated_at": 5, "records": 7, "tasks": [], "hours": []}')
     assert since(web, url, version)["new"] == 7
