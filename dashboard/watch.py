@@ -1,8 +1,9 @@
 """Live list pages: what changed since the page was drawn, cheaply, so that a page that
 waits polls `GET /api/version/<page>` (live.js, every few seconds, only while the tab is
 shown) and refreshes in place or says "N new — reload", keeping the boxes ticked and the
-scroll. Each page's version is read from counts and a page of ids at most (never job
-records): {"version": text, "total": jobs the page lists, "new": jobs since `since`} (`since`:
+scroll. Each page's version is read from counts and a page of ids at most, never job
+records (but a worker's, from the jobs its heartbeat lists, and a workflow's, from the states
+of the graph its page draws): {"version": text, "total": jobs the page lists, "new": jobs since `since`} (`since`:
 the version the page was drawn with). A version is "<total>:<what else changes>".
 
 The pages that refresh themselves from HTML fragments (the overview, Running, Stuck, a job)
