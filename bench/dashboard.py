@@ -28,7 +28,8 @@ PAGES = ["/", "/running", "/api/jobs?state=running", "/stuck", "/queues/default"
          # issue 21: the workers pages (a worker holding every running job), a workflow, the
          # live pages' polls (dashboard/watch.py)
          "/workers", "/workers/bench-worker", "/workflows/{workflow}", "/api/version/queues/default",
-         "/api/version/queues/default?page=10000", "/api/version/workers", "/api/version/workers/bench-worker"]
+         "/api/version/queues/default?page=10000", "/api/version/workers", "/api/version/workers/bench-worker",
+         "/api/version/workflows/{workflow}"]
 #: The Failed page's filters and the search (issue 21); {id} is a failed job's id.
 FAILED_PAGES = ["/failed", "/failed?page=1000", "/failed?error=E3", "/failed?queue=failing&task=bench.t1",
                 "/failed?task=bench.t2&error=E4", "/failed?task=bench.t2&error=E4&page=500",
