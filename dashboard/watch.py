@@ -18,7 +18,7 @@ from typing import Any
 from flask import Blueprint, abort, jsonify, request
 
 from taskrunner.ops import listing
-from taskrunner.ops.queue import backlog, shards_of
+from taskrunner.ops.queue import backlog
 
 from . import views
 
@@ -71,16 +71,9 @@ def queue(name: str) -> dict[str, Any]:
     if state not in ("pending", "delayed", "waiting", *views.FINISHED):
         abort(400, "state must be pending, delayed, waiting, completed, failed, killed or canceled")
     app = views.runner()
-    offset = (views.page_arg() - 1) * views.PAGE
-    total, ids = 0, list[str]()
-    for shard in shards_of(app, name):
-        n = backlog(app, shard) if state == "pending" else app.redis.zcard(app.keys.q(shard) + state)
-        total += n
-        if len(ids) < views.PAGE and offset < n:
-            ids += listing.job_ids(app, shard, state, views.PAGE - len(ids), offset)
-        offset = max(0, offset - n)
+    total, rows = listing.page_ids(app, name, state, (views.page_arg() - 1) * views.PAGE, views.PAGE)
     paused = app.redis.hget(app.keys.q(name) + "meta", "paused")
-    return _counted(total, _digest(ids, paused))
+    return _counted(total, _digest([r["id"] for r in rows], paused))
 
 
 def workers() -> dict[str, Any]:

@@ -272,6 +272,16 @@ def page_of(app: TaskRunner, queue: str, state: str, offset: int = 0, limit: int
             ) -> tuple[int, list[dict[str, Any]]]:
     """(total, one page) of a queue's pending, delayed or finished jobs; of a sharded
     queue, its shards' one after the other (shard 0 first), each in its own order."""
+    total, rows = page_ids(app, queue, state, offset, limit)
+    fields = ("task", "args", "kwargs", "state", "enqueued_at", "due_at", "started_at", "finished_at", "attempts",
+              "error_type", "error", "worker")
+    return total, fill(app, rows, fields)
+
+
+def page_ids(app: TaskRunner, queue: str, state: str, offset: int = 0, limit: int = 50
+             ) -> tuple[int, list[dict[str, Any]]]:
+    """page_of()'s (total, page) without the records: {"id", "queue"} rows (the dashboard's
+    live queue page polls these)."""
     rows: list[dict[str, Any]] = []
     total = 0
     for shard in shards_of(app, queue):
@@ -281,9 +291,7 @@ def page_of(app: TaskRunner, queue: str, state: str, offset: int = 0, limit: int
         if len(rows) < limit and offset < n:
             rows += [{"id": i, "queue": shard} for i in job_ids(app, shard, state, limit - len(rows), offset)]
         offset = max(0, offset - n)
-    fields = ("task", "args", "kwargs", "state", "enqueued_at", "due_at", "started_at", "finished_at", "attempts",
-              "error_type", "error", "worker")
-    return total, fill(app, rows, fields)
+    return total, rows
 
 
 def fill(app: TaskRunner, rows: list[dict[str, Any]], fields: tuple[str, ...]) -> list[dict[str, Any]]:
