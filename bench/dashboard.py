@@ -3,7 +3,8 @@
 Fills a redis-server of its own with N pending jobs and M running ones (held by a live
 worker), and F failed ones (queue `failing`, 4 tasks x 5 error types, failed through the
 claim and finish scripts as a worker's), then renders each page through the Flask app
-in-process (no network) and prints median and p95 times, and the rows an HTML page listed.
+in-process (no network) and prints median and p95 times, the rows an HTML page listed and
+the Redis commands one request sent (INFO's total_commands_processed: load-independent).
 A page reads only what it shows, so times should barely move with N pending or F failed."""
 
 from __future__ import annotations
@@ -125,6 +126,14 @@ def reindex(app: TaskRunner) -> None:
     print(f"failures reindex: {n:,} failed jobs of queue failing indexed in {took:.1f} s ({n / took:,.0f} jobs/s)")
 
 
+def commands(app: TaskRunner, client: Any, path: str) -> int:
+    """The Redis commands one GET of `path` sends (each of a pipeline or a script's own calls
+    counted): what a page reads, whatever the machine's load."""
+    before = app.redis.info("stats")["total_commands_processed"]
+    client.get(path)
+    return int(app.redis.info("stats")["total_commands_processed"]) - int(before) - 1  # less the INFO
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pending", type=int, default=1_000_000)
@@ -146,11 +155,12 @@ def main() -> int:
         if a.reindex and a.failed:
             reindex(app)
         client = create_app(app, password="", token="").test_client()
-        print(f"\n{'page':44} {'median ms':>10} {'p95 ms':>8} {'bytes':>9} {'rows':>5}")
+        print(f"\n{'page':44} {'median ms':>10} {'p95 ms':>8} {'bytes':>9} {'rows':>5} {'cmds':>6}")
         for path in [p.format(workflow=workflow) for p in PAGES] + (
                 [p.format(id=failed_id) for p in FAILED_PAGES] if a.failed else []):
             times, size, rows = [], 0, 0
             heartbeat(app, held)  # alive for each page, however long the pages before took
+            cmds = commands(app, client, path)
             for _ in range(a.repeat):
                 t = time.perf_counter()
                 r = client.get(path)
@@ -159,7 +169,7 @@ def main() -> int:
                 assert r.status_code in (200, 302), (path, r.status_code)
             times.sort()
             p95 = times[min(len(times) - 1, int(len(times) * 0.95))]
-            print(f"{path[:44]:44} {statistics.median(times):>10.1f} {p95:>8.1f} {size:>9,} {rows:>5}")
+            print(f"{path[:44]:44} {statistics.median(times):>10.1f} {p95:>8.1f} {size:>9,} {rows:>5} {cmds:>6,}")
     return 0
 
 
