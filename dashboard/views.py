@@ -220,12 +220,13 @@ def bulk(action: str, body: Any) -> dict[str, Any]:
     return {**total, "left": out["left"], "cursor": out["cursor"]}
 
 
-def find_worker(name: str) -> dict[str, Any]:
+def find_worker(name: str, jobs: int = 100) -> dict[str, Any]:
+    """The worker, with up to `jobs` of the jobs it runs; 404 when there is none."""
     try:
         codec.check_name("worker", name)
     except InvalidName as e:
         abort(404, str(e))
-    w = listing.worker(runner(), name)
+    w = listing.worker(runner(), name, jobs)
     if w is None:
         abort(404, f"no worker {name!r} (never started, or dead for over an hour)")
     return w
