@@ -14,7 +14,8 @@ from taskrunner import chord
 from taskrunner.ops import listing
 from tests import apps
 from tests.conftest import wait_for
-from tests.test_browser import ARTIFACTS, accept_next_dialog, browser, dashboard, login, page, row_of, screenshots  # noqa: F401 (fixtures)
+from tests.test_browser import ARTIFACTS, accept_next_dialog, browser, dashboard, login, page, row_of  # noqa: F401 (fixtures)
+from tests.test_browser_looks import looks
 from tests.test_dashboard_find import fail
 
 #: live.js polls every 5 s: a change shows within two polls.
@@ -22,10 +23,14 @@ SHOWS_MS = 15_000
 
 
 def in_view(page: Page, name: str) -> None:  # noqa: F811
-    """A screenshot of what a 420 px wide screen shows, scrolled down the list: the note stays in view."""
+    """Screenshots of what a 420 px wide screen shows, scrolled down the list, light and dark
+    (<name>.png, <name>-dark.png): the note stays in view."""
     page.set_viewport_size({"width": 420, "height": 900})
     page.evaluate("window.scrollTo(0, 1500)")
-    page.screenshot(path=str(ARTIFACTS / name))
+    for scheme, suffix in (("light", ""), ("dark", "-dark")):
+        page.emulate_media(color_scheme=scheme)
+        page.screenshot(path=str(ARTIFACTS / f"{name}{suffix}.png"))
+    page.emulate_media(color_scheme="light")
     page.set_viewport_size({"width": 1400, "height": 900})
 
 
@@ -43,8 +48,8 @@ def test_failed_page_says_n_new_and_keeps_the_selection(app, dashboard, page: Pa
     expect(note).to_be_visible(timeout=SHOWS_MS)
     expect(note).to_contain_text("2 new — reload")
     expect(row_of(page, new[0])).to_have_count(0)  # nothing moved under the user yet
-    screenshots(page, "failed-live-new", ("retry-selected",))
-    in_view(page, "failed-live-new-420-scrolled.png")
+    looks(page, "failed-live-new", ("retry-selected",))
+    in_view(page, "failed-live-new-420-scrolled")
     page.evaluate("window.scrollTo(0, 600)")
 
     note.locator("button").click()  # redrawn in place: no navigation, the scroll kept
@@ -75,7 +80,7 @@ def test_workers_page_redraws_itself(app, stack, dashboard, page: Page):  # noqa
     expect(page.locator('a[href="/workers/w-second"]')).to_have_count(1, timeout=SHOWS_MS + 10_000)
     expect(page.locator("p.live-note")).to_be_hidden()
     assert page.evaluate("window.__same_document") is True
-    screenshots(page, "workers-live", ())
+    looks(page, "workers-live")
 
 
 def test_open_a_workflow_graph_from_its_job(app, stack, dashboard, page: Page):  # noqa: F811
@@ -90,7 +95,7 @@ def test_open_a_workflow_graph_from_its_job(app, stack, dashboard, page: Page): 
     expect(svg.locator("line")).to_have_count(3)
     expect(svg).to_contain_text("tests.apps.tsum")
     expect(page.locator("tbody tr")).to_have_count(4)
-    screenshots(page, "workflow", ())
+    looks(page, "workflow")
     page.evaluate("window.__same_document = true")
     page.mouse.move(0, 0)
     stack.worker(concurrency=2)
