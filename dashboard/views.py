@@ -237,7 +237,7 @@ def worker_act(name: str, action: str, who: str) -> dict[str, Any]:
     finish) or now (they go back in line at once). Audited."""
     if action not in WORKER_ACTIONS:
         abort(404, f"no worker action {action!r}: use stop or stop-now")
-    w = find_worker(name)
+    w = find_worker(name, jobs=0)
     if w["state"] != "alive":
         abort(409, f"worker {name} is not alive: nothing to stop")
     if w.get("kind") == "consumer":  # it reads kill messages only: a stop would be dropped
