@@ -15,7 +15,8 @@ processes; arq in one) are started and the queue drained. Per system and concurr
     their children, sampled every RSS_EVERY s during the drain, divided by C; and the same with
     PSS, which counts a page shared by several processes (a fork's) as each one's share;
   - Redis CPU per job: used_cpu_sys + used_cpu_user from the worker start to the last job,
-    divided by the jobs (and Redis commands per job, for the profile);
+    divided by the jobs (and Redis commands per job; the log and --json split them per command,
+    those the scripts ran included, with their microseconds: the profile);
 and the ratios of taskrunner's figures to each peer's.
 
 taskrunner runs twice: its async tasks in loop children (`worker -c 2 --async-slots C/2`),
@@ -137,7 +138,7 @@ def drain(env: Env, r: redis.Redis, system: System, concurrency: int, jobs: int,
     flush(r)
     fill = env.drive(system.driver, "fill", jobs, system.kind, SLEEP, timeout=max(env.timeout, jobs / 200))
     cmds, extra = commands(system, concurrency, env)
-    before = Snapshot.take(r)
+    stats0, before = commandstats(r), Snapshot.take(r)  # the first INFO is not counted in the run
     warm = int(jobs * WARM)
     mark: tuple[float, int] | None = None  # (time, jobs done) when the clock started
     peak, peak_pss, next_sample = 0, 0, 0.0
@@ -159,7 +160,7 @@ def drain(env: Env, r: redis.Redis, system: System, concurrency: int, jobs: int,
     workers = [env.procs.start(cmd, {**env.base(), **extra}, logs) for cmd in cmds]
     try:
         t1 = wait_for(f"{system.name} {concurrency}-way drain", finished, env.timeout, 0.005, workers)
-        after = Snapshot.take(r)
+        after, stats1 = Snapshot.take(r), commandstats(r)
     finally:
         env.stop_workers(workers, f"{system.name} workers")
     if mark is None:  # the drain ended between two looks, before one saw it past the warm-up
@@ -170,12 +171,31 @@ def drain(env: Env, r: redis.Redis, system: System, concurrency: int, jobs: int,
            "rss_peak_mb": peak / 2**20, "pss_per_job_mb": peak_pss / concurrency / 2**20,
            "redis_cpu_us_per_job": (after.cpu - before.cpu) / jobs * 1e6,
            "redis_cmds_per_job": (after.commands - before.commands - 1) / jobs,  # less the closing INFO
+           "commands": per_job(stats0, stats1, jobs),
            "counted_jobs": jobs - mark[1], "seconds_incl_start": t1 - t0, "fill_seconds": fill["seconds"]}
     log(f"  {system.name:18} {concurrency:4}-way {rate:8,.0f} jobs/s ({res['of_ideal']:6.1%} of ideal)  "
         f"RSS {res['rss_per_job_mb']:6.3f} MB/job (PSS {res['pss_per_job_mb']:5.3f})  "
         f"Redis {res['redis_cpu_us_per_job']:5.1f} us/job  "
         f"{res['redis_cmds_per_job']:5.1f} cmds/job  (incl. start {t1 - t0:.2f} s; fill {fill['seconds']:.1f} s)")
+    top = sorted(res["commands"].items(), key=lambda kv: -kv[1]["calls"])
+    log("    per job: " + ", ".join(f"{k} {v['calls']:.2f} ({v['us']:.1f} us)" for k, v in top if v["calls"] >= 0.01))
     return res
+
+
+def commandstats(r: redis.Redis) -> dict[str, tuple[int, int]]:
+    """Per command (those scripts run included): calls and microseconds so far."""
+    return {k[len("cmdstat_"):]: (int(v["calls"]), int(v["usec"])) for k, v in r.info("commandstats").items()}
+
+
+def per_job(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], jobs: int) -> dict[str, Any]:
+    """The commands a run made (less our INFOs), each with its calls and microseconds per job:
+    the profile that says which command a change removed."""
+    out = {}
+    for k, (calls, usec) in after.items():
+        c0, u0 = before.get(k, (0, 0))
+        if calls > c0 and k != "info":
+            out[k] = {"calls": (calls - c0) / jobs, "us": (usec - u0) / jobs}
+    return out
 
 
 # -- report ----------------------------------------------------------------------------------

@@ -165,6 +165,29 @@ def test_return_hands_a_job_back_that_never_began(app):
     assert finish(app, job.id, str(attempt), "completed", "3") == 0
 
 
+def test_the_finish_of_an_exclusive_queues_job_wakes_the_next_and_a_plain_one_reads_no_meta(app):
+    """finish.lua knows an exclusive queue from the record (claim.lua marks its deliveries
+    `exclusive`): its next job gets a wake token; a plain queue's finish reads no meta."""
+    from taskrunner.ops import queue
+
+    queue.create(app, "solo", exclusive=True)
+    first, _ = apps.add.apply_async([1, 1], queue="solo"), apps.add.apply_async([2, 2], queue="solo")
+    p = app.keys.q("solo")
+    [row] = claim(app, queues=("solo",))
+    assert row[1] == first.id and app.redis.hget(p + "job:" + first.id, "exclusive") == "1"
+    app.redis.delete(p + "wake")
+    assert claim(app, queues=("solo",)) == []  # one of its jobs runs: the next waits
+    assert finish(app, first.id, "1", "completed", "2", queue="solo") == 1
+    assert app.redis.llen(p + "wake") == 1
+    plain = apps.add.delay(1, 1)
+    [row] = claim(app)
+    assert app.redis.hget(app.keys.q("default") + "job:" + plain.id, "exclusive") is None
+    app.redis.config_resetstat()
+    assert finish(app, plain.id, "1", "completed", "2") == 1
+    assert "cmdstat_hmget" in app.redis.info("commandstats")
+    assert app.redis.info("commandstats")["cmdstat_hmget"]["calls"] == 1  # the record's; no meta
+
+
 def test_finish_is_fenced(app):
     job = apps.add.delay(1, 2)
     claim(app)

@@ -78,16 +78,31 @@ local function wake(p)
   end
 end
 
+-- The fields of a job record that only some ends of a delivery need (a failure, a retry, a
+-- requeue, a kill, a concurrency key, a priority, a workflow across slots): load() leaves them
+-- out, and the first lookup of one of them (of any field load() does not read) reads them all
+-- (a second HMGET), so that a job that completes pays for none of them. None of them is
+-- written by a script before it reads them.
+local rare_fields = {__index = function(r, k)
+  local job = rawget(r, 0)  -- the record's key until the rare fields are read
+  if not job then return nil end
+  r[0] = nil
+  local v = redis.call('HMGET', job, 'kill_requested', 'max_lost', 'retries', 'retry_backoff', 'failed_ttl',
+    'cross_children', 'concurrency_key', 'priority')  -- false when absent, as load()'s
+  r.kill_requested, r.max_lost, r.retries, r.retry_backoff, r.failed_ttl = v[1], v[2], v[3], v[4], v[5]
+  r.cross_children, r.concurrency_key, r.priority = v[6], v[7], v[8]
+  return rawget(r, k)
+end}
+
 -- The fields of a job record that the functions below need, read in one HMGET (a table
--- built by one constructor: a loop setting them one by one costs more than the HMGET).
+-- built by one constructor: a loop setting them one by one costs more than the HMGET); the
+-- rare ones (above) when first looked up. `exclusive`: "1" once claimed from an exclusive queue.
 local function load(job)
   local v = redis.call('HMGET', job, 'attempts', 'bucket', 'waiters', 'task', 'enqueued_at', 'started_at', 'worker',
-    'host', 'pid', 'queue', 'kill_requested', 'max_lost', 'retries', 'retry_backoff', 'result_ttl', 'failed_ttl',
-    'children', 'cross_children', 'max_concurrency', 'concurrency_key', 'priority', 'unique_key')
-  return {attempts = v[1], bucket = v[2], waiters = v[3], task = v[4], enqueued_at = v[5], started_at = v[6],
-    worker = v[7], host = v[8], pid = v[9], queue = v[10], kill_requested = v[11], max_lost = v[12],
-    retries = v[13], retry_backoff = v[14], result_ttl = v[15], failed_ttl = v[16], children = v[17],
-    cross_children = v[18], max_concurrency = v[19], concurrency_key = v[20], priority = v[21], unique_key = v[22]}
+    'host', 'pid', 'queue', 'result_ttl', 'children', 'max_concurrency', 'unique_key', 'exclusive')
+  return setmetatable({[0] = job, attempts = v[1], bucket = v[2], waiters = v[3], task = v[4], enqueued_at = v[5],
+    started_at = v[6], worker = v[7], host = v[8], pid = v[9], queue = v[10], result_ttl = v[11], children = v[12],
+    max_concurrency = v[13], unique_key = v[14], exclusive = v[15]}, rare_fields)
 end
 
 -- Priorities (docs/PROTOCOL.md, Pause, priorities, unique jobs). A job of priority n (1-9, its record's
@@ -307,13 +322,21 @@ end
 -- it long before, and the dispatcher warns when it holds half as many.
 local HISTORY_MAX = '500000'
 
--- Append what just happened to a delivery to the queue's history stream.
+-- Append what just happened to a delivery to the queue's history stream. `error_type` only
+-- when there is one (readers take its absence for none): a completed job's entry is shorter.
 local function history(p, id, r, state, t, error_type)
-  redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*',
-    'id', id, 'task', r.task or '', 'queue', r.queue or '', 'state', state,
-    'attempt', r.attempts or '0', 'enqueued_at', r.enqueued_at or '', 'started_at', r.started_at or '',
-    'finished_at', fmt(t), 'worker', r.worker or '', 'host', r.host or '', 'pid', r.pid or '',
-    'error_type', error_type or '')
+  if error_type and error_type ~= '' then
+    redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*',
+      'id', id, 'task', r.task or '', 'queue', r.queue or '', 'state', state,
+      'attempt', r.attempts or '0', 'enqueued_at', r.enqueued_at or '', 'started_at', r.started_at or '',
+      'finished_at', fmt(t), 'worker', r.worker or '', 'host', r.host or '', 'pid', r.pid or '',
+      'error_type', error_type)
+  else
+    redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*',
+      'id', id, 'task', r.task or '', 'queue', r.queue or '', 'state', state,
+      'attempt', r.attempts or '0', 'enqueued_at', r.enqueued_at or '', 'started_at', r.started_at or '',
+      'finished_at', fmt(t), 'worker', r.worker or '', 'host', r.host or '', 'pid', r.pid or '')
+  end
 end
 
 -- A job reached completed, failed, killed or canceled: record it in the history, index it,

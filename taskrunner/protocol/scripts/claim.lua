@@ -313,6 +313,9 @@ for qi = 1, #KEYS do
           .. ',"attempt":' .. attempt .. (ahead > 0 and (',"ahead":' .. ahead) or '') .. '}'
         redis.call('HSET', job, 'attempts', attempt, 'state', 'running', 'started_at', ts, 'worker', ARGV[2],
           'host', ARGV[3], 'ip', ARGV[4], 'pid', pid, 'bucket', b_s, 'stuck', '0', 'run:' .. attempt, entry)
+        if meta[2] == '1' then  -- its finish wakes the queue's next job (finish.lua): no meta read there
+          redis.call('HSET', job, 'exclusive', '1')
+        end
         entries[#entries + 1] = id
         entries[#entries + 1] = entry
         local ids_b = buckets[b]

@@ -190,8 +190,14 @@ for state, list in pairs(index) do
   end
   redis.call('ZADD', p .. state, unpack(args))
 end
-local meta = not freed and redis.call('HMGET', p .. 'meta', 'exclusive', 'priorities')
-if freed or meta[1] == '1' and backlog(p, meta[2]) > 0 then
+-- Exclusive: known from the records (claim.lua marks a delivery of an exclusive queue), so
+-- that other queues read no meta here; the queue's meta then says whether it still is.
+local exclusive = false
+for k = 1, #ids do
+  if out[k] == 1 and records[k].exclusive then exclusive = true end
+end
+local meta = exclusive and not freed and redis.call('HMGET', p .. 'meta', 'exclusive', 'priorities')
+if freed or meta and meta[1] == '1' and backlog(p, meta[2]) > 0 then
   wake(p)
 end
 if emitted and #emitted > 0 then  -- children in other slots: the caller carries these (join.lua)
