@@ -18,16 +18,28 @@ all alike; the table shows the median of the rounds. Commands per job are exact 
 every round; the times vary with the machine (the table gives their range). A second table
 splits them by phase (enqueue, heartbeat, claim, ack): commands, EVALSHA µs, the µs of the
 commands the scripts ran (INFO commandstats counts them apart, and inside EVALSHA's) and the
-difference, the scripts' Lua time outside commands. Figures: docs/PERFORMANCE.md."""
+difference, the scripts' Lua time outside commands. Figures: docs/PERFORMANCE.md.
+
+--batch B claims and acks B jobs per call (a drain's batches) instead of one. --instructions
+runs redis-server under valgrind's callgrind and counts the instructions Redis ran in each
+phase (callgrind_control zeroes and dumps the counts around it; `hz 1`, so that little of the
+count is the server's timer): the same count every round to within ~1-2% on a loaded machine,
+where the times swing by 20%, so a change of a few percent shows. It runs ~50x slower:
+--jobs 400 is plenty.
+
+    python -m bench.plain_cost main=git:main new=. --instructions --jobs 400 --rounds 2 --batch 8"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import redis
@@ -44,7 +56,7 @@ CHILD = """
 import sys
 from taskrunner import TaskRunner
 from taskrunner.client.consumer import Consumer
-url, n = sys.argv[1], int(sys.argv[2])
+url, n, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 app = TaskRunner("flowcost", redis_url=url, prefix="flowcost")
 noop = app.task(lambda *a: None, name="flowcost.noop")
 noop.delay(0)  # warm-up: scripts loaded, queue registered
@@ -61,10 +73,12 @@ for _ in range(n):
     c.heartbeat()
 phase()
 c.heartbeat = lambda *a, **k: None  # its phase was the one before
-ds = [c.claim(1)[0] for _ in range(n)]
+ds = []
+while len(ds) < n:
+    ds += c.claim(min(b, n - len(ds)))
 phase()
-for d in ds:
-    assert c.ack([d]) == [True]
+for i in range(0, n, b):
+    assert c.ack(ds[i:i + b]) == [True] * len(ds[i:i + b])
 c.close()
 """
 
@@ -72,7 +86,8 @@ c.close()
 PHASES = ("enqueue", "heartbeat", "claim", "ack")
 
 #: Per job of a phase: commands (those run by scripts included), EVALSHA µs, µs of the
-#: commands the scripts ran (inside EVALSHA's), Redis CPU µs.
+#: commands the scripts ran (inside EVALSHA's), Redis CPU µs; with --instructions, "instr":
+#: thousands of instructions Redis ran.
 Phase = dict[str, float]
 
 
@@ -88,14 +103,48 @@ def tree(label: str, spec: str, tmp: Path) -> Path:
     return Path(spec).resolve()
 
 
-def measure(r: redis.Redis, url: str, path: Path, n: int) -> dict[str, Phase]:
+class Callgrind:
+    """redis-server under valgrind's callgrind: the instructions it runs between zero() and
+    count()."""
+
+    def __init__(self, directory: Path, args: list[str]) -> None:
+        self.dir = directory
+        self.proc = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={directory}/cg.%p",
+                                      "redis-server", *args, "--hz", "1"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def _control(self, flag: str) -> None:
+        subprocess.run(["callgrind_control", flag, str(self.proc.pid)], check=True, capture_output=True)
+
+    def zero(self) -> None:
+        self._control("-z")
+
+    def count(self) -> int:
+        """Instructions since zero(), from the dump it writes now."""
+        self._control("-d")
+        dumps = sorted(self.dir.glob(f"cg.{self.proc.pid}.*"), key=lambda f: f.stat().st_mtime)
+        total = re.search(r"^summary: (\d+)", dumps[-1].read_text(), re.M)
+        for f in dumps:
+            f.unlink()
+        if total is None:
+            raise SystemExit(f"no instruction count in {dumps[-1]}")
+        return int(total[1])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+
+
+def measure(r: redis.Redis, url: str, path: Path, n: int, batch: int = 1,
+            grind: Callgrind | None = None) -> dict[str, Phase]:
     """Each phase of `n` jobs run on the package in `path`, per job (see Phase)."""
     r.flushall()
     env = {**os.environ, "PYTHONPATH": str(path)}
     # Run in `path`: `python -c` puts the working directory first on sys.path, before
     # PYTHONPATH, so that from this checkout every revision would run this tree's package.
-    child = subprocess.Popen([sys.executable, "-c", CHILD, url, str(n)], env=env, cwd=path, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, url, str(n), str(batch)], env=env, cwd=path,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     phases: dict[str, Phase] = {}
     try:
         assert child.stdout is not None and child.stdin is not None
@@ -107,10 +156,15 @@ def measure(r: redis.Redis, url: str, path: Path, n: int) -> dict[str, Phase]:
             else:
                 assert child.stdout.readline().strip() == "ready"
             if k:
+                instr = grind.count() / n / 1000 if grind else None
                 phases[PHASES[k - 1]] = _phase(r, n, cpu0)
+                if instr is not None:
+                    phases[PHASES[k - 1]]["instr"] = instr
             if name is not None:
                 r.config_resetstat()
                 cpu0 = _cpu(r)
+                if grind:
+                    grind.zero()
                 child.stdin.write("go\n")
                 child.stdin.flush()
     finally:
@@ -130,6 +184,25 @@ def _phase(r: redis.Redis, n: int, cpu0: float) -> Phase:
             "cpu": cpu * 1e6 / n}
 
 
+def wait_up(socket: Path, grind: Callgrind, timeout: float = 120.0) -> None:
+    """Until the server under callgrind answers (it starts ~50x slower)."""
+    deadline = time.monotonic() + timeout
+    probe = redis.Redis(unix_socket_path=str(socket))
+    try:
+        while True:
+            if grind.proc.poll() is not None:
+                raise SystemExit(f"valgrind redis-server exited with {grind.proc.returncode}")
+            try:
+                probe.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"redis-server under valgrind did not answer within {timeout:.0f}s") from None
+                time.sleep(0.2)
+    finally:
+        probe.close()
+
+
 def _cpu(r: redis.Redis) -> float:
     i = r.info("cpu")
     return i["used_cpu_user"] + i["used_cpu_sys"]
@@ -141,37 +214,52 @@ def main() -> None:
                         help="LABEL=SOURCE, SOURCE a directory or git:REV (default: this tree)")
     parser.add_argument("--jobs", type=int, default=3000, help="jobs per round (default 3000)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per revision (default 3)")
+    parser.add_argument("--batch", type=int, default=1, help="jobs per claim and per ack call (default 1)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count Redis's instructions per job under valgrind's callgrind (slow: use ~400 jobs)")
     opts = parser.parse_args()
     specs = dict(s.split("=", 1) for s in opts.trees)
     runs: dict[str, list[dict[str, Phase]]] = {label: [] for label in specs}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {label: tree(label, spec, Path(tmp)) for label, spec in specs.items()}
-        server = RedisServer(Path(tmp), appendonly=False).start()
+        server = RedisServer(Path(tmp), appendonly=False)
+        grind = Callgrind(Path(tmp), server.args) if opts.instructions else None
         try:
+            if grind is None:
+                server.start()
+            else:
+                wait_up(server.socket, grind)
             r = redis.Redis.from_url(server.url)
             for _ in range(opts.rounds):
                 for label, path in paths.items():
-                    runs[label].append(measure(r, server.url, path, opts.jobs))
+                    runs[label].append(measure(r, server.url, path, opts.jobs, opts.batch, grind))
         finally:
             server.stop()
-    width = max(28, *(len(label) for label in specs))
-    print(f"per plain job (enqueue + heartbeat + claim + ack, one call each; {opts.jobs} jobs; median (min-max) "
+            if grind is not None:
+                grind.stop()
+    width = max(36 if opts.instructions else 28, *(len(label) for label in specs))
+    calls = "one call each" if opts.batch == 1 else f"claim and ack {opts.batch} jobs a call"
+    print(f"per plain job (enqueue + heartbeat + claim + ack, {calls}; {opts.jobs} jobs; median (min-max) "
           f"of {opts.rounds} rounds)")
     print(f"{'':16}" + "".join(f"{label:>{width + 2}}" for label in specs))
     rows = (("Redis commands", lambda ph: sum(x["commands"] for x in ph.values())),
             ("EVALSHA us", lambda ph: sum(x["evalsha"] for x in ph.values())),
             ("Redis CPU us", lambda ph: sum(x["cpu"] for x in ph.values())))
+    if opts.instructions:
+        rows += (("Redis instr. k", lambda ph: sum(x["instr"] for x in ph.values())),)
     for what, get in rows:
         print(f"{what:16}" + "".join(f"{_cell([get(ph) for ph in runs[label]]):>{width + 2}}" for label in specs))
-    print("\nper phase, per job (medians): commands / EVALSHA us / us in the scripts' commands / Lua outside them")
+    print("\nper phase, per job (medians): commands / EVALSHA us / us in the scripts' commands / Lua outside them"
+          + (" / thousands of instructions" if opts.instructions else ""))
     for name in PHASES:
         cells = []
         for label in specs:
             ph = [x[name] for x in runs[label]]
             med = {k: statistics.median(x[k] for x in ph) for k in ("commands", "evalsha", "inside")}
             cells.append(f"{med['commands']:.1f} / {med['evalsha']:.1f} / {med['inside']:.1f} / "
-                         f"{med['evalsha'] - med['inside']:.1f}")
-        print(f"{name:16}" + "".join(f"{c:>{width + 2}}" for c in cells))
+                         f"{med['evalsha'] - med['inside']:.1f}"
+                         + (f" / {statistics.median(x['instr'] for x in ph):.1f}" if opts.instructions else ""))
+        print(f"{name:16}" + "".join(f"  {c:>{width}}" for c in cells))
 
 
 def _cell(xs: list[float]) -> str:

@@ -83,21 +83,22 @@ end
 -- out, and the first lookup of one of them (of any field load() does not read) reads them all
 -- (a second HMGET), so that a job that completes pays for none of them. None of them is
 -- written by a script before it reads them.
-local rare_fields = {__index = function(r, k)
-  local job = rawget(r, 0)  -- the record's key until the rare fields are read
-  if not job then return nil end
-  r[0] = nil
-  local v = redis.call('HMGET', job, 'kill_requested', 'max_lost', 'retries', 'retry_backoff', 'failed_ttl',
-    'cross_children', 'concurrency_key', 'priority')  -- false when absent, as load()'s
-  r.kill_requested, r.max_lost, r.retries, r.retry_backoff, r.failed_ttl = v[1], v[2], v[3], v[4], v[5]
-  r.cross_children, r.concurrency_key, r.priority = v[6], v[7], v[8]
-  return rawget(r, k)
-end}
+local rare_fields  -- their metatable, made by the first load() of a call (most calls load no record)
 
 -- The fields of a job record that the functions below need, read in one HMGET (a table
 -- built by one constructor: a loop setting them one by one costs more than the HMGET); the
 -- rare ones (above) when first looked up. `exclusive`: "1" once claimed from an exclusive queue.
 local function load(job)
+  rare_fields = rare_fields or {__index = function(r, k)
+    local job = rawget(r, 0)  -- the record's key until the rare fields are read
+    if not job then return nil end
+    r[0] = nil
+    local v = redis.call('HMGET', job, 'kill_requested', 'max_lost', 'retries', 'retry_backoff', 'failed_ttl',
+      'cross_children', 'concurrency_key', 'priority')  -- false when absent, as load()'s
+    r.kill_requested, r.max_lost, r.retries, r.retry_backoff, r.failed_ttl = v[1], v[2], v[3], v[4], v[5]
+    r.cross_children, r.concurrency_key, r.priority = v[6], v[7], v[8]
+    return rawget(r, k)
+  end}
   local v = redis.call('HMGET', job, 'attempts', 'bucket', 'waiters', 'task', 'enqueued_at', 'started_at', 'worker',
     'host', 'pid', 'queue', 'result_ttl', 'children', 'max_concurrency', 'unique_key', 'exclusive')
   return setmetatable({[0] = job, attempts = v[1], bucket = v[2], waiters = v[3], task = v[4], enqueued_at = v[5],
@@ -344,7 +345,8 @@ end
 -- `fields` is a flat list of extra field/value pairs for the record.
 -- `r` is the record as load() read it before this change; `error_type` the new one.
 -- `ttl`: the caller's setting for that state (result TTL for completed, failed TTL for
--- failed and killed); the record's own result_ttl / failed_ttl wins. One longer than the
+-- failed and killed), a number or an integer's digits (text: EXPIRE takes it as it is, no
+-- number formatted per job); the record's own result_ttl / failed_ttl wins. One longer than the
 -- setting is kept in meta longest_result_ttl / longest_failed_ttl (only ever raised): the
 -- sweep trims the finished sets by the longest, so that such a job stays listed.
 -- With `index`, a table state -> ids, the caller adds the id to the finished set itself
@@ -358,7 +360,7 @@ local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
   local kind = state == 'completed' and 'result_ttl' or 'failed_ttl'
   local own = tonumber(r[kind])
   if own and own >= 1 and own % 1 == 0 then
-    if own > ttl and own > (tonumber(redis.call('HGET', p .. 'meta', 'longest_' .. kind)) or 0) then
+    if own > tonumber(ttl) and own > (tonumber(redis.call('HGET', p .. 'meta', 'longest_' .. kind)) or 0) then
       redis.call('HSET', p .. 'meta', 'longest_' .. kind, own)
     end
     ttl = own
@@ -453,8 +455,9 @@ end
 -- A decimal number as JSON writes it ("30", "0.5"; not "5.", "05", "1e3", "-1", "nan"),
 -- so that it can be copied into a JSON entry as it is.
 local function json_decimal(s)
-  return type(s) == 'string' and (string.find(s, '^%d+$') or string.find(s, '^%d+%.%d+$')) ~= nil
-    and string.find(s, '^0%d') == nil
+  if type(s) ~= 'string' then return false end
+  if string.find(s, '^[1-9]%d*$') then return true end  -- the usual case ("300"), in one find
+  return (string.find(s, '^%d+$') or string.find(s, '^%d+%.%d+$')) ~= nil and string.find(s, '^0%d') == nil
 end
 
 -- Workflows (docs/PROTOCOL.md, Workflows). A job that others wait for has `children`:

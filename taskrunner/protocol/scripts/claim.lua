@@ -291,7 +291,7 @@ for qi = 1, #KEYS do
         bytes = bytes + #(f[2] or '') + #(f[3] or '') + #(f[7] or '')
         local pid, base = ARGV[5 + 2 * n], ARGV[6 + 2 * n]
         local attempt_n = (tonumber(f[6]) or 0) + 1
-        local attempt = tostring(attempt_n)  -- as text once, not at each use
+        local attempt = f[6] and tostring(attempt_n) or '1'  -- as text once; formatting a number costs
         local md_s = f[4]
         local md = tonumber(md_s)
         if not json_decimal(md_s) then  -- not "nan", "0x10", "-1", "5.": it is copied into JSON

@@ -38,6 +38,9 @@ for k, what in pairs({[1] = 'result', [3] = 'failed'}) do
   end
 end
 local ttl, cap, failed_ttl = tonumber(ARGV[1]), amount(ARGV[2], nil), tonumber(ARGV[3])
+-- The TTLs as their text when that is an integer's digits: EXPIRE then formats no number per job.
+ttl = string.find(ARGV[1], '^[1-9]%d*$') and ARGV[1] or ttl
+failed_ttl = string.find(ARGV[3], '^[1-9]%d*$') and ARGV[3] or failed_ttl
 if not cap or (#ARGV - 3) % 8 ~= 0 then
   return redis.error_reply('ERR finish: ARGV is the result TTL, the backoff cap (seconds >= 0), the failed TTL, '
     .. 'then 8 values per job (id, attempt, outcome, began, v1, v2, v3, v4); got ' .. #ARGV .. ' values')
