@@ -64,6 +64,8 @@ GOOD = [HEAD, "c1", "h", "10.0.0.1", 1, 60, "4242", ""]
     ([HEAD, "c1", "h", "10.0.0.1", 1, 60, "4242"], "pair"),
     ([HEAD + "}", "c1", "h", "10.0.0.1", 1, 60, "4242", ""], "ARGV[1]"),
     ([HEAD, "c2", "h", "10.0.0.1", 1, 60, "4242", ""], "ARGV[1]"),
+    # the head as claim.lua would build it from host and ip, which is not JSON (a backslash)
+    (['{"worker":"c1","host":"h\\","ip":"10.0.0.1"', "c1", "h\\", "10.0.0.1", 1, 60, "4242", ""], "ARGV[1]"),
     (['{"worker":"c 1"', "c 1", "h", "10.0.0.1", 1, 60, "4242", ""], "worker name"),
     ([HEAD, "c1", "h", "10.0.0.1", 0, 60, "4242", ""], "bucket width"),
     ([HEAD, "c1", "h", "10.0.0.1", 1, "nan", "4242", ""], "default max duration"),

@@ -44,8 +44,15 @@ if not is_name(ARGV[2]) then
   return redis.error_reply('ERR claim: invalid worker name (ARGV[2]): use 1-200 of A-Z a-z 0-9 _.:@-, '
     .. 'starting with a letter or digit')
 end
-local head_ok, head = pcall(cjson.decode, ARGV[1] .. '}')
-if not head_ok or type(head) ~= 'table' or head.worker ~= ARGV[2] then
+-- The head a client builds from ARGV[2..4] (no character JSON escapes in host and ip: the
+-- text is then that object's) needs no decoding; any other is decoded.
+local head_ok = ARGV[1] == '{"worker":"' .. ARGV[2] .. '","host":"' .. ARGV[3] .. '","ip":"' .. ARGV[4] .. '"'
+  and not string.find(ARGV[3] .. ARGV[4], '[%c"\\]')
+if not head_ok then
+  local ok, head = pcall(cjson.decode, ARGV[1] .. '}')
+  head_ok = ok and type(head) == 'table' and head.worker == ARGV[2]
+end
+if not head_ok then
   return redis.error_reply('ERR claim: ARGV[1] must be a JSON object without its closing brace, '
     .. 'with "worker" equal to ARGV[2], e.g. {"worker":"w1","host":"h","ip":"10.0.0.1"')
 end
@@ -78,128 +85,136 @@ local want = (#ARGV - 6) / 2
 -- period passed). A concurrency key's slots are <p>slots:<key> (see _lib.lua).
 local FLOW_WINDOW = 100  -- the oldest jobs a flow-controlled queue's claim looks at
 local wait_min  -- seconds until the earliest token due of a rate limit that held a job back
-local limiters, slot_sets = {}, {}
+-- The limiters and slot sets this call read, and the functions below: made by flow_control()
+-- when the call meets a flow-controlled queue (a closure made at every call costs even a plain
+-- queue's claim).
+local limiters, slot_sets, held_back, limiter, spend, slots_of, flow_pick
 
-local function held_back(d)
-  if not wait_min or d < wait_min then wait_min = d end
-end
+local function flow_control()
+  if limiters then return end  -- made already in this call
+  limiters, slot_sets = {}, {}
 
-local function limiter(key, spec)
-  local l = limiters[key]
-  if l then return l end
-  local interval, period = rate_of(spec)
-  if not interval then return nil end  -- enqueue.lua and `queue rate` refuse such specs
-  local v = redis.call('HMGET', key, 'tat', 'win', 'used', 'before')
-  l = {key = key, interval = interval, period = period, tat = tonumber(v[1]) or 0, win = tonumber(v[2]) or 0,
-    used = tonumber(v[3]) or 0, before = tonumber(v[4]) or 0}
-  limiters[key] = l
-  return l
-end
-
-local function spend(l)
-  l.tat = math.max(l.tat, t) + l.interval
-  local w = math.floor(t / l.period)
-  if l.win ~= w then
-    l.before = l.win == w - 1 and l.used or 0
-    l.win, l.used = w, 0
+  function held_back(d)
+    if not wait_min or d < wait_min then wait_min = d end
   end
-  l.used = l.used + 1
-  l.dirty = true
-end
 
--- The holders of a concurrency key (their count, for this call). A full key is checked
--- against the holding hash first: a holder whose delivery is gone is dropped (no path
--- leaves one, but a slot must never stay taken for ever if one did).
-local function slots_of(p, key, most)
-  local s = slot_sets[key]
-  if s then return s end
-  local n_held = redis.call('SCARD', key)
-  if n_held >= most then
-    local ids = redis.call('SMEMBERS', key)
-    local live = redis.call('HMGET', p .. 'running', unpack(ids))
-    local gone = {}
-    for i, id in ipairs(ids) do
-      if not live[i] then gone[#gone + 1] = id end
+  function limiter(key, spec)
+    local l = limiters[key]
+    if l then return l end
+    local interval, period = rate_of(spec)
+    if not interval then return nil end  -- enqueue.lua and `queue rate` refuse such specs
+    local v = redis.call('HMGET', key, 'tat', 'win', 'used', 'before')
+    l = {key = key, interval = interval, period = period, tat = tonumber(v[1]) or 0, win = tonumber(v[2]) or 0,
+      used = tonumber(v[3]) or 0, before = tonumber(v[4]) or 0}
+    limiters[key] = l
+    return l
+  end
+
+  function spend(l)
+    l.tat = math.max(l.tat, t) + l.interval
+    local w = math.floor(t / l.period)
+    if l.win ~= w then
+      l.before = l.win == w - 1 and l.used or 0
+      l.win, l.used = w, 0
     end
-    if #gone > 0 then
-      redis.call('SREM', key, unpack(gone))
-      n_held = n_held - #gone
-    end
+    l.used = l.used + 1
+    l.dirty = true
   end
-  s = {n = n_held}
-  slot_sets[key] = s
-  return s
-end
 
--- Up to k claimable ids of a flow-controlled queue, oldest first (taken off its list
--- `pending`: one priority's, see below),
--- with their slots and tokens spent), from its FLOW_WINDOW oldest, read k first (then as
--- many again as were read, while jobs are still wanted and held back): a
--- job whose task's rate limit has no token now, or whose concurrency key is full, stays
--- where it is and the jobs behind it go ahead; the queue's own limit (`qlim`) stops the
--- pass once spent. Stale ids (see the claim) are dropped, as by the plain claim.
-local function flow_pick(p, k, qlim, pending)
-  if qlim and qlim.tat > t then
-    if redis.call('LLEN', pending) > 0 then held_back(qlim.tat - t) end
-    return {}
-  end
-  local fresh, keep, seen, done, looked = {}, {}, {}, false, 0
-  while not done and looked < FLOW_WINDOW do
-    local c = math.min(math.max(k - #fresh, looked), FLOW_WINDOW - looked)  -- k, then doubling
-    local ids = redis.call('LRANGE', pending, -looked - c, -looked - 1)
-    if #ids == 0 then break end
-    looked = looked + #ids
-    local held = redis.call('SMISMEMBER', p .. 'processing', unpack(ids))
-    local listed = redis.call('SMISMEMBER', p .. 'items', unpack(ids))
-    for i = #ids, 1, -1 do  -- oldest (rightmost) first
-      local id = ids[i]
-      if held[i] == 0 and listed[i] == 1 and not seen[id] then
-        seen[id] = true
-        local ok, tl, s, key = not done, nil, nil, nil
-        if ok then
-          local f = redis.call('HMGET', p .. 'job:' .. id, 'task', 'rate_limit', 'max_concurrency', 'concurrency_key')
-          if f[1] and f[2] then
-            tl = limiter(p .. 'limit:' .. f[1], f[2])
-            if tl and tl.tat > t then
-              ok = false
-              held_back(tl.tat - t)
-            end
-          end
-          local most = tonumber(f[3])
-          if ok and f[1] and most then
-            key = slots_key(p, {task = f[1], max_concurrency = f[3], concurrency_key = f[4]})
-            s = slots_of(p, key, most)
-            ok = s.n < most
-          end
-        end
-        if ok then
-          fresh[#fresh + 1] = id
-          if tl then spend(tl) end
-          if s then
-            s.n = s.n + 1
-            redis.call('SADD', key, id)
-          end
-          if qlim then spend(qlim) end
-          done = #fresh >= k or (qlim ~= nil and qlim.tat > t)
-        else
-          keep[#keep + 1] = id
-        end
+  -- The holders of a concurrency key (their count, for this call). A full key is checked
+  -- against the holding hash first: a holder whose delivery is gone is dropped (no path
+  -- leaves one, but a slot must never stay taken for ever if one did).
+  function slots_of(p, key, most)
+    local s = slot_sets[key]
+    if s then return s end
+    local n_held = redis.call('SCARD', key)
+    if n_held >= most then
+      local ids = redis.call('SMEMBERS', key)
+      local live = redis.call('HMGET', p .. 'running', unpack(ids))
+      local gone = {}
+      for i, id in ipairs(ids) do
+        if not live[i] then gone[#gone + 1] = id end
+      end
+      if #gone > 0 then
+        redis.call('SREM', key, unpack(gone))
+        n_held = n_held - #gone
       end
     end
-    if #ids < c then break end  -- the whole list was read
+    s = {n = n_held}
+    slot_sets[key] = s
+    return s
   end
-  if #keep < looked then  -- else nothing was taken or dropped: the list stays as it is
-    redis.call('LTRIM', pending, 0, -looked - 1)
-    if #keep > 0 then
-      local back = {}
-      for i = #keep, 1, -1 do back[#back + 1] = keep[i] end  -- newest first: the oldest ends rightmost
-      redis.call('RPUSH', pending, unpack(back))
+
+  -- Up to k claimable ids of a flow-controlled queue, oldest first (taken off its list
+  -- `pending`: one priority's, see below),
+  -- with their slots and tokens spent), from its FLOW_WINDOW oldest, read k first (then as
+  -- many again as were read, while jobs are still wanted and held back): a
+  -- job whose task's rate limit has no token now, or whose concurrency key is full, stays
+  -- where it is and the jobs behind it go ahead; the queue's own limit (`qlim`) stops the
+  -- pass once spent. Stale ids (see the claim) are dropped, as by the plain claim.
+  function flow_pick(p, k, qlim, pending)
+    if qlim and qlim.tat > t then
+      if redis.call('LLEN', pending) > 0 then held_back(qlim.tat - t) end
+      return {}
     end
+    local fresh, keep, seen, done, looked = {}, {}, {}, false, 0
+    while not done and looked < FLOW_WINDOW do
+      local c = math.min(math.max(k - #fresh, looked), FLOW_WINDOW - looked)  -- k, then doubling
+      local ids = redis.call('LRANGE', pending, -looked - c, -looked - 1)
+      if #ids == 0 then break end
+      looked = looked + #ids
+      local held = redis.call('SMISMEMBER', p .. 'processing', unpack(ids))
+      local listed = redis.call('SMISMEMBER', p .. 'items', unpack(ids))
+      for i = #ids, 1, -1 do  -- oldest (rightmost) first
+        local id = ids[i]
+        if held[i] == 0 and listed[i] == 1 and not seen[id] then
+          seen[id] = true
+          local ok, tl, s, key = not done, nil, nil, nil
+          if ok then
+            local f = redis.call('HMGET', p .. 'job:' .. id, 'task', 'rate_limit', 'max_concurrency', 'concurrency_key')
+            if f[1] and f[2] then
+              tl = limiter(p .. 'limit:' .. f[1], f[2])
+              if tl and tl.tat > t then
+                ok = false
+                held_back(tl.tat - t)
+              end
+            end
+            local most = tonumber(f[3])
+            if ok and f[1] and most then
+              key = slots_key(p, {task = f[1], max_concurrency = f[3], concurrency_key = f[4]})
+              s = slots_of(p, key, most)
+              ok = s.n < most
+            end
+          end
+          if ok then
+            fresh[#fresh + 1] = id
+            if tl then spend(tl) end
+            if s then
+              s.n = s.n + 1
+              redis.call('SADD', key, id)
+            end
+            if qlim then spend(qlim) end
+            done = #fresh >= k or (qlim ~= nil and qlim.tat > t)
+          else
+            keep[#keep + 1] = id
+          end
+        end
+      end
+      if #ids < c then break end  -- the whole list was read
+    end
+    if #keep < looked then  -- else nothing was taken or dropped: the list stays as it is
+      redis.call('LTRIM', pending, 0, -looked - 1)
+      if #keep > 0 then
+        local back = {}
+        for i = #keep, 1, -1 do back[#back + 1] = keep[i] end  -- newest first: the oldest ends rightmost
+        redis.call('RPUSH', pending, unpack(back))
+      end
+    end
+    if done and qlim and qlim.tat > t and (#keep > 0 or redis.call('LLEN', pending) > 0) then
+      held_back(qlim.tat - t)
+    end
+    return fresh
   end
-  if done and qlim and qlim.tat > t and (#keep > 0 or redis.call('LLEN', pending) > 0) then
-    held_back(qlim.tat - t)
-  end
-  return fresh
 end
 -- <<< Flow control ---------------------------------------------------------------------
 
@@ -216,6 +231,7 @@ for qi = 1, #KEYS do
     limit = redis.call('SCARD', processing) == 0 and math.min(want, n + 1) or n
   end
   local flow = meta[3] == '1' or meta[4] ~= false  -- flow control: one flow_pick() pass
+  if flow then flow_control() end
   local qlim = meta[4] and limiter(p .. 'limit', meta[4]) or nil
   -- [flow: pause, priorities] nothing from a paused queue; the lists in claim order
   if meta[5] == '1' then limit = n end
@@ -353,10 +369,12 @@ for qi = 1, #KEYS do
   end
 end
 -- >>> Flow control: the limiters spent, and when the claimer may try again
-for key, l in pairs(limiters) do
-  if l.dirty then
-    redis.call('HSET', key, 'tat', fmt(l.tat), 'win', l.win, 'used', l.used, 'before', l.before)
-    redis.call('PEXPIREAT', key, math.ceil(math.max(l.tat, (l.win + 2) * l.period) * 1000))
+if limiters then  -- a flow-controlled queue was met
+  for key, l in pairs(limiters) do
+    if l.dirty then
+      redis.call('HSET', key, 'tat', fmt(l.tat), 'win', l.win, 'used', l.used, 'before', l.before)
+      redis.call('PEXPIREAT', key, math.ceil(math.max(l.tat, (l.win + 2) * l.period) * 1000))
+    end
   end
 end
 if wait_min and n < want then
