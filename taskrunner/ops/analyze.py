@@ -12,6 +12,7 @@ logs); a cluster with --master / TASKRUNNER_SPARK_MASTER, same code."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -27,8 +28,6 @@ from taskrunner.worker.spark_session import spark_conf, spark_session
 if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
 
-#: percentile_approx accuracy: a percentile's rank is off by at most n / ACCURACY.
-ACCURACY = 10_000
 GROUPS = {"tasks": "task", "queues": "queue", "workers": "host", "hours": "hour"}
 TOP_ERRORS = 5
 #: The states of history records counted (and their rates) per group.
@@ -145,9 +144,7 @@ def analyze(history_dir: str | None = None, since: float = 7 * 86400, master: st
         try:
             df = _load(spark, root, files, now - since, F)
             progress("per task, queue, host and hour")
-            groups = _groups(spark, df)
-            progress("top error types")
-            errors = _errors(spark, df)
+            groups, errors = _figures(spark, df)
             break
         except Exception as e:
             if not tries_left or not _vanished(e):
@@ -155,7 +152,8 @@ def analyze(history_dir: str | None = None, since: float = 7 * 86400, master: st
             progress("a file was compacted away while read: reading again")
     summary: dict[str, Any] = {"generated_at": now, "since": since,
                                "records": sum(r["count"] for r in groups["tasks"]), "history_dir": root,
-                               "read": read, "accuracy": ACCURACY,
+                               "read": read, "percentiles": {"method": "histogram", "precision": PRECISION,
+                                                             "min_value": MIN_VALUE},
                                "spark": {"master": spark.sparkContext.master,
                                          "conf": {k: spark.conf.get(k, None) for k in sorted(conf)}}}
     for name, key in GROUPS.items():
@@ -190,49 +188,143 @@ def _load(spark: Any, root: str, files: list[str], start: float, F: Any) -> Any:
                     F.floor(F.unix_seconds("finished_at") / 3600).alias("hour")))
 
 
-#: Which grouping set a row of GROUPING SETS is of: grouping(c) is 0 where the set groups by c.
-_GROUPING = ", ".join(f"grouping({k}) AS grouping_{k}" for k in GROUPS.values())
+#: Error types (count, type) per (column, value) of each group, and overall: ("error_type", None).
+Errors = dict[tuple[str, Any], list[tuple[int, str]]]
 
 
-def _groups(spark: Any, df: Any) -> dict[str, list[dict[str, Any]]]:
-    """Counts, outcome counts and rates and percentiles per task, queue, host and hour: one
-    job, one read (GROUPING SETS), whatever the number of groups."""
-    outcomes = ", ".join(f"count_if(state = '{s}') AS {s}" for s in OUTCOMES)
-    rows = spark.sql(f"""
-        SELECT {_GROUPING}, task, queue, host, hour, count(1) AS count, {outcomes},
-               percentile_approx(runtime, array(0.5, 0.95, 0.99), {ACCURACY}) AS runtime_pct,
-               percentile_approx(wait, array(0.5, 0.95), {ACCURACY}) AS wait_pct
-        FROM {{df}} GROUP BY GROUPING SETS ((task), (queue), (host), (hour))""", df=df).collect()
+def _figures(spark: Any, df: Any) -> tuple[dict[str, list[dict[str, Any]]], Errors]:
+    """Counts, outcome counts and rates and percentiles per task, queue, host and hour, and
+    the error types (count, type) per (column, value) of each group and overall
+    (("error_type", None)): two jobs, each one read of the records (see _counts and
+    _histograms)."""
+    counts, errors, names = _counts(spark, df)
+    percentiles = _histograms(spark, df)
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in GROUPS}
-    for r in rows:
-        name, key = next((n, k) for n, k in GROUPS.items() if not r[f"grouping_{k}"])
-        n = r["count"]
-        rp, wp = r["runtime_pct"] or [None] * 3, r["wait_pct"] or [None] * 2
-        row: dict[str, Any] = {key: _key(key, r[key]), "count": n}
+    for (name, value), row in counts.items():
+        key = GROUPS[name]
+        n = row.pop("count")
+        figures: dict[str, Any] = {key: _key(key, value), "count": n}
         for s in OUTCOMES:
-            row[s] = int(r[s])
-            row[f"{s}_rate"] = round(r[s] / n, 6) if n else 0.0
-        row.update(runtime_p50=rp[0], runtime_p95=rp[1], runtime_p99=rp[2], wait_p50=wp[0], wait_p95=wp[1])
-        out[name].append(row)
+            figures[s] = row.get(s, 0)
+            figures[f"{s}_rate"] = round(figures[s] / n, 6) if n else 0.0
+        found = percentiles.get((name, value if key == "hour" else names[name, value]), {})
+        for metric, ps in PERCENTILES.items():
+            for p in ps:
+                figures[f"{metric}_p{p}"] = found.get((metric, p))
+        out[name].append(figures)
     for name, key in GROUPS.items():  # as Spark orders: nulls first
         out[name].sort(key=lambda row: (row[key] is not None, row[key]))
-    return out
+    return out, errors
 
 
-def _errors(spark: Any, df: Any) -> dict[tuple[str, Any], list[tuple[int, str]]]:
-    """(count, error type) of the records that have one, per (column, value) of each group
-    and overall (("error_type", None)): one job over those records' few columns."""
+#: The percentiles computed, per column.
+PERCENTILES = {"runtime": (50, 95, 99), "wait": (50, 95)}
+#: Percentiles come from a histogram of fixed, log-spaced buckets, exact counts: the bucket
+#: that holds a group's p-th value (its nearest rank, the ceil(p/100 * n)-th smallest) is
+#: found exactly, and its geometric middle reported, within PRECISION of that value
+#: (relative: 0.5%); a value under MIN_VALUE (1 µs: the history keeps 6 decimals) counts
+#: as 0 (absolute error < 1 µs). Buckets: [r^i, r^(i+1)) with r = (1 + PRECISION)^2.
+PRECISION = 0.005
+MIN_VALUE = 1e-6
+_LN_R = 2 * math.log1p(PRECISION)
+_FIRST = math.floor(math.log(MIN_VALUE) / _LN_R)  # the bucket of MIN_VALUE: numbered 1
+_BUCKET_BITS = 20  # |bucket number| < 2^19 for any finite double: (709.8 + 13.9) / _LN_R < 73,000
+
+
+def _bucket(column: str) -> str:
+    """SQL of the bucket number of a value: 0 under MIN_VALUE; n > 0 for [r^(n-1+_FIRST),
+    r^(n+_FIRST)); -n for the negative values mirrored (a wait of a clock skewed between
+    hosts); NULL for NULL, NaN and infinities (no bucket: not counted)."""
+    return (f"CASE WHEN NOT abs({column}) <= 1.7976931348623157E308D THEN NULL "
+            f"WHEN abs({column}) < {MIN_VALUE!r}D THEN 0 "
+            f"ELSE CAST(signum({column}) * (floor(ln(abs({column})) / {_LN_R!r}D) - ({_FIRST}) + 1) AS INT) END")
+
+
+def _value(bucket: int) -> float:
+    """The value a bucket number stands for: its geometric middle (0 for bucket 0)."""
+    if not bucket:
+        return 0.0
+    return math.copysign(math.exp((abs(bucket) - 0.5 + _FIRST) * _LN_R), bucket)
+
+
+#: The (grouping, column) histograms: the grouping (task, queue, host, hour) by index.
+_HISTOGRAMS = [(g, metric) for g in range(len(GROUPS)) for metric in PERCENTILES]
+
+
+def _histograms(spark: Any, df: Any) -> dict[tuple[str, Any], dict[tuple[str, int], float]]:
+    """The percentiles of each group: {(grouping, key): {(column, p): value}}, the key an
+    hour's number or xxhash64 of a task, queue or host (see _counts). One job: each record
+    gives 8 (key, code) pairs (4 groupings x runtime and wait; the code: which histogram and
+    the bucket), all primitive, counted in one hash aggregation (GROUPING SETS of the string
+    columns with the sketches of percentile_approx took 3-4 times the CPU: docs/PERFORMANCE.md);
+    then per histogram a running count over its buckets in order finds each percentile's
+    bucket (a few thousand rows per group)."""
+    keys = ["xxhash64(task)", "xxhash64(queue)", "xxhash64(host)", "hour"]
+    half = 1 << (_BUCKET_BITS - 1)
+    pairs = ", ".join(f"struct({keys[g]} AS k, {(i << _BUCKET_BITS) + half} + {metric}_bucket AS c)"
+                      for i, (g, metric) in enumerate(_HISTOGRAMS))
+    found = ", ".join(f"min(b) FILTER (WHERE below * 100 >= n * {p}) AS p{p}" for p in (50, 95, 99))
     rows = spark.sql(f"""
-        SELECT {_GROUPING}, task, queue, host, hour, error_type, count(1) AS count
-        FROM {{df}} WHERE error_type IS NOT NULL
-        GROUP BY GROUPING SETS ((task, error_type), (queue, error_type), (host, error_type), (hour, error_type),
-                                (error_type))""", df=df).collect()
-    out: dict[tuple[str, Any], list[tuple[int, str]]] = {}
+        WITH counted AS (
+            SELECT k, c, count(1) AS n FROM (
+                SELECT inline(array({pairs})) FROM (
+                    SELECT hour, task, queue, host, {_bucket("runtime")} AS runtime_bucket,
+                           {_bucket("wait")} AS wait_bucket FROM {{df}}))
+            WHERE c IS NOT NULL GROUP BY k, c),
+        running AS (
+            SELECT k, shiftright(c, {_BUCKET_BITS}) AS h, (c & {(1 << _BUCKET_BITS) - 1}) - {half} AS b,
+                   sum(n) OVER (PARTITION BY k, shiftright(c, {_BUCKET_BITS}) ORDER BY c) AS below,
+                   sum(n) OVER (PARTITION BY k, shiftright(c, {_BUCKET_BITS})) AS n
+            FROM counted)
+        SELECT k, h, {found} FROM running GROUP BY k, h""", df=df).collect()
+    out: dict[tuple[str, Any], dict[tuple[str, int], float]] = {}
+    names = list(GROUPS)
     for r in rows:
-        key = next((k for k in GROUPS.values() if not r[f"grouping_{k}"]), None)  # None: the set (error_type)
-        where = (key, _key(key, r[key])) if key else ("error_type", None)
-        out.setdefault(where, []).append((r["count"], r["error_type"]))
+        g, metric = _HISTOGRAMS[r["h"]]
+        group = out.setdefault((names[g], r["k"]), {})
+        for p in PERCENTILES[metric]:
+            group[metric, p] = _value(r[f"p{p}"])
     return out
+
+
+def _counts(spark: Any, df: Any) -> tuple[dict[tuple[str, Any], dict[str, int]], Errors, dict[tuple[str, Any], int]]:
+    """Per group, {(grouping, value): {"count": n, <state>: n}}; the error types (count,
+    type) per (column, value) and overall (("error_type", None)); and the xxhash64 of each
+    task, queue and host, {(grouping, value): hash}, by which _histograms knows them. One
+    job: the records counted per (task, queue, host, hour, state, error type), a few rows per
+    hour and task, then those counts summed per grouping (GROUPING SETS over them, not over
+    the records)."""
+    rows = spark.sql(f"""
+        WITH fine AS (
+            SELECT task, queue, host, hour, state, error_type, count(1) AS n FROM {{df}}
+            GROUP BY task, queue, host, hour, state, error_type)
+        SELECT {", ".join(f"grouping({k}) AS grouping_{k}" for k in GROUPS.values())},
+               task, queue, host, hour, xxhash64(task) AS task_hash, xxhash64(queue) AS queue_hash,
+               xxhash64(host) AS host_hash, state, error_type, sum(n) AS n
+        FROM fine GROUP BY state, error_type, GROUPING SETS ((task), (queue), (host), (hour), ())""",
+                     df=df).collect()
+    counts: dict[tuple[str, Any], dict[str, int]] = {}
+    errors: dict[tuple[str, Any], dict[str, int]] = {}
+    names: dict[tuple[str, Any], int] = {}
+    for r in rows:
+        name, key = next(((n, k) for n, k in GROUPS.items() if not r[f"grouping_{k}"]), (None, None))
+        where = (key, _key(key, r[key])) if key else ("error_type", None)
+        if r["error_type"] is not None:  # one row per state: failed, killed
+            types = errors.setdefault(where, {})
+            types[r["error_type"]] = types.get(r["error_type"], 0) + r["n"]
+        if name is None:
+            continue
+        group = counts.setdefault((name, r[key]), {"count": 0})
+        group["count"] += r["n"]
+        group[r["state"]] = group.get(r["state"], 0) + r["n"]
+        if key != "hour":
+            names[name, r[key]] = r[f"{key}_hash"]
+    for name in ("tasks", "queues", "workers"):  # 64-bit hashes: a collision would merge two groups' percentiles
+        hashes = [h for (n, _), h in names.items() if n == name]
+        if len(set(hashes)) < len(hashes):
+            raise TaskRunnerError(f"two {name} of the archive have the same xxhash64: their percentiles cannot "
+                                  "be told apart")
+    return counts, {w: [(c, e) for e, c in types.items()] for w, types in errors.items()}, names
 
 
 def _key(column: str, value: Any) -> Any:
