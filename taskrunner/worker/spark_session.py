@@ -51,15 +51,12 @@ logger.sink4.level = error
 
 #: The settings a session gets unless TASKRUNNER_SPARK_CONF or --conf say otherwise (small on
 #: purpose: local mode on 2 shared cores; raise them for a cluster or a bigger archive). The
-#: last two measured with `taskrunner analyze` at 10M records (docs/PERFORMANCE.md): Spark
-#: lists the files it is given in a job of one task per file past 32 files (1,400 tasks:
-#: 29 s), here of 4 tasks (6 s); the groups of a 7-day analysis (~185 with its 168 hours)
-#: stay in the hash aggregation of the percentile sketches instead of falling back to a sort
-#: of every row past 128 (the main job 246 s -> 150 s); more groups fall back, as before.
+#: last measured with `taskrunner analyze` at 10M records (docs/PERFORMANCE.md): Spark lists
+#: the files it is given in a job of one task per file past 32 files (1,400 tasks: 29 s),
+#: here of 4 tasks (6 s).
 DEFAULT_CONF = {"spark.sql.shuffle.partitions": "4", "spark.driver.memory": "1g", "spark.ui.enabled": "false",
                 "spark.ui.showConsoleProgress": "false", "spark.sql.session.timeZone": "UTC",
-                "spark.sql.sources.parallelPartitionDiscovery.parallelism": "4",
-                "spark.sql.objectHashAggregate.sortBased.fallbackThreshold": "256"}
+                "spark.sql.sources.parallelPartitionDiscovery.parallelism": "4"}
 
 
 def parse_conf(entries: list[str], where: str = "--conf") -> dict[str, str]:
