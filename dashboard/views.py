@@ -240,8 +240,8 @@ def worker_act(name: str, action: str, who: str) -> dict[str, Any]:
     w = find_worker(name, jobs=0)
     if w["state"] != "alive":
         abort(409, f"worker {name} is not alive: nothing to stop")
-    if w.get("kind") == "consumer":  # it reads kill messages only: a stop would be dropped
-        abort(409, f"{name} is a `taskrunner consume` consumer, not a worker: it takes no stop message; "
+    if w.get("kind"):  # a consumer ("consumer": ours, "node": the Node client) reads kill messages only
+        abort(409, f"{name} is a {w['kind']} consumer, not a worker: it takes no stop message; "
                    f"stop its process (PID {w.get('pid', '?')} on {w.get('host', '?')}) instead")
     runner().send_control(name, {"stop": WORKER_ACTIONS[action], "who": who})
     audit(f"{action} worker {name}", who, True)

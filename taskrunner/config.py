@@ -67,6 +67,13 @@ class Settings:
     #: once, and never connects to Redis (taskrunner/client/eager.py says what differs).
     eager: bool = False  # TASKRUNNER_EAGER
 
+    def __post_init__(self) -> None:
+        # finish.lua refuses these (a record kept 0 s is gone as it finishes): say so at start,
+        # not at every finish of every job
+        for name in ("result_ttl", "failed_ttl"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TASKRUNNER_{name.upper()}={getattr(self, name)!r} must be at least 1 (seconds)")
+
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:
         values: dict[str, Any] = {}

@@ -123,6 +123,9 @@ def test_requeue_script_refuses_a_bad_state_list(app):
     with pytest.raises(Exception, match=r"requeue: ARGV\[3\] lists the states it may requeue"):
         scripts.REQUEUE(app.redis, [app.keys.q("default")], [job.id, "op", "delayed pending"])
     assert job.state == "delayed"
+    for empty in ("", "  "):  # no state: it would requeue nothing, silently
+        with pytest.raises(Exception, match=r"requeue: ARGV\[3\] lists no state"):
+            scripts.REQUEUE(app.redis, [app.keys.q("default")], [job.id, "op", empty])
     assert scripts.REQUEUE(app.redis, [app.keys.q("default")], ["nosuch", "op", "delayed"]) == ""
     assert job.requeue("op") and job.state == "pending"  # without the list: delayed or running, as before
 

@@ -130,6 +130,25 @@ def test_stop_is_refused_for_a_consumer(app, web):
     assert r.status_code == 409 and not app.redis.llen(app.keys.control("c-ref"))
 
 
+def test_a_consumer_of_another_language_is_refused_a_stop_and_its_page_lists_its_jobs(app, web):
+    """The Node client's heartbeat says kind "node" and lists no jobs: a stop is refused as
+    for ours, and its page finds the jobs it holds in the holding lists, by name."""
+    from taskrunner.protocol import codec, scripts
+    from tests.test_scripts import claim
+
+    job = apps.add.delay(1, 2)
+    claim(app, worker="node-1")
+    info = {"name": "node-1", "host": "h", "ip": "1.2.3.4", "pid": 7, "queues": ["default"], "concurrency": 1,
+            "busy": 1, "kind": "node"}
+    scripts.HEARTBEAT(app.redis, [app.keys.g], ["node-1", codec.dumps(info), 60])
+    r = web.post("/api/workers/node-1/stop", headers=API)
+    assert r.status_code == 409 and "node consumer, not a worker" in r.get_json()["error"]
+    assert not app.redis.llen(app.keys.control("node-1"))
+    assert [j["id"] for j in web.get("/api/workers/node-1").get_json()["jobs"]] == [job.id]
+    page = web.get("/workers/node-1").get_data(as_text=True)
+    assert job.id in page and 'data-action="stop"' not in page
+
+
 def test_a_worker_page_lists_only_the_jobs_the_holding_lists_give_it(app, web):
     """The page reads the jobs the worker's heartbeat lists (not every running job): one
     another worker holds, one that ended and entries that are not [queue, id] are left out."""

@@ -261,6 +261,14 @@ def test_bad_env_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         TaskRunner("env")
 
 
+@pytest.mark.parametrize("name", ["RESULT_TTL", "FAILED_TTL"])
+def test_a_record_ttl_under_a_second_is_refused_at_start(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """finish.lua refuses it: a worker started with it would fail every finish."""
+    monkeypatch.setenv(f"TASKRUNNER_{name}", "0")
+    with pytest.raises(ValueError, match=f"TASKRUNNER_{name}=0 must be at least 1"):
+        TaskRunner("env")
+
+
 def test_without_eager_the_same_enqueue_needs_redis() -> None:
     """The check the tests above rely on: this URL really is unreachable."""
     app = TaskRunner("real")

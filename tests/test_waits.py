@@ -218,3 +218,26 @@ def test_consume_reports_a_command_that_ended_while_redis_was_down(app, own_redi
         assert job.refresh().data["state"] == "completed" and job.data["attempts"] == "1", job.data
     finally:
         stack.stop()
+
+
+def test_a_cancellable_blocker_asks_its_client_id_again_on_a_new_socket(app):
+    """redis-py reconnects a connection an error closed: CLIENT UNBLOCK must then name the
+    new connection, not the one before (whose id may be another client's after a restart)."""
+    from taskrunner.protocol.connection import Blocker
+
+    key = app.keys.q("default") + "wake"
+    b = Blocker(app.redis, [key], cancellable=True)
+
+    def ours() -> int:
+        return wait_for(lambda: next((int(c["id"]) for c in app.redis.client_list()
+                                      if c["cmd"] == "brpop"), None), what="our BRPOP")
+
+    b.arm(30)
+    assert b.client_id == ours()
+    assert b.cancel() is None and not b.armed
+    b.conn.disconnect()  # what redis-py does to a connection whose command failed
+    b.arm(30)
+    assert b.client_id == ours()
+    app.redis.lpush(key, "1")
+    assert b.read() == [key, "1"]
+    b.reset()

@@ -18,7 +18,7 @@ from taskrunner.client.app import TaskRunner
 from taskrunner.client.steps import REDIS_ERRORS
 from taskrunner.protocol import codec, joins, scripts, shards
 from taskrunner.protocol.claims import Delivery, claim_args, claim_keys, claim_rest
-from taskrunner.protocol.connection import Blocker, blockers_on, give_back, pop_any, slack
+from taskrunner.protocol.connection import Blocker, blockers_on, give_back, is_cluster, pop_any, slack
 from taskrunner.protocol.holders import held, identity
 from taskrunner.protocol.outcome import Ended, Outcome, finish_args
 
@@ -58,7 +58,7 @@ class Consumer:
                 for b in self._wakes:  # none armed: each claim ends with _settle()
                     b.reset()
                 self._wakes = blockers_on(self.app.redis, [self.keys.q(q) + "wake" for q in self.served.physical],
-                                          cancellable=True)
+                                          cancellable=is_cluster(self.app.redis))
             self.queues = self.served.physical
             self._counts_at = time.monotonic() + shards.KEEP
         try:

@@ -151,8 +151,12 @@ def worker(app: TaskRunner, name: str, limit: int = 100) -> dict[str, Any] | Non
     found["children"] = [{"pid": pid, "rss": number(rss.get(str(pid)))}
                          for pid in (pids if isinstance(pids, list) else []) if number(pid) is not None]
     held = found.pop("running", None)
-    found["jobs"] = held_by(app, name, held[:limit] if isinstance(held, list) else [], now) \
-        if found["state"] == "alive" else []
+    if found["state"] != "alive":
+        found["jobs"] = []
+    elif isinstance(held, list):
+        found["jobs"] = held_by(app, name, held[:limit], now)
+    else:  # a consumer's heartbeat (ours, the Node client's) lists none: the holding lists', by name
+        found["jobs"] = [r for r in running(app, limit=10**9)[1] if r["worker"] == name][:limit]
     return found
 
 

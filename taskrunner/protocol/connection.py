@@ -726,6 +726,8 @@ class Blocker:
             self.pool = pool
             if self.conn is None:
                 self.conn = pool.connection_class(**pool.connection_kwargs)
+            if self.conn._sock is None:  # a new socket (redis-py reconnects one an error closed): a new CLIENT ID
+                self.client_id = None
             # connect() first: send_command() alone would skip a Sentinel-managed
             # connection's lookup of the primary and dial the default localhost:6379.
             self.conn.connect()
@@ -762,11 +764,19 @@ class Blocker:
     def cancel(self) -> Any:
         """End an armed command without losing what it took (made with cancellable=True):
         CLIENT UNBLOCK from another connection to its server, then its answer: None, or the
-        [key, item] it had taken already (closing the connection would drop that item)."""
+        [key, item] it had taken already (closing the connection would drop that item).
+        Made without cancellable (one BRPOP on every list, one server: it has answered by
+        the time its claimer returns), it is reset."""
         if not self.armed:
             return None
+        if not self.cancellable:
+            self.reset()
+            return None
         try:
-            redis.Redis(connection_pool=self.pool).execute_command("CLIENT", "UNBLOCK", self.client_id)
+            unblocked = redis.Redis(connection_pool=self.pool).execute_command("CLIENT", "UNBLOCK", self.client_id)
+            if not unblocked and not self.conn.can_read(timeout=0.5):
+                self._close()  # not blocked and no answer on its way: nothing taken, nothing to wait for
+                return None
         except BaseException:
             self._close()
             raise

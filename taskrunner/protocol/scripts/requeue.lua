@@ -20,6 +20,9 @@ if ARGV[3] then
     end
     may[w] = true
   end
+  if next(may) == nil then  -- an empty list would requeue nothing, silently
+    return redis.error_reply('ERR taskrunner: BadCall: requeue: ARGV[3] lists no state (delayed, running)')
+  end
 end
 local job = p .. 'job:' .. id
 local f = redis.call('HMGET', job, 'state', 'priority')
