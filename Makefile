@@ -39,7 +39,8 @@ test: setup
 clean:
 	rm -rf $(VENV) var .pytest_cache
 
-# taskrunner vs Celery, RQ and Dramatiq on one redis-server (bench/bench.py; ~10 min).
+# taskrunner vs Celery, RQ and Dramatiq on one redis-server (bench/bench.py: enqueues, the no-op,
+# round-trip and 20 ms drains, latency, recovery; tens of minutes, ARGS=--quick for a look).
 # Peers go into bench/.venv-peers; results in bench/results/latest.txt.
 # Options through ARGS, e.g.: make bench ARGS=--quick   make bench ARGS="--only taskrunner,rq --json out.json"
 bench: setup
