@@ -109,6 +109,31 @@ def start_up(cwd, *args: str, env: dict[str, str] | None = None) -> subprocess.P
     return p
 
 
+def test_ctrl_c_while_the_stack_starts_stops_it_without_a_traceback(tmp_path):
+    """Ctrl-C in the first second of `taskrunner up` (or `make demo`), while its processes
+    still import: everything stops, exit 0, no traceback. The terminal's SIGINT reached a
+    dispatcher, worker or gunicorn before they had handlers: KeyboardInterrupt tracebacks
+    (CI's `make demo` check, where a fresh checkout's first imports are slow)."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("REDIS_URL", "TASKRUNNER_"))},
+           "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "taskrunner", "up", "-A", "tests.apps", "--port", str(free_port())],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    up = psutil.Process(p.pid)
+    family: list[psutil.Process] = []
+    try:
+        wait_for(lambda: len(up.children()) == 4, what="Redis, dispatcher, worker and dashboard started")
+        family = up.children(recursive=True)
+        os.killpg(p.pid, signal.SIGINT)  # as a terminal does: to its foreground process group
+        out, _ = p.communicate(timeout=120)
+        _, alive = psutil.wait_procs(family, timeout=30)
+    finally:
+        stop_up(p, family)
+    assert p.returncode == 0 and "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert out.rstrip().endswith("redis-server stopped"), out
+    assert alive == [], [q.cmdline() for q in alive]
+
+
 def _dashboard(up: psutil.Process) -> psutil.Process:
     [gunicorn] = [q for q in up.children() if "gunicorn" in " ".join(q.cmdline())]
     return gunicorn
@@ -258,9 +283,9 @@ def test_ctrl_c_twice_stops_up_now_and_cleanly(tmp_path):
         client = TaskRunner("probe", redis_url=f"unix://{tmp_path.resolve()}/var/redis.sock")
         job = client.enqueue("tests.apps.hold", ["u1", 300])
         wait_for(lambda: job.refresh().state == "running", what="the job to run")
-        os.killpg(p.pid, signal.SIGINT)  # as a terminal does: to up, its worker, dispatcher and dashboard
-        # Both up and its worker took the first Ctrl-C before the second comes: two SIGINTs
-        # pending at once in one process are one (the kernel merges them).
+        os.killpg(p.pid, signal.SIGINT)  # as a terminal does: to its foreground process group
+        # Both up and its worker (SIGTERM from up) took the first Ctrl-C before the second
+        # comes: two signals pending at once in one process are one (the kernel merges them).
         seen: set[str] = set()
         lines: list[str] = []
         wanted = {"stopping...", "running jobs have 600s to finish"}

@@ -26,8 +26,14 @@ from taskrunner.worker.child import dies_with_us
 
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     """A process of the stack; on Linux it gets SIGTERM if `up` dies (SIGKILL, OOM), where
-    it would have run on, orphaned, holding the dashboard's port and Redis's socket."""
-    return subprocess.Popen([sys.executable, "-m", *args], env=env, preexec_fn=dies_with_us())
+    it would have run on, orphaned, holding the dashboard's port and Redis's socket.
+
+    In a process group of its own, so that the terminal's Ctrl-C reaches `up` alone, which
+    passes it on as SIGTERM (_stop): a SIGINT reaching a process still importing (the first
+    second of `make demo`, or a slow first start that compiles every module) printed a
+    KeyboardInterrupt traceback, where SIGTERM ends it quietly."""
+    return subprocess.Popen([sys.executable, "-m", *args], env=env, stdin=subprocess.DEVNULL,
+                            process_group=0, preexec_fn=dies_with_us())
 
 
 def _claim(directory: Path) -> int:
@@ -109,25 +115,27 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
         redis_url = server.url
         click.echo(f"redis-server: {redis_url} (AOF on, data in {Path(EMBEDDED_DIR).resolve()})")
     env = {**os.environ, "REDIS_URL": redis_url, "TASKRUNNER_APP": app_spec, "TASKRUNNER_LOG_FORMAT": log_format}
-    procs = {
-        "dispatcher": _spawn(["taskrunner", "dispatcher"], env),
-        "worker": _spawn(["taskrunner", "worker", "-c", str(concurrency), *(["-Q", "default"] if demo else [])], env),
-        "dashboard": _spawn(["gunicorn", "-c", "python:dashboard.gunicorn_conf", "-w", "2", "-b", f"127.0.0.1:{port}",
-                             "--log-level", "warning", "dashboard:create_app()"], env),
+    commands = {
+        "dispatcher": (["taskrunner", "dispatcher"], env),
+        "worker": (["taskrunner", "worker", "-c", str(concurrency), *(["-Q", "default"] if demo else [])], env),
+        "dashboard": (["gunicorn", "-c", "python:dashboard.gunicorn_conf", "-w", "2", "-b", f"127.0.0.1:{port}",
+                       "--log-level", "warning", "dashboard:create_app()"], env),
     }
     if demo:  # the demo's long jobs get a worker of their own, so that they hold up nothing
-        procs["slow worker"] = _spawn(["taskrunner", "worker", "-Q", "slow", "-c", "2"],
-                                      {**env, "TASKRUNNER_SHUTDOWN_GRACE": "1"})
-    click.echo(f"dashboard: http://127.0.0.1:{port}/   (Ctrl-C stops everything)")
-    if not os.environ.get("TASKRUNNER_DASHBOARD_PASSWORD"):
-        click.echo("dashboard: read-only; to kill, retry and purge from it, start with a password: "
-                   "TASKRUNNER_DASHBOARD_PASSWORD=pick-one " + ("make demo" if demo else "taskrunner up ..."))
+        commands["slow worker"] = (["taskrunner", "worker", "-Q", "slow", "-c", "2"],
+                                   {**env, "TASKRUNNER_SHUTDOWN_GRACE": "1"})
     code = 0
-    interrupted = False
-    signals = _Signals()  # SIGTERM: else it dies at once, leaving everything running
+    procs: dict[str, subprocess.Popen] = {}
+    signals = _Signals()  # before the first process starts: a Ctrl-C from then on stops those started
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signals)
     try:
+        for name, (args, its_env) in commands.items():
+            procs[name] = _spawn(args, its_env)
+        click.echo(f"dashboard: http://127.0.0.1:{port}/   (Ctrl-C stops everything)")
+        if not os.environ.get("TASKRUNNER_DASHBOARD_PASSWORD"):
+            click.echo("dashboard: read-only; to kill, retry and purge from it, start with a password: "
+                       "TASKRUNNER_DASHBOARD_PASSWORD=pick-one " + ("make demo" if demo else "taskrunner up ..."))
         if demo:
             code = _demo(app_spec, redis_url, exit_after)
             if exit_after:
@@ -138,29 +146,27 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
         click.echo(f"{', '.join(dead)} exited; stopping the rest", err=True)
         code = 1
     except KeyboardInterrupt:
-        interrupted = True  # the terminal sent SIGINT to every process of ours already
         click.echo("stopping...")
     except _Terminated:
         click.echo("stopping (SIGTERM)...")
         code = 0
     finally:
-        _stop(list(procs.values()), signals, signalled=interrupted)
+        _stop(list(procs.values()), signals)
         if server:
             server.stop()
             click.echo("redis-server stopped")
     return code
 
 
-def _stop(procs: list[subprocess.Popen], signals: _Signals, signalled: bool) -> None:
-    """Stop the stack's processes (SIGTERM, unless the terminal's Ctrl-C reached them
-    already) and wait for them, Redis kept until they are gone: running jobs have their
-    grace. Meanwhile SIGTERM again is ignored, as the worker ignores it, and Ctrl-C again
-    stops running jobs now (SIGINT to each process: the worker requeues them). Past 30 s
-    they get SIGINT, past 40 s SIGKILL."""
+def _stop(procs: list[subprocess.Popen], signals: _Signals) -> None:
+    """Stop the stack's processes (SIGTERM: the terminal's Ctrl-C reached `up` alone) and
+    wait for them, Redis kept until they are gone: running jobs have their grace. Meanwhile
+    SIGTERM again is ignored, as the worker ignores it, and Ctrl-C again stops running jobs
+    now (SIGINT to each process: the worker requeues them). Past 30 s they get SIGINT, past
+    40 s SIGKILL."""
     signals.stopping = True
     caught = signals.caught
-    if not signalled:
-        _send(procs, signal.SIGTERM)
+    _send(procs, signal.SIGTERM)
     began, hurried = time.monotonic(), False
     while True:
         while caught:  # also when all are gone already: what the user did is acknowledged
