@@ -56,7 +56,9 @@ def test_enqueue_now_from_the_job_page_and_the_queue_page(app, web):
     assert f"{job.id}: enqueued now: next in line" in text(web, "/queues/default?state=delayed")
     audit = app.redis.lrange(app.keys.g + "audit", 0, -1)
     assert any(f'"what":"enqueue-now {job.id} (default)"' in a and '"done":true' in a for a in audit)
-    assert any(e["event"].startswith("requeued by admin") for e in job.refresh().to_dict()["timeline"])
+    events = [e["event"] for e in job.refresh().to_dict()["timeline"]]
+    assert any(e.startswith("enqueued now by admin") for e in events) and not any("requeued" in e for e in events)
+    assert "enqueued now by admin" in text(web, f"/jobs/{job.id}")
     # Again: it is pending now, so it is refused with the reason, and not put in line twice.
     r = web.post(f"/jobs/{job.id}/enqueue-now", data={"csrf_token": token})
     assert r.status_code == 302 and r.headers["Location"] == f"/jobs/{job.id}"
@@ -128,6 +130,22 @@ def test_requeue_script_refuses_a_bad_state_list(app):
             scripts.REQUEUE(app.redis, [app.keys.q("default")], [job.id, "op", empty])
     assert scripts.REQUEUE(app.redis, [app.keys.q("default")], ["nosuch", "op", "delayed"]) == ""
     assert job.requeue("op") and job.state == "pending"  # without the list: delayed or running, as before
+
+
+def test_the_timeline_words_each_operators_requeue_by_what_it_did(app, web):
+    """A delayed job made pending is "enqueued now by <who>" (the dashboard's Enqueue now, or
+    Job.requeue of a delayed job), a running one sent back in line "requeued by <who>"; an
+    event recorded before (a delayed job's "requeued by") reads as it was written."""
+    later = apps.add.apply_async([1, 2], delay=3600)
+    assert later.requeue("op") and later.state == "pending"
+    [(_, running_id, *_)] = claim(app)
+    assert running_id == later.id and later.requeue("ops2")
+    events = [e["event"] for e in later.refresh().to_dict()["timeline"]]
+    by = [e for e in events if " by " in e]
+    assert by[0] == "enqueued now by op" and sorted(by[1:]) == ["delivery 1 requeued by ops2", "requeued by ops2"]
+    old = apps.add.apply_async([3, 4], delay=3600)
+    app.redis.hset(app.keys.job("default", old.id), "action:1700000000.5", "requeued by admin")
+    assert "requeued by admin" in text(web, f"/jobs/{old.id}")
 
 
 # -- The queue page ---------------------------------------------------------------------

@@ -8,6 +8,8 @@
 --          as it is); default "delayed running"
 -- Returns the state before ("" when there is no such job); only delayed and running change,
 -- and only those ARGV[3] lists (another is refused: nothing changed).
+-- The job's timeline (an action:<time> field) says what it did: "enqueued now by <who>" for
+-- a delayed job (it was not in line: its due time is now), "requeued by <who>" for a running one.
 local p = KEYS[1]
 local id = ARGV[1]
 local may = {delayed = true, running = true}
@@ -31,7 +33,7 @@ if not may[state] then
   return state or ''
 end
 local t = now()
-local action = {'action:' .. fmt(t), 'requeued by ' .. ARGV[2]}
+local action = {'action:' .. fmt(t), (state == 'delayed' and 'enqueued now by ' or 'requeued by ') .. ARGV[2]}
 if state == 'delayed' then
   redis.call('ZREM', p .. 'delayed', id)
   to_pending(p, id, job, true, action, f[2])
