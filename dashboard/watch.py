@@ -18,7 +18,7 @@ from typing import Any
 from flask import Blueprint, abort, jsonify, request
 
 from taskrunner.ops import listing
-from taskrunner.ops.queue import backlog
+from taskrunner.ops.queue import pending_keys
 
 from . import views
 
@@ -92,12 +92,26 @@ def worker(name: str) -> dict[str, Any]:
 
 def searched() -> dict[str, Any]:
     """A search's results: the number of jobs of the searched states, per queue (a count
-    each; the search itself reads up to search.BUDGET records, too many to poll)."""
+    each; the search itself reads up to search.BUDGET records, too many to poll). Two round
+    trips at most, whatever the number of queues: the sets' ZCARDs with each queue's
+    priorities, then the LLENs of the pending lists those give."""
     text, states, _ = views.search_args()
     app = views.runner()
     queues = sorted(app.queue_names())
-    counts = [backlog(app, q) if s == "pending" else app.redis.zcard(app.keys.q(q) + s)
-              for q in queues for s in states]
+    cells = [(q, s) for q in queues for s in states]
+    pipe = app.redis.pipeline(transaction=False)
+    for q, s in cells:
+        if s == "pending":
+            pipe.hget(app.keys.q(q) + "meta", "priorities")
+        else:
+            pipe.zcard(app.keys.q(q) + s)
+    first = pipe.execute() if cells else []
+    lists = {i: pending_keys(app.keys.q(q), first[i]) for i, (q, s) in enumerate(cells) if s == "pending"}
+    for keys in lists.values():
+        for key in keys:
+            pipe.llen(key)
+    lengths = iter(pipe.execute() if lists else [])
+    counts = [sum(next(lengths) for _ in lists[i]) if i in lists else n for i, n in enumerate(first)]
     return _counted(sum(counts), _digest(text, counts))
 
 

@@ -94,3 +94,25 @@ def test_version_refusals(app, web, path, status, message):
     apps.add.delay(1, 2)  # queue default exists
     r = web.get(path)
     assert r.status_code == status and message in r.get_data(as_text=True), r.get_data(as_text=True)
+
+
+def round_trips(app, web, path: str) -> int:
+    """The socket reads Redis served for one GET of `path` (a pipeline is one, however many
+    commands it carries), less the INFO that reads the counter."""
+    before = app.redis.info("stats")["total_reads_processed"]
+    assert web.get(path).status_code == 200
+    return int(app.redis.info("stats")["total_reads_processed"]) - int(before) - 1
+
+
+def test_the_search_poll_reads_its_counts_in_a_fixed_number_of_round_trips(app, web):
+    """The Search page's poll counts the jobs of each searched state of each queue: in
+    pipelines, so that its round trips do not grow with the queues (they were one command,
+    and for pending two, per queue and state)."""
+    apps.add.delay(1, 2)
+    path = "/api/version/search?q=add&state=pending&state=delayed&state=failed"
+    web.get(path)  # the first request reads the session secret
+    one = round_trips(app, web, path)
+    for i in range(8):
+        apps.add.apply_async([i, 0], queue=f"q{i}", priority=5 if i % 2 else None)
+    assert round_trips(app, web, path) == one
+    assert web.get(path).get_json()["total"] == 9
