@@ -168,3 +168,29 @@ def test_a_worker_page_lists_only_the_jobs_the_holding_lists_give_it(app, web):
     info["name"] = name
     scripts.HEARTBEAT(app.redis, [app.keys.g], [name, codec.dumps(info), 60])
     assert [j["id"] for j in web.get(f"/api/workers/{name}").get_json()["jobs"]] == [row[1]]
+
+
+def test_a_worker_page_lists_its_oldest_jobs_first(app, web):
+    """The page lists the 100 jobs it has held longest, oldest first, whatever the order its
+    heartbeat lists them in (its children's), and says how many it holds."""
+    from taskrunner.protocol import codec, scripts
+    from tests.test_scripts import claim
+
+    p = app.keys.q("default")
+    for i in range(101):
+        apps.add.delay(i, 0)
+    ids = [row[1] for row in claim(app, worker="w-old", pids=tuple(range(1, 102)))]
+    oldest, newest = ids[50], ids[0]
+    for k, job_id in enumerate(ids):  # started a second apart, ids[50] first, ids[0] last
+        entry = codec.loads(app.redis.hget(p + "running", job_id))
+        entry["started_at"] -= 1000 if job_id == oldest else k
+        app.redis.hset(p + "running", job_id, codec.dumps(entry))
+    info = {"name": "w-old", "host": "h", "pid": 1, "queues": ["default"], "concurrency": 101,
+            "running": [["default", i] for i in ids]}
+    scripts.HEARTBEAT(app.redis, [app.keys.g], ["w-old", codec.dumps(info), 60])
+    jobs = web.get("/api/workers/w-old").get_json()["jobs"]
+    assert [j["id"] for j in jobs] == [oldest] + [i for i in reversed(ids[1:]) if i != oldest]
+    assert newest not in {j["id"] for j in jobs}
+    page = web.get("/workers/w-old").get_data(as_text=True)
+    assert page.index(oldest) < page.index(ids[100]) and newest not in page
+    assert "the 100 it has held longest of 101, oldest first" in page

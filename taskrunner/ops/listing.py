@@ -139,8 +139,9 @@ def workers(app: TaskRunner, held: bool = False) -> list[dict[str, Any]]:
 
 def worker(app: TaskRunner, name: str, limit: int = 100) -> dict[str, Any] | None:
     """One worker as workers() gives it, with its children (PID and RSS, when the worker
-    publishes them) and up to `limit` jobs it runs now (those its heartbeat lists: a read of
-    each, whatever the number of running jobs); None when no worker of that name is listed."""
+    publishes them), how many jobs it runs now (`held`) and up to `limit` of them, those it
+    has held longest, oldest first (those its heartbeat lists: a read of each, whatever the
+    number of running jobs); None when no worker of that name is listed."""
     now = server_time(app.redis)
     found = next((w for w in workers(app, held=True) if w["name"] == name), None)
     if found is None:
@@ -151,33 +152,40 @@ def worker(app: TaskRunner, name: str, limit: int = 100) -> dict[str, Any] | Non
     found["children"] = [{"pid": pid, "rss": number(rss.get(str(pid)))}
                          for pid in (pids if isinstance(pids, list) else []) if number(pid) is not None]
     held = found.pop("running", None)
-    if found["state"] != "alive":
-        found["jobs"] = []
+    if found["state"] != "alive" or not limit:
+        jobs: list[dict[str, Any]] = []
+        found["held"] = 0 if found["state"] != "alive" else None
     elif isinstance(held, list):
-        found["jobs"] = held_by(app, name, held[:limit], now)
+        found["held"], jobs = held_by(app, name, held, now, limit)
     else:  # a consumer's heartbeat (ours, the Node client's) lists none: the holding lists', by name
-        found["jobs"] = [r for r in running(app, limit=10**9)[1] if r["worker"] == name][:limit]
+        jobs = [r for r in running(app, limit=10**9)[1] if r["worker"] == name]
+        found["held"] = len(jobs)
+    found["jobs"] = jobs[:limit]
     return found
 
 
-def held_by(app: TaskRunner, name: str, held: list[Any], now: float) -> list[dict[str, Any]]:
-    """The jobs of `held` (the [queue, id] pairs a worker's heartbeat lists) that the holding
-    lists still give to worker `name`, as running() rows: a read per job, not of every
-    running job. Pairs that are not one are left out."""
+def held_by(app: TaskRunner, name: str, held: list[Any], now: float, limit: int) -> tuple[int, list[dict[str, Any]]]:
+    """The jobs of `held` (the [queue, id] pairs a worker's heartbeat lists, in its
+    children's order) that the holding lists still give to worker `name`: how many, and the
+    `limit` it has held longest as running() rows, oldest first. A read of each holding entry,
+    then of the records of those rows, not of every running job. Pairs that are not one are
+    left out."""
     pairs = [(q, i) for q, i in (h for h in held if isinstance(h, list) and len(h) == 2)
              if isinstance(q, str) and isinstance(i, str)]
     pipe = app.redis.pipeline(transaction=False)
     for q, job_id in pairs:
         pipe.hget(app.keys.q(q) + "running", job_id)
-        pipe.hmget(app.keys.job(q, job_id), "task", "args", "kwargs")
-    res = pipe.execute() if pairs else []
     rows = []
-    for (q, job_id), raw, (task, args, kwargs) in zip(pairs, res[0::2], res[1::2]):
+    for (q, job_id), raw in zip(pairs, pipe.execute() if pairs else []):
         h = Holding.parse(raw) if raw else None
         if h is not None and h.worker == name:
-            rows.append({"id": job_id, "queue": q, **asdict(h), "task": task, "args": _short(args, kwargs),
-                         "elapsed": max(0.0, now - h.started_at), "state": "running"})
-    return sorted(rows, key=lambda r: (r["started_at"], r["id"]))
+            rows.append({"id": job_id, "queue": q, **asdict(h), "elapsed": max(0.0, now - h.started_at),
+                         "state": "running"})
+    rows.sort(key=lambda r: (r["started_at"], r["id"]))
+    page = rows[:limit]
+    for r, (task, args, kwargs) in zip(page, hmget(app, page, "task", "args", "kwargs")):
+        r.update(task=task, args=_short(args, kwargs))
+    return len(rows), page
 
 
 #: Fields of a worker's info that pages and the CLI format as numbers, and as text.
