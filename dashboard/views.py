@@ -220,16 +220,58 @@ def bulk(action: str, body: Any) -> dict[str, Any]:
     return {**total, "left": out["left"], "cursor": out["cursor"]}
 
 
-def find_worker(name: str, jobs: int = 100) -> dict[str, Any]:
-    """The worker, with up to `jobs` of the jobs it runs; 404 when there is none."""
+def lookup_worker(name: str, jobs: int = 100) -> dict[str, Any] | None:
+    """The worker, with up to `jobs` of the jobs it runs (those it has held longest); None
+    when none is listed; 404 for a name that cannot be one."""
     try:
         codec.check_name("worker", name)
     except InvalidName as e:
         abort(404, str(e))
-    w = listing.worker(runner(), name, jobs)
+    return listing.worker(runner(), name, jobs)
+
+
+def find_worker(name: str, jobs: int = 100) -> dict[str, Any]:
+    """The worker, as lookup_worker() gives it; 404 when there is none."""
+    w = lookup_worker(name, jobs)
     if w is None:
-        abort(404, f"no worker {name!r} (never started, or dead for over an hour)")
+        abort(404, f"no worker {name!r} (never started, stopped, or dead for over an hour)")
     return w
+
+
+#: A gone worker's page looks for its jobs among this many of the newest of each ended
+#: state (completed, failed, killed) of each queue: a bounded read, whatever their number.
+GONE_SCAN = 200
+
+
+def _time(v: Any) -> float | None:
+    """A time from a record, None when it is not a number (a missing field)."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def gone_worker(name: str, limit: int = 100) -> dict[str, Any]:
+    """What the queues still know of a worker that has no record (it stopped, or died over
+    an hour ago; a job's "ran on" links to it): the jobs whose last delivery it ran, among
+    the GONE_SCAN newest of each ended state of each queue (their records: the history
+    stream is archived every few seconds), newest first, up to `limit`; how many; and when
+    the last of them ended ("last_seen", None when none is found)."""
+    app = runner()
+    cells = [(q, s) for q in app.queue_names() for s in ("completed", "failed", "killed")]
+    pipe = app.redis.pipeline(transaction=False)
+    for q, s in cells:
+        pipe.zrevrange(app.keys.q(q) + s, 0, GONE_SCAN - 1)
+    rows = [{"id": i, "queue": q} for (q, _), ids in zip(cells, pipe.execute() if cells else []) for i in ids]
+    fields = ("worker", "task", "state", "attempts", "pid", "started_at", "finished_at")
+    ran = []
+    for r, values in zip(rows, listing.hmget(app, rows, *fields)):
+        d = dict(zip(fields, values))
+        if d.pop("worker") == name:
+            ran.append({**r, **d, "started_at": _time(d["started_at"]), "finished_at": _time(d["finished_at"])})
+    ran.sort(key=lambda r: r["finished_at"] or 0, reverse=True)
+    return {"last_seen": ran[0]["finished_at"] if ran else None, "jobs": ran[:limit], "known": len(ran),
+            "scan": GONE_SCAN}
 
 
 def worker_act(name: str, action: str, who: str) -> dict[str, Any]:
@@ -399,9 +441,16 @@ def workers() -> str:
 
 
 @pages.get("/workers/<name>")
-def worker(name: str) -> str:
-    return render_template("worker.html", title=f"Worker {name}", w=find_worker(name),
-                           now=server_time(runner().redis))
+def worker(name: str) -> Any:
+    """A worker's page; for one with no record (stopped, or dead over an hour: a job's
+    "ran on" still names it) a 404 that says it is gone, when it was last seen and the jobs
+    it ran that are still kept, rather than a bare "not found"."""
+    w = lookup_worker(name)
+    now = server_time(runner().redis)
+    if w is None:
+        return render_template("worker_gone.html", title=f"Worker {name}", name=name, now=now,
+                               **gone_worker(name)), 404
+    return render_template("worker.html", title=f"Worker {name}", w=w, now=now)
 
 
 @pages.get("/schedules")

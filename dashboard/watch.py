@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flask import Blueprint, abort, jsonify, request
+from werkzeug.exceptions import HTTPException
 
 from taskrunner.ops import listing
 from taskrunner.ops.queue import pending_keys
@@ -166,11 +167,15 @@ for _endpoint, _rule in (("failed", "/failed"), ("queue", "/queues/<name>"), ("w
 
 def live() -> dict[str, Any] | None:
     """For base.html: the poll of the page being drawn, {"url", "version", "auto"}, or None
-    when it is not a watched page (an error page among them)."""
+    when it is not a watched page (an error page among them) or its poll would answer an
+    error (a gone worker's page: no worker to watch)."""
     entry = PAGES.get(request.endpoint or "")
     if entry is None or request.args.get("fragment"):
         return None
-    answer = entry[0](**(request.view_args or {}))  # the page checked its arguments
+    try:
+        answer = entry[0](**(request.view_args or {}))
+    except HTTPException:  # a page drawn for what its poll finds not there (a gone worker's)
+        return None
     query = request.query_string.decode()
     return {"url": "/api/version" + request.path + ("?" + query if query else ""), "version": answer["version"],
             "auto": entry[1]}

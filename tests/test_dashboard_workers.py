@@ -7,7 +7,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from dashboard import create_app
+from dashboard import create_app, exact
 from tests import apps
 from tests.conftest import wait_for
 from tests.test_dashboard import login
@@ -168,6 +168,34 @@ def test_a_worker_page_lists_only_the_jobs_the_holding_lists_give_it(app, web):
     info["name"] = name
     scripts.HEARTBEAT(app.redis, [app.keys.g], [name, codec.dumps(info), 60])
     assert [j["id"] for j in web.get(f"/api/workers/{name}").get_json()["jobs"]] == [row[1]]
+
+
+def test_a_gone_worker_page_says_so_and_lists_the_jobs_it_ran_that_are_known(app, web):
+    """A worker that stopped (it leaves the list) or died over an hour ago has no record: its
+    link on a job page ("ran on") opens a page that says it is gone, when it was last seen and
+    the jobs it ran whose records are kept (a 404: there is no such worker now), not a bare
+    404 page. Read from the records: the history stream is archived every few seconds."""
+    from taskrunner.protocol import codec
+    from tests.test_scripts import claim, finish
+
+    kept, expired, other = (apps.add.delay(i, 0) for i in range(3))
+    for job, worker in ((kept, "w-gone"), (expired, "w-gone"), (other, "w-other")):
+        claim(app, worker=worker)
+        assert finish(app, job.id, "1", "completed", "1") == 1
+    app.redis.delete(app.keys.job("default", expired.id))  # its record expired: nothing to link to
+    app.redis.delete(app.keys.q("default") + "history")  # archived
+    ended = float(codec.loads(kept.refresh().data["finished_at"]))
+    page = web.get(f"/jobs/{kept.id}").get_data(as_text=True)
+    assert '<a href="/workers/w-gone">w-gone</a>' in page
+    r = web.get("/workers/w-gone")
+    page = r.get_data(as_text=True)
+    assert r.status_code == 404 and "Worker <code class=\"id\">w-gone</code>" in page
+    assert "is gone" in page and "last seen" in page and exact(ended) in page
+    assert f'href="/jobs/{kept.id}"' in page and expired.id not in page and other.id not in page
+    assert 'class="live-note"' not in page  # nothing to poll: /api/version/workers/w-gone is a 404
+    page = web.get("/workers/w-never").get_data(as_text=True)
+    assert "is gone" in page and "last seen</th><td>not known" in page
+    assert web.get("/api/workers/w-gone").status_code == 404
 
 
 def test_a_worker_page_lists_its_oldest_jobs_first(app, web):
