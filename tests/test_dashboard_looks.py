@@ -333,3 +333,19 @@ def test_every_colour_of_the_stylesheet_is_a_variable_dark_mode_sets(web):
     body = light.split("}", 1)[1] + rest
     # Only the header, dark in both schemes, writes white text.
     assert set(re.findall(r"#[0-9a-fA-F]{3,6}\b", body)) <= {"#fff", "#8fb0ff"}
+
+
+def test_the_tasks_page_gives_durations_in_units_and_a_running_job_runs_on_its_worker(app, web):
+    """Found using the pages: the Tasks page gave a max duration of 300 s as "300.0 s" (the
+    job page: "5.0 min"), and a running job's page said it "ran on" its worker."""
+    from taskrunner.client import declarations
+    from tests.test_scripts import finish
+
+    declarations.publish(app, ["default"], "w-decl", time.time())
+    page = text(web, "/tasks")
+    assert "<td>5.0 min</td>" in page and "300.0 s" not in page and "<td>1.0 s</td>" in page
+    job = apps.add.delay(1, 2)
+    claim(app, worker="w-runs")
+    assert "<th>runs on</th>" in text(web, f"/jobs/{job.id}")
+    assert finish(app, job.id, "1", "completed", "3") == 1
+    assert "<th>ran on</th>" in text(web, f"/jobs/{job.id}")
