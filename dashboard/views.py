@@ -234,8 +234,12 @@ def find_worker(name: str, jobs: int = 100) -> dict[str, Any]:
     """The worker, as lookup_worker() gives it; 404 when there is none."""
     w = lookup_worker(name, jobs)
     if w is None:
-        abort(404, f"no worker {name!r} (never started, stopped, or dead for over an hour)")
+        abort(404, no_worker(name))
     return w
+
+
+def no_worker(name: str) -> str:
+    return f"no worker {name!r} (never started, stopped, or dead for over an hour)"
 
 
 #: A gone worker's page looks for its jobs among this many of the newest of each ended
@@ -615,7 +619,11 @@ def api_workers() -> Any:
 
 @api.get("/workers/<name>")
 def api_worker(name: str) -> Any:
-    return jsonify(find_worker(name))
+    """The worker page's twin; for a gone worker a 404 whose `gone` is what its page shows."""
+    w = lookup_worker(name)
+    if w is None:
+        return jsonify(error=no_worker(name), status=404, gone=gone_worker(name)), 404
+    return jsonify(w)
 
 
 @api.post("/workers/<name>/<action>")

@@ -195,7 +195,10 @@ def test_a_gone_worker_page_says_so_and_lists_the_jobs_it_ran_that_are_known(app
     assert 'class="live-note"' not in page  # nothing to poll: /api/version/workers/w-gone is a 404
     page = web.get("/workers/w-never").get_data(as_text=True)
     assert "is gone" in page and "last seen</th><td>not known" in page
-    assert web.get("/api/workers/w-gone").status_code == 404
+    r = web.get("/api/workers/w-gone")  # the twin: a 404 with what the page shows
+    assert r.status_code == 404 and "no worker 'w-gone'" in r.get_json()["error"]
+    gone = r.get_json()["gone"]
+    assert gone["last_seen"] == ended and [j["id"] for j in gone["jobs"]] == [kept.id]
 
 
 def test_a_worker_page_lists_its_oldest_jobs_first(app, web):
