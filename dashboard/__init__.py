@@ -55,7 +55,10 @@ def create_app(runner: TaskRunner | None = None, password: str | None = None, to
     web.register_blueprint(pages)
     web.register_blueprint(api)
     web.register_blueprint(watch.watching)
-    web.jinja_env.globals.update(csrf_token=security.csrf_token, app_name=runner.name, live_poll=watch.live)
+    # The app a worker's command line should name in the hints (the one this dashboard loaded).
+    app_spec = os.environ.get("TASKRUNNER_APP") or "yourapp"
+    web.jinja_env.globals.update(csrf_token=security.csrf_token, app_name=runner.name, live_poll=watch.live,
+                                 app_spec=app_spec)
     web.jinja_env.filters.update(ago=ago, exact=exact, duration=duration, json=pretty_json)
 
     @web.context_processor

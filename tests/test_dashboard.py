@@ -313,3 +313,19 @@ def test_a_workflow_steps_page_links_its_parents_and_children_and_waiting_is_lis
     assert middle in listed and handle.id in listed and first not in listed
     assert '<th class="n">waiting</th>' in web.get("/").get_data(as_text=True)
     assert web.get("/api/jobs?state=waiting&queue=default").headers["X-Total-Count"] == "2"
+
+
+def test_hints_to_start_a_worker_name_the_dashboards_app(app, monkeypatch):
+    """The overview's "no live worker consumes it", the empty Workers table and the empty Tasks
+    page tell the command to start a worker: with the app the dashboard was started with
+    (TASKRUNNER_APP, as `taskrunner up` and the Procfile give it), not a placeholder
+    ("-A yourapp" whatever the app was), escaped as everything else."""
+    apps.add.apply_async([1, 2], queue="lonely")
+    monkeypatch.setenv("TASKRUNNER_APP", "shop.tasks:app<b>")
+    web = create_app(app).test_client()
+    hint = "taskrunner worker -A shop.tasks:app&lt;b&gt;"
+    assert f"{hint} -Q lonely</code>" in web.get("/").get_data(as_text=True)
+    assert f"{hint}</code>" in web.get("/workers").get_data(as_text=True)
+    assert f"{hint}</code>" in web.get("/tasks").get_data(as_text=True)
+    monkeypatch.delenv("TASKRUNNER_APP")
+    assert "taskrunner worker -A yourapp -Q lonely" in create_app(app).test_client().get("/").get_data(as_text=True)
