@@ -66,6 +66,9 @@ GOOD = [HEAD, "c1", "h", "10.0.0.1", 1, 60, "4242", ""]
     ([HEAD, "c2", "h", "10.0.0.1", 1, 60, "4242", ""], "ARGV[1]"),
     # the head as claim.lua would build it from host and ip, which is not JSON (a backslash)
     (['{"worker":"c1","host":"h\\","ip":"10.0.0.1"', "c1", "h\\", "10.0.0.1", 1, 60, "4242", ""], "ARGV[1]"),
+    # ... and a host that names another worker when pasted in
+    (['{"worker":"c1","host":"h","worker":"c2","ip":"10.0.0.1"', "c1", 'h","worker":"c2', "10.0.0.1", 1, 60, "4242",
+      ""], "ARGV[1]"),
     (['{"worker":"c 1"', "c 1", "h", "10.0.0.1", 1, 60, "4242", ""], "worker name"),
     ([HEAD, "c1", "h", "10.0.0.1", 0, 60, "4242", ""], "bucket width"),
     ([HEAD, "c1", "h", "10.0.0.1", 1, "nan", "4242", ""], "default max duration"),
@@ -80,6 +83,18 @@ def test_claim_refuses_arguments_that_would_corrupt_the_holding_entry(foreign, a
     assert foreign.pending("default") == [b"j1"] and foreign.r.hlen(foreign.q("default") + "running") == 0
     assert foreign.record("default", "j1")["attempts"] == "0"
     assert foreign.claim_raw("default", *GOOD)[1] == b"j1"  # nothing was taken
+
+
+@pytest.mark.parametrize("host, width", [("h-1.example:x_y", 1), ("my host", 1), ('h"q', 2), ("h\\b", 1),
+                                         ("h\u00e9", 3), ("h\x01", 1)])
+def test_claim_takes_a_head_with_any_host_written_as_json(foreign, host, width):
+    """Host and IP of letters, digits and .:_- are checked by a pattern, any other text by
+    decoding the head: both are taken when the head is that JSON object."""
+    assert foreign.enqueue("default", "j1", "tests.apps.add", [1, 2], {}) == 1
+    head = json.dumps({"worker": "c1", "host": host, "ip": "::1"})[:-1]
+    assert foreign.claim_raw("default", head, "c1", host, "::1", width, 60, "4242", "")[1] == b"j1"
+    entry = json.loads(foreign.r.hget(foreign.q("default") + "running", "j1"))
+    assert entry["host"] == host and entry["ip"] == "::1" and entry["worker"] == "c1"
 
 
 @pytest.mark.parametrize("max_duration", ["5.", "05", "1e3", "-1", "0x10", "inf", "nan", ""])

@@ -42,6 +42,40 @@ def test_claim_records_holding_entry_and_deadline_bucket(app):
     assert claim(app) == []
 
 
+def test_the_claim_reads_the_optional_fields_the_record_names_and_all_of_an_older_one(app):
+    """A record's `opt` (written at enqueue) names the optional fields its claim reads; a plain
+    job's is "", so the claim reads none of them (each absent field cost a whole-record scan).
+    A record written before `opt` (an older producer, a rolling upgrade) has none: all are read."""
+    p = app.keys.q("default")
+    head = json.dumps({"worker": "w1", "host": "h", "ip": "1.2.3.4"})[:-1]
+
+    def claim_one():
+        out = scripts.CLAIM(app.redis, [p], [head, "w1", "h", "1.2.3.4", 1, 300, 111, ""])
+        assert len(out) == STRIDE
+        return out
+
+    def lock(key):
+        return app.redis.get(p + "unique:" + key)
+
+    plain = apps.add.delay(1, 2)
+    assert app.redis.hget(p + "job:" + plain.id, "opt") == "" and "opt" not in plain.refresh().to_dict()
+    assert claim_one()[8:] == ["", ""]
+    for old in (False, True):
+        full = apps.soft_sleeper.apply_async(("k", True), headers={"trace": old}, unique_key=f"u{old}",
+                                             unique_until="start")
+        until_finish = apps.add.apply_async([1, 1], unique_key=f"f{old}")
+        job = p + "job:" + full.id
+        assert app.redis.hget(job, "opt") == "headers soft_limit unique_key"
+        assert app.redis.hget(p + "job:" + until_finish.id, "opt") == ""  # its lock stays until it ends
+        if old:
+            app.redis.hdel(job, "opt")
+            app.redis.hdel(p + "job:" + until_finish.id, "opt")
+        row = claim_one()
+        assert row[1] == full.id and row[8:] == [json.dumps({"trace": old}, separators=(",", ":")), "0.3"]
+        assert lock(f"u{old}") is None
+        assert claim_one()[1] == until_finish.id and lock(f"f{old}") == until_finish.id
+
+
 def test_claim_is_fifo_and_takes_count(app):
     ids = [apps.add.delay(i, 0).id for i in range(5)]
     got = claim(app, pids=(1, 2, 3))
@@ -123,10 +157,13 @@ def test_prefetched_jobs_queue_behind_each_other_in_one_process(app):
     assert scripts.STUCK(app.redis, [p], [third, "1", 0, 1, "check"]) == []
     assert app.job(third).data["bucket"] == str(math.floor(entries[2]["started_at"] + 95))
     assert app.redis.sismember(p + "dl:" + app.job(third).data["bucket"], third)
-    assert app.job(third).data.get("stuck") == "0"
+    assert app.job(third).data.get("stuck") is None  # a first delivery has none until it is flagged
     # The worker running it knows when it began: its word flags it at once.
     assert scripts.STUCK(app.redis, [p], [third, "1", 0, 1]) == ["w1", "kill", 1]
     assert app.job(third).data["stuck"] == "1"
+    # Put back in line, its next delivery is not stuck (yet).
+    assert app.job(third).requeue()
+    assert [g[1:3] for g in claim(app)] == [[third, 2]] and app.job(third).data["stuck"] == "0"
 
 
 def test_finish_records_when_the_job_began_and_batches_many(app):

@@ -187,6 +187,7 @@ class Job:
             out.setdefault(k, None)
         out.pop("bucket", None)
         out.pop("waiters", None)
+        out.pop("opt", None)  # the claim's own: which optional fields to read
         out["timeline"] = self.timeline()
         return out
 

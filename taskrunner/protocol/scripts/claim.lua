@@ -21,6 +21,10 @@
 -- priorities, e.g. "95") gives from pending:9, pending:5, then pending, each FIFO (a
 -- flow-controlled one: one flow_pick() pass per list); a job whose unique lock ends when
 -- it starts (unique_until "start") releases it here.
+-- A job's record names in `opt` (written at enqueue) the optional fields it has that the
+-- claim reads (headers, soft_limit, unique_key when its lock ends at the start): most have
+-- none, and reading an absent field costs Redis a scan of the whole record. A record
+-- without `opt` (enqueued by an older version) has all four read.
 -- Counts meta consumed_messages/consumed_bytes; a bounded queue signals room (notfull).
 -- Returns {queue index, id, attempt, task, args, kwargs, max_duration, timeout_policy,
 -- headers, soft limit}* (headers: the record's JSON object text, "" when it has none;
@@ -44,10 +48,11 @@ if not is_name(ARGV[2]) then
   return redis.error_reply('ERR claim: invalid worker name (ARGV[2]): use 1-200 of A-Z a-z 0-9 _.:@-, '
     .. 'starting with a letter or digit')
 end
--- The head a client builds from ARGV[2..4] (no character JSON escapes in host and ip: the
--- text is then that object's) needs no decoding; any other is decoded.
+-- The head a client builds from ARGV[2..4] needs no decoding when host and ip are made of
+-- letters, digits and .:_- (no character that JSON escapes: the text is then that object's;
+-- an anchored match of those, cheaper than searching for the others); any other is decoded.
 local head_ok = ARGV[1] == '{"worker":"' .. ARGV[2] .. '","host":"' .. ARGV[3] .. '","ip":"' .. ARGV[4] .. '"'
-  and not string.find(ARGV[3] .. ARGV[4], '[%c"\\]')
+  and string.find(ARGV[3] .. ARGV[4], '^[%w.:_%-]*$')
 if not head_ok then
   local ok, head = pcall(cjson.decode, ARGV[1] .. '}')
   head_ok = ok and type(head) == 'table' and head.worker == ARGV[2]
@@ -56,8 +61,8 @@ if not head_ok then
   return redis.error_reply('ERR claim: ARGV[1] must be a JSON object without its closing brace, '
     .. 'with "worker" equal to ARGV[2], e.g. {"worker":"w1","host":"h","ip":"10.0.0.1"')
 end
-local width, default_md = tonumber(ARGV[5]), tonumber(ARGV[6])
-if not width or width < 1 or width ~= math.floor(width) then
+local width = ARGV[5] == '1' and 1 or tonumber(ARGV[5])  -- the usual 1 without tonumber (~1.7k instructions)
+if width ~= 1 and (not width or width < 1 or width ~= math.floor(width)) then
   return redis.error_reply('ERR claim: bucket width (ARGV[5]) must be an integer >= 1')
 end
 if not json_decimal(ARGV[6]) then
@@ -248,11 +253,15 @@ for qi = 1, #KEYS do
       fresh = flow_pick(p, limit - n, qlim, pending)
     else
       -- One id more than wanted, left in the list: whether jobs are left, without an LLEN.
-      local ids = redis.call('LRANGE', pending, n - limit - 1, '-1')
+      -- A number argument is formatted by the call's bridge ('%.17g', ~2.5k instructions): an
+      -- unbatched claim's -2 (here and in LTRIM) is passed as text.
+      local start = n - limit - 1
+      if start == -2 then start = '-2' end
+      local ids = redis.call('LRANGE', pending, start, '-1')
       while #ids == 0 and lists and lists[li + 1] do  -- [flow: priorities] this level is empty: the next
         li = li + 1
         pending = lists[li]
-        ids = redis.call('LRANGE', pending, n - limit - 1, '-1')
+        ids = redis.call('LRANGE', pending, start, '-1')
       end
       if #ids == 0 then
         more = false
@@ -261,7 +270,8 @@ for qi = 1, #KEYS do
       local lo = 1  -- ids[lo..] are taken off the list
       more = #ids > limit - n
       if more then lo = 2 end
-      redis.call('LTRIM', pending, '0', lo - #ids - 2)
+      local stop = lo - #ids - 2
+      redis.call('LTRIM', pending, '0', stop == -2 and '-2' or stop)
       fresh = {}
       if lo == #ids then
         -- One id (an unbatched claim): SREM from items and SADD to processing answer both
@@ -295,7 +305,7 @@ for qi = 1, #KEYS do
     for _, id in ipairs(fresh) do
       local job = p .. 'job:' .. id
       local f = redis.call('HMGET', job, 'task', 'args', 'kwargs', 'max_duration', 'timeout_policy', 'attempts',
-        'headers', 'soft_limit', 'unique_key', 'unique_until')
+        'opt')
       if not f[1] then
         redis.call('SREM', processing, id)
         finalize(p, id, job, load(job), 'failed', t, 86400, {'error_type', 'CorruptJob',
@@ -303,15 +313,32 @@ for qi = 1, #KEYS do
       else
         n = n + 1
         taken = taken + 1
-        if f[9] and f[10] == 'start' then unlock(p, f[9], id) end  -- [flow: unique]
-        bytes = bytes + #(f[2] or '') + #(f[3] or '') + #(f[7] or '')
+        local headers, soft = false, false
+        if f[7] ~= '' then  -- optional fields to read: those `opt` names, or all (no `opt`: an older record)
+          local v, ukey
+          if not f[7] then
+            v = redis.call('HMGET', job, 'headers', 'soft_limit', 'unique_key', 'unique_until')
+            headers, soft, ukey = v[1], v[2], v[4] == 'start' and v[3]
+          else
+            local names = {}
+            for name in string.gmatch(f[7], '%S+') do names[#names + 1] = name end
+            v = #names > 0 and redis.call('HMGET', job, unpack(names)) or {}
+            for i, name in ipairs(names) do
+              if name == 'headers' then headers = v[i]
+              elseif name == 'soft_limit' then soft = v[i]
+              elseif name == 'unique_key' then ukey = v[i] end
+            end
+          end
+          if ukey then unlock(p, ukey, id) end  -- [flow: unique] its lock ends when it starts
+        end
+        bytes = bytes + #(f[2] or '') + #(f[3] or '') + #(headers or '')
         local pid, base = ARGV[5 + 2 * n], ARGV[6 + 2 * n]
-        local attempt_n = (tonumber(f[6]) or 0) + 1
-        local attempt = f[6] and tostring(attempt_n) or '1'  -- as text once; formatting a number costs
+        local attempt_n = f[6] == '0' and 1 or (tonumber(f[6]) or 0) + 1  -- a first delivery: no tonumber
+        local attempt = attempt_n == 1 and '1' or tostring(attempt_n)  -- as text once; formatting a number costs
         local md_s = f[4]
         local md = tonumber(md_s)
         if not json_decimal(md_s) then  -- not "nan", "0x10", "-1", "5.": it is copied into JSON
-          md, md_s = default_md, ARGV[6]
+          md, md_s = tonumber(ARGV[6]), ARGV[6]
         end
         local ahead, first = 0, 0
         if base ~= '' then
@@ -322,13 +349,20 @@ for qi = 1, #KEYS do
         local b = math.floor((t + first + md) / width)
         local b_s = bucket_names[b]  -- formatting numbers is costly: once per bucket
         if not b_s then
-          b_s = tostring(b)
+          -- '%d' costs half of tostring's '%.14g' (exact up to 2^53; beyond, a default max
+          -- duration of more than 2^53 s, as before)
+          b_s = b < 9007199254740992 and string.format('%d', b) or tostring(b)
           bucket_names[b] = b_s
         end
         local entry = ARGV[1] .. ',"pid":' .. pid .. ',"started_at":' .. ts .. ',"max_duration":' .. md_s
           .. ',"attempt":' .. attempt .. (ahead > 0 and (',"ahead":' .. ahead) or '') .. '}'
-        redis.call('HSET', job, 'attempts', attempt, 'state', 'running', 'started_at', ts, 'worker', ARGV[2],
-          'host', ARGV[3], 'ip', ARGV[4], 'pid', pid, 'bucket', b_s, 'stuck', '0', 'run:' .. attempt, entry)
+        if attempt_n == 1 then  -- never claimed before, so never stuck: no `stuck 0` (one field less)
+          redis.call('HSET', job, 'attempts', '1', 'state', 'running', 'started_at', ts, 'worker', ARGV[2],
+            'host', ARGV[3], 'ip', ARGV[4], 'pid', pid, 'bucket', b_s, 'run:1', entry)
+        else
+          redis.call('HSET', job, 'attempts', attempt, 'state', 'running', 'started_at', ts, 'worker', ARGV[2],
+            'host', ARGV[3], 'ip', ARGV[4], 'pid', pid, 'bucket', b_s, 'stuck', '0', 'run:' .. attempt, entry)
+        end
         if meta[2] == '1' then  -- its finish wakes the queue's next job (finish.lua): no meta read there
           redis.call('HSET', job, 'exclusive', '1')
         end
@@ -343,7 +377,7 @@ for qi = 1, #KEYS do
         local o = #out
         out[o + 1], out[o + 2], out[o + 3], out[o + 4] = qi, id, attempt_n, f[1]
         out[o + 5], out[o + 6], out[o + 7], out[o + 8] = f[2] or '[]', f[3] or '{}', md_s, f[5] or 'kill'
-        out[o + 9], out[o + 10] = f[7] or '', f[8] or ''
+        out[o + 9], out[o + 10] = headers or '', soft or ''
       end
     end
     if flow then  -- one pass (per priority's list): the jobs it left behind wait for a later claim
@@ -356,9 +390,10 @@ for qi = 1, #KEYS do
     redis.call('HSET', p .. 'running', unpack(entries))
     for b, ids_b in pairs(buckets) do
       redis.call('SADD', p .. 'dl:' .. bucket_names[b], unpack(ids_b))
-      redis.call('ZADD', p .. 'buckets', (b + 1) * width, bucket_names[b])
+      local due = (b + 1) * width  -- formatted as the bucket's name (a number argument costs more)
+      redis.call('ZADD', p .. 'buckets', due < 9007199254740992 and string.format('%d', due) or due, bucket_names[b])
     end
-    redis.call('HINCRBY', p .. 'meta', 'consumed_messages', taken)
+    redis.call('HINCRBY', p .. 'meta', 'consumed_messages', taken == 1 and '1' or taken)  -- a number costs a format
     redis.call('HINCRBY', p .. 'meta', 'consumed_bytes', bytes)
     signal_room(p, tonumber(meta[1]) or 0, meta[6])
   end

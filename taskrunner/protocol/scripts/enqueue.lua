@@ -55,7 +55,8 @@
 -- duplicates|<task>.
 -- Errors: "ERR taskrunner: <Kind>: <message>", Kind one of InvalidName, NotJSON,
 -- PayloadTooLarge, BadValue, BadCall.
--- Sets: job:<id> (fields + state, enqueued_at), then pending (or pending:<priority>)+items
+-- Sets: job:<id> (fields + state, enqueued_at, opt: the optional fields its claim reads, see
+-- claim.lua), then pending (or pending:<priority>)+items
 -- (+wake, unless the queue is paused) or delayed; unique:<key>;
 -- meta produced_messages/produced_bytes (bytes = length of args + kwargs + headers, the
 -- payload the limit applies to); meta flow = 1 when a job written has rate_limit or
@@ -294,6 +295,7 @@ local marks  -- job n -> {priority, unique_key, unique_until, unique_for, task} 
 -- with parents (jobs outside workflows pay nothing for it), see parents_of().
 local queues_of, steps, here = {}, {}, nil
 local flows = {}  -- job n -> true when it has rate_limit or max_concurrency (flow control)
+local opts  -- job n -> its record's `opt` (the optional fields a claim reads), for those that have any
 local uniques  -- "<queue prefix><id>" -> true for the unique jobs of this call, made at the first
 local largest, i = 0, 2
 for n = 1, n_jobs do
@@ -474,6 +476,14 @@ for n = 1, n_jobs do
       .. 'declaration)')
   end
   if rl or mc then flows[n] = true end
+  if headers or sl or uu == 'start' then  -- what its claim must read besides the fields every job has
+    local names = {}
+    if headers then names[#names + 1] = 'headers' end
+    if sl then names[#names + 1] = 'soft_limit' end
+    if uu == 'start' then names[#names + 1] = 'unique_key' end  -- its lock ends at the claim
+    opts = opts or {}
+    opts[n] = table.concat(names, ' ')
+  end
   if changed then
     local record = {'queue', jq, 'task', task, 'args', args, 'kwargs', kwargs}
     if headers then record[#record + 1] = 'headers'; record[#record + 1] = headers end
@@ -634,11 +644,12 @@ for n = 1, n_jobs do
       end
     end
     local state = left > 0 and 'waiting' or delay > 0 and 'delayed' or 'pending'
+    local opt = opts and opts[n] or ''
     if type(fields) == 'number' then  -- the producer's fields as sent
-      redis.call('HSET', job, 'id', id, 'enqueued_at', enqueued_at, 'attempts', '0', 'state', state,
+      redis.call('HSET', job, 'id', id, 'enqueued_at', enqueued_at, 'attempts', '0', 'state', state, 'opt', opt,
         unpack(ARGV, fields, fields + 2 * tonumber(ARGV[fields - 1]) - 1))
     else
-      redis.call('HSET', job, 'id', id, 'enqueued_at', enqueued_at, 'attempts', '0', 'state', state,
+      redis.call('HSET', job, 'id', id, 'enqueued_at', enqueued_at, 'attempts', '0', 'state', state, 'opt', opt,
         unpack(fields))
     end
     qs.bytes = qs.bytes + size
