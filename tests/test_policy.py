@@ -150,16 +150,50 @@ def test_sync_due():
     assert due(queued, flights=policy.FLIGHTS, urgent=True) == INF  # never more in flight
     assert due(queued, urgent=True) == NOW
     assert due(queued) == INF  # nothing to say, nothing to claim for
-    assert due(queued, outbox_since=NOW - 1) == NOW  # no sync in flight: results go at once
+    assert due(queued, outbox_since=NOW - 1) == NOW - 1 + FLUSH_AFTER  # waited long enough: due
     assert due(queued, outbox_since=NOW - 0.001, flights=1) == NOW - 0.001 + FLUSH_AFTER
     assert due(queued, outbox_since=NOW, flights=1, stopping=True) == NOW
     assert due(queued, notes_due=NOW + 0.3) == NOW + 0.3
     assert due([lane()], can_claim=True) == NOW  # an idle child: claim now
     assert due([lane()], can_claim=False) == INF
     assert due([lane(open=False)], can_claim=True) == INF  # no room in a child being stopped
-    # A child with spare jobs refills its slots itself: results wait, in flight or not.
+    # A child that runs several at once: its results wait while it runs more than one.
     assert due([spare_lane(4, 1)], outbox_since=NOW - 0.001) == NOW - 0.001 + FLUSH_AFTER
-    assert due([spare_lane(4, 0)], outbox_since=NOW - 0.001) == NOW
+    assert due([spare_lane(2, 0)], outbox_since=NOW - 0.001) == NOW - 0.001 + FLUSH_AFTER
+    assert due([spare_lane(1, 0)], outbox_since=NOW - 0.001) == NOW
+
+
+def test_a_busy_workers_results_wait_for_company_with_no_sync_in_flight_and_a_lone_ones_go_at_once():
+    """Jobs that make a Redis round trip themselves (bench --metrics rt) end a few at a
+    time, and Redis answers a one-result sync before the next ends: results sent at once
+    whenever no sync was in flight went ~1.5 a finish.lua call. A child with jobs queued
+    runs them without us, so its results wait FLUSH_AFTER for company; a lone job's (its
+    child has nothing queued) still go at once, and so do a stopping worker's."""
+    busy = [lane(job(began=NOW), job()), lane(job(began=NOW))]
+    assert due(busy, outbox_since=NOW - 0.001) == NOW - 0.001 + FLUSH_AFTER
+    assert due(busy, outbox_since=NOW, stopping=True) == NOW
+    assert due([lane(job(began=NOW))], outbox_since=NOW) == NOW  # a lone job: nothing to wait for
+    assert due([lane()], outbox_since=NOW) == NOW  # an idle worker's last result
+    # A child down to half of its depth claims now, and the results go with the claim.
+    assert due([lane(job(began=NOW), job()), lane()], outbox_since=NOW, can_claim=True) == NOW
+
+
+def test_a_sync_claims_only_once_a_child_is_hungry_then_for_every_child_with_room():
+    """A sync that goes for results alone claimed for whatever room the children had,
+    a job or two each time (bench --metrics rt: a claim.lua call per 3.7 jobs); one claim
+    now waits until a child is down to half of its depth, and fills every child."""
+    def lanes(*counts: int) -> list[Lane]:
+        return [lane(job(began=NOW), *[job() for _ in range(n - 1)]) for n in counts]
+
+    assert policy.claim_slots(lanes(7, 6), 8, NOW) == []  # room, but no child is hungry
+    fed = lanes(7, 4)
+    got = policy.claim_slots(fed, 8, NOW)
+    assert [c for c, _ in got].count(fed[0]) == 1 and [c for c, _ in got].count(fed[1]) == 4
+    assert policy.claim_slots([lane()], 8, NOW) != []  # an idle child: at once
+    assert policy.claim_slots([lane(open=False)], 8, NOW) == []
+    loop = spare_lane(3, 0)  # a child that runs several at once, with a free slot
+    assert [c for c, _ in policy.claim_slots([loop], 1, NOW, spare=2)] == [loop] * 3
+    assert policy.claim_slots([spare_lane(4, 2)], 1, NOW, spare=2) == []  # its spare jobs: enough
 
 
 def timeout(lanes, **kw) -> float:

@@ -438,15 +438,16 @@ class Worker:
     # -- Redis -------------------------------------------------------------------------
 
     def _sync(self, wait: bool = False) -> None:
-        """Report finished jobs, mark stuck ones and claim for children with room: one round
-        trip, whose answers _land() takes when they come. We wait for them (wait) when the
+        """Report finished jobs, mark stuck ones and, once a child is hungry, claim for every
+        child with room (policy.claim_slots): one round trip, whose answers _land() takes
+        when they come. We wait for them (wait) when the
         channel cannot keep it in flight, and to reconcile: what we hold must be known."""
         if self.reconcile:
             self._land(block=True)
         batch = scripts.Batch(self.redis)
         now = time.monotonic()
         load = self.outbox.put_into(batch, now)
-        slots = policy.slots(self.crew.children, self._depth(), now, self._spare()) if self._can_claim() else []
+        slots = policy.claim_slots(self.crew.children, self._depth(), now, self._spare()) if self._can_claim() else []
         claim: list[Any] = []
         order: list[str] = []
         if slots:

@@ -23,9 +23,11 @@ PREFETCH_WINDOW = 0.01
 #: A job that runs longer than this (or than its max duration) hands the jobs sent ahead
 #: of it back to the queue, for other workers.
 HOLD = 1.0
-#: Seconds results may wait to go to Redis together while children have jobs queued and
-#: a sync is in flight (with none, Redis has nothing to do: they go at once).
-FLUSH_AFTER = 0.002
+#: Seconds results may wait to go to Redis together while children have jobs queued (they
+#: run those without us), whether a sync is in flight or not; a claim due sooner takes them
+#: along. Half the window: about how often a busy child is claimed for (at half its depth),
+#: and no longer than a job sent ahead waits on average. A lone job's result goes at once.
+FLUSH_AFTER = PREFETCH_WINDOW / 2
 #: Syncs in flight at most: Redis runs one while we act on another's answers.
 FLIGHTS = 2
 #: While children run short jobs with more queued, we look at their answers this often
@@ -184,33 +186,43 @@ def sync_due(now: float, lanes: Sequence[Lane], depth: int, *, flights: int, urg
              outbox_since: float | None, notes_due: float, can_claim: bool, stopping: bool,
              spare: int = 0) -> float:
     """When to talk to Redis next. At once when something is `urgent` (stuck marks, a
-    reconcile) or a child has run out of jobs or is down to half of `depth`; results
-    (waiting since `outbox_since`) wait up to FLUSH_AFTER while children have jobs queued
-    and a sync is in flight, or while a child has spare jobs (spared()): more per round
-    trip, less work for Redis and for us; else they go at once. Progress reports at
-    `notes_due`. Never while FLIGHTS syncs are in flight. `can_claim`: claims are allowed
-    now (none in flight, queues not found empty, not stopping). `spare`: as slots()
-    takes it."""
+    reconcile) or a claim is due (claim_slots()); results (waiting since `outbox_since`)
+    wait up to FLUSH_AFTER while a child has jobs queued (queued()), to go with more
+    results or with the next claim, whether a sync is in flight or not: more per round
+    trip, less work for Redis and for us; else (a lone job's, a stopping worker's) they go
+    at once. Progress reports at `notes_due`. Never while FLIGHTS syncs are in flight.
+    `can_claim`: claims are allowed now (none in flight, queues not found empty, not
+    stopping). `spare`: as slots() takes it."""
     if flights >= FLIGHTS:
         return INF
     if urgent:
         return now
     due = notes_due
     if outbox_since is not None:
-        queued = any(len(lane.jobs) > 1 for lane in lanes)
-        due = min(due, outbox_since + FLUSH_AFTER if (spared(lanes) or queued and flights) and not stopping
-                  else now)
-    if can_claim and any(hungry(lane, depth, now, spare) for lane in lanes) and slots(lanes, depth, now, spare):
+        due = min(due, outbox_since + FLUSH_AFTER if queued(lanes) and not stopping else now)
+    if can_claim and claim_slots(lanes, depth, now, spare):
         return now
     return due
 
 
-def spared(lanes: Sequence[Lane]) -> bool:
-    """Does a child that runs several at once hold more jobs than its slots? Its freed
-    slots refill from those, not from our next claim, so its results may wait FLUSH_AFTER
-    for more to go with them even when no sync is in flight: at 64-way, with one sync per
-    result or two, a job cost Redis 23 commands and ~80 us of CPU."""
-    return any(lane.capacity > 1 and len(lane.jobs) > lane.capacity for lane in lanes)
+def queued(lanes: Sequence[Lane]) -> bool:
+    """Does a child hold jobs beyond the one it runs (or, running several at once, beyond
+    one)? It goes on without us, so results may wait FLUSH_AFTER for company. Sent at
+    once whenever no sync was in flight, they went ~1.5 per finish.lua call where each
+    job makes a Redis round trip itself (Redis answered a one-result sync before the next
+    job ended), and at 64-way with spare jobs, one sync per result or two cost a job 23
+    Redis commands and ~80 us of Redis CPU."""
+    return any(len(lane.jobs) > 1 for lane in lanes)
+
+
+def claim_slots(lanes: Sequence[L], depth: int, now: float, spare: int = 0) -> list[tuple[L, float]]:
+    """What a sync claims for: once a child is hungry(), every child's room (slots()), so
+    that one claim serves them all; nothing before, even when a sync goes for results
+    (such a sync topped up what room there was, a job or two, and a busy worker made a
+    claim.lua call per ~4 jobs instead of per ~depth)."""
+    if not any(hungry(lane, depth, now, spare) for lane in lanes):
+        return []
+    return slots(lanes, depth, now, spare)
 
 
 def listening(lanes: Sequence[Lane]) -> bool:
