@@ -440,8 +440,8 @@ class Worker:
     def _sync(self, wait: bool = False) -> None:
         """Report finished jobs, mark stuck ones and, once a child is hungry, claim for every
         child with room (policy.claim_slots): one round trip, whose answers _land() takes
-        when they come. We wait for them (wait) when the
-        channel cannot keep it in flight, and to reconcile: what we hold must be known."""
+        when they come. We wait for them (wait) when the channel cannot keep it in flight,
+        and to reconcile: what we hold must be known."""
         if self.reconcile:
             self._land(block=True)
         batch = scripts.Batch(self.redis)
