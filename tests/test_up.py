@@ -13,6 +13,7 @@ import threading
 import urllib.request
 
 import psutil
+import pytest
 import redis
 
 from taskrunner import TaskRunner
@@ -165,21 +166,63 @@ def stop_up(p: subprocess.Popen, family: list[psutil.Process]) -> None:
             pass
 
 
-def test_up_stops_everything_on_sigterm(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_up_stops_everything_on_sigterm(tmp_path, sig):
     """SIGTERM to `taskrunner up` alone (a supervisor, `kill`): it stops its dispatcher,
     worker, dashboard and Redis, as Ctrl-C does, and exits 0. It died at once and left them
-    all running."""
+    all running. SIGHUP (its terminal closed) likewise, Redis last: `up` died of it and its
+    processes and Redis got SIGTERM at once (Redis gone during the workers' grace)."""
     p = start_up(tmp_path)
     family = psutil.Process(p.pid).children(recursive=True)
     try:
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(sig)
         out, _ = p.communicate(timeout=60)
         _, alive = psutil.wait_procs(family, timeout=10)
     finally:
         stop_up(p, family)
     assert p.returncode == 0, out
-    assert "redis-server stopped" in out, out
+    assert f"stopping ({sig.name})..." in out and out.rstrip().endswith("redis-server stopped"), out
+    assert re.search(r"worker \S+: stopped after", out) and "could not say goodbye" not in out, out
     assert alive == [], [q.cmdline() for q in alive]
+
+
+def test_ctrl_z_suspends_the_whole_stack_and_fg_resumes_it(tmp_path):
+    """Ctrl-Z (SIGTSTP, which the terminal sends to `up` alone: its processes have groups of
+    their own) stops `up` and every process of the stack but Redis, the worker's children
+    too; SIGCONT (`fg`) resumes them all. Without it, they ran on behind the shell's prompt."""
+    p = start_up(tmp_path)
+    family = psutil.Process(p.pid).children(recursive=True)
+    stack = [q for q in family if q.name() != "redis-server"]
+    try:
+        p.send_signal(signal.SIGTSTP)
+        wait_for(lambda: all(q.status() == psutil.STATUS_STOPPED for q in [psutil.Process(p.pid), *stack]),
+                 what="up and its processes stopped")
+        p.send_signal(signal.SIGCONT)
+        wait_for(lambda: all(q.status() != psutil.STATUS_STOPPED for q in [psutil.Process(p.pid), *stack]),
+                 what="up and its processes resumed")
+        stops_cleanly_on_sigterm(p)
+    finally:
+        stop_up(p, family)
+
+
+def test_ctrl_backslash_stops_up_now(tmp_path):
+    """Ctrl-\\ (SIGQUIT), which reaches `up` alone: running jobs are stopped and requeued
+    now, as Ctrl-C twice does, and everything stops cleanly. `up` dumped core and its
+    processes got SIGTERM with Redis at once."""
+    p = start_up(tmp_path, env={"TASKRUNNER_SHUTDOWN_GRACE": "600"})
+    family = psutil.Process(p.pid).children(recursive=True)
+    try:
+        client = TaskRunner("probe", redis_url=f"unix://{tmp_path.resolve()}/var/redis.sock")
+        job = client.enqueue("tests.apps.hold", ["u1", 300])
+        wait_for(lambda: job.refresh().state == "running", what="the job to run")
+        p.send_signal(signal.SIGQUIT)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        stop_up(p, family)
+    assert p.returncode == 0, out
+    assert "Traceback" not in out and "stopping now: running jobs are stopped and requeued" in out, out
+    assert re.search(r"worker \S+: stopped after 0 jobs", out) and "could not say goodbye" not in out, out
+    assert out.rstrip().endswith("redis-server stopped"), out
 
 
 def test_up_gives_its_log_format_to_its_processes(tmp_path):

@@ -31,9 +31,17 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     In a process group of its own, so that the terminal's Ctrl-C reaches `up` alone, which
     passes it on as SIGTERM (_stop): a SIGINT reaching a process still importing (the first
     second of `make demo`, or a slow first start that compiles every module) printed a
-    KeyboardInterrupt traceback, where SIGTERM ends it quietly."""
-    return subprocess.Popen([sys.executable, "-m", *args], env=env, stdin=subprocess.DEVNULL,
-                            process_group=0, preexec_fn=dies_with_us())
+    KeyboardInterrupt traceback, where SIGTERM ends it quietly. Being in the background of
+    the terminal, it ignores SIGTTOU: under `stty tostop` its first log line would stop it.
+    `up` passes Ctrl-Z on (_Suspender)."""
+    arm = dies_with_us()
+
+    def preexec() -> None:
+        os.setpgid(0, 0)  # Popen's process_group=0, which Python 3.10 lacks
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        arm()
+
+    return subprocess.Popen([sys.executable, "-m", *args], env=env, stdin=subprocess.DEVNULL, preexec_fn=preexec)
 
 
 def _claim(directory: Path) -> int:
@@ -86,22 +94,56 @@ class _Terminated(Exception):
 
 
 class _Signals:
-    """`up`'s one handler of SIGINT and SIGTERM, from start to end: the first interrupts its
-    wait (KeyboardInterrupt, _Terminated); once stopping, each is noted in `caught` for
-    _stop() to act on. One handler throughout, so that a second Ctrl-C is seen whenever it
-    comes: when _stop() installed its own, one that came before it did was lost (the test of
-    Ctrl-C twice failed 1 run in 4)."""
+    """`up`'s one handler of SIGINT, SIGTERM, SIGHUP (its terminal closed: as SIGTERM) and
+    SIGQUIT (Ctrl-\\: stop now, as Ctrl-C twice), from start to end: the first interrupts
+    its wait (KeyboardInterrupt, _Terminated); once stopping, each is noted in `caught` for
+    _stop() to act on (a SIGQUIT that started the stop too). One handler throughout, so that
+    a second Ctrl-C is seen whenever it comes: when _stop() installed its own, one that came
+    before it did was lost (the test of Ctrl-C twice failed 1 run in 4). While `deferred`
+    (up starts its processes) the first is kept for raised() to raise: raised inside Popen,
+    after the fork, it would leave a process started that `up` does not know of."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
     def __init__(self) -> None:
-        self.stopping = False
+        self.stopping = self.deferred = False
+        self.first: int | None = None
         self.caught: list[int] = []  # told by _stop(), not here: a handler writing could cut a line
 
     def __call__(self, signum: int, frame: object) -> None:
         if self.stopping:
             self.caught.append(signum)
             return
-        self.stopping = True
-        raise KeyboardInterrupt if signum == signal.SIGINT else _Terminated
+        self.stopping, self.first = True, signum
+        if signum == signal.SIGQUIT:
+            self.caught.append(signum)
+        if not self.deferred:
+            self.raise_it()
+
+    def raise_it(self) -> None:
+        """Raise the first signal, if one came while deferred."""
+        if self.first is not None:
+            raise KeyboardInterrupt if self.first in (signal.SIGINT, signal.SIGQUIT) else _Terminated
+
+
+class _Suspender:
+    """Ctrl-Z (SIGTSTP) reaches `up` alone (its processes have groups of their own): it stops
+    their groups (a worker's children with it), then itself; `fg` (SIGCONT) continues them."""
+
+    def __init__(self, procs: dict[str, subprocess.Popen]) -> None:
+        self.procs = procs
+        signal.signal(signal.SIGTSTP, self)
+        signal.signal(signal.SIGCONT, self)
+
+    def __call__(self, signum: int, frame: object) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTSTP if signum == signal.SIGTSTP else signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        if signum == signal.SIGTSTP:
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int, demo: bool,
@@ -127,11 +169,17 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
     code = 0
     procs: dict[str, subprocess.Popen] = {}
     signals = _Signals()  # before the first process starts: a Ctrl-C from then on stops those started
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in _Signals.SIGNALS:
         signal.signal(sig, signals)
+    _Suspender(procs)
     try:
+        signals.deferred = True
         for name, (args, its_env) in commands.items():
             procs[name] = _spawn(args, its_env)
+            if signals.first is not None:
+                break
+        signals.deferred = False
+        signals.raise_it()
         click.echo(f"dashboard: http://127.0.0.1:{port}/   (Ctrl-C stops everything)")
         if not os.environ.get("TASKRUNNER_DASHBOARD_PASSWORD"):
             click.echo("dashboard: read-only; to kill, retry and purge from it, start with a password: "
@@ -148,7 +196,7 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
     except KeyboardInterrupt:
         click.echo("stopping...")
     except _Terminated:
-        click.echo("stopping (SIGTERM)...")
+        click.echo(f"stopping ({signal.Signals(signals.first or signal.SIGTERM).name})...")
         code = 0
     finally:
         _stop(list(procs.values()), signals)
@@ -161,16 +209,16 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
 def _stop(procs: list[subprocess.Popen], signals: _Signals) -> None:
     """Stop the stack's processes (SIGTERM: the terminal's Ctrl-C reached `up` alone) and
     wait for them, Redis kept until they are gone: running jobs have their grace. Meanwhile
-    SIGTERM again is ignored, as the worker ignores it, and Ctrl-C again stops running jobs
-    now (SIGINT to each process: the worker requeues them). Past 30 s they get SIGINT, past
-    40 s SIGKILL."""
+    SIGTERM (or SIGHUP) again is ignored, as the worker ignores it, and Ctrl-C again (or
+    Ctrl-\\) stops running jobs now (SIGINT to each process: the worker requeues them).
+    Past 30 s they get SIGINT, past 40 s SIGKILL."""
     signals.stopping = True
     caught = signals.caught
     _send(procs, signal.SIGTERM)
     began, hurried = time.monotonic(), False
     while True:
         while caught:  # also when all are gone already: what the user did is acknowledged
-            if caught.pop(0) == signal.SIGINT:
+            if caught.pop(0) in (signal.SIGINT, signal.SIGQUIT):
                 click.echo("stopping now: running jobs are stopped and requeued")
                 _send(procs, signal.SIGINT)
             else:
