@@ -243,8 +243,11 @@ def no_worker(name: str) -> str:
 
 
 #: A gone worker's page looks for its jobs among this many of the newest of each ended
-#: state (completed, failed, killed) of each queue: a bounded read, whatever their number.
+#: state (completed, failed, killed) of each queue, and among GONE_BUDGET records in all
+#: (fewer of each when there are many queues or shards): a bounded read, whatever their
+#: number, also for a visitor who is not logged in.
 GONE_SCAN = 200
+GONE_BUDGET = 2000
 
 
 def _time(v: Any) -> float | None:
@@ -263,9 +266,10 @@ def gone_worker(name: str, limit: int = 100) -> dict[str, Any]:
     the last of them ended ("last_seen", None when none is found)."""
     app = runner()
     cells = [(q, s) for q in app.queue_names() for s in ("completed", "failed", "killed")]
+    each = max(1, min(GONE_SCAN, GONE_BUDGET // max(len(cells), 1)))
     pipe = app.redis.pipeline(transaction=False)
     for q, s in cells:
-        pipe.zrevrange(app.keys.q(q) + s, 0, GONE_SCAN - 1)
+        pipe.zrevrange(app.keys.q(q) + s, 0, each - 1)
     rows = [{"id": i, "queue": q} for (q, _), ids in zip(cells, pipe.execute() if cells else []) for i in ids]
     fields = ("worker", "task", "state", "attempts", "pid", "started_at", "finished_at")
     ran = []
@@ -275,7 +279,7 @@ def gone_worker(name: str, limit: int = 100) -> dict[str, Any]:
             ran.append({**r, **d, "started_at": _time(d["started_at"]), "finished_at": _time(d["finished_at"])})
     ran.sort(key=lambda r: r["finished_at"] or 0, reverse=True)
     return {"last_seen": ran[0]["finished_at"] if ran else None, "jobs": ran[:limit], "known": len(ran),
-            "scan": GONE_SCAN}
+            "scan": each}
 
 
 def worker_act(name: str, action: str, who: str) -> dict[str, Any]:

@@ -201,6 +201,24 @@ def test_a_gone_worker_page_says_so_and_lists_the_jobs_it_ran_that_are_known(app
     assert gone["last_seen"] == ended and [j["id"] for j in gone["jobs"]] == [kept.id]
 
 
+def test_a_gone_worker_page_reads_a_bounded_number_of_records_in_all(app, web, monkeypatch):
+    """However many queues (and shards) there are, a gone worker's page (open to visitors
+    not logged in, and its API twin to pollers) reads at most GONE_BUDGET records: fewer of
+    each queue's newest when there are many. It read GONE_SCAN of each state of each queue
+    (at 64 shards, ~38,000 records a request). The page says how many of each it looked at."""
+    from dashboard import views
+    from tests.test_scripts import claim, finish
+
+    jobs = [apps.add.delay(i, 0) for i in range(5)]
+    for job in jobs:
+        claim(app, worker="w-gone")
+        assert finish(app, job.id, "1", "completed", "1") == 1
+    monkeypatch.setattr(views, "GONE_BUDGET", 6)  # 1 queue x 3 ended states: 2 of each
+    gone = web.get("/api/workers/w-gone").get_json()["gone"]
+    assert gone["scan"] == 2 and [j["id"] for j in gone["jobs"]] == [j.id for j in jobs[:2:-1]]
+    assert "among the 2 newest completed" in web.get("/workers/w-gone").get_data(as_text=True)
+
+
 def test_a_worker_page_lists_its_oldest_jobs_first(app, web):
     """The page lists the 100 jobs it has held longest, oldest first, whatever the order its
     heartbeat lists them in (its children's), and says how many it holds."""
