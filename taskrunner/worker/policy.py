@@ -206,13 +206,15 @@ def sync_due(now: float, lanes: Sequence[Lane], depth: int, *, flights: int, urg
 
 
 def queued(lanes: Sequence[Lane]) -> bool:
-    """Does a child hold jobs beyond the one it runs (or, running several at once, beyond
-    one)? It goes on without us, so results may wait FLUSH_AFTER for company. Sent at
+    """Does a child hold jobs beyond those it can run at once (its capacity: one, or its
+    threads or async slots)? It goes on without us, so results may wait FLUSH_AFTER for
+    company; a child running a few jobs at once with none waiting (an async worker with
+    two jobs) sends each result at once, as a lone job's. Sent at
     once whenever no sync was in flight, they went 1.5–2.5 per finish.lua call where each
     job makes a Redis round trip itself (Redis answered a one-result sync before the next
     job ended), and at 64-way with spare jobs, one sync per result or two cost a job 23
     Redis commands and ~80 us of Redis CPU."""
-    return any(len(lane.jobs) > 1 for lane in lanes)
+    return any(len(lane.jobs) > lane.capacity for lane in lanes)
 
 
 def claim_slots(lanes: Sequence[L], depth: int, now: float, spare: int = 0) -> list[tuple[L, float]]:
