@@ -121,8 +121,10 @@ def ago(t: Any, now: float | None = None) -> str:
 
 def duration(seconds: Any) -> str:
     """'29 µs', '4.2 ms', '2.5 s', '12 s', '1.2 min', '12 min', '1.5 h', '2.0 d' (under a second:
-    charts.seconds)."""
-    s = _seconds(seconds or 0)
+    charts.seconds); '-' for none (a field a foreign declaration or record lacks), not 0."""
+    if seconds is None or seconds == "":
+        return "-"
+    s = _seconds(seconds)
     if s is None:
         return str(seconds)
     if s < 1:

@@ -263,6 +263,7 @@ def test_units_read_as_people_write_them():
     assert [nice(v) for v in (0, 0.9, 7, 12, 99, 3e-5)] == [1, 1, 10, 20, 100, 5e-5]
     assert [duration(v) for v in (2.9e-05, 0.25, 5, 42, 600)] == ["29 µs", "250 ms", "5.0 s", "42 s", "10 min"]
     assert [duration(v) for v in (75, 3000)] == ["1.2 min", "50 min"]
+    assert [duration(v) for v in (None, "", 0)] == ["-", "-", "0 s"]  # none is not zero
 
 
 def test_charts_write_units_and_escape_labels():
