@@ -1,7 +1,7 @@
 """What flow control (rate limits, concurrency keys: docs/PROTOCOL.md, Flow control) costs
 Redis per job, and that a queue without it pays nothing: each job claimed alone (one
 claim.lua call) and finished alone (one finish.lua call), Redis's own time for those calls
-(INFO commandstats: usec of EVALSHA, which includes the commands the scripts run) and the
+(INFO commandstats: usec of FCALL, or of EVALSHA before, which includes the commands the scripts run) and the
 commands per job, on a redis-server of our own.
 
     python -m bench.flow_cost                        # 4,000 jobs of each kind, 3 rounds
@@ -48,8 +48,8 @@ def cost(url: str, kind: str, n: int) -> tuple[float, float]:
     stats = r.info("commandstats")
     assert r.llen(p + "pending") == 0 and r.hlen(p + "running") == 0
     calls = sum(v["calls"] for k, v in stats.items() if not k.startswith(("cmdstat_config", "cmdstat_info")))
-    evalsha = stats["cmdstat_evalsha"]
-    return evalsha["usec"] / n, (calls - evalsha["calls"]) / n
+    script = [stats.get(k, {"usec": 0, "calls": 0}) for k in ("cmdstat_fcall", "cmdstat_evalsha")]  # FCALL: since fcall
+    return sum(s["usec"] for s in script) / n, (calls - sum(s["calls"] for s in script)) / n
 
 
 def main() -> None:

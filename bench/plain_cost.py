@@ -12,13 +12,14 @@ tree) or git:REV (that revision's package, extracted with `git archive`). Per ro
 revision, a child process run on that package (PYTHONPATH) enqueues --jobs jobs one per call
 (`task.delay`), claims them one per call and acks them one per call (Consumer), with Redis's
 statistics reset first; the parent reads INFO: commands (every command, those run inside
-scripts included), microseconds of EVALSHA (INFO commandstats) and Redis CPU (used_cpu_user
-+ used_cpu_sys), each per job. Rounds alternate the revisions, so that a busy machine slows
-all alike; the table shows the median of the rounds. Commands per job are exact and the same
-every round; the times vary with the machine (the table gives their range). A second table
-splits them by phase (enqueue, heartbeat, claim, ack): commands, EVALSHA µs, the µs of the
-commands the scripts ran (INFO commandstats counts them apart, and inside EVALSHA's) and the
-difference, the scripts' Lua time outside commands. Figures: docs/PERFORMANCE.md.
+scripts included), microseconds of the script calls (FCALL, EVALSHA before; INFO
+commandstats) and Redis CPU (used_cpu_user + used_cpu_sys), each per job. Rounds alternate
+the revisions, so that a busy machine slows all alike; the table shows the median of the
+rounds. Commands per job are exact and the same every round; the times vary with the machine
+(the table gives their range). A second table splits them by phase (enqueue, heartbeat,
+claim, ack): commands, script µs (FCALL or EVALSHA), the µs of the commands the scripts ran
+(INFO commandstats counts them apart, and inside the call's) and the difference, the
+scripts' Lua time outside commands. Figures: docs/PERFORMANCE.md.
 
 --batch B claims and acks B jobs per call (a drain's batches) instead of one. --instructions
 runs redis-server under valgrind's callgrind and counts the instructions Redis ran in each
@@ -85,8 +86,8 @@ c.close()
 #: The phases of CHILD, in order.
 PHASES = ("enqueue", "heartbeat", "claim", "ack")
 
-#: Per job of a phase: commands (those run by scripts included), EVALSHA µs, µs of the
-#: commands the scripts ran (inside EVALSHA's), Redis CPU µs; with --instructions, "instr":
+#: Per job of a phase: commands (those run by scripts included), script call (FCALL or EVALSHA) µs,
+#: µs of the commands the scripts ran (inside the calls'), Redis CPU µs; with --instructions, "instr":
 #: thousands of instructions Redis ran.
 Phase = dict[str, float]
 
@@ -178,8 +179,9 @@ def _phase(r: redis.Redis, n: int, cpu0: float) -> Phase:
     cpu = _cpu(r) - cpu0
     # The statistics' own commands (INFO, CONFIG RESETSTAT) are ours, not the job's.
     stats = {k: v for k, v in r.info("commandstats").items() if k not in ("cmdstat_info", "cmdstat_config")}
-    evalsha = stats.get("cmdstat_evalsha", {}).get("usec", 0)
-    inside = sum(v["usec"] for k, v in stats.items() if k != "cmdstat_evalsha")
+    calls = ("cmdstat_evalsha", "cmdstat_fcall")  # a revision's scripts: EVALSHA, or FCALL (Redis Functions)
+    evalsha = sum(stats.get(k, {}).get("usec", 0) for k in calls)
+    inside = sum(v["usec"] for k, v in stats.items() if k not in calls)
     return {"commands": sum(v["calls"] for v in stats.values()) / n, "evalsha": evalsha / n, "inside": inside / n,
             "cpu": cpu * 1e6 / n}
 
@@ -243,13 +245,13 @@ def main() -> None:
           f"of {opts.rounds} rounds)")
     print(f"{'':16}" + "".join(f"{label:>{width + 2}}" for label in specs))
     rows = (("Redis commands", lambda ph: sum(x["commands"] for x in ph.values())),
-            ("EVALSHA us", lambda ph: sum(x["evalsha"] for x in ph.values())),
+            ("script us (FCALL/EVALSHA)", lambda ph: sum(x["evalsha"] for x in ph.values())),
             ("Redis CPU us", lambda ph: sum(x["cpu"] for x in ph.values())))
     if opts.instructions:
         rows += (("Redis instr. k", lambda ph: sum(x["instr"] for x in ph.values())),)
     for what, get in rows:
         print(f"{what:16}" + "".join(f"{_cell([get(ph) for ph in runs[label]]):>{width + 2}}" for label in specs))
-    print("\nper phase, per job (medians): commands / EVALSHA us / us in the scripts' commands / Lua outside them"
+    print("\nper phase, per job (medians): commands / script us / us in the scripts' commands / Lua outside them"
           + (" / thousands of instructions" if opts.instructions else ""))
     for name in PHASES:
         cells = []

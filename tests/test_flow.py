@@ -174,12 +174,13 @@ def test_unique_arguments_are_checked_by_python_and_by_the_script(app):
     with pytest.raises(ValueError, match="workflow"):
         apps.add.apply_async([1, 1], unique_key="x", on_success=apps.add.s(1))
     p = app.keys.q("default")
+    scripts.load(app.redis)  # called raw below
     for fields, why in ((["unique_key", "x", "unique_until", "later"], 'BadValue: .*unique_until must be "start"'),
                         (["unique_until", "start"], "BadCall: .*need unique_key"),
                         (["unique_key", "x", "unique_for", "0"], "BadValue: .*unique_for must be"),
                         (["priority", "10"], "BadValue: .*priority must be a whole number from 0 to 9")):
         with pytest.raises(Exception, match=why):
-            app.redis.evalsha(scripts.ENQUEUE.sha, 1, p, 1, "j1", 0, 1 + len(fields) // 2, "task", "t", *fields)
+            app.redis.fcall(scripts.ENQUEUE.function, 1, p, 1, "j1", 0, 1 + len(fields) // 2, "task", "t", *fields)
     assert not app.redis.exists(p + "job:j1")
 
 
@@ -267,3 +268,4 @@ def test_a_queue_without_flow_control_costs_no_command_more(app):
     ours = {k[len("cmdstat_"):]: v["calls"] for k, v in stats.items()
             if k.split("|")[0] not in ("cmdstat_info", "cmdstat_config", "cmdstat_hello", "cmdstat_client")}
     assert sum(ours.values()) == 35, ours
+    assert ours["fcall"] == 3 and "evalsha" not in ours  # enqueue, claim, finish: Redis Functions

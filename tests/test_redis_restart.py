@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from taskrunner.ops.redis_server import RedisServer
+from taskrunner.protocol import scripts
 from tests import apps
 from tests.conftest import ROOT, Stack, wait_for
 
@@ -41,6 +42,26 @@ def test_redis_restart_mid_run(app, own_redis, crash):
         assert w.poll() is None
     finally:
         stack.stop()
+
+
+def test_a_restart_without_persistence_loses_the_library_and_the_worker_loads_it_again(app, tmp_path):
+    """Functions persist with the data (AOF, RDB) and reach replicas; a Redis restarted with
+    neither has none: the worker's next claims and finishes (batched) and the producer's
+    enqueues meet "Function not found", load the library and go on."""
+    server = RedisServer(tmp_path, appendonly=False).start()
+    app.configure(redis_url=server.url)
+    stack = Stack(app, server.url)
+    try:
+        stack.worker()
+        assert apps.add.delay(1, 1).wait(30) == 2
+        server.restart()
+        assert app.redis.function_list() == []
+        jobs = [apps.add.delay(i, 1) for i in range(100)]
+        assert [j.wait(60) for j in jobs] == [i + 1 for i in range(100)]
+        assert app.redis.function_list(library=scripts.LIBRARY_NAME)
+    finally:
+        stack.stop()
+        server.stop()
 
 
 def test_dropped_connections_lose_nothing(app, stack):
@@ -91,7 +112,7 @@ def test_lone_enqueue_fast_path_recovers_from_dropped_connections_restarts_and_f
     ids.append(apps.add.delay(1, 1).id)
     own_redis.restart(kill=True)  # appendfsync always: the jobs before survive
     ids.append(apps.add.delay(2, 2).id)
-    app.redis.script_flush()
+    app.redis.function_flush()
     ids.append(apps.add.delay(3, 3).id)
     assert _pending(app) == set(ids)
     assert [app.job(i).data["args"] for i in ids] == ["[0,0]", "[1,1]", "[2,2]", "[3,3]"]
@@ -192,7 +213,7 @@ def test_batch_sent_ahead_is_sent_again_when_its_answers_are_lost(app):
     admin.client_pause(10_000, all=False)  # writes (scripts among them) wait
     try:
         batch.send()
-        wait_for(lambda: any(c["id"] == str(direct_id) and c["cmd"] == "evalsha" for c in admin.client_list()),
+        wait_for(lambda: any(c["id"] == str(direct_id) and c["cmd"] == "fcall" for c in admin.client_list()),
                  what="the batch to reach Redis")
         admin.client_kill_filter(_id=direct_id)  # its answers will never come
     finally:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import time
 
 import pytest
+import redis
 
+from taskrunner.ops.redis_server import RedisServer
 from taskrunner.protocol import scripts
 from taskrunner.protocol.claims import STRIDE
 from tests import apps
@@ -285,14 +288,121 @@ def test_sweep_promotes_due_and_reports_due_deadlines(app):
     assert scripts.SWEEP(app.redis, [p], [100, 10, 3600, 3600])[1:] == []  # moved to a later bucket
 
 
-@pytest.mark.parametrize("name", ["enqueue", "claim", "finish", "sweep", "lose", "stuck", "kill", "watch",
-                                  "heartbeat"])
-def test_scripts_reload_after_script_flush(app, name):
-    script = getattr(scripts, name.upper())
-    app.redis.script_flush()
-    assert app.redis.script_exists(script.sha) == [False]
-    apps.add.delay(1, 1)  # enqueue through EVALSHA: reloaded on NOSCRIPT
-    assert app.redis.script_exists(scripts.ENQUEUE.sha) == [True]
+def library_loaded(r) -> bool:
+    """Does the server hold this version's library?"""
+    return bool(r.function_list(library=scripts.LIBRARY_NAME))
+
+
+def test_scripts_are_functions_reloaded_after_function_flush(app):
+    """Every script is a function of one library, loaded once per server; a server that lost
+    it (FUNCTION FLUSH here; a restart without persistence) gets it again at the next call,
+    lone or in a batch, which then runs as if nothing had happened."""
+    apps.add.delay(1, 1)
+    assert library_loaded(app.redis)
+    [lib] = app.redis.function_list(library=scripts.LIBRARY_NAME)  # RESP2: flat lists of names and values
+    functions = dict(zip(lib[::2], lib[1::2]))["functions"]
+    assert {dict(zip(f[::2], f[1::2]))["name"] for f in functions} == {s.function for s in scripts.ALL}
+    app.redis.function_flush()
+    job = apps.add.delay(2, 2)  # a lone call: "Function not found", loaded, called again
+    assert library_loaded(app.redis) and job.state == "pending"
+    app.redis.function_flush()
+    batch = scripts.Batch(app.redis)
+    batch.call(scripts.WATCH, [app.keys.q("default")], [job.id])
+    batch.call(scripts.WATCH, [app.keys.q("default")], [job.id])
+    assert batch.execute() == [scripts.WATCH(app.redis, [app.keys.q("default")], [job.id])] * 2
+    assert library_loaded(app.redis)
+
+
+def test_the_library_is_named_by_its_text():
+    """Workers of two versions on one Redis never call each other's code: a change to any
+    script (or to `_lib.lua`) gives the library, and each of its functions, another name."""
+    changed = [scripts.Script.__new__(scripts.Script) for _ in scripts.ALL]
+    for new, old in zip(changed, scripts.ALL):
+        new.name, new.body = old.name, old.body + ("\n-- changed" if old is scripts.WATCH else "")
+    text = scripts.library(changed)
+    assert text != scripts.LIBRARY and text.split("\n")[0] != scripts.LIBRARY.split("\n")[0]
+    assert not {s.function for s in changed} & {s.function for s in scripts.ALL}
+    assert scripts.library(scripts.ALL) == scripts.LIBRARY  # the same text: the same name
+
+
+def test_two_versions_of_the_library_live_side_by_side(app):
+    """Another version's library on the same server (a rolling deploy) is left alone, and each
+    version calls its own functions. Loading one's own again (FUNCTION LOAD REPLACE, two
+    processes that found it missing at once) is harmless."""
+    other = scripts.LIBRARY.replace("taskrunner_" + scripts.LIBRARY_NAME[len("taskrunner_"):],
+                                    "taskrunner_0000000000000000")
+    other = other.replace("return", "return", 1)  # the same code under another version's name
+    app.redis.execute_command("FUNCTION", "LOAD", "REPLACE", other)
+    try:
+        apps.add.delay(1, 1)
+        app.redis.execute_command("FUNCTION", "LOAD", "REPLACE", scripts.LIBRARY)
+        job = apps.add.delay(2, 2)
+        assert job.state == "pending" and library_loaded(app.redis)
+        assert app.redis.function_list(library="taskrunner_0000000000000000")
+    finally:
+        app.redis.function_delete("taskrunner_0000000000000000")
+
+
+def test_function_calls_share_no_state(app):
+    """A function's helpers (the library's) live from one call to the next: what one call
+    keeps (the outbox entries a finish emitted for children in other slots, fmt()'s last
+    answer) must not reach the next. A plain job's finish after a parent's answers no entry."""
+    p = app.keys.q("default")
+    r = app.redis
+    parent, plain = apps.add.delay(1, 1), apps.add.delay(2, 2)
+    for job in (parent, plain):  # claimed by hand: attempt 1 holds each
+        r.hset(p + "running", job.id, "{}")
+        r.hset(app.keys.job("default", job.id), mapping={"attempts": "1", "state": "running"})
+    r.hset(app.keys.job("default", parent.id), mapping={"children": "other c1", "cross_children": "other c1 -"})
+    [one, entries] = scripts.FINISH(r, [p], [3600, 600, 3600, parent.id, "1", "completed", "", "3", "", "", ""])
+    assert one == 1 and [dict(zip(e[1][::2], e[1][1::2]))["child"] for e in entries] == ["other c1"]
+    assert scripts.FINISH(r, [p], [3600, 600, 3600, plain.id, "1", "completed", "", "5", "", "", ""]) == [1]
+
+
+def test_every_state_the_helpers_keep_is_cleared_by_fresh_call():
+    """The helpers' state across calls, read from `_lib.lua`: every name declared at its top
+    level that a function assigns (its state, kept between calls of a Redis Function) is
+    either cleared by fresh_call() or made once and the same for every call (the workflow
+    helpers made by workflows(); rare_fields, a metatable of no call's data). A helper added
+    with state of its own fails here until fresh_call() clears it."""
+    lib = (scripts._DIR / "_lib.lua").read_text()
+    declared = {n for names, _ in scripts._definitions(lib) for n in names}
+    assigned = {n for n in declared  # `n = `, `a, n = `, `function n(` inside a function (indented)
+                if re.search(rf"^[ \t]+(?!local\b)(?:[\w.]+\s*,\s*)*{n}\b\s*(?:,\s*[\w.]+\s*)*=(?!=)"
+                             rf"|^[ \t]+function\s+{n}\b", lib, re.M)}
+    fresh = re.search(r"local function fresh_call\(\)\n(.*?)\nend", lib, re.S)[1]
+    made_once = {"rare_fields", "workflows", "sibling", "queue_of", "prepend", "emit", "blame", "CHILD",
+                 "far_parent", "join", "settle", "settle_children"}
+    assert {"fmt_x", "fmt_s", "emitted"} <= assigned
+    assert assigned - made_once <= scripts._names(fresh), assigned - made_once - scripts._names(fresh)
+
+
+@pytest.mark.parametrize("denied", ["-fcall -function", "-function"])
+def test_a_user_without_functions_calls_the_scripts_by_evalsha(app, tmp_path, caplog, denied):
+    """Redis < 7.0 has no Functions, and an ACL user may be refused FCALL or FUNCTION LOAD:
+    the client says so in one log line and calls the same scripts by EVALSHA from then on
+    (lone calls, batches, the lone enqueue's fast path). A user refused EVALSHA too gets the
+    server's one-line NOPERM."""
+    server = RedisServer(tmp_path, appendonly=False).start()
+    admin = redis.Redis(unix_socket_path=str(server.socket), decode_responses=True)
+    try:
+        admin.execute_command("ACL", "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", *denied.split())
+        app.configure(redis_url=f"unix://limited:pw@{server.socket}")
+        with caplog.at_level(logging.WARNING, "taskrunner.scripts"):
+            jobs = [apps.add.delay(1, 1), apps.add.delay(2, 2)]
+            rows = claim(app, pids=(1, 2))
+            assert [finish(app, row[1], str(row[2]), "completed", "2") for row in rows] == [1, 1]
+        assert {j.refresh().state for j in jobs} == {"completed"}
+        assert caplog.messages and all("calling the scripts by EVALSHA" in m and "\n" not in m
+                                       for m in caplog.messages)
+        stats = admin.info("commandstats")
+        assert stats["cmdstat_evalsha"]["calls"] >= 4 and admin.function_list() == []
+        admin.execute_command("ACL", "SETUSER", "limited", "-evalsha")
+        with pytest.raises(redis.exceptions.NoPermissionError, match="evalsha"):
+            claim(app)
+    finally:
+        admin.close()
+        server.stop()
 
 
 def test_operator_actions(app):
@@ -325,14 +435,15 @@ def test_a_batch_runs_in_order_after_the_server_lost_its_scripts(app):
     loaded one by one, as first met: a later sync then found finish.lua known and
     progress.lua not; re-run after the finish of its batch, progress.lua found the job
     finished and its last log lines were lost. Any NOSCRIPT now loads every script, so a
-    server knows all or none of them (and a batch of unknown ones is re-run in order)."""
+    server knows all or none of them (and a batch of unknown ones is re-run in order). One
+    library holds them all now: a server has all or none by construction."""
     first, second = apps.add.delay(1, 2), apps.add.delay(3, 4)
     p = app.keys.q("default")
     r = app.redis
     for job in (first, second):  # claimed by hand: attempt 1 holds each
         r.hset(p + "running", job.id, "{}")
         r.hset(app.keys.job("default", job.id), mapping={"attempts": "1", "state": "running"})
-    r.script_flush()
+    r.function_flush()
 
     def finish(job_id: str) -> list:
         return [3600, 600, 3600, job_id, "1", "completed", "", "3", "", "", ""]

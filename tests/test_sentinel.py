@@ -73,9 +73,9 @@ def carries_on(app, stack: Stack, group: SentinelGroup, worker, dispatcher) -> N
     assert stack.cli("wait", r.stdout.strip(), "--timeout", "30", check=True).stdout.strip() == "42"
     assert create_app(app, password="", token="").test_client().get("/api/overview").status_code == 200
     assert worker.poll() is None and dispatcher.poll() is None, "no process was restarted"
-    # The promoted replica had not the scripts (SCRIPT LOAD is not replicated): NOSCRIPT, reload.
+    # The promoted replica has the scripts: FUNCTION LOAD is replicated.
     with group.replicas[0].client() as promoted_node:
-        assert all(promoted_node.script_exists(s.sha)[0] for s in (scripts.CLAIM, scripts.FINISH))
+        assert promoted_node.function_list(library=scripts.LIBRARY_NAME)
 
 
 def test_primary_killed_failover(app, stack, group):

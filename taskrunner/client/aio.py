@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from taskrunner.client import canvas, flow, steps
 from taskrunner.client.app import TaskRunner, _enqueue_args
@@ -79,12 +79,26 @@ class AsyncClient:
     async def _script(self, script: scripts.Script, keys: list[str], args: list[Any]) -> Any:
         try:
             try:
-                return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                await self.redis.script_load(script.source)
-                return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+                return await self.redis.execute_command(*script.command(self.redis, keys, args))
+            except ResponseError as e:
+                if not scripts.missing(e):
+                    raise
+                await self._load(e)
+                return await self.redis.execute_command(*script.command(self.redis, keys, args))
         except ResponseError as e:
             raise scripts.refusal(e) from None
+
+    async def _load(self, answer: ResponseError) -> None:
+        """scripts.load(), awaited."""
+        for command in scripts.loading(self.redis, answer):
+            try:
+                await self.redis.execute_command(*command)
+            except ResponseError as e:
+                if command[0] != "FUNCTION" or not scripts.refused(self.redis, e):
+                    raise
+                for again in scripts.loading(self.redis, e):
+                    await self.redis.execute_command(*again)
+                return
 
     async def enqueue(self, task: str, args: list | tuple = (), kwargs: dict | None = None, *,
                       delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,

@@ -25,6 +25,7 @@ percent-encoded (see _split).
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import logging
 import os
@@ -306,8 +307,29 @@ AsyncClient: TypeAlias = Any
 
 
 def _cluster(kind: Any, nodes: list[Any], options: dict[str, Any]) -> Any:
-    """A RedisCluster client of either kind (redis-py 5.0's types call both abstract)."""
-    return kind(startup_nodes=nodes, **options)
+    """A RedisCluster client of either kind (redis-py 5.0's types call both abstract), which
+    finds FCALL's keys itself, as it does EVALSHA's: redis-py asks the server (COMMAND
+    GETKEYS, a round trip more for every script call, a pipeline's too) for those of a
+    command whose keys move, FCALL among them."""
+    client = kind(startup_nodes=nodes, **options)
+    parser = client.commands_parser
+    get_keys = parser.get_keys
+    if inspect.iscoroutinefunction(get_keys):
+        async def get_keys_async(*args: Any) -> Any:
+            return _fcall_keys(args) if _is_fcall(args) else await get_keys(*args)
+        parser.get_keys = get_keys_async
+    else:
+        parser.get_keys = lambda conn, *args: _fcall_keys(args) if _is_fcall(args) else get_keys(conn, *args)
+    return client
+
+
+def _is_fcall(args: tuple[Any, ...]) -> bool:
+    return len(args) > 2 and str(args[0]).upper() == "FCALL"
+
+
+def _fcall_keys(args: tuple[Any, ...]) -> list[Any]:
+    """FCALL's keys: FCALL <function> <numkeys> <key>... <arg>..."""
+    return list(args[3:3 + int(args[2])])
 
 
 def connect(url: str | None = None, **options: Any) -> Client:
@@ -540,12 +562,6 @@ class Direct:
     def read(self, n: int) -> list[Any]:
         """The answers to the last n commands sent; an error reply is returned, not raised."""
         return self._on_link(lambda link: [link.reply() for _ in range(n)])
-
-    def evalsha(self, sha: str, numkeys: int, *args: Any) -> Any:
-        return self.execute_command("EVALSHA", sha, numkeys, *args)
-
-    def script_load(self, source: str) -> Any:
-        return self.client.script_load(source)
 
 
 class Channel:

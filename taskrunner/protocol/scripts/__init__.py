@@ -1,11 +1,17 @@
-"""Lua scripts: each lives in its own file, gets the `_lib.lua` helpers it uses prepended, is
-loaded once per server and called by EVALSHA (all reloaded transparently after a NOSCRIPT,
-e.g. when Redis restarted without its script cache)."""
+"""Lua scripts: each lives in its own file and is called as a Redis Function: one library
+holds `_lib.lua`'s helpers, made once when it loads, and one function per script (FUNCTION
+LOAD once per server, FCALL per call; the library is loaded again, transparently, where a
+server lacks it: a restart without persistence, a flush, a new node). A server without
+Functions (Redis < 7.0), or a user not allowed them, gets the same scripts by EVALSHA, each
+with the `_lib.lua` helpers it uses prepended (reloaded after a NOSCRIPT). docs/PROTOCOL.md,
+Loading a script."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -79,23 +85,33 @@ def prelude(lib: str, script: str) -> str:
 
 
 class Script:
-    """One Lua script, called by EVALSHA: its text is the `_lib.lua` helpers it uses, a newline,
-    then its own file (docs/PROTOCOL.md, Loading a script)."""
+    """One Lua script. Called as the function `function` of the library (LIBRARY, below); by
+    EVALSHA of `source` (the `_lib.lua` helpers it uses, a newline, then its own file) where
+    the server has no Functions. Both run the same code (docs/PROTOCOL.md, Loading a script)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        own = (_DIR / f"{name}.lua").read_text()
-        self.source = prelude((_DIR / "_lib.lua").read_text(), own) + "\n" + own
+        self.body = (_DIR / f"{name}.lua").read_text()
+        self.source = prelude((_DIR / "_lib.lua").read_text(), self.body) + "\n" + self.body
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+        self.function = ""  # its function's name, once the library is composed (below)
         ALL.append(self)
+
+    def command(self, client: Any, keys: list[str], args: list[Any]) -> tuple[Any, ...]:
+        """The command that calls it on `client`'s server: FCALL, or EVALSHA there."""
+        if client in _EVALSHA:
+            return ("EVALSHA", self.sha, len(keys), *keys, *args)
+        return ("FCALL", self.function, len(keys), *keys, *args)
 
     def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
         try:
             try:
-                return client.evalsha(self.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                load_all(client)
-                return client.evalsha(self.sha, len(keys), *keys, *args)
+                return client.execute_command(*self.command(client, keys, args))
+            except ResponseError as e:
+                if not missing(e):
+                    raise
+                load(client, e)
+                return client.execute_command(*self.command(client, keys, args))
         except ResponseError as e:
             raise refusal(e) from None
 
@@ -103,24 +119,71 @@ class Script:
 #: Every script, as defined below.
 ALL: list[Script] = []
 
+#: Clients whose server has no Functions, or whose user may not load or call them: they call
+#: every script by EVALSHA (decided by the first refusal; a log line says so, once).
+_EVALSHA: weakref.WeakSet[Any] = weakref.WeakSet()
+_log = logging.getLogger("taskrunner.scripts")
 
-def load_all(client: Any) -> None:
-    """Load every script (on every primary of a cluster): a server that answered NOSCRIPT
-    lost them all (a restart, a flush, a promoted replica, a new node). Loading only the one
-    met would leave it knowing some: a later batch whose first call meets NOSCRIPT while a
-    later one runs would see them run out of order (progress.lua re-run after the finish.lua
-    that ended its job: the job's last log lines lost)."""
-    for script in ALL:
-        client.script_load(script.source)
+
+def missing(e: Exception) -> bool:
+    """An answer to FCALL or EVALSHA that says the script did not run, as the server lacks it
+    (a restart without persistence, FLUSHALL, FUNCTION FLUSH or SCRIPT FLUSH, a new cluster
+    node) or lacks Functions altogether (Redis < 7.0; a user without FCALL): load() then."""
+    return isinstance(e, NoScriptError) or isinstance(e, ResponseError) and (
+        str(e).startswith("Function not found") or _refused(e))
+
+
+def _refused(e: ResponseError) -> bool:
+    """Functions refused: an unknown command (Redis < 7.0) or one the user may not run."""
+    text = str(e).lower()
+    return (text.startswith("unknown command") or text.startswith("noperm") or "no permissions" in text) \
+        and ("fcall" in text or "function" in text)
+
+
+def loading(client: Any, answer: Exception | None = None) -> list[tuple[Any, ...]]:
+    """The commands that give `client`'s server (every primary of a cluster) the scripts,
+    after `answer` (if any) said it lacks them: the library (FUNCTION LOAD REPLACE: one name holds one
+    text, so a load racing another's is harmless), or, where Functions are refused, every
+    script for EVALSHA. All at once: a server that knew some of the scripts and not others
+    would run a batch out of order (a progress report re-run after the finish that ended its
+    job: its last log lines lost)."""
+    if isinstance(answer, ResponseError):
+        refused(client, answer)
+    if client in _EVALSHA:
+        return [("SCRIPT", "LOAD", script.source) for script in ALL]
+    return [("FUNCTION", "LOAD", "REPLACE", LIBRARY)]
+
+
+def refused(client: Any, e: ResponseError) -> bool:
+    """Does `e` refuse Functions (Redis < 7.0; a user without FCALL or FUNCTION)? `client`
+    then calls the scripts by EVALSHA, from now on."""
+    if not _refused(e):
+        return False
+    if client not in _EVALSHA:
+        _EVALSHA.add(client)
+        _log.warning("Redis refused Functions (%s): calling the scripts by EVALSHA", str(e).split("\n")[0])
+    return True
+
+
+def load(client: Any, answer: Exception | None = None) -> None:
+    """Run loading()'s commands: where FUNCTION LOAD is refused, the scripts for EVALSHA."""
+    for command in loading(client, answer):
+        try:
+            client.execute_command(*command)
+        except ResponseError as e:
+            if command[0] != "FUNCTION" or not refused(client, e):
+                raise
+            for again in loading(client, e):
+                client.execute_command(*again)
+            return
 
 
 class Batch:
     """Commands and script calls sent in one round trip (a non-transactional pipeline;
     on a Redis Cluster one per node, redis-py's ClusterPipeline sending each call to the
-    primary of its keys' slot). A script the server did not know (NOSCRIPT: a restart, a
-    promoted replica, a node new to the cluster) did not run, so it is loaded (on every
-    primary of a cluster) and run again alone; any other error is raised after the whole
-    batch ran."""
+    primary of its keys' slot). A script the server did not know (a restart, a promoted
+    replica, a node new to the cluster) did not run, so the scripts are loaded (load()) and
+    it is run again alone; any other error is raised after the whole batch ran."""
 
     def __init__(self, client: Any, direct: Any = None) -> None:
         self.client = client
@@ -131,8 +194,9 @@ class Batch:
 
     def call(self, script: Script, keys: list[str], args: list[Any]) -> None:
         self._scripts.append((len(self.pipe), script, keys, args))
-        # Not pipe.evalsha(): ClusterPipeline refuses it, yet routes the command by its keys.
-        self.pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        # execute_command(): ClusterPipeline refuses pipe.evalsha(), yet routes the command by
+        # its keys (FCALL's too: connection.py tells it where they are).
+        self.pipe.execute_command(*script.command(self.client, keys, args))
 
     def __len__(self) -> int:
         return len(self.pipe)
@@ -166,7 +230,7 @@ class Batch:
         """The batch's results from its answers: scripts the server did not know are loaded
         and run again; an error is raised."""
         for index, script, keys, args in self._scripts:
-            if isinstance(results[index], NoScriptError):
+            if isinstance(results[index], Exception) and missing(results[index]):
                 results[index] = script(self.client, keys, args)
         self._scripts = []
         for r in results:
@@ -194,3 +258,24 @@ TALLY = Script("tally")
 JOIN = Script("join")
 ATTACH = Script("attach")
 REINDEX = Script("reindex")
+
+
+def library(scripts: list[Script]) -> str:
+    """The Redis Functions library of `scripts`: `_lib.lua` whole (its helpers are made once,
+    when the library loads), then one function per script, its file's text as the body, with
+    KEYS and ARGV its arguments, beginning with fresh_call() (`_lib.lua`: what must not live
+    from one call to the next). Named `taskrunner_<hash>` of that text, as are its
+    functions (`taskrunner_<hash>_<script>`): a server holds each version's library beside
+    the others', so that workers of two versions on one Redis never call each other's code."""
+    lib = (_DIR / "_lib.lua").read_text()
+    text = "\n".join([lib, *(f"redis.register_function('taskrunner_@_{s.name}', function(KEYS, ARGV) fresh_call()\n"
+                             f"{s.body}\nend)" for s in scripts)])
+    version = hashlib.sha1(text.encode()).hexdigest()[:16]
+    for s in scripts:
+        s.function = f"taskrunner_{version}_{s.name}"
+    return f"#!lua name=taskrunner_{version}\n" + text.replace("'taskrunner_@_", f"'taskrunner_{version}_")
+
+
+#: The library's text (FUNCTION LOAD) and name.
+LIBRARY = library(ALL)
+LIBRARY_NAME = LIBRARY.split("\n", 1)[0].removeprefix("#!lua name=")

@@ -83,7 +83,7 @@ end
 -- out, and the first lookup of one of them (of any field load() does not read) reads them all
 -- (a second HMGET), so that a job that completes pays for none of them. None of them is
 -- written by a script before it reads them.
-local rare_fields  -- their metatable, made by the first load() of a call (most calls load no record)
+local rare_fields  -- their metatable, made by the first load() (most calls load no record)
 
 -- The fields of a job record that the functions below need, read in one HMGET (a table
 -- built by one constructor: a loop setting them one by one costs more than the HMGET); the
@@ -470,12 +470,16 @@ end
 -- <takes> ..."), and the child has `cross_slot` 1; the parent's end leaves an entry in its
 -- own queue's outbox, which a carrier applies with join.lua in the child's slot.
 
+-- `emitted`: the entries this script call left in outboxes, as XRANGE gives them ({stream id,
+-- {field, value, ...}}): finish.lua, join.lua and attach.lua answer them, for their caller to
+-- carry.
 -- They are made by workflows(), by the calls that need them (a job with children ended, a
 -- workflow enqueued or joined): each helper carried is made again at every call of a script,
 -- and most calls (a plain job's claim, finish) end no job with children. A script calls
 -- workflows() before it uses one of them.
 workflows = function()
-  if settle then return end  -- made already in this call
+  emitted = emitted or {}  -- this call's (a Function call begins with none: fresh_call())
+  if settle then return end  -- made already (by this call; in a Function, by the library's first call)
   -- The key prefix of queue q beside the key prefix p ("tr:{a}:", "b" -> "tr:{b}:").
   function sibling(p, q)
     return string.match(p, '^(.*){[^{}]*}:$') .. '{' .. q .. '}:'
@@ -494,10 +498,6 @@ workflows = function()
     end
     return '[' .. value .. ',' .. rest
   end
-
-  -- The entries this script call left in outboxes, as XRANGE gives them ({stream id, {field,
-  -- value, ...}}): finish.lua, join.lua and attach.lua answer them, for their caller to carry.
-  emitted = {}
 
   -- A parent ended (`parent`: queue, id, task, state; error_type, error, canceled_by when it did
   -- not complete): tell its child `cid` of queue `cq`, in another slot, with an entry in the
@@ -645,4 +645,15 @@ workflows = function()
       end
     end
   end
+end
+
+-- A call of a Redis Function begins here (scripts/__init__.py, library()): the library's
+-- helpers above are made once, when it loads, and what they keep lives on from one call to
+-- the next; what a call must not see of the call before is cleared here: fmt()'s last
+-- answer, the outbox entries emitted (what workflows() makes once, and rare_fields, keep
+-- nothing of a call). A script called by EVALSHA starts anew and never calls it. A helper
+-- given state of its own (a cache, a table it fills) clears it here too (test_scripts.py,
+-- test_function_calls_share_no_state).
+local function fresh_call()
+  fmt_x, fmt_s, emitted = nil, nil, nil
 end
