@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -11,6 +12,7 @@ import time
 import pytest
 import redis
 
+from taskrunner.client.aio import AsyncClient
 from taskrunner.ops.redis_server import RedisServer
 from taskrunner.protocol import scripts
 from taskrunner.protocol.claims import STRIDE
@@ -288,6 +290,11 @@ def test_sweep_promotes_due_and_reports_due_deadlines(app):
     assert scripts.SWEEP(app.redis, [p], [100, 10, 3600, 3600])[1:] == []  # moved to a later bucket
 
 
+#: redis-server options that take FCALL and FUNCTION away: they answer "unknown command", as
+#: on Redis < 7.0.
+NO_FUNCTIONS = ("--rename-command", "FCALL", "", "--rename-command", "FUNCTION", "")
+
+
 def library_loaded(r) -> bool:
     """Does the server hold this version's library?"""
     return bool(r.function_list(library=scripts.LIBRARY_NAME))
@@ -313,6 +320,39 @@ def test_scripts_are_functions_reloaded_after_function_flush(app):
     assert library_loaded(app.redis)
 
 
+@pytest.mark.parametrize("flush", ["none", "FUNCTION FLUSH", "no functions"])
+def test_the_async_client_loads_the_library_or_falls_back_too(app, tmp_path, flush):
+    """AsyncClient calls the scripts as the sync client does: after a FUNCTION FLUSH it loads
+    the library again; on a server without Functions (renamed away: unknown command, as
+    Redis < 7.0 answers) it calls them by EVALSHA."""
+    gone = flush == "no functions"
+    server = RedisServer(tmp_path, appendonly=False,
+                         extra=NO_FUNCTIONS if gone else ()).start()
+    app.configure(redis_url=server.url)
+
+    async def go() -> list[str]:
+        client = AsyncClient(app)
+        try:
+            ids = [await client.enqueue("tests.apps.add", [1, 1])]
+            if flush == "FUNCTION FLUSH":
+                app.redis.function_flush()
+            ids.append(await client.enqueue("tests.apps.add", [2, 2]))
+            return ids
+        finally:
+            await client.close()
+
+    try:
+        ids = asyncio.run(go())
+        assert [app.job(i).data["state"] for i in ids] == ["pending", "pending"]
+        stats = app.redis.info("commandstats")
+        if gone:
+            assert stats["cmdstat_evalsha"]["calls"] == 2
+        else:
+            assert "cmdstat_evalsha" not in stats and app.redis.function_list(library=scripts.LIBRARY_NAME)
+    finally:
+        server.stop()
+
+
 def test_the_library_is_named_by_its_text():
     """Workers of two versions on one Redis never call each other's code: a change to any
     script (or to `_lib.lua`) gives the library, and each of its functions, another name."""
@@ -329,9 +369,7 @@ def test_two_versions_of_the_library_live_side_by_side(app):
     """Another version's library on the same server (a rolling deploy) is left alone, and each
     version calls its own functions. Loading one's own again (FUNCTION LOAD REPLACE, two
     processes that found it missing at once) is harmless."""
-    other = scripts.LIBRARY.replace("taskrunner_" + scripts.LIBRARY_NAME[len("taskrunner_"):],
-                                    "taskrunner_0000000000000000")
-    other = other.replace("return", "return", 1)  # the same code under another version's name
+    other = scripts.LIBRARY.replace(scripts.LIBRARY_NAME, "taskrunner_0000000000000000")  # its functions too
     app.redis.execute_command("FUNCTION", "LOAD", "REPLACE", other)
     try:
         apps.add.delay(1, 1)
@@ -377,16 +415,20 @@ def test_every_state_the_helpers_keep_is_cleared_by_fresh_call():
     assert assigned - made_once <= scripts._names(fresh), assigned - made_once - scripts._names(fresh)
 
 
-@pytest.mark.parametrize("denied", ["-fcall -function", "-function"])
-def test_a_user_without_functions_calls_the_scripts_by_evalsha(app, tmp_path, caplog, denied):
-    """Redis < 7.0 has no Functions, and an ACL user may be refused FCALL or FUNCTION LOAD:
-    the client says so in one log line and calls the same scripts by EVALSHA from then on
-    (lone calls, batches, the lone enqueue's fast path). A user refused EVALSHA too gets the
-    server's one-line NOPERM."""
-    server = RedisServer(tmp_path, appendonly=False).start()
+@pytest.mark.parametrize("denied", ["-fcall -function", "-function", "no such commands"])
+def test_a_server_or_user_without_functions_calls_the_scripts_by_evalsha(app, tmp_path, caplog, denied):
+    """Redis < 7.0 has no FCALL or FUNCTION (here: both renamed away, which answers as it
+    does: unknown command), and an ACL user may be refused FCALL or FUNCTION LOAD: the client
+    says so in one log line and calls the same scripts by EVALSHA from then on (lone calls,
+    batches, the lone enqueue's fast path). A user refused EVALSHA too gets the server's
+    one-line NOPERM."""
+    gone = denied == "no such commands"
+    server = RedisServer(tmp_path, appendonly=False,
+                         extra=NO_FUNCTIONS if gone else ()).start()
     admin = redis.Redis(unix_socket_path=str(server.socket), decode_responses=True)
     try:
-        admin.execute_command("ACL", "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", *denied.split())
+        admin.execute_command("ACL", "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all",
+                              *([] if gone else denied.split()))
         app.configure(redis_url=f"unix://limited:pw@{server.socket}")
         with caplog.at_level(logging.WARNING, "taskrunner.scripts"):
             jobs = [apps.add.delay(1, 1), apps.add.delay(2, 2)]
@@ -396,10 +438,13 @@ def test_a_user_without_functions_calls_the_scripts_by_evalsha(app, tmp_path, ca
         assert caplog.messages and all("calling the scripts by EVALSHA" in m and "\n" not in m
                                        for m in caplog.messages)
         stats = admin.info("commandstats")
-        assert stats["cmdstat_evalsha"]["calls"] >= 4 and admin.function_list() == []
-        admin.execute_command("ACL", "SETUSER", "limited", "-evalsha")
-        with pytest.raises(redis.exceptions.NoPermissionError, match="evalsha"):
-            claim(app)
+        fcall = stats.get("cmdstat_fcall", {})  # refused (rejected), or "Function not found" (failed): none ran
+        assert stats["cmdstat_evalsha"]["calls"] >= 4 and fcall.get("calls", 0) == fcall.get("failed_calls", 0)
+        if not gone:
+            assert admin.function_list() == []
+            admin.execute_command("ACL", "SETUSER", "limited", "-evalsha")
+            with pytest.raises(redis.exceptions.NoPermissionError, match="evalsha"):
+                claim(app)
     finally:
         admin.close()
         server.stop()
