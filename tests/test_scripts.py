@@ -405,14 +405,20 @@ def test_every_state_the_helpers_keep_is_cleared_by_fresh_call():
     with state of its own fails here until fresh_call() clears it."""
     lib = (scripts._DIR / "_lib.lua").read_text()
     declared = {n for names, _ in scripts._definitions(lib) for n in names}
-    assigned = {n for n in declared  # `n = `, `a, n = `, `function n(` inside a function (indented)
-                if re.search(rf"^[ \t]+(?!local\b)(?:[\w.]+\s*,\s*)*{n}\b\s*(?:,\s*[\w.]+\s*)*=(?!=)"
-                             rf"|^[ \t]+function\s+{n}\b", lib, re.M)}
+
+    def assigned_in(text: str, indent: str) -> set[str]:  # `n = `, `a, n = `, `function n(`
+        return {n for n in declared if re.search(rf"^{indent}(?!local\b)(?:[\w.]+\s*,\s*)*{n}\b\s*(?:,\s*[\w.]+\s*)*"
+                                                 rf"=(?!=)|^{indent}function\s+{n}\b", text, re.M)}
+
+    assigned = assigned_in(lib, "[ \t]+")  # inside a function of the lib (indented)
     fresh = re.search(r"local function fresh_call\(\)\n(.*?)\nend", lib, re.S)[1]
     made_once = {"rare_fields", "workflows", "sibling", "queue_of", "prepend", "emit", "blame", "CHILD",
                  "far_parent", "join", "settle", "settle_children"}
     assert {"fmt_x", "fmt_s", "emitted"} <= assigned
     assert assigned - made_once <= scripts._names(fresh), assigned - made_once - scripts._names(fresh)
+    for script in scripts.ALL:  # a script's body (a function's) assigning a helper's name keeps it too
+        own = {n for n in declared if re.search(rf"^\s*local\s+(?:function\s+)?[\w\s,]*\b{n}\b", script.body, re.M)}
+        assert not assigned_in(script.body, "[ \t]*") - own, script.name
 
 
 @pytest.mark.parametrize("denied", ["-fcall -function", "-function", "no such commands"])

@@ -127,8 +127,9 @@ _log = logging.getLogger("taskrunner.scripts")
 
 def missing(e: Exception) -> bool:
     """An answer to FCALL or EVALSHA that says the script did not run, as the server lacks it
-    (a restart without persistence, FLUSHALL, FUNCTION FLUSH or SCRIPT FLUSH, a new cluster
-    node) or lacks Functions altogether (Redis < 7.0; a user without FCALL): load() then."""
+    (a restart without persistence, FUNCTION FLUSH or SCRIPT FLUSH, a new cluster node; not
+    FLUSHALL, which leaves Functions) or lacks Functions altogether (Redis < 7.0; a user
+    without FCALL): load() then."""
     return isinstance(e, NoScriptError) or isinstance(e, ResponseError) and (
         str(e).startswith("Function not found") or _refused(e))
 
@@ -142,9 +143,9 @@ def _refused(e: ResponseError) -> bool:
 
 def loading(client: Any, answer: Exception | None = None) -> list[tuple[Any, ...]]:
     """The commands that give `client`'s server (every primary of a cluster) the scripts,
-    after `answer` (if any) said it lacks them: the library (FUNCTION LOAD REPLACE: one name holds one
-    text, so a load racing another's is harmless), or, where Functions are refused, every
-    script for EVALSHA. All at once: a server that knew some of the scripts and not others
+    after `answer` (if any) said it lacks them: the library (FUNCTION LOAD REPLACE: one name
+    holds one text, so a load racing another's is harmless), or, where Functions are refused,
+    every script for EVALSHA. All at once: a server that knew some of the scripts and not others
     would run a batch out of order (a progress report re-run after the finish that ended its
     job: its last log lines lost)."""
     if isinstance(answer, ResponseError):

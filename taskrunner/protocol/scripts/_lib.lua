@@ -470,13 +470,12 @@ end
 -- <takes> ..."), and the child has `cross_slot` 1; the parent's end leaves an entry in its
 -- own queue's outbox, which a carrier applies with join.lua in the child's slot.
 
--- `emitted`: the entries this script call left in outboxes, as XRANGE gives them ({stream id,
--- {field, value, ...}}): finish.lua, join.lua and attach.lua answer them, for their caller to
--- carry.
 -- They are made by workflows(), by the calls that need them (a job with children ended, a
 -- workflow enqueued or joined): each helper carried is made again at every call of a script,
 -- and most calls (a plain job's claim, finish) end no job with children. A script calls
--- workflows() before it uses one of them.
+-- workflows() before it uses one of them. `emitted`: the entries this script call left in
+-- outboxes, as XRANGE gives them ({stream id, {field, value, ...}}): finish.lua, join.lua and
+-- attach.lua answer them, for their caller to carry.
 workflows = function()
   emitted = emitted or {}  -- this call's (a Function call begins with none: fresh_call())
   if settle then return end  -- made already (by this call; in a Function, by the library's first call)
@@ -652,8 +651,8 @@ end
 -- the next; what a call must not see of the call before is cleared here: fmt()'s last
 -- answer, the outbox entries emitted (what workflows() makes once, and rare_fields, keep
 -- nothing of a call). A script called by EVALSHA starts anew and never calls it. A helper
--- given state of its own (a cache, a table it fills) clears it here too (test_scripts.py,
--- test_function_calls_share_no_state).
+-- given state of its own (a cache, a table it fills) clears it here too (test_scripts.py:
+-- test_function_calls_share_no_state, test_every_state_the_helpers_keep_is_cleared_by_fresh_call).
 local function fresh_call()
   fmt_x, fmt_s, emitted = nil, nil, nil
 end
