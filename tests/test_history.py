@@ -20,7 +20,8 @@ from tests.conftest import wait_for
 
 
 def stream(app, queue="default"):
-    return app.redis.xrange(app.keys.q(queue) + "history")
+    """The queue's history entries, each's fields by name (whichever shape: history.fields)."""
+    return [(i, history.fields(f, queue)) for i, f in app.redis.xrange(app.keys.q(queue) + "history")]
 
 
 def archived(directory) -> list[dict]:
@@ -153,3 +154,36 @@ def test_dispatcher_archives_and_warns_when_behind(app, tmp_path, monkeypatch, c
 
     page = create_app(app).test_client().get("/").get_data(as_text=True)
     assert "Job history of queue default is not archived fast enough" in page
+
+
+def test_entries_of_either_shape_are_archived_alike(app, tmp_path):
+    """A stream holds entries an older worker wrote (a field each, `queue` among them, an
+    empty `error_type`) and this one's (`id`, `v`, `error_type` when there is one; the queue
+    is the stream's): the archiver writes the same row for the same delivery either way —
+    a host with spaces whole, a canceled step's empty values as none."""
+    key = app.keys.q("default") + "history"
+    old = {"task": "t.a", "queue": "default", "state": "failed", "attempt": "2", "enqueued_at": "1800000000.25",
+           "started_at": "1800000001.5", "finished_at": "1800000003.75", "worker": "w1", "host": "big host 7",
+           "pid": "4242"}
+    app.redis.xadd(key, {"id": "j-old", **old, "error_type": "ValueError"})
+    app.redis.xadd(key, {"id": "j-new", "v": " ".join(old[k] for k in history.PACKED), "error_type": "ValueError"})
+    app.redis.xadd(key, {"id": "c-old", "task": "t.b", "queue": "default", "state": "canceled", "attempt": "0",
+                         "enqueued_at": "1800000000.5", "started_at": "", "finished_at": "1800000004",
+                         "worker": "", "host": "", "pid": "", "error_type": "Canceled"})
+    app.redis.xadd(key, {"id": "c-new", "v": "canceled 0 1800000000.5  1800000004  t.b  ", "error_type": "Canceled"})
+    app.redis.xadd(key, {"id": "k-old", "task": "t.c", "queue": "default", "state": "completed", "attempt": "1",
+                         "enqueued_at": "1800000000", "started_at": "1800000000.5", "finished_at": "1800000001",
+                         "worker": "w2", "host": "h", "pid": "7", "error_type": ""})
+    app.redis.xadd(key, {"id": "k-new", "v": "completed 1 1800000000 1800000000.5 1800000001 7 t.c w2 h"})
+    assert Archiver(app, str(tmp_path)).archive(["default"]) == 6
+    rows = {r.pop("id"): r for r in archived(tmp_path)}
+    for r in rows.values():
+        r.pop("stream_id")
+    assert rows["j-old"] == rows["j-new"] and rows["c-old"] == rows["c-new"] and rows["k-old"] == rows["k-new"]
+    j, c, k = rows["j-new"], rows["c-new"], rows["k-new"]
+    assert (j["queue"], j["state"], j["attempt"], j["host"], j["pid"], j["error_type"]) == (
+        "default", "failed", 2, "big host 7", 4242, "ValueError")
+    assert (j["runtime"], j["wait"]) == (2.25, 1.25)
+    assert (c["state"], c["attempt"], c["started_at"], c["worker"], c["pid"], c["runtime"]) == (
+        "canceled", 0, None, "", None, None)
+    assert (k["error_type"], k["runtime"], k["wait"]) == (None, 0.5, 0.5)

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dashboard import create_app
 from taskrunner.ops import health
+from taskrunner.ops.history import fields
 from tests import apps
 from tests.conftest import wait_for
 
@@ -178,7 +179,8 @@ def test_liveness_says_when_the_loop_stopped_going_round():
 def _stream_truth(app, queue: str = "default") -> dict[tuple[str, str], int]:
     """(task, state) -> history entries, read from the stream itself."""
     out: dict[tuple[str, str], int] = {}
-    for _, f in app.redis.xrange(app.keys.q(queue) + "history"):
+    for _, entry in app.redis.xrange(app.keys.q(queue) + "history"):
+        f = fields(entry)
         out[(f["task"], f["state"])] = out.get((f["task"], f["state"]), 0) + 1
     return out
 
@@ -245,6 +247,24 @@ def test_tally_refuses_a_bad_count_and_skips_hostile_task_names(app):
     assert app.redis.hget(app.keys.q("default") + "stats", "jobs|?|completed") == "1"
 
 
+def test_tally_counts_entries_of_either_shape(app):
+    """The history stream holds entries of an older worker (a field each) and this one's
+    (values packed in `v`): tally.lua counts both alike."""
+    from taskrunner.protocol import scripts
+
+    p = app.keys.q("default")
+    app.redis.xadd(p + "history", {"id": "a", "task": "t", "queue": "default", "state": "completed", "attempt": "1",
+                                   "enqueued_at": "100", "started_at": "100.5", "finished_at": "101.5",
+                                   "worker": "w", "host": "h", "pid": "1", "error_type": ""})
+    app.redis.xadd(p + "history", {"id": "b", "v": "completed 1 100 100.5 101.5 1 t w a host"})
+    app.redis.xadd(p + "history", {"id": "c", "v": "failed 2 100 100.5 101 1 t w h", "error_type": "E"})
+    assert scripts.TALLY(app.redis, [p], [10]) == 3
+    stats = app.redis.hgetall(p + "stats")
+    assert (stats["jobs|t|completed"], stats["jobs|t|failed"]) == ("2", "1")
+    assert (stats["run|t|8"], stats["run|t|7"], float(stats["run_sum|t"])) == ("2", "1", 2.5)
+    assert (stats["wait|t|7"], float(stats["wait_sum|t"])) == ("2", 1.0)  # attempt 1 only
+
+
 def test_canceled_steps_are_in_the_history_the_metrics_and_the_archive(app, stack, tmp_path):
     """A workflow step canceled by its failed parent writes a history entry (state canceled,
     attempt 0, never started), so metrics count outcome canceled and the archive holds it."""
@@ -258,7 +278,8 @@ def test_canceled_steps_are_in_the_history_the_metrics_and_the_archive(app, stac
     handle = (apps.boom.si("bad") | apps.add.s(1) | apps.mul.s(2)).delay()
     with pytest.raises(Exception, match="bad"):
         handle.wait(30)
-    canceled = [f for _, f in app.redis.xrange(app.keys.q("default") + "history") if f["state"] == "canceled"]
+    canceled = [f for f in (fields(e) for _, e in app.redis.xrange(app.keys.q("default") + "history"))
+                if f["state"] == "canceled"]
     assert sorted(f["task"] for f in canceled) == ["tests.apps.add", "tests.apps.mul"]
     assert {(f["attempt"], f["started_at"], f["worker"], f["error_type"]) for f in canceled} == {
         ("0", "", "", "Canceled")}

@@ -14,6 +14,7 @@ import redis
 
 from taskrunner.client.aio import AsyncClient
 from taskrunner.ops.redis_server import RedisServer
+from taskrunner.ops.history import fields
 from taskrunner.protocol import scripts
 from taskrunner.protocol.claims import STRIDE
 from tests import apps
@@ -185,7 +186,7 @@ def test_finish_records_when_the_job_began_and_batches_many(app):
     p = app.keys.q("default")
     assert app.redis.hlen(p + "running") == 0 and app.redis.scard(p + "processing") == 0
     assert app.redis.zcard(p + "completed") == 2
-    records = {f["id"]: f for _, f in app.redis.xrange(p + "history")}
+    records = {f["id"]: fields(f) for _, f in app.redis.xrange(p + "history")}
     assert records[a.id]["state"] == records[b.id]["state"] == "completed"
     ra = records[a.id]
     assert abs(float(ra["finished_at"]) - float(ra["started_at"]) - 0.5) < 0.01  # the archiver's runtime
@@ -546,3 +547,60 @@ def test_now_is_written_as_formatting_it_would(app):
         text = text.decode() if isinstance(text, bytes) else text
         assert re.fullmatch(r"\d{10}\.\d{6}", text) and text == f"{float(text):.6f}", text
         padded = text.split(".")[1].startswith("0")
+
+
+def test_a_history_entry_is_the_id_and_one_packed_value(app):
+    """A delivery's history entry is `id`, `v` (history.PACKED's values, one space between
+    them, the host last and whole: it alone may hold a space) and `error_type` only when
+    there is one — 2 or 3 fields where it had 11 or 12 (each field of an XADD costs Redis
+    more than its text). The queue is the stream's."""
+    from taskrunner.ops.history import PACKED
+
+    ok, bad = apps.add.delay(1, 2), apps.add.delay(3, 4)
+    p = app.keys.q("default")
+    head = json.dumps({"worker": "w1", "host": "my host", "ip": "1.2.3.4"})[:-1]
+    got = scripts.CLAIM(app.redis, [p], [head, "w1", "my host", "1.2.3.4", 1, 300, 4242, "", 4242, ""])
+    attempts = {got[i + 1]: str(got[i + 2]) for i in range(0, len(got), STRIDE)}
+    assert finish(app, ok.id, attempts[ok.id], "completed", "3") == 1
+    assert finish(app, bad.id, attempts[bad.id], "failed", "ValueError", "no", "") == 1
+    entries = {f["id"]: f for _, f in app.redis.xrange(p + "history")}
+    assert set(entries[ok.id]) == {"id", "v"} and set(entries[bad.id]) == {"id", "v", "error_type"}
+    assert entries[bad.id]["error_type"] == "ValueError"
+    record = app.redis.hgetall(p + "job:" + ok.id)
+    v = dict(zip(PACKED, entries[ok.id]["v"].split(" ", len(PACKED) - 1)))
+    assert v == {"state": "completed", "attempt": "1", "enqueued_at": record["enqueued_at"],
+                 "started_at": record["started_at"], "finished_at": record["finished_at"], "pid": "4242",
+                 "task": "tests.apps.add", "worker": "w1", "host": "my host"}
+    assert fields(entries[bad.id], "default") == {
+        "id": bad.id, "queue": "default", "error_type": "ValueError",
+        **dict(zip(PACKED, entries[bad.id]["v"].split(" ", len(PACKED) - 1)))}
+    assert fields(entries[bad.id])["state"] == "failed"
+
+
+@pytest.mark.parametrize("ttl, cap, failed_ttl", [("3600.0", "600", "86400"), ("3600", "0.5", "1e5"),
+                                                  ("3600", "600", "86400")])
+def test_finish_takes_every_ttl_and_cap_written_as_a_number(app, ttl, cap, failed_ttl):
+    """The settings are checked by one string.find each when they are an integer's digits;
+    any other text that is such a number ("3600.0", "1e5"; a cap "0.5") is taken as before."""
+    ok, bad = apps.add.delay(1, 2), apps.add.delay(3, 4)
+    got = claim(app, pids=(1, 2))
+    attempts = {job_id: str(attempt) for _, job_id, attempt, *_ in got}
+    p = app.keys.q("default")
+    out = scripts.FINISH(app.redis, [p], [ttl, cap, failed_ttl, ok.id, attempts[ok.id], "completed", "", "3", "", "",
+                                          "", bad.id, attempts[bad.id], "failed", "", "E", "no", "", ""])
+    assert out == [1, 1]
+    assert 3590 < app.redis.ttl(p + "job:" + ok.id) <= 3600
+    assert int(float(failed_ttl)) - 10 < app.redis.ttl(p + "job:" + bad.id) <= int(float(failed_ttl))
+
+
+def test_finish_refuses_an_unknown_outcome_after_a_completed_one(app):
+    """Outcomes other than `completed` are looked up in a table made when the first one comes:
+    a batch whose first job completes still has the others' checked, before anything changes."""
+    ok, other = apps.add.delay(1, 2), apps.add.delay(3, 4)
+    got = claim(app, pids=(1, 2))
+    attempts = {job_id: str(attempt) for _, job_id, attempt, *_ in got}
+    p = app.keys.q("default")
+    with pytest.raises(Exception, match="unknown outcome"):
+        scripts.FINISH(app.redis, [p], [3600, 600, 86400, ok.id, attempts[ok.id], "completed", "", "3", "", "", "",
+                                        other.id, attempts[other.id], "done", "", "", "", "", ""])
+    assert app.redis.hlen(p + "running") == 2 and app.redis.xlen(p + "history") == 0

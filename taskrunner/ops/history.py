@@ -124,9 +124,30 @@ def _next_id(stream_id: str) -> str:
     return f"{ms}-{int(seq) + 1}"
 
 
-def _record(stream_id: str, f: dict[str, str]) -> dict[str, Any]:
-    """A stream entry as a row. Runtime and wait are derived here, not stored in Redis (its
-    CPU is every worker's bottleneck); entries written by earlier versions carry them."""
+#: The values a history entry written since 2026-11-26 packs in its field `v`, in order, one
+#: space between them (docs/PROTOCOL.md, Keys: `p history`): the host last, as the only one
+#: that may hold a space.
+PACKED = ("state", "attempt", "enqueued_at", "started_at", "finished_at", "pid", "task", "worker", "host")
+
+
+def fields(f: dict[str, str], queue: str = "") -> dict[str, str]:
+    """A history stream entry's fields by name, whichever shape it was written in: one field
+    each (`id, task, queue, state, attempt, …`, entries written before 2026-11-26), or `id`,
+    `v` (the values of PACKED) and `error_type` when there is one; such an entry has no
+    `queue` (it is the stream's: `queue`)."""
+    v = f.get("v")
+    if v is None:
+        return f
+    out = {"id": f.get("id", ""), "queue": queue, **dict(zip(PACKED, v.split(" ", len(PACKED) - 1)))}
+    if "error_type" in f:
+        out["error_type"] = f["error_type"]
+    return out
+
+
+def _record(stream_id: str, f: dict[str, str], queue: str) -> dict[str, Any]:
+    """A stream entry of `queue`'s stream as a row (either shape: fields()). Runtime and wait
+    are derived here, not stored in Redis (its CPU is every worker's bottleneck); entries
+    written by earlier versions carry them."""
     def num(v: str | None, kind: type = float) -> Any:
         try:
             return kind(float(v)) if v else None
@@ -139,6 +160,7 @@ def _record(stream_id: str, f: dict[str, str]) -> dict[str, Any]:
     def since(end: float | None, start: float | None) -> float | None:
         return round(end - start, 6) if end is not None and start is not None else None
 
+    f = fields(f, queue)
     enqueued, started, finished = num(f.get("enqueued_at")), num(f.get("started_at")), num(f.get("finished_at"))
     runtime = num(f["runtime"]) if "runtime" in f else since(finished, started)
     wait = num(f["wait"]) if "wait" in f else since(started, enqueued)
@@ -224,8 +246,8 @@ class Archiver:
         import pyarrow.parquet as pq
 
         by_date: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for stream_id, fields in entries:
-            rec = _record(stream_id, fields)
+        for stream_id, entry in entries:
+            rec = _record(stream_id, entry, queue)
             day = (rec["finished_at"] or datetime.fromtimestamp(int(stream_id.split("-")[0]) / 1000, timezone.utc))
             by_date[day.strftime("%Y-%m-%d")].append(rec)
         for day, records in by_date.items():

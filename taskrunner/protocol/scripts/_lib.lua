@@ -44,11 +44,16 @@ local fmt_x, fmt_s
 
 -- The server's time, in seconds. Its text ("<seconds>.<6 digits>", what
 -- string.format('%.6f') gives for it: the same for every microsecond) is fmt()'s last answer
--- from TIME's own digits, so that a script writes its `now` without formatting a number.
+-- from TIME's own digits, so that a script writes its `now` without formatting a number
+-- (the digits taken as numbers by arithmetic: tonumber() would read each twice).
 local function now()
   local t = redis.call('TIME')
-  fmt_x = tonumber(t[1]) + tonumber(t[2]) / 1000000
-  fmt_s = t[1] .. '.' .. string.sub('00000' .. t[2], -6)
+  local us = t[2]
+  fmt_x = t[1] + us / 1000000
+  if #us < 6 then
+    us = string.sub('00000' .. us, -6)
+  end
+  fmt_s = t[1] .. '.' .. us
   return fmt_x
 end
 
@@ -100,10 +105,10 @@ local function load(job)
     return rawget(r, k)
   end}
   local v = redis.call('HMGET', job, 'attempts', 'bucket', 'waiters', 'task', 'enqueued_at', 'started_at', 'worker',
-    'host', 'pid', 'queue', 'result_ttl', 'children', 'max_concurrency', 'unique_key', 'exclusive')
+    'host', 'pid', 'result_ttl', 'children', 'max_concurrency', 'unique_key', 'exclusive')
   return setmetatable({[0] = job, attempts = v[1], bucket = v[2], waiters = v[3], task = v[4], enqueued_at = v[5],
-    started_at = v[6], worker = v[7], host = v[8], pid = v[9], queue = v[10], result_ttl = v[11], children = v[12],
-    max_concurrency = v[13], unique_key = v[14], exclusive = v[15]}, rare_fields)
+    started_at = v[6], worker = v[7], host = v[8], pid = v[9], result_ttl = v[10], children = v[11],
+    max_concurrency = v[12], unique_key = v[13], exclusive = v[14]}, rare_fields)
 end
 
 -- Priorities (docs/PROTOCOL.md, Pause, priorities, unique jobs). A job of priority n (1-9, its record's
@@ -323,20 +328,19 @@ end
 -- it long before, and the dispatcher warns when it holds half as many.
 local HISTORY_MAX = '500000'
 
--- Append what just happened to a delivery to the queue's history stream. `error_type` only
--- when there is one (readers take its absence for none): a completed job's entry is shorter.
+-- Append what just happened to a delivery to the queue's history stream: its id, and one
+-- value `v` = "<state> <attempt> <enqueued_at> <started_at> <finished_at> <pid> <task>
+-- <worker> <host>" (one space between them, "" for what the record lacks; the host last, as
+-- the only one that may hold a space: docs/PROTOCOL.md, Keys) — a field of a stream entry
+-- costs Redis more than the text it holds; `error_type` only when there is one (readers take
+-- its absence for none). The queue is the stream's.
 local function history(p, id, r, state, t, error_type)
+  local v = state .. ' ' .. (r.attempts or '0') .. ' ' .. (r.enqueued_at or '') .. ' ' .. (r.started_at or '') .. ' '
+    .. fmt(t) .. ' ' .. (r.pid or '') .. ' ' .. (r.task or '') .. ' ' .. (r.worker or '') .. ' ' .. (r.host or '')
   if error_type and error_type ~= '' then
-    redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*',
-      'id', id, 'task', r.task or '', 'queue', r.queue or '', 'state', state,
-      'attempt', r.attempts or '0', 'enqueued_at', r.enqueued_at or '', 'started_at', r.started_at or '',
-      'finished_at', fmt(t), 'worker', r.worker or '', 'host', r.host or '', 'pid', r.pid or '',
-      'error_type', error_type)
+    redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*', 'id', id, 'v', v, 'error_type', error_type)
   else
-    redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*',
-      'id', id, 'task', r.task or '', 'queue', r.queue or '', 'state', state,
-      'attempt', r.attempts or '0', 'enqueued_at', r.enqueued_at or '', 'started_at', r.started_at or '',
-      'finished_at', fmt(t), 'worker', r.worker or '', 'host', r.host or '', 'pid', r.pid or '')
+    redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*', 'id', id, 'v', v)
   end
 end
 

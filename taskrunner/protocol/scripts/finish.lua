@@ -31,28 +31,36 @@
 -- Arguments that are not so are refused (an error, nothing changed): a bad TTL used to fail
 -- in the middle, after some jobs had changed, and an unknown outcome failed the job.
 local p = KEYS[1]
-for k, what in pairs({[1] = 'result', [3] = 'failed'}) do
-  local x = tonumber(ARGV[k])
-  if not x or x < 1 or x ~= math.floor(x) then
-    return redis.error_reply('ERR finish: the ' .. what .. ' TTL (ARGV[' .. k .. ']) must be an integer >= 1 (seconds)')
+-- The TTLs: their text when it is an integer's digits, as settings are (one string.find each;
+-- EXPIRE then formats no number per job), else the number they are. The backoff cap is only
+-- checked here: a retry reads it (amount()).
+local ttl, failed_ttl = ARGV[1], ARGV[3]
+if not (string.find(ttl, '^[1-9]%d*$') and string.find(failed_ttl, '^[1-9]%d*$')) then
+  for k, what in pairs({[1] = 'result', [3] = 'failed'}) do
+    local x = tonumber(ARGV[k])
+    if not x or x < 1 or x ~= math.floor(x) then
+      return redis.error_reply('ERR finish: the ' .. what .. ' TTL (ARGV[' .. k .. ']) must be an integer >= 1 (seconds)')
+    end
   end
+  ttl = string.find(ttl, '^[1-9]%d*$') and ttl or tonumber(ttl)
+  failed_ttl = string.find(failed_ttl, '^[1-9]%d*$') and failed_ttl or tonumber(failed_ttl)
 end
-local ttl, cap, failed_ttl = tonumber(ARGV[1]), amount(ARGV[2], nil), tonumber(ARGV[3])
--- The TTLs as their text when that is an integer's digits: EXPIRE then formats no number per job.
-ttl = string.find(ARGV[1], '^[1-9]%d*$') and ARGV[1] or ttl
-failed_ttl = string.find(ARGV[3], '^[1-9]%d*$') and ARGV[3] or failed_ttl
-if not cap or (#ARGV - 3) % 8 ~= 0 then
+if not (string.find(ARGV[2], '^%d+$') or amount(ARGV[2], nil)) or (#ARGV - 3) % 8 ~= 0 then
   return redis.error_reply('ERR finish: ARGV is the result TTL, the backoff cap (seconds >= 0), the failed TTL, '
     .. 'then 8 values per job (id, attempt, outcome, began, v1, v2, v3, v4); got ' .. #ARGV .. ' values')
 end
-local OUTCOMES = {completed = true, failed = true, error = true, killed = true, requeue = true, lost = true,
-  ['return'] = true}
+local OUTCOMES  -- made by the first outcome that is not `completed` (most calls: none)
 local t = now()
 local ids = {}
 for i = 4, #ARGV, 8 do
-  if not OUTCOMES[ARGV[i + 2]] then
-    return redis.error_reply('ERR finish: unknown outcome "' .. string.sub(ARGV[i + 2], 1, 40) .. '" (ARGV['
-      .. i + 2 .. ']): completed, failed, error, killed, requeue, lost or return')
+  local outcome = ARGV[i + 2]
+  if outcome ~= 'completed' then
+    OUTCOMES = OUTCOMES or {completed = true, failed = true, error = true, killed = true, requeue = true, lost = true,
+      ['return'] = true}
+    if not OUTCOMES[outcome] then
+      return redis.error_reply('ERR finish: unknown outcome "' .. string.sub(outcome, 1, 40) .. '" (ARGV['
+        .. i + 2 .. ']): completed, failed, error, killed, requeue, lost or return')
+    end
   end
   if ARGV[i + 3] ~= '' and not amount(ARGV[i + 3], nil) then
     return redis.error_reply('ERR finish: began (ARGV[' .. i + 3 .. ']) must be "" or seconds >= 0')
@@ -136,12 +144,12 @@ for k = #ids, 1, -1 do
   local id = ids[k]
   if out[k] == 1 then
     local i = 4 + (k - 1) * 8
-    local attempt, outcome, began = ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
+    local attempt, outcome, began = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3] ~= ''
     local v1, v2, v3, v4 = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7]
     local job = p .. 'job:' .. id
     local r = records[k]
-    if began then
-      r.started_at = fmt(t - began)
+    if began then  -- formatted here, not by fmt(): its last answer stays `now`'s text
+      r.started_at = string.format('%.6f', t - ARGV[i + 3])
     end
     if outcome == 'completed' then
       finish(id, job, r, attempt, began, 'completed', {'result', v1}, nil)
@@ -173,7 +181,8 @@ for k = #ids, 1, -1 do
       if outcome == 'error' and failures <= retries then
         history(p, id, r, 'requeued', t, v1)
         local base = amount(r.retry_backoff, 1)
-        local most = amount(redis.call('HGET', job, 'retry_backoff_max'), cap)  -- the task's cap, else ARGV[2]
+        -- the task's cap, else ARGV[2]
+        local most = amount(redis.call('HGET', job, 'retry_backoff_max'), nil) or amount(ARGV[2], 0)
         local delay = math.min(base * 2 ^ (failures - 1), most) * math.min(amount(v4, 1), 1)
         local ek, ev = ended(attempt, t, string.format('failed %s, retry %d of %d in %.2fs', v1, failures,
           retries, delay))

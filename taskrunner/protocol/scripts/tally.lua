@@ -15,8 +15,9 @@
 --                        #BOUNDS + 1: above the last), run_sum|<task> the sum of those times;
 --   wait|<task>|<i>, wait_sum|<task>  the same for the queue wait of first deliveries
 --                        (attempt 1: started_at - enqueued_at).
--- A task name that is missing, or holds '|', is counted as '?'. Times that are missing or
--- not numbers count in jobs only.
+-- An entry has a field each, or its values packed in `v` (history() in _lib.lua). A task name
+-- that is missing, or holds '|', is counted as '?'. Times that are missing or not numbers
+-- count in jobs only.
 -- Returns the number of entries counted (0: none new).
 local p = KEYS[1]
 local count = tonumber(ARGV[1])
@@ -50,6 +51,10 @@ for _, e in ipairs(entries) do
   local v, fields = {}, e[2]
   for i = 1, #fields, 2 do
     v[fields[i]] = fields[i + 1]
+  end
+  if v.v then  -- the values packed in one field (entries written since 2026-11-26): the first 7 of them
+    v.state, v.attempt, v.enqueued_at, v.started_at, v.finished_at, v.pid, v.task =
+      string.match(v.v, '^(%S*) (%S*) (%S*) (%S*) (%S*) (%S*) (%S*)')
   end
   local task = v.task
   if not task or task == '' or string.find(task, '|', 1, true) then task = '?' end
