@@ -354,7 +354,7 @@ end
 -- setting is kept in meta longest_result_ttl / longest_failed_ttl (only ever raised): the
 -- sweep trims the finished sets by the longest, so that such a job stays listed.
 -- With `index`, a table state -> ids, the caller adds the id to the finished set itself
--- (one ZADD for many jobs).
+-- (one ZADD for many jobs); without, finalize() does.
 -- The workflow helpers (below; finalize() and settle_children() call each other: a chain
 -- cancels step by step), made by workflows() in the calls that need them.
 local sibling, queue_of, prepend, emitted, emit, blame, CHILD, far_parent, join, settle, settle_children
@@ -376,10 +376,10 @@ local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
     index[state] = ids
     ids[#ids + 1] = id
   else
-    redis.call('ZADD', p .. state, t, id)
+    redis.call('ZADD', p .. state, fmt(t), id)  -- now's text (a number would be formatted)
   end
   if state == 'failed' or state == 'killed' then  -- the same score as the finished set's
-    index_failure(p, state, id, r.task, error_type, index and fmt(t) or t)
+    index_failure(p, state, id, r.task, error_type, fmt(t))
   end
   redis.call('EXPIRE', job, ttl)
   if r.unique_key then

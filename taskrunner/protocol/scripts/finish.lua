@@ -71,10 +71,16 @@ if #ids == 0 then
   return {}
 end
 -- One job (an unbatched finish): its holding entry is checked by the HDEL that removes it,
--- once its fence is checked, instead of an HMGET before and an HDEL after.
+-- once its fence is checked, instead of an HMGET before and an HDEL after; it is released by
+-- a command each and added to its finished set by finalize(), with no table of ids (each
+-- table a call makes costs Redis more than a command: its making, growing and collection).
 local single = #ids == 1
 local held = not single and redis.call('HMGET', p .. 'running', unpack(ids))
-local out, records, taken, dl = {}, {}, {}, {}
+local out, records = {}, {}
+local taken, dl, index  -- a batch's: ids released, the same by deadline bucket, and by end state
+if not single then
+  taken, dl, index = {}, {}, {}
+end
 local freed = false  -- a concurrency slot was given back: a job held back for it may run
 for k, id in ipairs(ids) do
   local r = load(p .. 'job:' .. id)
@@ -90,21 +96,27 @@ for k, id in ipairs(ids) do
         if ids[j] == id then held[j] = false end
       end
     end
-    taken[#taken + 1] = id
     if r.max_concurrency then  -- flow control: its concurrency slot goes with the delivery
       free_slot(p, id, r)
       freed = true
     end
-    if r.bucket then
-      dl[r.bucket] = dl[r.bucket] or {}
-      table.insert(dl[r.bucket], id)
+    if single then
+      redis.call('SREM', p .. 'processing', id)
+      if r.bucket then
+        redis.call('SREM', p .. 'dl:' .. r.bucket, id)
+      end
+    else
+      taken[#taken + 1] = id
+      if r.bucket then
+        local list = dl[r.bucket] or {}
+        dl[r.bucket] = list
+        list[#list + 1] = id
+      end
     end
   end
 end
-if #taken > 0 then
-  if not single then
-    redis.call('HDEL', p .. 'running', unpack(taken))
-  end
+if taken and #taken > 0 then
+  redis.call('HDEL', p .. 'running', unpack(taken))
   redis.call('SREM', p .. 'processing', unpack(taken))
   for b, list in pairs(dl) do
     redis.call('SREM', p .. 'dl:' .. b, unpack(list))
@@ -120,7 +132,6 @@ local function ending(fields, ek, ev, r, began)
   return fields
 end
 -- A delivery reached completed, failed or killed.
-local index = {}
 local function finish(id, job, r, attempt, began, state, fields, error_type)
   local ek, ev = ended(attempt, t, state == 'failed' and 'failed ' .. error_type or state)
   finalize(p, id, job, r, state, t, state == 'completed' and ttl or failed_ttl, ending(fields, ek, ev, r, began),
@@ -194,13 +205,15 @@ for k = #ids, 1, -1 do
     end
   end
 end
-for state, list in pairs(index) do
-  local args, ts = {}, fmt(t)
-  for _, id in ipairs(list) do
-    args[#args + 1] = ts
-    args[#args + 1] = id
+if index then
+  for state, list in pairs(index) do  -- a batch's finished sets, one ZADD each
+    local args, ts = {}, fmt(t)
+    for _, id in ipairs(list) do
+      args[#args + 1] = ts
+      args[#args + 1] = id
+    end
+    redis.call('ZADD', p .. state, unpack(args))
   end
-  redis.call('ZADD', p .. state, unpack(args))
 end
 -- Exclusive: known from the records (claim.lua marks a delivery of an exclusive queue), so
 -- that other queues read no meta here; the queue's meta then says whether it still is.
