@@ -22,8 +22,8 @@
 -- entries this call left in outboxes, as XRANGE gives them ({stream id, {field, value, ...}}),
 -- for the caller to carry to join.lua (docs/PROTOCOL.md, Workflows).
 -- The fence and the release are batched: one HMGET of the holding hash for all jobs, one
--- HDEL/SREM each for those released (one job alone: its HDEL is the check); the finished
--- sets get one ZADD per state.
+-- HDEL/SREM each for those released; the finished sets get one ZADD per state. One job
+-- alone: its HDEL is the check, and its SREMs and ZADD name it (no lists built).
 -- An exclusive queue with jobs waiting gets a wake token (its next job may run now), and so
 -- does a queue where a job gave back a concurrency slot (one held back for it may run).
 -- A job that ends with children (a workflow's, see finalize() and settle_children() in
