@@ -604,3 +604,25 @@ def test_finish_refuses_an_unknown_outcome_after_a_completed_one(app):
         scripts.FINISH(app.redis, [p], [3600, 600, 86400, ok.id, attempts[ok.id], "completed", "", "3", "", "", "",
                                         other.id, attempts[other.id], "done", "", "", "", "", ""])
     assert app.redis.hlen(p + "running") == 2 and app.redis.xlen(p + "history") == 0
+
+
+def test_a_lone_finish_with_began_writes_one_now_everywhere(app):
+    """A job finished alone (no lists: its SREMs and ZADD name it) with `began`: started_at is
+    now − began, formatted apart, and the record's finished_at, its timeline entry, its score in
+    `completed` and its history entry's finished_at all carry the same now."""
+    from taskrunner.ops.history import PACKED
+
+    apps.add.delay(1, 2)
+    [(_, job_id, attempt, *_)] = claim(app)
+    p = app.keys.q("default")
+    assert finish(app, job_id, str(attempt), "completed", "3", began="0.25") == 1
+    rec = app.redis.hgetall(p + "job:" + job_id)
+    now = rec["finished_at"]
+    assert rec["end:1"] == f"{now} completed" and abs(float(now) - float(rec["started_at"]) - 0.25) < 2e-6
+    assert app.redis.zscore(p + "completed", job_id) == float(now)
+    [(_, entry)] = app.redis.xrange(p + "history")
+    v = dict(zip(PACKED, entry["v"].split(" ", len(PACKED) - 1)))
+    assert (v["started_at"], v["finished_at"]) == (rec["started_at"], now)
+    assert not app.redis.hexists(p + "running", job_id) and not app.redis.sismember(p + "processing", job_id)
+    assert not any(app.redis.sismember(k, job_id) for k in app.redis.scan_iter(p + "dl:*"))
+    assert finish(app, job_id, str(attempt), "completed", "3") == 2  # released: a repeated call changes nothing
