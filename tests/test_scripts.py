@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from taskrunner.client.aio import AsyncClient
-from taskrunner.ops.redis_server import RedisServer
 from taskrunner.ops.history import fields
+from taskrunner.ops.redis_server import RedisServer
 from taskrunner.protocol import scripts
 from taskrunner.protocol.claims import STRIDE
 from tests import apps
