@@ -457,6 +457,40 @@ def test_a_server_or_user_without_functions_calls_the_scripts_by_evalsha(app, tm
         server.stop()
 
 
+def test_a_command_refused_inside_a_function_is_not_a_refusal_of_functions(app, tmp_path, caplog):
+    """A user who may call FCALL but not a command a script runs (here: XADD, the finish's
+    history entry, after the job was released and its record written): the call fails with
+    the server's own error, once, and the client keeps FCALL. From Redis 7.2 that refusal
+    reads "ACL failure in script: User ... has no permissions to run the 'xadd' command
+    script: ..., on @user_function", which read as Functions refused: the client switched
+    to EVALSHA for good and ran the half-done finish again (it answered "not held"). A
+    script's refusal quoting the caller's text read as one too (fails before)."""
+    server = RedisServer(tmp_path, appendonly=False).start()
+    admin = redis.Redis(unix_socket_path=str(server.socket), decode_responses=True)
+    try:
+        admin.execute_command("ACL", "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", "-xadd")
+        app.configure(redis_url=f"unix://limited:pw@{server.socket}")
+        job = apps.add.delay(1, 1)
+        [row] = claim(app)
+        with caplog.at_level(logging.WARNING, "taskrunner.scripts"):
+            with pytest.raises(redis.exceptions.ResponseError, match="@user_function"):
+                finish(app, row[1], str(row[2]), "completed", "2")
+        assert not caplog.messages  # no switch to EVALSHA
+        assert admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0) == 0
+        assert job.refresh().data.get("state") is not None
+    finally:
+        admin.close()
+        server.stop()
+    echo = redis.exceptions.ResponseError("taskrunner: InvalidName: task \"x this user has no permissions to run "
+                                          "the 'fcall' command\"")
+    assert not scripts.missing(echo)
+    assert not scripts.missing(redis.exceptions.ResponseError(  # Redis 7.2's words for the case above
+        "ACL failure in script: User limited has no permissions to run the 'xadd' command script: "
+        "taskrunner_0123456789abcdef_finish, on @user_function:12."))
+    assert scripts.missing(redis.exceptions.NoPermissionError("User u has no permissions to run the 'fcall' command"))
+    assert scripts.missing(redis.exceptions.ResponseError("unknown command 'FUNCTION', with args beginning with: "))
+
+
 def test_operator_actions(app):
     failed = apps.boom.delay("x")
     claim(app)

@@ -134,11 +134,19 @@ def missing(e: Exception) -> bool:
         str(e).startswith("Function not found") or _refused(e))
 
 
+#: Redis's refusals of FCALL or FUNCTION LOAD themselves (redis-py drops the ERR/NOPERM
+#: prefix): unknown (Redis < 7.0, or renamed away) or not the user's ("this user" in 7.0,
+#: "User <name>" in later versions). Anchored and naming the command: a refusal from inside a
+#: function ("ACL failure in script" of a command it called, after its earlier writes were
+#: done) or a script's own refusal that quotes the caller's text must not read as one, as
+#: the call would be run again by EVALSHA.
+_REFUSAL_OF_FUNCTIONS = re.compile(r"(?:unknown command '(?:fcall|function)'|(?:this user|user \S+) has no "
+                                   r"permissions to run the '(?:fcall|function(?:\|load)?)' command)", re.I)
+
+
 def _refused(e: ResponseError) -> bool:
     """Functions refused: an unknown command (Redis < 7.0) or one the user may not run."""
-    text = str(e).lower()
-    return (text.startswith("unknown command") or text.startswith("noperm") or "no permissions" in text) \
-        and ("fcall" in text or "function" in text)
+    return bool(_REFUSAL_OF_FUNCTIONS.match(str(e)))
 
 
 def loading(client: Any, answer: Exception | None = None) -> list[tuple[Any, ...]]:
