@@ -231,6 +231,29 @@ def test_asyncio_wait_blocks_on_the_primary_of_the_job(capp, stack, queues):
     assert asyncio.run(main()) == "released"
 
 
+def test_asyncio_client_loads_the_library_on_every_primary(capp, cluster, queues):
+    """An AsyncClient meeting primaries without the library (a new cluster, a new node,
+    FUNCTION FLUSH, a version no worker has loaded yet) loads it on every primary and its
+    calls go on. Its FUNCTION LOAD, sent as separate words, had no route on a cluster ("No
+    way to dispatch this command": no key): every call failed (fails before)."""
+    for n in cluster.primaries:
+        with n.client() as node:
+            node.function_flush()
+
+    async def main() -> list[str]:
+        client = AsyncClient(capp)
+        try:
+            return [await client.enqueue("tests.apps.add", [i, 1], queue=q) for i, q in enumerate(queues)]
+        finally:
+            await client.close()
+
+    ids = asyncio.run(main())
+    assert [capp.job(i, queue=q).state for i, q in zip(ids, queues)] == ["pending"] * len(queues)
+    for n in cluster.primaries:
+        with n.client() as node:
+            assert node.function_list(library=scripts.LIBRARY_NAME)
+
+
 def test_asyncio_client_and_url(cluster, queues):
     async def roundtrip() -> list:
         client = connect_async(cluster.url())

@@ -92,13 +92,19 @@ class AsyncClient:
         """scripts.load(), awaited."""
         for command in scripts.loading(self.redis, answer):
             try:
-                await self.redis.execute_command(*command)
+                await self._send_load(command)
             except ResponseError as e:
                 if command[0] != "FUNCTION" or not scripts.refused(self.redis, e):
                     raise
                 for again in scripts.loading(self.redis, e):
-                    await self.redis.execute_command(*again)
+                    await self._send_load(again)
                 return
+
+    async def _send_load(self, command: tuple[Any, ...]) -> None:
+        """FUNCTION LOAD or SCRIPT LOAD, its two words as one name: redis-py's asyncio cluster
+        routes a command by that name (to every primary), and finds no key in the words
+        apart; one server's connection splits them again."""
+        await self.redis.execute_command(f"{command[0]} {command[1]}", *command[2:])
 
     async def enqueue(self, task: str, args: list | tuple = (), kwargs: dict | None = None, *,
                       delay: float | None = None, job_id: str | None = None, block_timeout: float | None = None,
