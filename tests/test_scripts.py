@@ -359,7 +359,7 @@ def test_the_library_is_named_by_its_text():
     script (or to `_lib.lua`) gives the library, and each of its functions, another name."""
     changed = [scripts.Script.__new__(scripts.Script) for _ in scripts.ALL]
     for new, old in zip(changed, scripts.ALL):
-        new.name, new.body = old.name, old.body + ("\n-- changed" if old is scripts.WATCH else "")
+        new.name, new.frees, new.body = old.name, old.frees, old.body + ("\n-- changed" if old is scripts.WATCH else "")
     text = scripts.library(changed)
     assert text != scripts.LIBRARY and text.split("\n")[0] != scripts.LIBRARY.split("\n")[0]
     assert not {s.function for s in changed} & {s.function for s in scripts.ALL}
@@ -489,6 +489,30 @@ def test_a_command_refused_inside_a_function_is_not_a_refusal_of_functions(app, 
         "taskrunner_0123456789abcdef_finish, on @user_function:12."))
     assert scripts.missing(redis.exceptions.NoPermissionError("User u has no permissions to run the 'fcall' command"))
     assert scripts.missing(redis.exceptions.ResponseError("unknown command 'FUNCTION', with args beginning with: "))
+
+
+def test_a_redis_over_maxmemory_can_be_emptied_with_taskrunners_own_commands(app, tmp_path):
+    """Redis full (maxmemory, noeviction): enqueues are refused with its OOM error, but
+    deleting a job, purging a queue and the dispatcher's sweep still run (their functions
+    are flagged allow-oom), so an operator frees it with taskrunner. Functions without flags
+    are refused whole over maxmemory: purge and delete were too (fails before)."""
+    server = RedisServer(tmp_path, appendonly=False).start()
+    admin = redis.Redis(unix_socket_path=str(server.socket), decode_responses=True)
+    try:
+        app.configure(redis_url=f"unix://{server.socket}")
+        jobs = app.enqueue_many([{"task": "tests.apps.add", "args": [i, "x" * 2000]} for i in range(300)])
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", admin.info("memory")["used_memory"] - 100_000)
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            apps.add.delay(1, 1)
+        assert jobs[0].delete()
+        assert scripts.SWEEP(app.redis, [app.keys.q("default")], [100, 100, 3600, 604800])[0] == 0
+        assert app.purge("default") == 299
+        admin.config_set("maxmemory", 0)
+        assert apps.add.delay(1, 1).state == "pending"
+    finally:
+        admin.close()
+        server.stop()
 
 
 def test_operator_actions(app):

@@ -89,8 +89,12 @@ class Script:
     EVALSHA of `source` (the `_lib.lua` helpers it uses, a newline, then its own file) where
     the server has no Functions. Both run the same code (docs/PROTOCOL.md, Loading a script)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, frees: bool = False) -> None:
         self.name = name
+        #: It frees memory (deletes jobs, trims what expired): its function runs while Redis is
+        #: over maxmemory (flag allow-oom), where the others are refused, so that a full Redis
+        #: can be emptied with taskrunner's own commands.
+        self.frees = frees
         self.body = (_DIR / f"{name}.lua").read_text()
         self.source = prelude((_DIR / "_lib.lua").read_text(), self.body) + "\n" + self.body
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
@@ -251,7 +255,7 @@ class Batch:
 ENQUEUE = Script("enqueue")
 CLAIM = Script("claim")
 FINISH = Script("finish")
-SWEEP = Script("sweep")
+SWEEP = Script("sweep", frees=True)
 LOSE = Script("lose")
 STUCK = Script("stuck")
 KILL = Script("kill")
@@ -259,14 +263,17 @@ WATCH = Script("watch")
 HEARTBEAT = Script("heartbeat")
 RETRY = Script("retry")
 REQUEUE = Script("requeue")
-DELETE = Script("delete")
-PURGE = Script("purge")
+DELETE = Script("delete", frees=True)
+PURGE = Script("purge", frees=True)
 RECOVER = Script("recover")
 PROGRESS = Script("progress")
 TALLY = Script("tally")
 JOIN = Script("join")
 ATTACH = Script("attach")
 REINDEX = Script("reindex")
+
+
+ALLOW_OOM = "'allow-oom'"
 
 
 def library(scripts: list[Script]) -> str:
@@ -277,8 +284,9 @@ def library(scripts: list[Script]) -> str:
     functions (`taskrunner_<hash>_<script>`): a server holds each version's library beside
     the others', so that workers of two versions on one Redis never call each other's code."""
     lib = (_DIR / "_lib.lua").read_text()
-    text = "\n".join([lib, *(f"redis.register_function('taskrunner_@_{s.name}', function(KEYS, ARGV) fresh_call()\n"
-                             f"{s.body}\nend)" for s in scripts)])
+    text = "\n".join([lib, *(f"redis.register_function{{function_name = 'taskrunner_@_{s.name}', "
+                             f"flags = {{{ALLOW_OOM if s.frees else ''}}}, "
+                             f"callback = function(KEYS, ARGV) fresh_call()\n{s.body}\nend}}" for s in scripts)])
     version = hashlib.sha1(text.encode()).hexdigest()[:16]
     for s in scripts:
         s.function = f"taskrunner_{version}_{s.name}"
