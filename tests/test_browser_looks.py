@@ -29,8 +29,11 @@ def looks(pg: Page, name: str, buttons: tuple[str, ...] = ()) -> None:
         screenshot(pg, f"{name}-420{suffix}.png")
         assert pg.evaluate("document.documentElement.scrollWidth") <= 420, name
         for b in buttons:
-            box = pg.locator(f'button[data-action="{b}"]').first.bounding_box()
-            assert box is not None and box["x"] + box["width"] <= 420, (b, box)
+            # A live page (a delayed or running job's) redraws every 2 s: a button measured as
+            # its part is swapped has no box for that moment; then the new one is measured.
+            button = pg.locator(f'button[data-action="{b}"]').first
+            box = wait_for(button.bounding_box, timeout=10, what=f"the {b} button on screen")
+            assert box["x"] + box["width"] <= 420, (b, box)
         pg.set_viewport_size({"width": 1400, "height": 900})
     pg.emulate_media(color_scheme="light")
 
