@@ -166,6 +166,28 @@ def stop_up(p: subprocess.Popen, family: list[psutil.Process]) -> None:
             pass
 
 
+def up_with_a_running_job(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """`up` whose worker gives running jobs 600 s of grace, and a job running there."""
+    p = start_up(tmp_path, env={"TASKRUNNER_SHUTDOWN_GRACE": "600"})
+    family = psutil.Process(p.pid).children(recursive=True)
+    try:
+        client = TaskRunner("probe", redis_url=f"unix://{tmp_path.resolve()}/var/redis.sock")
+        job = client.enqueue("tests.apps.hold", ["u1", 300])
+        wait_for(lambda: job.refresh().state == "running", what="the job to run")
+    except BaseException:
+        stop_up(p, family)
+        raise
+    return p, family
+
+
+def stopped_now(p: subprocess.Popen, out: str) -> None:
+    """`up` stopped its running job now (requeued it), cleanly: exit 0, no traceback, Redis last."""
+    assert p.returncode == 0, out
+    assert "Traceback" not in out and "stopping now: running jobs are stopped and requeued" in out, out
+    assert re.search(r"worker \S+: stopped after 0 jobs", out) and "could not say goodbye" not in out, out
+    assert out.rstrip().endswith("redis-server stopped"), out
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_up_stops_everything_on_sigterm(tmp_path, sig):
     """SIGTERM to `taskrunner up` alone (a supervisor, `kill`): it stops its dispatcher,
@@ -209,20 +231,13 @@ def test_ctrl_backslash_stops_up_now(tmp_path):
     """Ctrl-\\ (SIGQUIT), which reaches `up` alone: running jobs are stopped and requeued
     now, as Ctrl-C twice does, and everything stops cleanly. `up` dumped core and its
     processes got SIGTERM with Redis at once."""
-    p = start_up(tmp_path, env={"TASKRUNNER_SHUTDOWN_GRACE": "600"})
-    family = psutil.Process(p.pid).children(recursive=True)
+    p, family = up_with_a_running_job(tmp_path)
     try:
-        client = TaskRunner("probe", redis_url=f"unix://{tmp_path.resolve()}/var/redis.sock")
-        job = client.enqueue("tests.apps.hold", ["u1", 300])
-        wait_for(lambda: job.refresh().state == "running", what="the job to run")
         p.send_signal(signal.SIGQUIT)
         out, _ = p.communicate(timeout=120)
     finally:
         stop_up(p, family)
-    assert p.returncode == 0, out
-    assert "Traceback" not in out and "stopping now: running jobs are stopped and requeued" in out, out
-    assert re.search(r"worker \S+: stopped after 0 jobs", out) and "could not say goodbye" not in out, out
-    assert out.rstrip().endswith("redis-server stopped"), out
+    stopped_now(p, out)
 
 
 def test_up_gives_its_log_format_to_its_processes(tmp_path):
@@ -320,12 +335,8 @@ def test_ctrl_c_twice_stops_up_now_and_cleanly(tmp_path):
     """Ctrl-C, then Ctrl-C again while a job runs in the worker's grace: the job is stopped
     and requeued now, Redis stays until the worker has said so, no traceback. The second
     Ctrl-C raised KeyboardInterrupt in `up` (a traceback) while it waited for its processes."""
-    p = start_up(tmp_path, env={"TASKRUNNER_SHUTDOWN_GRACE": "600"})
-    family = psutil.Process(p.pid).children(recursive=True)
+    p, family = up_with_a_running_job(tmp_path)
     try:
-        client = TaskRunner("probe", redis_url=f"unix://{tmp_path.resolve()}/var/redis.sock")
-        job = client.enqueue("tests.apps.hold", ["u1", 300])
-        wait_for(lambda: job.refresh().state == "running", what="the job to run")
         os.killpg(p.pid, signal.SIGINT)  # as a terminal does: to its foreground process group
         # Both up and its worker (SIGTERM from up) took the first Ctrl-C before the second
         # comes: two signals pending at once in one process are one (the kernel merges them).
@@ -338,7 +349,4 @@ def test_ctrl_c_twice_stops_up_now_and_cleanly(tmp_path):
         out, _ = p.communicate(timeout=120)
     finally:
         stop_up(p, family)
-    assert p.returncode == 0, out
-    assert "Traceback" not in out and "stopping now: running jobs are stopped and requeued" in out, out
-    assert re.search(r"worker \S+: stopped after 0 jobs", out) and "could not say goodbye" not in out, out
-    assert out.rstrip().endswith("redis-server stopped"), out
+    stopped_now(p, out)
