@@ -19,7 +19,7 @@ from flask import Blueprint, abort, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from taskrunner.ops import listing
-from taskrunner.ops.queue import pending_keys
+from taskrunner.ops.queue import backlogs
 
 from . import views
 
@@ -107,12 +107,9 @@ def searched() -> dict[str, Any]:
         else:
             pipe.zcard(app.keys.q(q) + s)
     first = pipe.execute() if cells else []
-    lists = {i: pending_keys(app.keys.q(q), first[i]) for i, (q, s) in enumerate(cells) if s == "pending"}
-    for keys in lists.values():
-        for key in keys:
-            pipe.llen(key)
-    lengths = iter(pipe.execute() if lists else [])
-    counts = [sum(next(lengths) for _ in lists[i]) if i in lists else n for i, n in enumerate(first)]
+    pending = [i for i, (_, s) in enumerate(cells) if s == "pending"]
+    lengths = dict(zip(pending, backlogs(app, [cells[i][0] for i in pending], [first[i] for i in pending])))
+    counts = [lengths.get(i, n) for i, n in enumerate(first)]
     return _counted(sum(counts), _digest(text, counts))
 
 

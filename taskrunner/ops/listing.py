@@ -44,18 +44,8 @@ def _physical_stats(app: TaskRunner, names: list[str] | None = None) -> list[dic
     names = app.queue_names() if names is None else names
     metas = queue.settings(app, names)
     counts = queue.state_counts(app, names)
-    pipe = app.redis.pipeline(transaction=False)
-    for q, meta in zip(names, metas):  # pending: every priority's list
-        for key in _pending_keys(app, q, meta):
-            pipe.llen(key)
-    lengths = iter(pipe.execute())
-    return [{"name": q, **c, "pending": sum(next(lengths) for _ in _pending_keys(app, q, meta)), **meta}
-            for q, c, meta in zip(names, counts, metas)]
-
-
-def _pending_keys(app: TaskRunner, q: str, meta: dict[str, Any]) -> list[str]:
-    """The queue's pending lists in claim order, from its settings (queue.settings)."""
-    return pending_keys(app.keys.q(q), "".join(map(str, meta["priorities"])))
+    pending = queue.backlogs(app, names, ["".join(map(str, meta["priorities"])) for meta in metas])
+    return [{"name": q, **c, "pending": n, **meta} for q, c, n, meta in zip(names, counts, pending, metas)]
 
 
 def job_ids(app: TaskRunner, queue: str, state: str, limit: int = 50, offset: int = 0) -> list[str]:

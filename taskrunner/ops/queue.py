@@ -263,11 +263,19 @@ def info(app: TaskRunner, name: str) -> dict[str, Any]:
 
 def backlog(app: TaskRunner, name: str) -> int:
     """Jobs pending in the queue, of every priority."""
-    p = app.keys.q(name)
+    return backlogs(app, [name], [app.redis.hget(app.keys.q(name) + "meta", "priorities")])[0]
+
+
+def backlogs(app: TaskRunner, names: list[str], priorities: list[str | None]) -> list[int]:
+    """Jobs pending in each queue of `names`, of every priority (each one's meta
+    `priorities`, as pending_keys() takes them): one round trip, whatever their number."""
+    lists = [pending_keys(app.keys.q(q), levels) for q, levels in zip(names, priorities)]
     pipe = app.redis.pipeline(transaction=False)
-    for key in pending_keys(p, app.redis.hget(p + "meta", "priorities")):
-        pipe.llen(key)
-    return sum(pipe.execute())
+    for keys in lists:
+        for key in keys:
+            pipe.llen(key)
+    lengths = iter(pipe.execute() if names else [])
+    return [sum(next(lengths) for _ in keys) for keys in lists]
 
 
 def settings(app: TaskRunner, names: list[str]) -> list[dict[str, Any]]:

@@ -209,11 +209,11 @@ def queued(lanes: Sequence[Lane]) -> bool:
     """Does a child hold jobs beyond those it can run at once (its capacity: one, or its
     threads or async slots)? It goes on without us, so results may wait FLUSH_AFTER for
     company; a child running a few jobs at once with none waiting (an async worker with
-    two jobs) sends each result at once, as a lone job's. Sent at
-    once whenever no sync was in flight, they went 1.5–2.5 per finish.lua call where each
-    job makes a Redis round trip itself (Redis answered a one-result sync before the next
-    job ended), and at 64-way with spare jobs, one sync per result or two cost a job 23
-    Redis commands and ~80 us of Redis CPU."""
+    two jobs) sends each result at once, as a lone job's. Results sent at once whenever no
+    sync was in flight went 1.5–2.5 per finish.lua call where each job makes a Redis round
+    trip itself (Redis answered a one-result sync before the next job ended), and at 64-way
+    with spare jobs, one sync per result or two cost a job 23 Redis commands and ~80 us of
+    Redis CPU."""
     return any(len(lane.jobs) > lane.capacity for lane in lanes)
 
 

@@ -20,6 +20,7 @@ from redis.exceptions import ConnectionError, NoScriptError, ResponseError, Time
 from taskrunner.errors import InvalidName, NotJSONError, PayloadTooLarge
 
 _DIR = Path(__file__).parent
+_LIB = (_DIR / "_lib.lua").read_text()
 _REFUSAL = re.compile(r"taskrunner: (\w+): (.*)", re.S)
 _KINDS: dict[str, type[Exception]] = {"InvalidName": InvalidName, "NotJSON": NotJSONError,
                                       "PayloadTooLarge": PayloadTooLarge}
@@ -96,7 +97,7 @@ class Script:
         #: can be emptied with taskrunner's own commands.
         self.frees = frees
         self.body = (_DIR / f"{name}.lua").read_text()
-        self.source = prelude((_DIR / "_lib.lua").read_text(), self.body) + "\n" + self.body
+        self.source = prelude(_LIB, self.body) + "\n" + self.body
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
         self.function = ""  # its function's name, once the library is composed (below)
         ALL.append(self)
@@ -283,8 +284,7 @@ def library(scripts: list[Script]) -> str:
     from one call to the next). Named `taskrunner_<hash>` of that text, as are its
     functions (`taskrunner_<hash>_<script>`): a server holds each version's library beside
     the others', so that workers of two versions on one Redis never call each other's code."""
-    lib = (_DIR / "_lib.lua").read_text()
-    text = "\n".join([lib, *(f"redis.register_function{{function_name = 'taskrunner_@_{s.name}', "
+    text = "\n".join([_LIB, *(f"redis.register_function{{function_name = 'taskrunner_@_{s.name}', "
                              f"flags = {{{ALLOW_OOM if s.frees else ''}}}, "
                              f"callback = function(KEYS, ARGV) fresh_call()\n{s.body}\nend}}" for s in scripts)])
     version = hashlib.sha1(text.encode()).hexdigest()[:16]
