@@ -174,6 +174,24 @@ def soft_sleeper(key: str, handle: bool) -> str:
     return "slept"
 
 
+class _SlowToFinalize:
+    def __del__(self) -> None:
+        time.sleep(0.05)
+
+
+@app.task(max_duration=60)
+def finalizing(key: str) -> None:
+    """Spends its time in __del__ methods, where Python swallows exceptions: a kill most
+    likely arrives there. Marks its clean-up."""
+    mark(key)
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            _SlowToFinalize()
+    finally:
+        mark(f"{key}:cleanup")
+
+
 @app.task(soft_limit=0.3, max_duration=30)
 def soft_spinner(key: str) -> str:
     """Runs Python code past its soft limit (a thread gets SoftTimeLimit between bytecodes)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -93,6 +94,22 @@ def test_kill_pending_job(app):
         job.wait(1)
     assert e.value.state == "killed"
     assert app.redis.llen(app.keys.q("default") + "pending") == 0
+
+
+def test_a_kill_that_lands_in_a_finalizer_still_stops_the_job_at_once(app, stack):
+    """A kill raises in the job; raised inside a __del__ (CI: a zipfile's, in `up`'s stop
+    now), Python swallowed it with "Exception ignored in" and a traceback on the worker's
+    output, and the job ran on until the worker's SIGKILL: its finally blocks never ran."""
+    w = stack.worker(concurrency=1)
+    job = apps.finalizing.delay("fin")
+    wait_for(lambda: app.redis.get(f"{app.settings.prefix}:ledger:fin"), what="the job started")
+    job.kill()
+    wait_for(lambda: app.redis.get(f"{app.settings.prefix}:ledger:fin:cleanup") == "1", 30,
+             "the job's finally block")
+    assert job.state == "killed"
+    w.send_signal(signal.SIGTERM)
+    out, _ = w.communicate(timeout=60)
+    assert "Exception ignored" not in out and "Traceback" not in out, out
 
 
 def test_wait_times_out_then_gets_result(app, stack):

@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -99,6 +100,30 @@ class Link:
             os._exit(143)
         raise _Killed()
 
+    def unraisable(self, info: Any) -> None:
+        """sys.unraisablehook: a kill that landed where Python swallows exceptions (a
+        __del__, a weakref callback, the garbage collector) did not stop the job, and would
+        have printed "Exception ignored in ..." with a traceback. It is raised again at the
+        next line the job's own frames run (those on the stack now; a finalizer runs in a
+        new frame, which is not traced), as a debugger stops a program."""
+        if not isinstance(info.exc_value, _Killed):
+            sys.__unraisablehook__(info)
+            return
+        frames: list[Any] = []
+
+        def again(frame: Any, event: str, arg: Any) -> Any:
+            sys.settrace(None)
+            for f in frames:
+                f.f_trace = None
+            raise _Killed()
+
+        frame: Any = sys._getframe(1)
+        while frame is not None:
+            frame.f_trace = again
+            frames.append(frame)
+            frame = frame.f_back
+        sys.settrace(lambda frame, event, arg: None)
+
     def send(self, *payloads: bytes) -> None:
         """Each payload a frame, all in one write (a loop child sends a job's answer and
         the next one's "began" together: one system call, one wake-up of the worker)."""
@@ -138,6 +163,7 @@ def begin_child(conn: Any, app: Any, kill_flag: Any, parent: int, inherited: lis
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
     link = Link(conn.fileno(), kill_flag, app, hard)
     signal.signal(signal.SIGTERM, link.on_term)
+    sys.unraisablehook = link.unraisable
     die_with_parent()
     if os.getppid() != parent:
         os._exit(1)
