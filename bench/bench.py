@@ -281,13 +281,15 @@ class Snapshot:
     cpu: float  # seconds
     net: int  # bytes in + out
     stats: dict[str, int]
+    reads: int  # reads of client input: a pipelined batch is one, however many commands it holds
 
     @classmethod
     def take(cls, r: redis.Redis) -> Snapshot:
         info = r.info("all")
         stats = {k[len("cmdstat_"):]: int(v["calls"]) for k, v in info.items() if k.startswith("cmdstat_")}
         return cls(int(info["total_commands_processed"]), float(info["used_cpu_sys"]) + float(info["used_cpu_user"]),
-                   int(info["total_net_input_bytes"]) + int(info["total_net_output_bytes"]), stats)
+                   int(info["total_net_input_bytes"]) + int(info["total_net_output_bytes"]), stats,
+                   int(info.get("total_reads_processed", 0)))
 
 
 @dataclass

@@ -15,7 +15,8 @@ processes; arq in one) are started and the queue drained. Per system and concurr
     their children, sampled every RSS_EVERY s during the drain, divided by C; and the same with
     PSS, which counts a page shared by several processes (a fork's) as each one's share;
   - Redis CPU per job: used_cpu_sys + used_cpu_user from the worker start to the last job,
-    divided by the jobs (and Redis commands per job; the log and --json split them per command,
+    divided by the jobs (and round trips per job: the reads of client input Redis made, a
+    pipelined batch being one; and Redis commands per job; the log and --json split them per command,
     those the scripts ran included, with their microseconds: the profile);
 and the ratios of taskrunner's figures to each peer's.
 
@@ -171,6 +172,9 @@ def drain(env: Env, r: redis.Redis, system: System, concurrency: int, jobs: int,
            "rss_peak_mb": peak / 2**20, "pss_per_job_mb": peak_pss / concurrency / 2**20,
            "redis_cpu_us_per_job": (after.cpu - before.cpu) / jobs * 1e6,
            "redis_cmds_per_job": (after.commands - before.commands - 1) / jobs,  # less the closing INFO
+           # Round trips: the reads of client input Redis made (less the closing INFO's), each
+           # one system call in and one out; a system that batches makes fewer than one per job.
+           "redis_reads_per_job": (after.reads - before.reads - 1) / jobs,
            "commands": per_job(stats0, stats1, jobs),
            "counted_jobs": jobs - mark[1], "seconds_incl_start": t1 - t0, "fill_seconds": fill["seconds"]}
     log(f"  {system.name:18} {concurrency:4}-way {rate:8,.0f} jobs/s ({res['of_ideal']:6.1%} of ideal)  "
@@ -207,6 +211,7 @@ COLUMNS = [  # key in a run's figures, heading, format
     ("pss_per_job_mb", "PSS MB/concurrent job", "{:.3f}"),
     ("redis_cpu_us_per_job", "Redis CPU us/job", "{:.1f}"),
     ("redis_cmds_per_job", "Redis cmds/job", "{:.1f}"),
+    ("redis_reads_per_job", "round trips/job", "{:.2f}"),
     ("seconds_incl_start", "drain s incl. start", "{:.2f}"),
 ]
 RATIOS = [("rate", "jobs/s (higher is better)"), ("rss_per_job_mb", "RSS per concurrent job (lower is better)"),

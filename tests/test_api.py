@@ -106,7 +106,7 @@ def test_a_kill_that_lands_in_a_finalizer_still_stops_the_job_at_once(app, stack
     job.kill()
     wait_for(lambda: app.redis.get(f"{app.settings.prefix}:ledger:fin:cleanup") == "1", 30,
              "the job's finally block")
-    assert job.state == "killed"
+    wait_for(lambda: job.state == "killed", what="the worker to record the kill")  # after the finally
     w.send_signal(signal.SIGTERM)
     out, _ = w.communicate(timeout=60)
     assert "Exception ignored" not in out and "Traceback" not in out, out

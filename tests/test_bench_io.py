@@ -31,7 +31,7 @@ def test_taskrunner_part_runs_and_reports(tmp_path):
         ("taskrunner-threads", 4), ("taskrunner-threads", 8)]
     for x in runs:
         assert x["jobs"] == 60 and x["rate"] > 0 and 0 < x["of_ideal"] and x["rss_per_job_mb"] > 0
-        assert x["redis_cpu_us_per_job"] > 0 and x["redis_cmds_per_job"] > 0
+        assert x["redis_cpu_us_per_job"] > 0 and x["redis_cmds_per_job"] > 0 and x["redis_reads_per_job"] > 0
     text = out.read_text()
     assert r.stdout == text
     assert "4-way (ideal 200 jobs/s)" in text and "8-way (ideal 400 jobs/s)" in text
