@@ -117,7 +117,7 @@ class Link:
                 f.f_trace = None
             raise _Killed()
 
-        frame: Any = sys._getframe(1)
+        frame: Any = sys._getframe(0).f_back  # None when no Python code runs (the interpreter's exit)
         while frame is not None:
             frame.f_trace = again
             frames.append(frame)
