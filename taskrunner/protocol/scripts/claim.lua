@@ -68,10 +68,19 @@ end
 if not json_decimal(ARGV[6]) then
   return redis.error_reply('ERR claim: default max duration (ARGV[6]) must be seconds written like 300 or 0.5')
 end
+-- A PID is 1 to 10 digits, the first not 0: a length and one find ('%d*' is matched in one
+-- loop, where '%d?' repeated recurses once per digit). A PID equal to the pair's before (a
+-- worker's prefetch asks several jobs for one process) is checked already: comparing two Lua
+-- strings is one pointer compare (each string is made once).
+local pid_ok
 for i = 7, #ARGV, 2 do
-  if not string.find(ARGV[i], '^[1-9]%d?%d?%d?%d?%d?%d?%d?%d?%d?$') then
-    return redis.error_reply('ERR claim: pid (ARGV[' .. i .. ']) must be a decimal integer > 0, not "'
-      .. string.sub(ARGV[i], 1, 40) .. '"')
+  local pid = ARGV[i]
+  if pid ~= pid_ok then
+    if #pid > 10 or not string.find(pid, '^[1-9]%d*$') then
+      return redis.error_reply('ERR claim: pid (ARGV[' .. i .. ']) must be a decimal integer > 0, not "'
+        .. string.sub(pid, 1, 40) .. '"')
+    end
+    pid_ok = pid
   end
   if ARGV[i + 1] ~= '' and not amount(ARGV[i + 1], nil) then
     return redis.error_reply('ERR claim: ahead (ARGV[' .. i + 1 .. ']) must be "" or seconds >= 0')
@@ -223,9 +232,20 @@ local function flow_control()
 end
 -- <<< Flow control ---------------------------------------------------------------------
 
+-- The last max duration text found good and its number, first ARGV[6] (checked above): a
+-- batch's jobs mostly share one (the default, or their task's), and a string compared with it
+-- (one pointer compare) saves json_decimal()'s patterns and a tonumber (~8k instructions a job).
+local md_default = tonumber(ARGV[6])
+local md_ok, md_ok_n = ARGV[6], md_default
 local queued = {}  -- pid -> seconds of work ahead of its next job
 local bucket_names = {}
-local out = {}
+-- The answer, 10 values a job, n_out of them so far. A batch's is made at its full size at once
+-- ({unpack({}, 1, k)}: a table of k empty slots), where an empty table would be resized as it
+-- grows (at 1, 2, 3, 5, 9, 17, ... values: ~2k instructions a job at 8 a call); up to 100
+-- jobs (unpack's values go on Lua's stack). Its empty slots end it: the answer is the values
+-- up to the first (# could answer any border, so n_out counts).
+local out = want > 1 and want <= 100 and {unpack({}, 1, 10 * want)} or {}
+local n_out = 0
 local n = 0
 for qi = 1, #KEYS do
   local p = KEYS[qi]
@@ -302,7 +322,8 @@ for qi = 1, #KEYS do
       redis.call('SADD', processing, unpack(fresh))
       redis.call('SREM', items, unpack(fresh))
     end
-    for _, id in ipairs(fresh) do
+    for j = 1, #fresh do  -- not ipairs(): a function call per job
+      local id = fresh[j]
       local job = p .. 'job:' .. id
       local f = redis.call('HMGET', job, 'task', 'args', 'kwargs', 'max_duration', 'timeout_policy', 'attempts',
         'opt')
@@ -335,10 +356,14 @@ for qi = 1, #KEYS do
         local pid, base = ARGV[5 + 2 * n], ARGV[6 + 2 * n]
         local attempt_n = f[6] == '0' and 1 or (tonumber(f[6]) or 0) + 1  -- a first delivery: no tonumber
         local attempt = attempt_n == 1 and '1' or tostring(attempt_n)  -- as text once; formatting a number costs
-        local md_s = f[4]
-        local md = tonumber(md_s)
-        if not json_decimal(md_s) then  -- not "nan", "0x10", "-1", "5.": it is copied into JSON
-          md, md_s = tonumber(ARGV[6]), ARGV[6]
+        local md_s, md = f[4], md_ok_n
+        if md_s ~= md_ok then
+          if json_decimal(md_s) then
+            md = tonumber(md_s)
+            md_ok, md_ok_n = md_s, md
+          else  -- not "nan", "0x10", "-1", "5.": it is copied into JSON
+            md, md_s = md_default, ARGV[6]
+          end
         end
         local ahead, first = 0, 0
         if base ~= '' then
@@ -366,15 +391,15 @@ for qi = 1, #KEYS do
         if meta[2] == '1' then  -- its finish wakes the queue's next job (finish.lua): no meta read there
           redis.call('HSET', job, 'exclusive', '1')
         end
-        entries[#entries + 1] = id
-        entries[#entries + 1] = entry
+        entries[2 * taken - 1], entries[2 * taken] = id, entry  -- the job's pair in the holding hash
         local ids_b = buckets[b]
         if not ids_b then
           ids_b = {}
           buckets[b] = ids_b
         end
         ids_b[#ids_b + 1] = id
-        local o = #out
+        local o = n_out
+        n_out = o + 10
         out[o + 1], out[o + 2], out[o + 3], out[o + 4] = qi, id, attempt_n, f[1]
         out[o + 5], out[o + 6], out[o + 7], out[o + 8] = f[2] or '[]', f[3] or '{}', md_s, f[5] or 'kill'
         out[o + 9], out[o + 10] = headers or '', soft or ''
@@ -413,7 +438,7 @@ if limiters then  -- a flow-controlled queue was met
   end
 end
 if wait_min and n < want then
-  out[#out + 1] = string.format('%.6f', wait_min)
+  out[n_out + 1] = string.format('%.6f', wait_min)
 end
 -- <<< Flow control
 return out
