@@ -108,6 +108,36 @@ def test_claim_writes_only_json_numbers_into_the_holding_entry(foreign, max_dura
     assert md == b"60" and entry["max_duration"] == 60 and entry["pid"] == 4242
 
 
+def test_a_batch_claim_checks_every_pid_and_max_duration_and_answers_the_jobs_it_took(foreign):
+    """claim.lua checks a PID or a max duration equal to the one before once per call (and
+    makes a batch's answer at its full size): a bad one after good ones is still refused,
+    each job keeps its own max duration or gets the default, and a batch that finds fewer
+    jobs than it wants answers exactly those (the unpresized path, over 100 jobs, alike)."""
+    p = foreign.q("default")
+    for i, md in enumerate(["30", "30", "5.", "nan", "30", "0.5"]):
+        assert foreign.enqueue("default", f"j{i}", "tests.apps.add", [i, 1], {}) == 1
+        foreign.r.hset(p + f"job:j{i}", "max_duration", md)
+    head = [HEAD, "c1", "h", "10.0.0.1", 1, 60]
+    for pids, bad in ([("4242", "4242", "012"), 11], [("4242", "4242", "12345678901"), 11],
+                      [("4242", "4242", "77", "77", "4242 "), 15]):
+        with pytest.raises(redis.ResponseError, match=re.escape(f"pid (ARGV[{bad}])")):
+            foreign.claim_raw("default", *head, *[x for pid in pids for x in (pid, "")])
+    assert foreign.r.hlen(p + "running") == 0
+    pids = ["4242", "4242", "1234567890", "1234567890", "77", "4242", "4242", "9"]
+    out = foreign.claim_raw("default", *head, *[x for pid in pids for x in (pid, "")])
+    assert len(out) == 60  # six jobs for eight wanted: their 60 values, nothing after
+    mds = [out[k + 6] for k in range(0, 60, 10)]
+    assert [out[k + 1] for k in range(0, 60, 10)] == [f"j{i}".encode() for i in range(6)]
+    assert mds == [b"30", b"30", b"60", b"60", b"30", b"0.5"]
+    for i, (md, pid) in enumerate(zip(mds, pids)):
+        entry = json.loads(foreign.r.hget(p + "running", f"j{i}"))
+        assert (entry["max_duration"], entry["pid"]) == (json.loads(md), int(pid))
+    for i in range(3):
+        assert foreign.enqueue("default", f"k{i}", "tests.apps.add", [i, 1], {}) == 1
+    out = foreign.claim_raw("default", *head, *["4242", ""] * 101)
+    assert len(out) == 30 and [out[k + 1] for k in range(0, 30, 10)] == [b"k0", b"k1", b"k2"]
+
+
 @pytest.mark.parametrize("head, job, why", [
     (["1.5", 600, 86400], ["completed", "", "42", "", "", ""], "result TTL"),  # used to fail half-way
     (["0", 600, 86400], ["completed", "", "42", "", "", ""], "result TTL"),
