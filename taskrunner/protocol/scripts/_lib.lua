@@ -360,7 +360,10 @@ end
 local sibling, queue_of, prepend, emitted, emit, blame, CHILD, far_parent, join, settle, settle_children
 local workflows
 
-local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
+-- finalize() once the record says how the job ended (its state, finished_at and `fields`),
+-- for a caller that wrote them itself (finish.lua's completed jobs: one HSET of its own
+-- arguments, no table of fields made to be unpacked); the same arguments less `fields`.
+local function conclude(p, id, job, r, state, t, ttl, error_type, index)
   local kind = state == 'completed' and 'result_ttl' or 'failed_ttl'
   local own = tonumber(r[kind])
   if own and own >= 1 and own % 1 == 0 then
@@ -369,7 +372,6 @@ local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
     end
     ttl = own
   end
-  redis.call('HSET', job, 'state', state, 'finished_at', fmt(t), unpack(fields))
   history(p, id, r, state, t, error_type)  -- a canceled step too (attempt 0: it never ran)
   if index then
     local ids = index[state] or {}
@@ -398,6 +400,12 @@ local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
     workflows()
     settle_children(p, id, job, r, state, t, ttl)
   end
+end
+
+-- The job reached `state`: its record says so, then conclude() (above).
+local function finalize(p, id, job, r, state, t, ttl, fields, error_type, index)
+  redis.call('HSET', job, 'state', state, 'finished_at', fmt(t), unpack(fields))
+  conclude(p, id, job, r, state, t, ttl, error_type, index)
 end
 
 -- The timeline field recording how delivery `attempt` ended.

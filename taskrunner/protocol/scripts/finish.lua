@@ -51,6 +51,7 @@ if not (string.find(ARGV[2], '^%d+$') or amount(ARGV[2], nil)) or (#ARGV - 3) % 
 end
 local OUTCOMES  -- made by the first outcome that is not `completed` (most calls: none)
 local t = now()
+local ts = fmt(t)  -- now's text (fmt()'s last answer: no number formatted)
 local ids = {}
 for i = 4, #ARGV, 8 do
   local outcome = ARGV[i + 2]
@@ -91,11 +92,6 @@ for k, id in ipairs(ids) do
     out[k] = 2
   else
     out[k] = 1
-    if held then  -- the same delivery twice in one call: the second answers 2
-      for j = k + 1, #ids do
-        if ids[j] == id then held[j] = false end
-      end
-    end
     if r.max_concurrency then  -- flow control: its concurrency slot goes with the delivery
       free_slot(p, id, r)
       freed = true
@@ -116,7 +112,18 @@ for k, id in ipairs(ids) do
   end
 end
 if taken and #taken > 0 then
-  redis.call('HDEL', p .. 'running', unpack(taken))
+  -- Each id taken was held (HMGET above), so fewer entries removed than ids means a delivery
+  -- named twice in this call: the first answers 1, the others 2 (the removals and a slot's
+  -- SREM done twice for it change nothing). Checked here, once, not by a search per job.
+  if redis.call('HDEL', p .. 'running', unpack(taken)) < #taken then
+    local seen = {}
+    for k, id in ipairs(ids) do
+      if out[k] == 1 then
+        if seen[id] then out[k] = 2 end
+        seen[id] = true
+      end
+    end
+  end
   redis.call('SREM', p .. 'processing', unpack(taken))
   for b, list in pairs(dl) do
     redis.call('SREM', p .. 'dl:' .. b, unpack(list))
@@ -162,10 +169,18 @@ for k = #ids, 1, -1 do
     if began then  -- formatted here, not by fmt(): its last answer stays `now`'s text
       r.started_at = string.format('%.6f', t - ARGV[i + 3])
     end
-    if outcome == 'completed' then  -- the hot path: its fields in one table made whole (no finish(), ending())
-      local ek, ev = ended(attempt, t, 'completed')
-      finalize(p, id, job, r, 'completed', t, ttl, began and {'result', v1, ek, ev, 'started_at', r.started_at}
-        or {'result', v1, ek, ev}, nil, index)
+    if outcome == 'completed' then
+      -- The hot path: the record's end written here, as finalize() would (its timeline entry
+      -- as ended() makes it), by one HSET of its own arguments (no table of fields, no unpack,
+      -- no calls of ended() or fmt(): `ts` is now's text), then conclude() the rest.
+      if began then
+        redis.call('HSET', job, 'state', 'completed', 'finished_at', ts, 'result', v1, 'end:' .. attempt,
+          ts .. ' completed', 'started_at', r.started_at)
+      else
+        redis.call('HSET', job, 'state', 'completed', 'finished_at', ts, 'result', v1, 'end:' .. attempt,
+          ts .. ' completed')
+      end
+      conclude(p, id, job, r, 'completed', t, ttl, nil, index)
     elseif outcome == 'lost' then
       lose(p, id, job, r, attempt, t, failed_ttl, v1, true, index)
     elseif outcome == 'return' then
@@ -209,10 +224,10 @@ for k = #ids, 1, -1 do
 end
 if index then
   for state, list in pairs(index) do  -- a batch's finished sets, one ZADD each
-    local args, ts = {}, fmt(t)
+    local args, n = {}, 0  -- counted, not #args (a length is a search of the table)
     for _, id in ipairs(list) do
-      args[#args + 1] = ts
-      args[#args + 1] = id
+      args[n + 1], args[n + 2] = ts, id
+      n = n + 2
     end
     redis.call('ZADD', p .. state, unpack(args))
   end
