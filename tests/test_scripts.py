@@ -185,7 +185,7 @@ def test_finish_records_when_the_job_began_and_batches_many(app):
     assert db["started_at"] == claimed_at  # unknown: the claim's time stays
     p = app.keys.q("default")
     assert app.redis.hlen(p + "running") == 0 and app.redis.scard(p + "processing") == 0
-    assert app.redis.zcard(p + "completed") == 2
+    assert app.redis.zcard(p + "completed") == 2 and app.redis.xlen(p + "history") == 2  # b's second: nothing
     records = {f["id"]: fields(f) for _, f in app.redis.xrange(p + "history")}
     assert records[a.id]["state"] == records[b.id]["state"] == "completed"
     ra = records[a.id]

@@ -86,26 +86,26 @@ local freed = false  -- a concurrency slot was given back: a job held back for i
 for k, id in ipairs(ids) do
   local r = load(p .. 'job:' .. id)
   records[k] = r
-  if r.attempts ~= ARGV[4 + (k - 1) * 8 + 1] then
+  if r[ATTEMPTS] ~= ARGV[4 + (k - 1) * 8 + 1] then
     out[k] = 0
   elseif single and redis.call('HDEL', p .. 'running', id) == 0 or not single and not held[k] then
     out[k] = 2
   else
     out[k] = 1
-    if r.max_concurrency then  -- flow control: its concurrency slot goes with the delivery
+    if r[MAX_CONCURRENCY] then  -- flow control: its concurrency slot goes with the delivery
       free_slot(p, id, r)
       freed = true
     end
     if single then
       redis.call('SREM', p .. 'processing', id)
-      if r.bucket then
-        redis.call('SREM', p .. 'dl:' .. r.bucket, id)
+      if r[BUCKET] then
+        redis.call('SREM', p .. 'dl:' .. r[BUCKET], id)
       end
     else
       taken[#taken + 1] = id
-      if r.bucket then
-        local list = dl[r.bucket] or {}
-        dl[r.bucket] = list
+      if r[BUCKET] then
+        local list = dl[r[BUCKET]] or {}
+        dl[r[BUCKET]] = list
         list[#list + 1] = id
       end
     end
@@ -134,7 +134,7 @@ end
 local function ending(fields, ek, ev, r, began)
   fields[#fields + 1], fields[#fields + 2] = ek, ev
   if began then
-    fields[#fields + 1], fields[#fields + 2] = 'started_at', r.started_at
+    fields[#fields + 1], fields[#fields + 2] = 'started_at', r[STARTED_AT]
   end
   return fields
 end
@@ -167,7 +167,7 @@ for k = #ids, 1, -1 do
     local job = p .. 'job:' .. id
     local r = records[k]
     if began then  -- formatted here, not by fmt(): its last answer stays `now`'s text
-      r.started_at = string.format('%.6f', t - ARGV[i + 3])
+      r[STARTED_AT] = string.format('%.6f', t - ARGV[i + 3])
     end
     if outcome == 'completed' then
       -- The hot path: the record's end written here, as finalize() would (its timeline entry
@@ -175,7 +175,7 @@ for k = #ids, 1, -1 do
       -- no calls of ended() or fmt(): `ts` is now's text), then conclude() the rest.
       if began then
         redis.call('HSET', job, 'state', 'completed', 'finished_at', ts, 'result', v1, 'end:' .. attempt,
-          ts .. ' completed', 'started_at', r.started_at)
+          ts .. ' completed', 'started_at', r[STARTED_AT])
       else
         redis.call('HSET', job, 'state', 'completed', 'finished_at', ts, 'result', v1, 'end:' .. attempt,
           ts .. ' completed')
@@ -185,7 +185,7 @@ for k = #ids, 1, -1 do
       lose(p, id, job, r, attempt, t, failed_ttl, v1, true, index)
     elseif outcome == 'return' then
       local ek, ev = ended(attempt, t, 'returned before it began: ' .. v1)
-      to_pending(p, id, job, true, {ek, ev}, r.priority)
+      to_pending(p, id, job, true, {ek, ev}, r[PRIORITY])
     elseif outcome == 'killed' then
       finish(id, job, r, attempt, began, 'killed', {'error_type', 'Killed', 'error', v2}, 'Killed')
     elseif outcome == 'requeue' and v4 == 'retry' and retry_refused(id, job, r, attempt, began) then
@@ -201,14 +201,14 @@ for k = #ids, 1, -1 do
       if delay > 0 then
         to_delayed(p, id, job, t + delay, extra)
       else
-        to_pending(p, id, job, v2 == 'front', extra, r.priority)
+        to_pending(p, id, job, v2 == 'front', extra, r[PRIORITY])
       end
     else
       local failures = redis.call('HINCRBY', job, 'failures', 1)
-      local retries = tonumber(r.retries) or 0
+      local retries = tonumber(r[RETRIES]) or 0
       if outcome == 'error' and failures <= retries then
         history(p, id, r, 'requeued', t, v1)
-        local base = amount(r.retry_backoff, 1)
+        local base = amount(r[RETRY_BACKOFF], 1)
         -- the task's cap, else ARGV[2]
         local most = amount(redis.call('HGET', job, 'retry_backoff_max'), nil) or amount(ARGV[2], 0)
         local delay = math.min(base * 2 ^ (failures - 1), most) * math.min(amount(v4, 1), 1)
@@ -236,7 +236,7 @@ end
 -- that other queues read no meta here; the queue's meta then says whether it still is.
 local exclusive = false
 for k = 1, #ids do
-  if out[k] == 1 and records[k].exclusive then exclusive = true end
+  if out[k] == 1 and records[k][EXCLUSIVE] then exclusive = true end
 end
 local meta = exclusive and not freed and redis.call('HMGET', p .. 'meta', 'exclusive', 'priorities')
 if freed or meta and meta[1] == '1' and backlog(p, meta[2]) > 0 then

@@ -18,7 +18,7 @@ for i = 2, #ARGV, 4 do
   local job = p .. 'job:' .. id
   local r = load(job)
   local result = ''
-  if holder_check(p, id, r, attempt) == 1 and (owner == '' or r.worker == owner) then
+  if holder_check(p, id, r[ATTEMPTS], attempt) == 1 and (owner == '' or r[WORKER] == owner) then
     result = lose(p, id, job, r, attempt, t, ttl, reason)
   end
   out[#out + 1] = result

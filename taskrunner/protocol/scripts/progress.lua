@@ -52,7 +52,7 @@ for i = 2, #ARGV, 6 do
   local id, attempt, progress, note, lines = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   local job = p .. 'job:' .. id
   local v = redis.call('HMGET', job, 'attempts', 'logs', 'logs_dropped')
-  local ok = holder_check(p, id, {attempts = v[1]}, attempt, false)
+  local ok = holder_check(p, id, v[1], attempt, false)
   out[#out + 1] = ok
   if ok == 1 then
     local fields = {}

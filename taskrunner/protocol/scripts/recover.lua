@@ -26,7 +26,7 @@ for i = 1, math.min(#due, tonumber(ARGV[2])) do
   history(p, id, r, 'requeued', t, nil)
   local ek, ev = ended(redis.call('HGET', job, 'attempts') or '0', t,
     string.format('recovered by %s (delivered %.0fs before)', ARGV[3], t - due[i][1]))
-  to_pending(p, id, job, true, {'last_requeued_at', fmt(t), ek, ev}, r.priority)
+  to_pending(p, id, job, true, {'last_requeued_at', fmt(t), ek, ev}, r[PRIORITY])
   out[#out + 1] = id
 end
 return out

@@ -42,9 +42,9 @@ elseif state == 'running' then
   release(p, id, r)
   redis.call('HINCRBY', job, 'requeues', 1)
   history(p, id, r, 'requeued', t, nil)
-  local attempt = r.attempts
+  local attempt = r[ATTEMPTS]
   local ek, ev = ended(attempt, t, 'requeued by ' .. ARGV[2])
   action[3], action[4], action[5], action[6] = ek, ev, 'last_requeued_at', fmt(t)
-  to_pending(p, id, job, true, action, r.priority)
+  to_pending(p, id, job, true, action, r[PRIORITY])
 end
 return state or ''

@@ -11,7 +11,7 @@ local p = KEYS[1]
 local id, attempt = ARGV[1], ARGV[2]
 local job = p .. 'job:' .. id
 local r = load(job)
-if holder_check(p, id, r, attempt) ~= 1 then
+if holder_check(p, id, r[ATTEMPTS], attempt) ~= 1 then
   return {}
 end
 local t = now()
@@ -27,7 +27,7 @@ if ARGV[5] == 'check' then
   end
 end
 local nb = math.floor(next_check / width)
-local old = r.bucket
+local old = r[BUCKET]
 if old then
   local bk = p .. 'dl:' .. old
   redis.call('SREM', bk, id)
@@ -45,4 +45,4 @@ redis.call('HSET', job, 'bucket', nb, 'stuck', '1')
 if first == 1 then
   redis.call('HSET', job, 'stuck_at', fmt(t))
 end
-return {r.worker or '', f[2] or 'kill', first}
+return {r[WORKER] or '', f[2] or 'kill', first}
