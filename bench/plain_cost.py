@@ -28,7 +28,15 @@ count is the server's timer): the same count every round to within ~1-2% on a lo
 where the times swing by 20%, so a change of a few percent shows. It runs ~50x slower:
 --jobs 400 is plenty.
 
-    python -m bench.plain_cost main=git:main new=. --instructions --jobs 400 --rounds 2 --batch 8"""
+    python -m bench.plain_cost main=git:main new=. --instructions --jobs 400 --rounds 2 --batch 8
+
+--finished N puts N old members in the queue's `completed` set before the acks (not
+counted): a set of more than 128 (`zset-max-listpack-entries`) is a skiplist, as a real
+queue's is; an empty one takes its first 128 members into a listpack, each insert parsing
+every score before it (~30k instructions per job of this bench's ack that a queue in use
+does not pay).
+
+    python -m bench.plain_cost main=git:main new=. --instructions --jobs 400 --rounds 2 --batch 8 --finished 200"""
 
 from __future__ import annotations
 
@@ -82,6 +90,9 @@ for i in range(0, n, b):
     assert c.ack(ds[i:i + b]) == [True] * len(ds[i:i + b])
 c.close()
 """
+
+#: The finished set of CHILD's queue (--finished).
+COMPLETED = "flowcost:{default}:completed"
 
 #: The phases of CHILD, in order.
 PHASES = ("enqueue", "heartbeat", "claim", "ack")
@@ -138,8 +149,9 @@ class Callgrind:
 
 
 def measure(r: redis.Redis, url: str, path: Path, n: int, batch: int = 1,
-            grind: Callgrind | None = None) -> dict[str, Phase]:
-    """Each phase of `n` jobs run on the package in `path`, per job (see Phase)."""
+            grind: Callgrind | None = None, finished: int = 0) -> dict[str, Phase]:
+    """Each phase of `n` jobs run on the package in `path`, per job (see Phase); `finished`
+    old members put in the queue's completed set before the acks (--finished)."""
     r.flushall()
     env = {**os.environ, "PYTHONPATH": str(path)}
     # Run in `path`: `python -c` puts the working directory first on sys.path, before
@@ -162,6 +174,8 @@ def measure(r: redis.Redis, url: str, path: Path, n: int, batch: int = 1,
                 if instr is not None:
                     phases[PHASES[k - 1]]["instr"] = instr
             if name is not None:
+                if name == "ack" and finished:
+                    r.zadd(COMPLETED, {f"old{i}": i for i in range(finished)})
                 r.config_resetstat()
                 cpu0 = _cpu(r)
                 if grind:
@@ -217,6 +231,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=3000, help="jobs per round (default 3000)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per revision (default 3)")
     parser.add_argument("--batch", type=int, default=1, help="jobs per claim and per ack call (default 1)")
+    parser.add_argument("--finished", type=int, default=0,
+                        help="old members put in the completed set before the acks (default 0; > 128: a skiplist)")
     parser.add_argument("--instructions", action="store_true",
                         help="count Redis's instructions per job under valgrind's callgrind (slow: use ~400 jobs)")
     opts = parser.parse_args()
@@ -234,14 +250,16 @@ def main() -> None:
             r = redis.Redis.from_url(server.url)
             for _ in range(opts.rounds):
                 for label, path in paths.items():
-                    runs[label].append(measure(r, server.url, path, opts.jobs, opts.batch, grind))
+                    runs[label].append(measure(r, server.url, path, opts.jobs, opts.batch, grind,
+                                                       opts.finished))
         finally:
             server.stop()
             if grind is not None:
                 grind.stop()
     width = max(36 if opts.instructions else 28, *(len(label) for label in specs))
     calls = "one call each" if opts.batch == 1 else f"claim and ack {opts.batch} jobs a call"
-    print(f"per plain job (enqueue + heartbeat + claim + ack, {calls}; {opts.jobs} jobs; median (min-max) "
+    old = f"; {opts.finished} old members in completed" if opts.finished else ""
+    print(f"per plain job (enqueue + heartbeat + claim + ack, {calls}; {opts.jobs} jobs{old}; median (min-max) "
           f"of {opts.rounds} rounds)")
     print(f"{'':16}" + "".join(f"{label:>{width + 2}}" for label in specs))
     rows = (("Redis commands", lambda ph: sum(x["commands"] for x in ph.values())),
