@@ -86,16 +86,17 @@ end
 -- A job record as load() reads it is the HMGET's answer itself, its fields by position
 -- (false when absent), not a table of named fields: making that table (15 fields) and
 -- collecting it cost ~8k instructions per job, the most of any piece of Lua in a batched
--- finish. These name the positions: r[TASK] is the record's task.
+-- finish. These name the positions: r[TASK] is the record's task (OWN_: the record's own
+-- result_ttl, failed_ttl, which win over the settings).
 local ATTEMPTS, BUCKET, WAITERS, TASK, ENQUEUED_AT, STARTED_AT, WORKER = 1, 2, 3, 4, 5, 6, 7
-local HOST, PID, RESULT_TTL, CHILDREN, MAX_CONCURRENCY, UNIQUE_KEY, EXCLUSIVE = 8, 9, 10, 11, 12, 13, 14
+local HOST, PID, OWN_RESULT_TTL, CHILDREN, MAX_CONCURRENCY, UNIQUE_KEY, EXCLUSIVE = 8, 9, 10, 11, 12, 13, 14
 -- The record's key, until its rare fields (below) are read.
 local JOB = 15
 -- The fields of a job record that only some ends of a delivery need (a failure, a retry, a
 -- requeue, a kill, a concurrency key, a priority, a workflow across slots): load() leaves them
 -- out, and the first lookup of one of them reads them all (a second HMGET), so that a job that
 -- completes pays for none of them. None of them is written by a script before it reads them.
-local KILL_REQUESTED, MAX_LOST, RETRIES, RETRY_BACKOFF, FAILED_TTL, CROSS_CHILDREN = 16, 17, 18, 19, 20, 21
+local KILL_REQUESTED, MAX_LOST, RETRIES, RETRY_BACKOFF, OWN_FAILED_TTL, CROSS_CHILDREN = 16, 17, 18, 19, 20, 21
 local CONCURRENCY_KEY, PRIORITY = 22, 23
 local rare_fields  -- their metatable, made by the first load() (most calls load no record)
 
@@ -373,9 +374,9 @@ local workflows
 -- for a caller that wrote them itself (finish.lua's completed jobs: one HSET of its own
 -- arguments, no table of fields made to be unpacked); the same arguments less `fields`.
 local function conclude(p, id, job, r, state, t, ttl, error_type, index)
-  local kind, own = 'result_ttl', r[RESULT_TTL]
+  local kind, own = 'result_ttl', r[OWN_RESULT_TTL]
   if state ~= 'completed' then
-    kind, own = 'failed_ttl', r[FAILED_TTL]
+    kind, own = 'failed_ttl', r[OWN_FAILED_TTL]
   end
   own = own and tonumber(own)
   if own and own >= 1 and own % 1 == 0 then
