@@ -289,7 +289,7 @@ class Snapshot:
         stats = {k[len("cmdstat_"):]: int(v["calls"]) for k, v in info.items() if k.startswith("cmdstat_")}
         return cls(int(info["total_commands_processed"]), float(info["used_cpu_sys"]) + float(info["used_cpu_user"]),
                    int(info["total_net_input_bytes"]) + int(info["total_net_output_bytes"]), stats,
-                   int(info.get("total_reads_processed", 0)))
+                   int(info["total_reads_processed"]))
 
 
 @dataclass

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 from taskrunner import Reject, Retry, SoftTimeLimit, TaskRunner, current_job
 
@@ -183,11 +184,31 @@ class _SlowToFinalize:
 def finalizing(key: str) -> None:
     """Spends its time in __del__ methods, where Python swallows exceptions: a kill most
     likely arrives there. Marks its clean-up."""
-    mark(key)
     try:
+        mark(key)
         deadline = time.time() + 30
         while time.time() < deadline:
             _SlowToFinalize()
+    finally:
+        mark(f"{key}:cleanup")
+
+
+def _finalizing_as_it_yields(key: str) -> Iterator[int]:
+    try:
+        while True:
+            yield (_SlowToFinalize(), 0)[1]  # the object's __del__ runs in the yield's line
+    finally:
+        mark(f"{key}:generator")
+
+
+@app.task(max_duration=60)
+def finalizing_generator(key: str) -> None:
+    """finalizing(), the __del__ run in a generator's yield line: a kill raised as the
+    generator suspends would skip its finally block for good."""
+    try:
+        mark(key)
+        for _ in _finalizing_as_it_yields(key):
+            pass
     finally:
         mark(f"{key}:cleanup")
 

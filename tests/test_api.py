@@ -96,16 +96,20 @@ def test_kill_pending_job(app):
     assert app.redis.llen(app.keys.q("default") + "pending") == 0
 
 
-def test_a_kill_that_lands_in_a_finalizer_still_stops_the_job_at_once(app, stack):
+@pytest.mark.parametrize("task", [apps.finalizing, apps.finalizing_generator])
+def test_a_kill_that_lands_in_a_finalizer_still_stops_the_job_at_once(app, stack, task):
     """A kill raises in the job; raised inside a __del__ (CI: a zipfile's, in `up`'s stop
     now), Python swallowed it with "Exception ignored in" and a traceback on the worker's
-    output, and the job ran on until the worker's SIGKILL: its finally blocks never ran."""
+    output, and the job ran on until the worker's SIGKILL: its finally blocks never ran.
+    Raised again as a generator suspended, it skipped the generator's finally block."""
     w = stack.worker(concurrency=1)
-    job = apps.finalizing.delay("fin")
-    wait_for(lambda: app.redis.get(f"{app.settings.prefix}:ledger:fin"), what="the job started")
+    job = task.delay("fin")
+    ledger = f"{app.settings.prefix}:ledger:fin"
+    wait_for(lambda: app.redis.get(ledger), what="the job started")
     job.kill()
-    wait_for(lambda: app.redis.get(f"{app.settings.prefix}:ledger:fin:cleanup") == "1", 30,
-             "the job's finally block")
+    wait_for(lambda: app.redis.get(f"{ledger}:cleanup") == "1", 30, "the job's finally block")
+    if task is apps.finalizing_generator:
+        wait_for(lambda: app.redis.get(f"{ledger}:generator") == "1", 30, "the generator's finally block")
     wait_for(lambda: job.state == "killed", what="the worker to record the kill")  # after the finally
     w.send_signal(signal.SIGTERM)
     out, _ = w.communicate(timeout=60)

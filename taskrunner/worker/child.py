@@ -81,6 +81,7 @@ class Link:
         self.fd, self.kill_flag, self.app, self.hard = fd, kill_flag, app, hard
         self.sending = self.killed = False
         self.interrupt: BaseException | None = None  # raised once a frame is whole (soft_limit.py)
+        self.previous_hook = sys.unraisablehook
         self.lock = threading.Lock()
 
     def on_term(self, signum: int, frame: Any) -> None:
@@ -105,13 +106,18 @@ class Link:
         __del__, a weakref callback, the garbage collector) did not stop the job, and would
         have printed "Exception ignored in ..." with a traceback. It is raised again at the
         next line the job's own frames run (those on the stack now; a finalizer runs in a
-        new frame, which is not traced), as a debugger stops a program."""
+        new frame, which is not traced), as a debugger stops a program. Not as a frame
+        returns: a generator or coroutine suspended by an exception raised there would skip
+        its finally blocks for good; its caller's next line raises it. Any other exception
+        goes to the hook there was before (an app's, e.g. an error reporter's)."""
         if not isinstance(info.exc_value, _Killed):
-            sys.__unraisablehook__(info)
+            self.previous_hook(info)
             return
         frames: list[Any] = []
 
         def again(frame: Any, event: str, arg: Any) -> Any:
+            if event == "return":
+                return None
             sys.settrace(None)
             for f in frames:
                 f.f_trace = None
@@ -122,7 +128,8 @@ class Link:
             frame.f_trace = again
             frames.append(frame)
             frame = frame.f_back
-        sys.settrace(lambda frame, event, arg: None)
+        if frames:
+            sys.settrace(lambda frame, event, arg: None)
 
     def send(self, *payloads: bytes) -> None:
         """Each payload a frame, all in one write (a loop child sends a job's answer and
