@@ -528,7 +528,7 @@ def log_options(f: Callable) -> Callable:
               help="Child processes running jobs.")
 @click.option("-n", "--name", help="Worker name (default host.pid); must be unique among live workers.")
 @click.option("--prefetch", type=click.IntRange(min=1), help="Most jobs sent ahead to one child, so that short "
-              "jobs run back to back (default 128, TASKRUNNER_PREFETCH; adapts to ~10 ms of work; 1: off).")
+              "jobs run back to back (default 128, TASKRUNNER_PREFETCH; adapts to ~100 ms of work; 1: off).")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Plain (sync) tasks "
               "each child runs at once, in threads: for I/O-bound jobs. A thread cannot be interrupted: killing "
               "one of its jobs (or its max duration) stops the whole child, after handing its other jobs back.")

@@ -53,7 +53,7 @@ class Settings:
     #: "0 * * * *"; empty: not scheduled. Its workers need PySpark and Java.
     analyze_cron: str = ""  # TASKRUNNER_ANALYZE_CRON
     #: Most jobs a worker sends ahead to one child process, so that short jobs run back to
-    #: back; fewer when jobs are long (10 ms of work ahead), 1 turns it off. Jobs held back
+    #: back; fewer when jobs are long (100 ms of work ahead), 1 turns it off. Jobs held back
     #: by a job running over 1 s go back to the queue.
     prefetch: int = 128  # TASKRUNNER_PREFETCH
     #: Seconds an idle worker blocks in Redis before it looks again anyway.

@@ -63,7 +63,8 @@ def test_a_child_that_runs_many_at_once_is_sent_enough_to_fill_its_free_slots_wh
 
 def test_a_child_that_runs_many_at_once_keeps_what_it_begins_in_the_prefetch_window_as_spare_jobs():
     assert policy.spare(None, 128, 128) == 0  # nothing ran yet
-    assert policy.spare(0.020, 128, 128) == 64  # 128 slots x 10 ms / 20 ms
+    assert policy.spare(0.200, 128, 128) == 64  # 128 slots x 100 ms / 200 ms
+    assert policy.spare(0.020, 8, 128) == 40  # 8 slots x 100 ms / 20 ms
     assert policy.spare(0.001, 128, 100) == 100  # at most the prefetch
     assert policy.spare(0.020, 128, 1) == 0  # --prefetch 1: nothing sent ahead
     assert policy.spare(0.001, 1, 128) == 0  # a classic child: depth() says

@@ -19,15 +19,21 @@ from typing import Protocol, TypeVar
 from taskrunner.protocol.claims import Delivery
 
 #: Seconds of work, by the runtimes seen so far, that a child is sent ahead (its prefetch).
-PREFETCH_WINDOW = 0.01
+#: 100 ms: a child of 20 ms jobs holds 4-5, and refills once it is down to half of them,
+#: so that the worker claims for many children at once and their results go together (at
+#: 64-way, 0.03 round trips to Redis per job instead of 0.15, and ~10% less Redis CPU per
+#: job than at 10 ms, with no child waiting for a claim). Celery sends 4 jobs ahead whatever
+#: their length; jobs held behind a long one go back to the queue after HOLD.
+PREFETCH_WINDOW = 0.1
 #: A job that runs longer than this (or than its max duration) hands the jobs sent ahead
 #: of it back to the queue, for other workers.
 HOLD = 1.0
 #: Seconds results may wait to go to Redis together while children have jobs queued (they
 #: run those without us), whether a sync is in flight or not; a claim due sooner takes them
-#: along. Half the window: about how often a busy child is claimed for (at half its depth),
-#: and no longer than a job sent ahead waits on average. A lone job's result goes at once.
-FLUSH_AFTER = PREFETCH_WINDOW / 2
+#: along. Short, as a waiter sees its job's end that much later: at 64-way 20 ms jobs, as
+#: few round trips per job as half the window gave (0.03), and a result seen at most 10 ms
+#: late. A lone job's result goes at once.
+FLUSH_AFTER = 0.01
 #: Syncs in flight at most: Redis runs one while we act on another's answers.
 FLIGHTS = 2
 #: While children run short jobs with more queued, we look at their answers this often
