@@ -154,7 +154,7 @@ def test_spare_jobs_behind_long_ones_go_back_and_one_killed_while_it_waited_ends
         long = app.enqueue_many([{"task": "tests.apps.hold", "args": [f"long{i}", 60]} for i in range(2)])
         spare = app.enqueue_many([{"task": "tests.apps.record", "args": [f"s{i}"]} for i in range(3)])
         w.crew.runtime, c.last_began = 0.001, time.monotonic()  # as after short jobs: it takes spare ones
-        w.may_claim = True
+        w.may_claim, w.probing = True, False  # jobs found waiting: a full claim, not one job per child
         w._sync(wait=True)
         assert len(c.jobs) == 5
         wait_for(lambda: w._step() or all(ledger(app, f"long{i}") for i in range(2)), what="both threads busy")

@@ -216,3 +216,15 @@ def test_wait_timeout_only_counts_what_is_still_ahead():
     assert timeout([], stopping=True, stop_at=NOW + 2) == approx(2.0)
     assert timeout([], stopping=True, stop_at=NOW - 1, give_up_at=NOW + 1.5) == approx(1.5)
     assert timeout([lane(job(1.0, began=NOW - 5))]) == approx(0.0)  # past due and not acted on yet
+
+
+def test_after_the_queues_were_found_empty_a_claim_asks_one_job_per_child():
+    """A lone job's claim asked for every child's whole depth (2 x 128 with short jobs),
+    each checked by claim.lua and written by the worker: a lone job began ~0.9 ms later
+    (bench --metrics latency). Probing, a claim asks one per child with room, in order."""
+    idle = [lane(), lane(), lane(open=False)]
+    assert len(policy.claim_slots(idle, 128, NOW)) == 256
+    got = policy.claim_slots(idle, 128, NOW, probing=True)
+    assert [c for c, _ in got] == idle[:2] and [a for _, a in got] == [0.0, 0.0]
+    busy = [lane(job(began=NOW)), lane()]
+    assert [c for c, _ in policy.claim_slots(busy, 8, NOW, probing=True)] == busy

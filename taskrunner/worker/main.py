@@ -109,6 +109,7 @@ class Worker:
         self.crew = Crew(app, self.outbox, self.name, self.host, concurrency, threads, self.async_slots,
                          max_jobs_per_child, max_memory_per_child)
         self.may_claim = True
+        self.probing = False  # the last claim found the queues empty: the next asks one job per child
         # A rate limit held a job back (flow control): claim again at this time (monotonic)
         # at the latest, as if woken; None: only when woken.
         self.claim_at: float | None = None
@@ -447,7 +448,8 @@ class Worker:
         batch = scripts.Batch(self.redis)
         now = time.monotonic()
         load = self.outbox.put_into(batch, now)
-        slots = policy.claim_slots(self.crew.children, self._depth(), now, self._spare()) if self._can_claim() else []
+        slots = policy.claim_slots(self.crew.children, self._depth(), now, self._spare(),
+                                   self.probing) if self._can_claim() else []
         claim: list[Any] = []
         order: list[str] = []
         if slots:
@@ -485,7 +487,8 @@ class Worker:
         if f.slots:
             claimed, wait = claim_rest(self.app, f.order, f.claim, results[-1])
             self.crew.deliver(f.slots, claimed)
-            if len(claimed) < len(f.slots):
+            self.probing = len(claimed) < len(f.slots)
+            if self.probing:
                 # Found nothing more: wait for a wake token, or for the token of a rate limit
                 # that held a job back (a timer of our own: Redis times a BRPOP out to 0.1 s).
                 self.may_claim = False
