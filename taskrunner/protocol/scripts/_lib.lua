@@ -179,11 +179,10 @@ end
 -- as the holding entry: whatever ends or returns the delivery (finish, lose, recover,
 -- requeue) gives it back. A job without max_concurrency costs nothing here.
 
--- The set of slot holders of a job's concurrency key, or nil when the job has no limit.
--- `r`: at least task, max_concurrency and concurrency_key.
-local function slots_key(p, r)
-  if not r.max_concurrency then return nil end
-  return p .. 'slots:' .. (r.concurrency_key or r.task or '?')
+-- The set of slot holders of a job's concurrency key (its record's `concurrency_key`, else
+-- its task), for a job with max_concurrency.
+local function slots_key(p, concurrency_key, task)
+  return p .. 'slots:' .. (concurrency_key or task or '?')
 end
 
 -- A delivery of `r` (a record load() read) was released: give its slot back; true when it
@@ -192,7 +191,7 @@ local function free_slot(p, id, r)
   if not r[MAX_CONCURRENCY] then
     return false
   end
-  redis.call('SREM', slots_key(p, {max_concurrency = true, concurrency_key = r[CONCURRENCY_KEY], task = r[TASK]}), id)
+  redis.call('SREM', slots_key(p, r[CONCURRENCY_KEY], r[TASK]), id)
   return true
 end
 

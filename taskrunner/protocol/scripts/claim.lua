@@ -195,7 +195,7 @@ local function flow_control()
             end
             local most = tonumber(f[3])
             if ok and f[1] and most then
-              key = slots_key(p, {task = f[1], max_concurrency = f[3], concurrency_key = f[4]})
+              key = slots_key(p, f[4], f[1])
               s = slots_of(p, key, most)
               ok = s.n < most
             end
