@@ -10,9 +10,11 @@ with `--shards`), and each repeat: --jobs no-op jobs are enqueued (enqueue_many)
 them; each job appends a byte to a file (bench/record.py). Reported per topology: jobs/s over
 the last 80% of the jobs (the clock starts once 20% are done: every worker has started),
 Redis CPU per job (used_cpu_sys + used_cpu_user, summed over the nodes) and the busiest node's
-share of it, and the ratio cluster / one. Every server runs on TCP on loopback, without
-persistence. A job's placement over shards is round robin per producer: the shards get even
-loads. Needs as many cores as workers + nodes to show what a cluster adds: on a 2-core machine
+share of it, the workers' CPU per job (their processes and children, start and stop
+included: with the busiest node's cores, what tells whether Redis, the machine's cores or
+neither bound a run), and the ratio cluster / one. Every server runs on TCP on loopback,
+without persistence. A job's placement over shards is round robin per producer: the shards
+get even loads. Needs as many cores as workers + nodes to show what a cluster adds: on a 2-core machine
 both topologies are bound by the cores, not by Redis.
 
 Every process started here runs in its own session and is stopped at the end; every wait has a
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -73,6 +76,7 @@ def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int
     record.reset()
     done_file = Path(record.done_file())
     before = cpu(nodes)
+    workers_before = _reaped_cpu()
     procs = Procs()
     logfile = work / f"{tag}-workers.log"
     mark: tuple[float, int] | None = None
@@ -95,6 +99,7 @@ def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int
         raise BenchError(f"{e}; the workers' log ends:\n{logfile.read_text()[-2000:]}") from None
     finally:
         procs.stop_all(grace=30)
+    workers_cpu = _reaped_cpu() - workers_before  # every worker was waited for: its CPU and its children's
     if mark is None:  # ended between two looks, before one saw it past the warm-up
         mark = (t0, 0)
     used = [x - y for x, y in zip(after, before)]
@@ -102,10 +107,19 @@ def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int
            "redis_cpu_us_per_job": sum(used) / a.jobs * 1e6,
            "busiest_node_share": max(used) / sum(used) if sum(used) else 0.0,
            "busiest_node_cpu_per_s": max(used) / max(t1 - t0, 1e-9),
+           "workers_cpu_us_per_job": workers_cpu / a.jobs * 1e6,
            "seconds_incl_start": t1 - t0, "fill_seconds": fill}
     log(f"  {tag:8} {res['rate']:9,.0f} jobs/s  Redis {res['redis_cpu_us_per_job']:5.1f} us/job  busiest node "
-        f"{res['busiest_node_share']:.0%} of it, {res['busiest_node_cpu_per_s']:.2f} cores  (fill {fill:.1f} s)")
+        f"{res['busiest_node_share']:.0%} of it, {res['busiest_node_cpu_per_s']:.2f} cores  workers "
+        f"{res['workers_cpu_us_per_job']:5.1f} us/job  (fill {fill:.1f} s)")
     return res
+
+
+def _reaped_cpu() -> float:
+    """CPU seconds of this process's children that were waited for (the workers, and through
+    them their children; the Redis servers still run, so they are not in it)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,13 +158,14 @@ def main(argv: list[str] | None = None) -> int:
             for n in one_nodes + cluster_nodes:
                 n.close()
     rate = {t: statistics.median(r["rate"] for r in runs if r["topology"] == t) for t in ("one", "cluster")}
-    cpu_job = {t: statistics.median(r["redis_cpu_us_per_job"] for r in runs if r["topology"] == t)
-               for t in ("one", "cluster")}
+    cpu_job, workers_job = ({t: statistics.median(r[k] for r in runs if r["topology"] == t) for t in ("one", "cluster")}
+                            for k in ("redis_cpu_us_per_job", "workers_cpu_us_per_job"))
     print(f"one hot queue, {a.jobs:,} no-op jobs, {a.workers} workers -c {a.concurrency}, {os.cpu_count()} cores, "
           f"medians of {a.repeat}")
-    print(f"  one server:                {rate['one']:9,.0f} jobs/s  Redis {cpu_job['one']:.1f} us/job")
+    print(f"  one server:                {rate['one']:9,.0f} jobs/s  Redis {cpu_job['one']:.1f} us/job  "
+          f"workers {workers_job['one']:.1f} us/job")
     print(f"  cluster of {a.primaries}, {a.shards} shards: {rate['cluster']:9,.0f} jobs/s  "
-          f"Redis {cpu_job['cluster']:.1f} us/job (all nodes)")
+          f"Redis {cpu_job['cluster']:.1f} us/job (all nodes)  workers {workers_job['cluster']:.1f} us/job")
     print(f"  cluster / one server: {rate['cluster'] / rate['one']:.2f}x jobs/s")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1))

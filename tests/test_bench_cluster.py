@@ -24,6 +24,6 @@ def test_cluster_bench_runs_and_reports(tmp_path):
     runs = json.loads(js.read_text())["runs"]
     assert [x["topology"] for x in runs] == ["one", "cluster"]
     for x in runs:
-        assert x["jobs"] == 400 and x["rate"] > 0 and x["redis_cpu_us_per_job"] > 0
+        assert x["jobs"] == 400 and x["rate"] > 0 and x["redis_cpu_us_per_job"] > 0 and x["workers_cpu_us_per_job"] > 0
     assert "cluster of 3, 3 shards" in r.stdout and "cluster / one server:" in r.stdout
     assert not started_by(mark)  # its workers and redis-servers were stopped
