@@ -12,6 +12,7 @@ import signal
 import threading
 
 import pytest
+import redis
 
 from dashboard import create_app
 from taskrunner import JobFailed, chain, chord, group
@@ -22,7 +23,7 @@ from taskrunner.errors import QueueClosed, Timeout
 from taskrunner.ops import listing
 from taskrunner.ops import queue as queue_ops
 from taskrunner.protocol import joins, scripts, shards
-from taskrunner.protocol.connection import ClusterURL, connect, connect_async
+from taskrunner.protocol.connection import ClusterChannel, ClusterURL, connect, connect_async
 from taskrunner.protocol.outcome import Ended, Outcome, finish_args
 from tests import apps
 from tests.conftest import Stack, wait_for
@@ -778,3 +779,66 @@ def test_a_consumers_wake_tokens_that_come_together_on_every_shard_each_bring_a_
                     assert node.info("clients")["blocked_clients"] == 0
     finally:
         consumer.close()
+
+
+def test_a_lean_sync_runs_a_command_whose_slot_moved_once_again_the_usual_way(capp, cluster, queues):
+    """A worker's syncs on a cluster go past redis-py (connection.ClusterChannel: each
+    command to the primary of its slot, on a connection of our own) by redis-py's slot map.
+    A slot that moved since answers MOVED: the command did not run there, and Batch.settle
+    runs it again the usual way, once, on the slot's new owner; the next sync goes there."""
+    r = capp.redis
+    channel = ClusterChannel.of(r)
+    assert channel is not None
+    counters = [capp.keys.q(q) + "lean" for q in queues]  # one per primary: INCR counts the runs
+
+    def sync() -> tuple[list, list]:
+        batch = scripts.Batch(r)
+        for key in counters:
+            batch.pipe.incr(key)
+        info = json.dumps({"name": "lean", "host": "h", "pid": 1})
+        batch.call(scripts.HEARTBEAT, [capp.keys.g], ["lean", info, 60])  # a script call, routed by its key
+        channel.send(batch.commands())
+        got: list = []
+        while not got:  # answered from three primaries, taken once all have
+            got = channel.take()
+        [answers] = got
+        return list(answers), batch.settle(answers)
+
+    answers, results = sync()  # a node that lacks the library answers "Function not found": loaded, run again
+    assert results[:3] == [1, 1, 1]
+    source = cluster.owner(f"{{{queues[0]}}}")
+    target = next(n for n in cluster.primaries if n is not source)
+    cluster.move_slot(f"{{{queues[0]}}}", target)  # the client's map still names `source`
+    answers, results = sync()
+    assert isinstance(answers[0], redis.exceptions.MovedError) and results[:3] == [2, 2, 2]
+    with target.client() as node:
+        assert node.get(counters[0]) == "2"  # moved with its slot, and run once more there
+    answers, results = sync()  # the map learnt the move
+    assert results[:3] == [3, 3, 3] and not any(isinstance(a, Exception) for a in answers)
+    channel.close()
+
+
+def test_a_wake_token_given_back_by_a_sync_that_failed_goes_back_with_the_next(capp, cluster, sharded):
+    """A worker gives back a token it took but will not use (a cluster's BRPOP per shard)
+    in its next sync; a sync that failed may not have run: the token goes again with the
+    next (a list holds one token at most, so twice is once)."""
+    from taskrunner.worker.main import Flight, Worker
+    from taskrunner.worker.outbox import Load
+
+    w = Worker(capp, [sharded], concurrency=1, name="giver")
+    w._check_name_free()
+    wake = capp.keys.q(shards.name(sharded, 1)) + "wake"
+    w.reconcile = False
+    w._give_back(wake)
+    w._give_back(wake)  # twice: one token
+    assert w.gifts == [wake]
+    w.flights.append(Flight(scripts.Batch(capp.redis), Load(), [], [], [], w.gifts))  # in flight, then lost
+    w.gifts = []
+    w._redis_failed(redis.ConnectionError("lost"))
+    assert w.gifts == [wake] and capp.redis.llen(wake) == 0
+    w.redis_ok_at = 0.0
+    w._sync(wait=True)
+    assert capp.redis.llen(wake) == 1 and w.gifts == [] and not w.flights
+    capp.redis.delete(wake)
+    assert w.channel is not None
+    w.channel.close()

@@ -30,6 +30,7 @@ import ipaddress
 import logging
 import os
 import re
+import select
 import socket
 import struct
 import threading
@@ -48,6 +49,7 @@ import redis.asyncio
 import redis.asyncio.cluster
 import redis.asyncio.sentinel
 import redis.cluster
+import redis.crc
 import redis.sentinel
 
 from taskrunner.errors import BadURL
@@ -489,7 +491,11 @@ def _plain(client: Any) -> bool:
     TLS, Sentinel or Cluster, no client-side cache: redis-py 5.1+'s `cache`, which must see
     every read) and a redis-py whose internals we know (FAST_PATH): we can use their
     sockets ourselves."""
-    pool = getattr(client, "connection_pool", None)
+    return _plain_pool(getattr(client, "connection_pool", None))
+
+
+def _plain_pool(pool: Any) -> bool:
+    """A pool of plain TCP or unix-socket connections, as _plain() says."""
     return (FAST_PATH and type(pool) is redis.ConnectionPool and getattr(pool, "cache", None) is None
             and pool.connection_class in (redis.Connection, redis.UnixDomainSocketConnection))
 
@@ -626,6 +632,155 @@ class Channel:
         self.link.close()
         self.sizes.clear()
         self.got = []
+
+
+class _NodeLink(_Link):
+    """A ClusterChannel's connection to one primary: what it owes, in the order sent."""
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        super().__init__(pool)
+        self.owed: deque[tuple[_Spread, int]] = deque()  # (batch, index in it) per command sent
+        self.fd = -1  # registered with the channel's epoll while open
+
+
+class _Spread:
+    """A batch a ClusterChannel has in flight: its answers, each in its command's place."""
+
+    __slots__ = ("answers", "left")
+
+    def __init__(self, n: int) -> None:
+        self.answers: list[Any] = [None] * n
+        self.left = n
+
+
+#: Script calls, whose first key is their 4th word (FCALL/EVALSHA <name> <numkeys> <key>...).
+_CALLS = ("FCALL", "EVALSHA")
+
+
+class ClusterChannel:
+    """Channel for a Redis Cluster: a batch's commands go each to the primary that owns its
+    first key's slot (redis-py's slot map), packed with hiredis and written on a connection
+    of our own to each primary; one epoll over those connections is what select() waits
+    on, and a batch is taken once every primary has answered its share. What redis-py's
+    ClusterPipeline spends per command (command objects, a connection from a pool for each
+    node and back, response callbacks, a blocking read of every node in turn) took half the
+    worker's CPU on a cluster. As Channel, nothing is ever sent again: a batch whose answers
+    were lost may have run (the caller reconciles), and after close() the next send()
+    reads the cluster's layout anew (a failover, a node gone). A MOVED or ASK answer
+    means that command did not run: it is an answer like any error, and the caller runs it
+    again the usual way (scripts.Batch.settle). Plain connections only (not TLS), and
+    where select.epoll is (Linux): of() gives None otherwise."""
+
+    def __init__(self, client: redis.cluster.RedisCluster) -> None:
+        self.client = client
+        timeout = client.nodes_manager.connection_kwargs.get("socket_timeout")
+        self.timeout = float(timeout) if timeout else None
+        self.links: dict[str, _NodeLink] = {}  # node name -> link
+        self.by_fd: dict[int, _NodeLink] = {}
+        self.poller = select.epoll()
+        self.spreads: deque[_Spread] = deque()  # oldest first
+        self.heard = 0.0  # monotonic; the last answer, or the send that ended a silence
+        self.stale = False  # read the layout before the next send
+
+    @classmethod
+    def of(cls, client: Any) -> ClusterChannel | None:
+        if not (isinstance(client, redis.cluster.RedisCluster) and hasattr(select, "epoll")):
+            return None
+        pool = client.get_redis_connection(client.get_default_node()).connection_pool
+        return cls(client) if _plain_pool(pool) else None
+
+    def _link(self, command: tuple[Any, ...]) -> _NodeLink:
+        """The link to the primary of the command's (first) key's slot."""
+        if command[0] in _CALLS and int(command[2]):
+            slot = redis.crc.key_slot(self.client.encoder.encode(command[3]))
+        else:
+            found = self.client.determine_slot(*command)
+            if found is None:  # a command to every node: not in a batch
+                raise redis.exceptions.RedisClusterException(f"{command[0]} has no key to route it by")
+            slot = found
+        node = self.client.nodes_manager.get_node_from_slot(slot)
+        link = self.links.get(node.name)
+        if link is None:
+            link = self.links[node.name] = _NodeLink(self.client.get_redis_connection(node).connection_pool)
+        return link
+
+    def send(self, commands: list[tuple[Any, ...]]) -> None:
+        try:
+            if self.stale:
+                self.client.nodes_manager.initialize()
+                self.stale = False
+            spread = _Spread(len(commands))
+            shares: dict[_NodeLink, list[bytes]] = {}
+            for i, command in enumerate(commands):
+                link = self._link(command)
+                link.owed.append((spread, i))
+                shares.setdefault(link, []).append(hiredis.pack_command(command))
+            for link, packed in shares.items():
+                link.write(b"".join(packed))
+                if link.fd < 0:
+                    link.fd = link.sock.fileno()  # type: ignore[union-attr]  # open once written
+                    self.poller.register(link.fd, select.EPOLLIN)
+                    self.by_fd[link.fd] = link
+        except BaseException:
+            self.close()
+            raise
+        if not self.spreads:
+            self.heard = time.monotonic()
+        self.spreads.append(spread)
+
+    def deadline(self) -> float:
+        """When what is in flight counts as lost, if no answer comes before (monotonic)."""
+        return self.heard + self.timeout if self.timeout and self.spreads else float("inf")
+
+    def fileno(self) -> int:
+        return self.poller.fileno()
+
+    def take(self, block: bool = False) -> list[list[Any]]:
+        """The batches answered whole since the last call, oldest first (block: wait for
+        every one in flight); an error reply is returned, not raised."""
+        try:
+            if block:
+                ready = [link for link in self.links.values() if link.owed]
+            else:
+                ready = [self.by_fd[fd] for fd, _ in self.poller.poll(0)]
+            for link in ready:
+                if not link.owed:  # readable while owing nothing: the node closed it
+                    self._drop(link)
+                    continue
+                while link.owed:
+                    r = link.reply(block)
+                    if r is PENDING:
+                        break
+                    spread, i = link.owed.popleft()
+                    spread.answers[i] = r
+                    spread.left -= 1
+                    self.heard = time.monotonic()
+        except BaseException:
+            self.close()
+            raise
+        done = []
+        while self.spreads and not self.spreads[0].left:
+            done.append(self.spreads.popleft().answers)
+        return done
+
+    def _drop(self, link: _NodeLink) -> None:
+        if link.fd >= 0:
+            # Unregistered by hand: forked children hold the socket too, and epoll forgets
+            # a socket only once every process has closed it.
+            self.poller.unregister(link.fd)
+            del self.by_fd[link.fd]
+            link.fd = -1
+        link.owed.clear()
+        link.close()
+        self.links = {name: x for name, x in self.links.items() if x is not link}
+
+    def close(self) -> None:
+        """Forget what is in flight (the caller reconciles) and the connections; the next
+        send() reads the cluster's layout first."""
+        for link in list(self.links.values()):
+            self._drop(link)
+        self.spreads.clear()
+        self.stale = True
 
 
 def connect_async(url: str | None = None, **options: Any) -> AsyncClient:
@@ -823,8 +978,14 @@ def blockers_on(client: redis.Redis | redis.cluster.RedisCluster, keys: list[str
 def give_back(client: Any, wake: str) -> None:
     """Put back a wake token taken but not used (one BRPOP of several answered once another
     had woken the claimer, or once it had no room): for another idle claimer, as one BRPOP
-    on every list would have left it. At most one token, as the scripts leave it."""
-    client.pipeline(transaction=False).lpush(wake, "1").ltrim(wake, 0, 0).execute()
+    on every list would have left it."""
+    give_back_in(client.pipeline(transaction=False), wake).execute()
+
+
+def give_back_in(pipe: Any, wake: str) -> Any:
+    """give_back()'s commands, added to `pipe` (returned). At most one token, as the
+    scripts leave it: a token given back twice (a sync that failed, sent again) is one."""
+    return pipe.lpush(wake, "1").ltrim(wake, 0, 0)
 
 
 def _pop(blockers: list[Blocker], timeout: float) -> Any:

@@ -35,7 +35,7 @@ from taskrunner.errors import NameInUse
 from taskrunner.logs import Run, job_fields
 from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.claims import claim_args, claim_keys, claim_rest
-from taskrunner.protocol.connection import Blocker, Channel, blockers_on, give_back, server_time
+from taskrunner.protocol.connection import Blocker, Channel, ClusterChannel, blockers_on, give_back_in, server_time
 from taskrunner.protocol.holders import identity, lose_held
 from taskrunner.worker import policy
 from taskrunner.worker.children import Child, wait_ready
@@ -59,6 +59,7 @@ class Flight:
     slots: list[tuple[Child, float]]
     claim: list[Any]
     order: list[str]  # the physical queues claimed from, in the claim's order
+    gifts: list[str]  # the wake lists it gives a token back to (Worker._give_back)
 
 
 def local_ip(client: redis.Redis | redis.cluster.RedisCluster) -> str:
@@ -122,11 +123,13 @@ class Worker:
         self.redis_ok_at = 0.0  # after a Redis error, talk to it again from this time
         self.backoff = 0.0
         self.wakes: list[Blocker] = []
+        self.gifts: list[str] = []  # wake lists owed a token back, by the next sync (_give_back)
         self._served(self.served.counts)
         self.ctl = Blocker(self.redis, [self.keys.control(self.name)])
-        # Syncs go on a connection of our own, answered while we read our children (with
-        # TLS, Sentinel or Cluster through redis-py, one at a time, waiting for each).
-        self.channel = Channel.of(self.redis)
+        # Syncs go on a connection of our own (on a cluster, one per primary), answered while
+        # we read our children (with TLS or Sentinel through redis-py, one at a time, waiting
+        # for each).
+        self.channel: Channel | ClusterChannel | None = Channel.of(self.redis) or ClusterChannel.of(self.redis)
         self.flights: deque[Flight] = deque()  # oldest first
         self.proc = psutil.Process()
         self.started_at = time.time()
@@ -311,6 +314,8 @@ class Worker:
         if self.flights:
             if self.channel is not None:
                 self.channel.close()
+            for f in self.flights:  # given back or not: again (a list holds one token at most)
+                self.gifts += [w for w in f.gifts if w not in self.gifts]
             self.flights.clear()
             self.outbox.failed()
         for b in (self.ctl, *self.wakes):
@@ -329,7 +334,7 @@ class Worker:
 
     def _sync_due(self, now: float) -> float:
         return policy.sync_due(now, self.crew.children, self._depth(), flights=len(self.flights),
-                               urgent=bool(self.outbox.load.marks) or self.reconcile,
+                               urgent=bool(self.outbox.load.marks or self.gifts) or self.reconcile,
                                outbox_since=self.outbox.outcomes_since, notes_due=self.outbox.notes.due(),
                                can_claim=self._can_claim(),
                                stopping=self.stopping, spare=self._spare())
@@ -384,11 +389,11 @@ class Worker:
         worker, as one BRPOP on every list would have left it. The BRPOPs still out are left
         to answer, not cancelled: closing one whose token was on its way lost the token, and
         idle workers slept while that shard had jobs (a sharded queue drained at 62 jobs/s
-        against 3,800 unsharded)."""
-        try:
-            give_back(self.redis, wake)
-        except _REDIS_ERRORS:
-            pass
+        against 3,800 unsharded). It goes back with the next sync, due at once (a round trip
+        of its own each, through redis-py's cluster pipeline, cost ~10% of a busy worker's
+        CPU on 12 shards); a sync that fails gives it back again (_redis_failed())."""
+        if wake not in self.gifts:
+            self.gifts.append(wake)
 
     def _arm(self) -> None:
         self.ctl.arm(self.s.idle_block)
@@ -452,13 +457,16 @@ class Worker:
                                    self.probing) if self._can_claim() else []
         claim: list[Any] = []
         order: list[str] = []
+        gifts, self.gifts = self.gifts, []
+        for wake in gifts:
+            give_back_in(batch.pipe, wake)
         if slots:
             pairs = [v for c, ahead in slots for v in (c.pid, f"{ahead:.3f}")]
             claim = claim_args(self.app, self.name, self.host, self.ip, pairs)
             order, self.woken = self.served.order(self.woken), None
             batch.call(scripts.CLAIM, claim_keys(self.app, [self.keys.q(q) for q in order]), claim)
         if len(batch):
-            self.flights.append(Flight(batch, load, slots, claim, order))
+            self.flights.append(Flight(batch, load, slots, claim, order, gifts))
             if self.channel is not None:
                 self.channel.send(batch.commands())
             if wait or self.reconcile or self.channel is None:

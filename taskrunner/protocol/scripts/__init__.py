@@ -15,7 +15,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
+from redis.cluster import ClusterPipeline
+from redis.exceptions import AskError, ConnectionError, NoScriptError, ResponseError, TimeoutError
 
 from taskrunner.errors import InvalidName, NotJSONError, PayloadTooLarge
 
@@ -224,6 +225,9 @@ class Batch:
 
     def commands(self) -> list[tuple[Any, ...]]:
         """The batch's commands, to send another way (then settle() their answers)."""
+        if isinstance(self.pipe, ClusterPipeline):  # PipelineCommand objects, since 6.3 its strategy's
+            strategy = getattr(self.pipe, "_execution_strategy", None)
+            return [c.args for c in (self.pipe.command_stack if strategy is None else strategy.command_queue)]
         return [args for args, _ in self.pipe.command_stack]
 
     def execute(self) -> list[Any]:
@@ -246,11 +250,26 @@ class Batch:
         for index, script, keys, args in self._scripts:
             if isinstance(results[index], Exception) and missing(results[index]):
                 results[index] = script(self.client, keys, args)
-        self._scripts = []
-        for r in results:
+        error = None
+        for i, r in enumerate(results):
             if isinstance(r, (ResponseError, ConnectionError)):
-                raise refusal(r)
+                if isinstance(r, AskError):  # MOVED too: sent past redis-py to a node not the slot's now
+                    results[i] = self._again(i)
+                elif error is None:
+                    error = r
+        self._scripts = []
+        if error is not None:
+            raise refusal(error)
         return results
+
+    def _again(self, index: int) -> Any:
+        """Run command `index` again the usual way: a cluster node answered MOVED or ASK (a
+        resharding, a failover), so it did not run there; redis-py follows the redirection
+        and learns the slot's new owner."""
+        for i, script, keys, args in self._scripts:
+            if i == index:
+                return script(self.client, keys, args)
+        return self.client.execute_command(*self.commands()[index])
 
 
 ENQUEUE = Script("enqueue")
