@@ -842,3 +842,37 @@ def test_a_wake_token_given_back_by_a_sync_that_failed_goes_back_with_the_next(c
     capp.redis.delete(wake)
     assert w.channel is not None
     w.channel.close()
+
+
+def test_a_busy_workers_claim_that_finds_its_shard_short_goes_on_to_the_next(capp, cluster, sharded):
+    """On a cluster a claim asks one shard of a sharded queue. A busy worker's claim that found
+    its shard short claims from the next shard at once, rather than waiting on every shard's
+    wake list (an idle round: with shards drained unevenly every other claim found an empty
+    shard, and each cost a BRPOP per shard and their tokens given back); after every other
+    shard once in a row, or after a probe (the queues were found empty before), it waits."""
+    from taskrunner.worker.main import Flight, Worker
+    from taskrunner.worker.outbox import Load
+
+    class Room:  # a child with room, as Crew.deliver sees one
+        def flush(self) -> None:
+            pass
+
+    w = Worker(capp, [sharded], concurrency=1, name="passer")
+    w._check_name_free()
+    assert w.queues == shards.names(sharded, 3)
+
+    def claimed_nothing(first: str, probe: bool = False) -> None:
+        order = w.served.order(first)
+        assert order[0] == first
+        w._landed(Flight(scripts.Batch(capp.redis), Load(), [(Room(), 0.0)], ["h"] * 6 + [1, ""], order, [], probe),
+                  [[]])
+
+    claimed_nothing(shards.name(sharded, 2))
+    assert (w.woken, w.may_claim, w.probing) == (sharded, True, False)  # shard 0 next, at once
+    claimed_nothing(sharded)
+    assert (w.woken, w.may_claim, w.probing) == (shards.name(sharded, 1), True, False)
+    claimed_nothing(shards.name(sharded, 1))  # every shard found short in a row: wait for a token
+    assert (w.may_claim, w.probing) == (False, True)
+    w.may_claim, w.woken = True, None
+    claimed_nothing(sharded, probe=True)  # a probe found its shard short: wait
+    assert (w.may_claim, w.probing) == (False, True)

@@ -113,7 +113,8 @@ def claim_rest(app: TaskRunner, queues: list[str], args: list[Any],
     limit that held a job back has a token again (None: none did). Of a sharded queue
     (shards.py) a cluster's claim asks the first shard in `queues` alone: no round trip
     per empty shard; a claimer that got fewer jobs than it wanted waits on every shard's
-    wake list, and a shard with jobs left has a token there (docs/PROTOCOL.md, Sharded queues)."""
+    wake list, and a shard with jobs left has a token there; a busy worker first claims
+    from the next shard (Worker._next_shard; docs/PROTOCOL.md, Sharded queues)."""
     claimed, wait = decode(answer, queues)
     if not is_cluster(app.redis):
         return claimed, wait

@@ -126,6 +126,16 @@ class Served:
         self.counts = counts
         return changed
 
+    def shards_of(self, physical: str) -> int:
+        """The shard count of the queue that `physical` belongs to (1: not sharded, or not served)."""
+        q = logical(physical)
+        return next((n for name_, n in zip(self.queues, self.counts) if name_ == q), 1)
+
+    def after(self, physical: str) -> str:
+        """The shard after `physical` in its queue's ring (itself where not sharded)."""
+        q, i = split(physical)
+        return name(q, (i + 1) % self.shards_of(physical))
+
     def order(self, woken: str | None = None) -> list[str]:
         self._turn += 1
         out: list[str] = []
