@@ -876,3 +876,33 @@ def test_a_busy_workers_claim_that_finds_its_shard_short_goes_on_to_the_next(cap
     w.may_claim, w.woken = True, None
     claimed_nothing(sharded, probe=True)  # a probe found its shard short: wait
     assert (w.may_claim, w.probing) == (False, True)
+
+
+def test_a_lean_sync_whose_connection_was_dropped_fails_and_the_next_reads_the_layout(capp, cluster, queues):
+    """A primary that dropped the channel's connection (CLIENT KILL, a restart): the sync in
+    flight fails with a connection error (the worker reconciles: nothing is sent again), the
+    channel forgets its connections and what was in flight, and the next sync reads the
+    cluster's layout anew and goes through."""
+    r = capp.redis
+    channel = ClusterChannel.of(r)
+    assert channel is not None
+    counters = [capp.keys.q(q) + "dropped" for q in queues]
+
+    def send() -> list:
+        batch = scripts.Batch(r)
+        for key in counters:
+            batch.pipe.incr(key)
+        channel.send(batch.commands())
+        return batch.settle(channel.take(block=True)[0])
+
+    assert send() == [1, 1, 1]
+    assert len(channel.links) == 3
+    for link in channel.links.values():
+        host, port = link.sock.getsockname()[:2]
+        with next(n for n in cluster.primaries if n.port == link.conn.port).client() as node:
+            assert node.client_kill(f"{host}:{port}")
+    with pytest.raises(redis.ConnectionError):
+        send()
+    assert channel.stale and not channel.links and not channel.spreads
+    assert send() == [2, 2, 2]  # the killed connections' commands never ran
+    channel.close()

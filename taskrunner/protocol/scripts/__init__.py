@@ -198,7 +198,9 @@ class Batch:
     on a Redis Cluster one per node, redis-py's ClusterPipeline sending each call to the
     primary of its keys' slot). A script the server did not know (a restart, a promoted
     replica, a node new to the cluster) did not run, so the scripts are loaded (load()) and
-    it is run again alone; any other error is raised after the whole batch ran."""
+    it is run again alone; so is, the usual way, a command a cluster node answered MOVED or
+    ASK (sent past redis-py, connection.ClusterChannel, to a slot that had moved); any other
+    error is raised after the whole batch ran."""
 
     def __init__(self, client: Any, direct: Any = None) -> None:
         self.client = client
