@@ -1,6 +1,7 @@
 """bench/cluster.py runs end to end on a small scale, through `python -m bench.bench --cluster`
 (which hands it the options that follow): one hot queue, sharded on a local cluster, against
-one server; every job drained in both, and everything it started stopped."""
+one server; every job drained in both, and everything it started stopped. And
+bench/worker_cost.py, which says what one worker spends per job on such a cluster."""
 
 from __future__ import annotations
 
@@ -27,3 +28,22 @@ def test_cluster_bench_runs_and_reports(tmp_path):
         assert x["jobs"] == 400 and x["rate"] > 0 and x["redis_cpu_us_per_job"] > 0 and x["workers_cpu_us_per_job"] > 0
     assert "cluster of 3, 3 shards" in r.stdout and "cluster / one server:" in r.stdout
     assert not started_by(mark)  # its workers and redis-servers were stopped
+
+
+def test_worker_cost_bench_reports_where_a_cluster_workers_cpu_goes(tmp_path):
+    """bench/worker_cost.py: one worker drains a queue sharded over a local cluster; every figure
+    is measured (not zero), the jobs per script call say the syncs batched, and nothing it
+    started is left."""
+    js = tmp_path / "w.json"
+    cmd = [sys.executable, "-m", "bench.worker_cost", "--jobs", "600", "--shards", "3", "--json", str(js),
+           "--max-time", "170"]
+    mark = {"TEST_BENCH_WORKER_COST_RUN": str(tmp_path)}
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **mark, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                       text=True, timeout=190)
+    assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+    res = json.loads(js.read_text())
+    assert res["topology"] == "cluster of 3, 3 shards" and res["jobs"] == 600 and res["rate"] > 0
+    assert res["main_cpu_us_per_job"] > 0 and res["children_cpu_us_per_job"] > 0 and res["redis_cpu_us_per_job"] > 0
+    assert res["jobs_per_script_call"] > 1 and 0 < res["reads_per_job"] < 1
+    assert "cluster of 3, 3 shards: 600 no-op jobs, one worker -c 2:" in r.stdout
+    assert not started_by(mark)
