@@ -781,11 +781,13 @@ def test_a_consumers_wake_tokens_that_come_together_on_every_shard_each_bring_a_
         consumer.close()
 
 
-def test_a_lean_sync_runs_a_command_whose_slot_moved_once_again_the_usual_way(capp, cluster, queues):
+def test_a_lean_sync_to_a_slot_that_moved_fails_and_the_next_goes_to_its_new_owner(capp, cluster, queues):
     """A worker's syncs on a cluster go past redis-py (connection.ClusterChannel: each
     command to the primary of its slot, on a connection of our own) by redis-py's slot map.
     A slot that moved since answers MOVED: the command did not run there, and Batch.settle
-    runs it again the usual way, once, on the slot's new owner; the next sync goes there."""
+    fails the sync as a lost connection (the worker reconciles; a command run again through
+    redis-py could be sent twice by its retries), running nothing again; once the channel is
+    closed, as the worker does, the next sync reads the layout and goes to the new owner."""
     r = capp.redis
     channel = ClusterChannel.of(r)
     assert channel is not None
@@ -809,12 +811,13 @@ def test_a_lean_sync_runs_a_command_whose_slot_moved_once_again_the_usual_way(ca
     source = cluster.owner(f"{{{queues[0]}}}")
     target = next(n for n in cluster.primaries if n is not source)
     cluster.move_slot(f"{{{queues[0]}}}", target)  # the client's map still names `source`
-    answers, results = sync()
-    assert isinstance(answers[0], redis.exceptions.MovedError) and results[:3] == [2, 2, 2]
+    with pytest.raises(redis.ConnectionError, match="layout changed"):
+        sync()
     with target.client() as node:
-        assert node.get(counters[0]) == "2"  # moved with its slot, and run once more there
-    answers, results = sync()  # the map learnt the move
-    assert results[:3] == [3, 3, 3] and not any(isinstance(a, Exception) for a in answers)
+        assert node.get(counters[0]) == "1"  # moved with its slot, and not run again
+    channel.close()  # what the worker's _redis_failed() does
+    answers, results = sync()  # the layout read anew
+    assert results[:3] == [2, 3, 3] and not any(isinstance(a, Exception) for a in answers)
     channel.close()
 
 
@@ -879,10 +882,12 @@ def test_a_busy_workers_claim_that_finds_its_shard_short_goes_on_to_the_next(cap
 
 
 def test_a_lean_sync_whose_connection_was_dropped_fails_and_the_next_reads_the_layout(capp, cluster, queues):
-    """A primary that dropped the channel's connection (CLIENT KILL, a restart): the sync in
-    flight fails with a connection error (the worker reconciles: nothing is sent again), the
-    channel forgets its connections and what was in flight, and the next sync reads the
-    cluster's layout anew and goes through."""
+    """A primary that dropped the channel's connection (CLIENT KILL, a restart): a
+    connection dropped while idle is replaced before the next sync is written (it would fail
+    it, and the worker would back off and reconcile for nothing); one dropped with a sync in
+    flight fails that sync with a connection error (the worker reconciles: nothing is sent
+    again), the channel forgets its connections and what was in flight, and the next sync
+    reads the cluster's layout anew and goes through."""
     r = capp.redis
     channel = ClusterChannel.of(r)
     assert channel is not None
@@ -895,14 +900,69 @@ def test_a_lean_sync_whose_connection_was_dropped_fails_and_the_next_reads_the_l
         channel.send(batch.commands())
         return batch.settle(channel.take(block=True)[0])
 
-    assert send() == [1, 1, 1]
-    assert len(channel.links) == 3
-    for link in channel.links.values():
+    def kill(link) -> None:
         host, port = link.sock.getsockname()[:2]
         with next(n for n in cluster.primaries if n.port == link.conn.port).client() as node:
             assert node.client_kill(f"{host}:{port}")
+
+    assert send() == [1, 1, 1]
+    assert len(channel.links) == 3
+    for link in channel.links.values():
+        kill(link)
+    wait_for(lambda: len(channel.poller.poll(0)) == 3, what="the closed connections to read as closed")
+    assert send() == [2, 2, 2] and not channel.stale  # replaced before the sync: nothing failed
+    link = next(iter(channel.links.values()))
+    with next(n for n in cluster.primaries if n.port == link.conn.port).client() as node:
+        node.execute_command("CLIENT", "PAUSE", "20000", "WRITE")  # our INCR waits there, unrun
+        try:
+            batch = scripts.Batch(r)
+            for key in counters:
+                batch.pipe.incr(key)
+            channel.send(batch.commands())
+            kill(link)
+        finally:
+            node.execute_command("CLIENT", "UNPAUSE")
     with pytest.raises(redis.ConnectionError):
-        send()
+        channel.take(block=True)
     assert channel.stale and not channel.links and not channel.spreads
-    assert send() == [2, 2, 2]  # the killed connections' commands never ran
+    assert sorted(send()) == [3, 4, 4]  # the killed connection's command never ran
+    channel.close()
+
+
+def test_a_lean_sync_times_each_primary_from_its_own_last_answer(capp, cluster, queues):
+    """A primary that stops answering is found within socket_timeout of what it owes,
+    however often the others answer (they used to push the one deadline back), and a
+    blocking take() gives up at that deadline rather than after each connection's own
+    timeout in turn."""
+    r = capp.redis
+    channel = ClusterChannel.of(r)
+    assert channel is not None and channel.timeout
+    counters = [capp.keys.q(q) + "timed" for q in queues]
+
+    def send() -> None:
+        batch = scripts.Batch(r)
+        for key in counters:
+            batch.pipe.incr(key)
+        channel.send(batch.commands())
+
+    send()
+    channel.take(block=True)
+    stuck = next(iter(channel.links.values()))
+    with next(n for n in cluster.primaries if n.port == stuck.conn.port).client() as node:
+        node.execute_command("CLIENT", "PAUSE", "60000", "WRITE")  # it answers nothing meanwhile
+        try:
+            send()
+            first = channel.deadline()
+            assert first == stuck.heard + channel.timeout
+            wait_for(lambda: not channel.take() and all(not x.owed for x in channel.links.values() if x is not stuck),
+                     what="the other primaries' answers")
+            send()  # the others answer again; the stuck one still owes the first
+            wait_for(lambda: not channel.take() and all(not x.owed for x in channel.links.values() if x is not stuck),
+                     what="the other primaries' answers")
+            assert channel.deadline() == first
+            with pytest.raises(redis.TimeoutError):
+                channel.take(block=True)
+        finally:
+            node.execute_command("CLIENT", "UNPAUSE")
+    assert channel.stale and not channel.links
     channel.close()

@@ -25,6 +25,7 @@ percent-encoded (see _split).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import ipaddress
 import logging
@@ -641,6 +642,7 @@ class _NodeLink(_Link):
         super().__init__(pool)
         self.owed: deque[tuple[_Spread, int]] = deque()  # (batch, index in it) per command sent
         self.fd = -1  # registered with the channel's epoll while open
+        self.heard = 0.0  # monotonic; its last answer, or the send that ended its silence
 
 
 class _Spread:
@@ -667,10 +669,12 @@ class ClusterChannel:
     busy worker's main-process CPU on a queue of 12 shards, the worker waiting meanwhile.
     As Channel, nothing is ever sent again: a batch whose answers were lost may have run
     (the caller reconciles), and after close() the next send() reads the cluster's layout
-    anew (a failover, a node gone). A MOVED or ASK answer means that command did not run:
-    it is an answer like any error, and the caller runs it again the usual way
-    (scripts.Batch.settle). Plain connections only (not TLS), and where select.epoll is
-    (Linux): of() gives None otherwise."""
+    anew (a failover, a node gone). A MOVED or ASK answer is taken as any answer, and
+    scripts.Batch.settle fails the batch on it (a resharding or a failover: the caller
+    reconciles, then closes us). Each primary's silence is timed apart: one that stopped
+    answering is found within socket_timeout of its own last answer, whatever the others
+    answer. Plain connections only (not TLS), and where select.epoll is (Linux): of()
+    gives None otherwise."""
 
     def __init__(self, client: redis.cluster.RedisCluster) -> None:
         self.client = client
@@ -680,7 +684,6 @@ class ClusterChannel:
         self.by_fd: dict[int, _NodeLink] = {}
         self.poller = select.epoll()
         self.spreads: deque[_Spread] = deque()  # oldest first
-        self.heard = 0.0  # monotonic; the last answer, or the send that ended a silence
         self.stale = False  # read the layout before the next send
 
     @classmethod
@@ -710,52 +713,74 @@ class ClusterChannel:
             if self.stale:
                 self.client.nodes_manager.initialize()
                 self.stale = False
+            self._drop_closed()
             spread = _Spread(len(commands))
             shares: dict[_NodeLink, list[bytes]] = {}
             for i, command in enumerate(commands):
                 link = self._link(command)
                 link.owed.append((spread, i))
                 shares.setdefault(link, []).append(hiredis.pack_command(command))
+            now = time.monotonic()
             for link, packed in shares.items():
+                if len(link.owed) == len(packed):  # it owed nothing before: its silence starts now
+                    link.heard = now
                 link.write(b"".join(packed))
                 if link.fd < 0:
-                    link.fd = link.sock.fileno()  # type: ignore[union-attr]  # open once written
-                    self.poller.register(link.fd, select.EPOLLIN)
-                    self.by_fd[link.fd] = link
+                    fd = link.sock.fileno()  # type: ignore[union-attr]  # open once written
+                    self.poller.register(fd, select.EPOLLIN)
+                    link.fd = fd
+                    self.by_fd[fd] = link
         except BaseException:
             self.close()
             raise
-        if not self.spreads:
-            self.heard = time.monotonic()
         self.spreads.append(spread)
 
+    def _drop_closed(self) -> None:
+        """Drop the links that are readable while owing nothing: their node closed them while
+        idle (its `timeout` setting, a restart). Written to, they would fail the next batch,
+        and nothing was sent on them yet, so a new connection is safe."""
+        for fd, _ in self.poller.poll(0):
+            link = self.by_fd.get(fd)
+            if link is not None and not link.owed:
+                self._drop(link)
+
     def deadline(self) -> float:
-        """When what is in flight counts as lost, if no answer comes before (monotonic)."""
-        return self.heard + self.timeout if self.timeout and self.spreads else float("inf")
+        """When what is in flight counts as lost, if no answer comes before (monotonic): the
+        earliest of the primaries owing answers, each timed from its own last answer."""
+        if not self.timeout:
+            return float("inf")
+        return min((link.heard + self.timeout for link in self.links.values() if link.owed), default=float("inf"))
 
     def fileno(self) -> int:
         return self.poller.fileno()
 
     def take(self, block: bool = False) -> list[list[Any]]:
         """The batches answered whole since the last call, oldest first (block: wait for
-        every one in flight); an error reply is returned, not raised."""
+        every one in flight, until deadline() at most: then TimeoutError); an error reply
+        is returned, not raised."""
         try:
-            if block:
-                ready = [link for link in self.links.values() if link.owed]
-            else:
-                ready = [self.by_fd[fd] for fd, _ in self.poller.poll(0)]
-            for link in ready:
-                if not link.owed:  # readable while owing nothing: the node closed it
-                    self._drop(link)
-                    continue
-                while link.owed:
-                    r = link.reply(block)
-                    if r is PENDING:
-                        break
-                    spread, i = link.owed.popleft()
-                    spread.answers[i] = r
-                    spread.left -= 1
-                    self.heard = time.monotonic()
+            while True:
+                for fd, _ in self.poller.poll(0):
+                    link = self.by_fd.get(fd)
+                    if link is None:
+                        continue
+                    if not link.owed:  # readable while owing nothing: the node closed it
+                        self._drop(link)
+                        continue
+                    while link.owed:
+                        r = link.reply(block=False)
+                        if r is PENDING:
+                            break
+                        spread, i = link.owed.popleft()
+                        spread.answers[i] = r
+                        spread.left -= 1
+                        link.heard = time.monotonic()
+                if not (block and self.spreads and self.spreads[-1].left):
+                    break
+                wait = self.deadline() - time.monotonic()
+                if wait <= 0:
+                    raise redis.TimeoutError("no answer from a Redis Cluster primary within socket_timeout")
+                self.poller.poll(-1 if wait == float("inf") else wait)  # one that answers, or the deadline
         except BaseException:
             self.close()
             raise
@@ -768,7 +793,8 @@ class ClusterChannel:
         if link.fd >= 0:
             # Unregistered by hand: forked children hold the socket too, and epoll forgets
             # a socket only once every process has closed it.
-            self.poller.unregister(link.fd)
+            with contextlib.suppress(OSError):  # closed already: nothing to forget
+                self.poller.unregister(link.fd)
             del self.by_fd[link.fd]
             link.fd = -1
         link.owed.clear()

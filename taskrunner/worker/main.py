@@ -235,7 +235,7 @@ class Worker:
         try:
             pipe = self.redis.pipeline(transaction=False)
             for p in self.prefixes:
-                pipe.lpush(p + "wake", "1").ltrim(p + "wake", 0, 0)
+                give_back_in(pipe, p + "wake")
             pipe.execute()
         except _REDIS_ERRORS:
             pass

@@ -198,9 +198,10 @@ class Batch:
     on a Redis Cluster one per node, redis-py's ClusterPipeline sending each call to the
     primary of its keys' slot). A script the server did not know (a restart, a promoted
     replica, a node new to the cluster) did not run, so the scripts are loaded (load()) and
-    it is run again alone; so is, the usual way, a command a cluster node answered MOVED or
-    ASK (sent past redis-py, connection.ClusterChannel, to a slot that had moved); any other
-    error is raised after the whole batch ran."""
+    it is run again alone; any other error is raised after the whole batch ran. A MOVED or
+    ASK answer (a batch sent past redis-py, connection.ClusterChannel, to a slot that has
+    moved or is moving) fails the whole batch as a lost connection does, before anything is
+    run again (see settle())."""
 
     def __init__(self, client: Any, direct: Any = None) -> None:
         self.client = client
@@ -229,7 +230,10 @@ class Batch:
         """The batch's commands, to send another way (then settle() their answers)."""
         if isinstance(self.pipe, ClusterPipeline):  # PipelineCommand objects, since 6.3 its strategy's
             strategy = getattr(self.pipe, "_execution_strategy", None)
-            return [c.args for c in (self.pipe.command_stack if strategy is None else strategy.command_queue)]
+            commands = [c.args for c in (self.pipe.command_stack if strategy is None else strategy.command_queue)]
+            if len(commands) != len(self.pipe):  # redis-py's internals moved: never send a batch short
+                raise RuntimeError(f"read {len(commands)} of the batch's {len(self.pipe)} commands from redis-py")
+            return commands
         return [args for args, _ in self.pipe.command_stack]
 
     def execute(self) -> list[Any]:
@@ -248,30 +252,24 @@ class Batch:
 
     def settle(self, results: list[Any]) -> list[Any]:
         """The batch's results from its answers: scripts the server did not know are loaded
-        and run again; an error is raised."""
+        and run again; an error is raised. A redirection (MOVED, ASK) raises ConnectionError
+        first: the caller then counts the batch as lost (what else it held may have run: it
+        reconciles, and sends its finishes again, which are idempotent) and its channel reads
+        the cluster's layout anew. Not followed: a command run again through redis-py may be
+        sent twice (its retries), and blocks the caller meanwhile; and an ASK (a slot being
+        migrated) would run a script on a node that holds only the keys moved so far, since
+        our scripts name their queue's prefix as their key, not the keys they touch."""
+        for r in results:
+            if isinstance(r, AskError) or (isinstance(r, ResponseError) and str(r).startswith(("MOVED ", "ASK "))):
+                raise ConnectionError(f"the cluster's layout changed under a sync ({r})")
         for index, script, keys, args in self._scripts:
             if isinstance(results[index], Exception) and missing(results[index]):
                 results[index] = script(self.client, keys, args)
-        error = None
-        for i, r in enumerate(results):
-            if isinstance(r, (ResponseError, ConnectionError)):
-                if isinstance(r, AskError):  # MOVED too: sent past redis-py to a node not the slot's now
-                    results[i] = self._again(i)
-                elif error is None:
-                    error = r
         self._scripts = []
-        if error is not None:
-            raise refusal(error)
+        for r in results:
+            if isinstance(r, (ResponseError, ConnectionError)):
+                raise refusal(r)
         return results
-
-    def _again(self, index: int) -> Any:
-        """Run command `index` again the usual way: a cluster node answered MOVED or ASK (a
-        resharding, a failover), so it did not run there; redis-py follows the redirection
-        and learns the slot's new owner."""
-        for i, script, keys, args in self._scripts:
-            if i == index:
-                return script(self.client, keys, args)
-        return self.client.execute_command(*self.commands()[index])
 
 
 ENQUEUE = Script("enqueue")
