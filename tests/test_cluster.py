@@ -781,6 +781,14 @@ def test_a_consumers_wake_tokens_that_come_together_on_every_shard_each_bring_a_
         consumer.close()
 
 
+def incr_each(r, counters: list[str]) -> scripts.Batch:
+    """A batch that INCRs each counter (one per primary: what ran where, and how often)."""
+    batch = scripts.Batch(r)
+    for key in counters:
+        batch.pipe.incr(key)
+    return batch
+
+
 def test_a_lean_sync_to_a_slot_that_moved_fails_and_the_next_goes_to_its_new_owner(capp, cluster, queues):
     """A worker's syncs on a cluster go past redis-py (connection.ClusterChannel: each
     command to the primary of its slot, on a connection of our own) by redis-py's slot map.
@@ -794,9 +802,7 @@ def test_a_lean_sync_to_a_slot_that_moved_fails_and_the_next_goes_to_its_new_own
     counters = [capp.keys.q(q) + "lean" for q in queues]  # one per primary: INCR counts the runs
 
     def sync() -> tuple[list, list]:
-        batch = scripts.Batch(r)
-        for key in counters:
-            batch.pipe.incr(key)
+        batch = incr_each(r, counters)
         info = json.dumps({"name": "lean", "host": "h", "pid": 1})
         batch.call(scripts.HEARTBEAT, [capp.keys.g], ["lean", info, 60])  # a script call, routed by its key
         channel.send(batch.commands())
@@ -894,9 +900,7 @@ def test_a_lean_sync_whose_connection_was_dropped_fails_and_the_next_reads_the_l
     counters = [capp.keys.q(q) + "dropped" for q in queues]
 
     def send() -> list:
-        batch = scripts.Batch(r)
-        for key in counters:
-            batch.pipe.incr(key)
+        batch = incr_each(r, counters)
         channel.send(batch.commands())
         return batch.settle(channel.take(block=True)[0])
 
@@ -915,10 +919,7 @@ def test_a_lean_sync_whose_connection_was_dropped_fails_and_the_next_reads_the_l
     with next(n for n in cluster.primaries if n.port == link.conn.port).client() as node:
         node.execute_command("CLIENT", "PAUSE", "20000", "WRITE")  # our INCR waits there, unrun
         try:
-            batch = scripts.Batch(r)
-            for key in counters:
-                batch.pipe.incr(key)
-            channel.send(batch.commands())
+            channel.send(incr_each(r, counters).commands())
             kill(link)
         finally:
             node.execute_command("CLIENT", "UNPAUSE")
@@ -940,10 +941,7 @@ def test_a_lean_sync_times_each_primary_from_its_own_last_answer(capp, cluster, 
     counters = [capp.keys.q(q) + "timed" for q in queues]
 
     def send() -> None:
-        batch = scripts.Batch(r)
-        for key in counters:
-            batch.pipe.incr(key)
-        channel.send(batch.commands())
+        channel.send(incr_each(r, counters).commands())
 
     send()
     channel.take(block=True)
