@@ -129,7 +129,7 @@ class Served:
     def shards_of(self, physical: str) -> int:
         """The shard count of the queue that `physical` belongs to (1: not sharded, or not served)."""
         q = logical(physical)
-        return next((n for name_, n in zip(self.queues, self.counts) if name_ == q), 1)
+        return next((n for served, n in zip(self.queues, self.counts) if served == q), 1)
 
     def after(self, physical: str) -> str:
         """The shard after `physical` in its queue's ring (itself where not sharded)."""
