@@ -332,6 +332,9 @@ def test_procfile_under_honcho_serves_runs_a_job_and_stops_cleanly_on_sigterm(
 
         running = app.enqueue("taskrunner.demo.sleep", [3])
         wait_for(lambda: running.state == "running", 60, f"the job to start:\n{log()}")
+        # Its SIGTERM handler is set before it logs its start: a dispatcher still importing
+        # (a loaded machine) dies of the signal, with nothing to stop yet.
+        wait_for(lambda: re.search(r"dispatcher \S+: every", log()), 60, f"the dispatcher to start:\n{log()}")
         procs = ours()
         assert len(procs) >= 8, procs  # honcho; web: gunicorn and 2 workers; worker and 2 children; dispatcher
         # The platform sends SIGTERM to every process, once: honcho does so to each process
