@@ -873,8 +873,8 @@ def test_a_busy_workers_claim_that_finds_its_shard_short_goes_on_to_the_next(cap
     def claimed_nothing(first: str, probe: bool = False) -> None:
         order = w.served.order(first)
         assert order[0] == first
-        w._landed(Flight(scripts.Batch(capp.redis), Load(), [(Room(), 0.0)], ["h"] * 6 + [1, ""], order, [], probe),
-                  [[]])
+        w.probing = probe  # what the claim was sent with
+        w._landed(Flight(scripts.Batch(capp.redis), Load(), [(Room(), 0.0)], ["h"] * 6 + [1, ""], order, []), [[]])
 
     claimed_nothing(shards.name(sharded, 2))
     assert (w.woken, w.may_claim, w.probing) == (sharded, True, False)  # shard 0 next, at once

@@ -211,6 +211,7 @@ def test_job_page_fields_in_order_with_units_and_claim_explained(app, stack, web
     order = [page.index(f'data-field="{k}"') for k in ("enqueued_at", "claimed_at", "started_at", "finished_at",
                                                      "waited", "ran", "max_duration", "attempts")]
     assert order == sorted(order), order
+    # How the job's max_duration setting (90 s) is written, not a time measured:
     assert re.search(r'data-field="max_duration"><th><abbr [^>]+>max duration</abbr></th><td>1\.5 min|'
                      r'data-field="max_duration"><th><abbr [^>]+>max duration</abbr></th><td>2 min', page)
     assert re.search(r'data-field="ran">.*?<td>\d+(\.\d+)? (µs|ms|s)</td>', page)

@@ -68,7 +68,6 @@ class Flight:
     claim: list[Any]
     order: list[str]  # the physical queues claimed from, in the claim's order
     gifts: list[str]  # the wake lists it gives a token back to (Worker._give_back)
-    probe: bool = False  # its claim asked one job per child (Worker.probing)
 
 
 def local_ip(client: redis.Redis | redis.cluster.RedisCluster) -> str:
@@ -476,7 +475,7 @@ class Worker:
             order, self.woken = self.served.order(self.woken), None
             batch.call(scripts.CLAIM, claim_keys(self.app, [self.keys.q(q) for q in order]), claim)
         if len(batch):
-            self.flights.append(Flight(batch, load, slots, claim, order, gifts, bool(slots) and self.probing))
+            self.flights.append(Flight(batch, load, slots, claim, order, gifts))
             if self.channel is not None:
                 self.channel.send(batch.commands())
             if wait or self.reconcile or self.channel is None:
@@ -523,8 +522,9 @@ class Worker:
         drained unevenly, every other claim went to an empty shard, and each cost an idle round
         (a BRPOP per shard, their tokens given back, a claim; 12 shards: 0.1 Redis reads per
         job). At most each other shard once in a row; a probe (the queues were found empty
-        before: a lone job's claim) or a rate limit's wait goes idle as before."""
-        if f.probe or not is_cluster(self.redis) or self.passed + 1 >= self.served.shards_of(f.order[0]):
+        before: a lone job's claim; `probing` is still what the claim was sent with, one claim
+        being in flight at a time) or a rate limit's wait goes idle as before."""
+        if self.probing or not is_cluster(self.redis) or self.passed + 1 >= self.served.shards_of(f.order[0]):
             return None
         return self.served.after(f.order[0])
 
