@@ -214,6 +214,20 @@ def finalizing_generator(key: str) -> None:
 
 
 @app.task(soft_limit=0.3, max_duration=30)
+def soft_finalizing(key: str) -> str:
+    """Spends its time in __del__ methods past its soft limit (SIGALRM most likely lands in
+    one, where Python swallows exceptions); catches SoftTimeLimit and returns."""
+    try:
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            _SlowToFinalize()
+    except SoftTimeLimit:
+        mark(f"{key}:cleanup")
+        return "cleaned up"
+    return "ran on"
+
+
+@app.task(soft_limit=0.3, max_duration=30)
 def soft_spinner(key: str) -> str:
     """Runs Python code past its soft limit (a thread gets SoftTimeLimit between bytecodes)."""
     try:

@@ -5,6 +5,8 @@ kill at max_duration stays."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from taskrunner import JobFailed, TaskRunner
@@ -29,6 +31,20 @@ def test_a_sync_task_gets_soft_time_limit_inside_time_sleep(app, stack):
     assert d["soft_limit"] == 0.3  # a number, as max_duration
     assert (cleaned(app, "h"), cleaned(app, "u")) == (1, 1)
     assert apps.add.delay(1, 2).wait(20) == 3  # the child goes on, with no alarm left behind
+
+
+def test_a_soft_time_limit_that_lands_in_a_finalizer_still_reaches_the_task(app, stack):
+    """SIGALRM's SoftTimeLimit raised inside a __del__ was swallowed by Python ("Exception
+    ignored in", a traceback on the worker's output) and the task ran on to its hard limit; it
+    is raised again at the task's next line, as a kill is (test_api.py)."""
+    w = stack.worker("--async-slots", "0", concurrency=1)
+    job = apps.soft_finalizing.delay("f")
+    assert job.wait(25) == "cleaned up"  # its loop runs 20 s; the soft limit is 0.3 s
+    assert cleaned(app, "f") == 1
+    assert apps.add.delay(1, 2).wait(20) == 3  # the child goes on, with no trace left behind
+    w.send_signal(signal.SIGTERM)
+    out, _ = w.communicate(timeout=60)
+    assert "Exception ignored" not in out and "Traceback" not in out, out
 
 
 def test_an_unhandled_soft_time_limit_is_retried_like_any_exception(app, stack):

@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 
 from taskrunner import logs
-from taskrunner.errors import NotJSONError, Reject, Retry
+from taskrunner.errors import NotJSONError, Reject, Retry, SoftTimeLimit
 from taskrunner.protocol import codec
 from taskrunner.protocol.outcome import Outcome
 from taskrunner.worker import frames, soft_limit, spark_session
@@ -81,6 +81,7 @@ class Link:
         self.fd, self.kill_flag, self.app, self.hard = fd, kill_flag, app, hard
         self.sending = self.killed = False
         self.interrupt: BaseException | None = None  # raised once a frame is whole (soft_limit.py)
+        self.soft_armed = False  # a soft limit's alarm may come now (soft_limit.py): unraisable() raises it again
         self.previous_hook = sys.unraisablehook
         self.lock = threading.Lock()
 
@@ -109,8 +110,18 @@ class Link:
         new frame, which is not traced), as a debugger stops a program. Not as a frame
         returns: a generator or coroutine suspended by an exception raised there would skip
         its finally blocks for good; its caller's next line raises it. Any other exception
-        goes to the hook there was before (an app's, e.g. an error reporter's)."""
-        if not isinstance(info.exc_value, _Killed):
+        goes to the hook there was before (an app's, e.g. an error reporter's).
+        A soft limit's SoftTimeLimit swallowed so is raised again the same way, if the job's
+        soft limit still applies when that next line runs (its block may have ended: the
+        exception must not land in the child's own code after the job)."""
+        exc = info.exc_value
+        if isinstance(exc, _Killed):
+            def due() -> bool:
+                return True
+        elif isinstance(exc, SoftTimeLimit) and self.soft_armed:
+            def due() -> bool:
+                return self.soft_armed
+        else:
             self.previous_hook(info)
             return
         frames: list[Any] = []
@@ -121,7 +132,9 @@ class Link:
             sys.settrace(None)
             for f in frames:
                 f.f_trace = None
-            raise _Killed()
+            if due():
+                raise exc.with_traceback(None)
+            return None
 
         frame: Any = sys._getframe(0).f_back  # None when no Python code runs (the interpreter's exit)
         while frame is not None:

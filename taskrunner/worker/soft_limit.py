@@ -4,7 +4,9 @@ seconds after it began, so that it can clean up before the hard kill at its max 
 
 - A classic child (one job at a time, in its main thread): SIGALRM from an interval timer;
   its handler raises in the task wherever it is, blocking calls included (time.sleep,
-  socket reads: they fail with SoftTimeLimit). A handler that comes while the job is
+  socket reads: they fail with SoftTimeLimit). One raised in a finalizer (a `__del__`,
+  where Python swallows exceptions) is raised again at the task's next line (child.py,
+  Link.unraisable), as a kill is. A handler that comes while the job is
   writing a frame to the worker (a progress or log line) waits for the frame to be whole
   (Link.send raises it then): a frame cut short would break the pipe. One that comes while
   a spark=True task waits on the JVM (a Spark action) cancels the job's Spark job group and
@@ -68,10 +70,14 @@ def _alarm(seconds: float, link: Any) -> Iterator[None]:
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
+    if link is not None:
+        link.soft_armed = True  # one raised in a finalizer is raised again (Link.unraisable)
     try:
         yield
     finally:
         armed = False
+        if link is not None:
+            link.soft_armed = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         spark_session.CHILD.forget()
