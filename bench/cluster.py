@@ -9,8 +9,10 @@ with `--shards`), and each repeat: --jobs no-op jobs are enqueued (enqueue_many)
 --workers worker processes (`taskrunner worker -A bench.tasks_taskrunner -c C -Q q`) drain
 them; each job appends a byte to a file (bench/record.py). Reported per topology: jobs/s over
 the last 80% of the jobs (the clock starts once 20% are done: every worker has started),
-Redis CPU per job (used_cpu_sys + used_cpu_user, summed over the nodes) and the busiest node's
-share of it, the workers' CPU per job (their processes and children, start and stop
+Redis CPU per job (used_cpu_sys + used_cpu_user, summed over the nodes; the kernel's share
+of it, where a node's network system calls count) and the busiest node's share of it, jobs per
+script call, Redis reads per job (its system calls reading its clients' sockets: a round trip
+or a pipelined batch is one), BRPOPs, the workers' CPU per job (their processes and children, start and stop
 included: with the busiest node's cores, what tells whether Redis, the machine's cores or
 neither bound a run), and the ratio cluster / one. Every server runs on TCP on loopback,
 without persistence. A job's placement over shards is round robin per producer: the shards
@@ -47,13 +49,24 @@ QUEUE = "q"
 WARM = 0.2  # share of the jobs done before the clock starts
 
 
-def cpu(nodes: list[redis.Redis]) -> list[float]:
-    """Each node's CPU seconds so far (its main thread and the rest)."""
+def counts(nodes: list[redis.Redis]) -> list[dict[str, float]]:
+    """Each node's counters so far: CPU seconds in the kernel (`sys`: its system calls, the
+    network's among them) and in user space (`user`), the reads and writes it made on its
+    clients' sockets (a round trip is one of each, a pipelined batch being one), script
+    calls (FCALL or EVALSHA) and BRPOPs."""
     out = []
     for n in nodes:
-        info = n.info("cpu")
-        out.append(float(info["used_cpu_sys"]) + float(info["used_cpu_user"]))
+        info = n.info("all")
+        out.append({"sys": float(info["used_cpu_sys"]), "user": float(info["used_cpu_user"]),
+                    "reads": int(info["total_reads_processed"]), "writes": int(info["total_writes_processed"]),
+                    "calls": sum(info.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("fcall", "evalsha")),
+                    "brpop": info.get("cmdstat_brpop", {}).get("calls", 0)})
     return out
+
+
+def spent(after: list[dict[str, float]], before: list[dict[str, float]]) -> list[dict[str, float]]:
+    """counts() after less counts() before, node by node."""
+    return [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
 
 
 def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int | None, work: Path,
@@ -75,7 +88,7 @@ def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int
     os.environ[record.SOCKET_ENV] = str(socket)  # for record.reset() and done_file() here
     record.reset()
     done_file = Path(record.done_file())
-    before = cpu(nodes)
+    before = counts(nodes)
     workers_before = _reaped_cpu()
     procs = Procs()
     logfile = work / f"{tag}-workers.log"
@@ -94,7 +107,7 @@ def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int
                                 str(a.concurrency), "-Q", QUEUE, "-n", f"{tag}-{i}", "--log-level", "warning"],
                                env, logfile) for i in range(a.workers)]
         t1 = wait_for(f"{tag} drain", finished, a.timeout, 0.005, workers)
-        after = cpu(nodes)
+        after = counts(nodes)
     except BenchError as e:
         raise BenchError(f"{e}; the workers' log ends:\n{logfile.read_text()[-2000:]}") from None
     finally:
@@ -102,16 +115,23 @@ def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int
     workers_cpu = _reaped_cpu() - workers_before  # every worker was waited for: its CPU and its children's
     if mark is None:  # ended between two looks, before one saw it past the warm-up
         mark = (t0, 0)
-    used = [x - y for x, y in zip(after, before)]
+    nodes_spent = spent(after, before)
+    used = [x["sys"] + x["user"] for x in nodes_spent]
+    total = {k: sum(x[k] for x in nodes_spent) for k in nodes_spent[0]}
     res = {"topology": tag, "jobs": a.jobs, "rate": (a.jobs - mark[1]) / max(t1 - mark[0], 1e-9),
            "redis_cpu_us_per_job": sum(used) / a.jobs * 1e6,
+           "redis_sys_share": total["sys"] / sum(used) if sum(used) else 0.0,
            "busiest_node_share": max(used) / sum(used) if sum(used) else 0.0,
            "busiest_node_cpu_per_s": max(used) / max(t1 - t0, 1e-9),
+           "redis_reads_per_job": total["reads"] / a.jobs, "redis_writes_per_job": total["writes"] / a.jobs,
+           "jobs_per_script_call": a.jobs / max(total["calls"], 1), "brpops": int(total["brpop"]),
            "workers_cpu_us_per_job": workers_cpu / a.jobs * 1e6,
-           "seconds_incl_start": t1 - t0, "fill_seconds": fill}
-    log(f"  {tag:8} {res['rate']:9,.0f} jobs/s  Redis {res['redis_cpu_us_per_job']:5.1f} us/job  busiest node "
-        f"{res['busiest_node_share']:.0%} of it, {res['busiest_node_cpu_per_s']:.2f} cores  workers "
-        f"{res['workers_cpu_us_per_job']:5.1f} us/job  (fill {fill:.1f} s)")
+           "seconds_incl_start": t1 - t0, "fill_seconds": fill, "nodes": nodes_spent}
+    log(f"  {tag:8} {res['rate']:9,.0f} jobs/s  Redis {res['redis_cpu_us_per_job']:5.1f} us/job "
+        f"({res['redis_sys_share']:.0%} in the kernel)  busiest node {res['busiest_node_share']:.0%} of it, "
+        f"{res['busiest_node_cpu_per_s']:.2f} cores  workers {res['workers_cpu_us_per_job']:5.1f} us/job  "
+        f"{res['jobs_per_script_call']:.1f} jobs/script call  {res['redis_reads_per_job']:.3f} reads/job  "
+        f"{res['brpops']} BRPOPs  (fill {fill:.1f} s)")
     return res
 
 
@@ -158,14 +178,17 @@ def main(argv: list[str] | None = None) -> int:
             for n in one_nodes + cluster_nodes:
                 n.close()
     rate = {t: statistics.median(r["rate"] for r in runs if r["topology"] == t) for t in ("one", "cluster")}
-    cpu_job, workers_job = ({t: statistics.median(r[k] for r in runs if r["topology"] == t) for t in ("one", "cluster")}
-                            for k in ("redis_cpu_us_per_job", "workers_cpu_us_per_job"))
+    cpu_job, workers_job, reads, per_call = (
+        {t: statistics.median(r[k] for r in runs if r["topology"] == t) for t in ("one", "cluster")}
+        for k in ("redis_cpu_us_per_job", "workers_cpu_us_per_job", "redis_reads_per_job", "jobs_per_script_call"))
     print(f"one hot queue, {a.jobs:,} no-op jobs, {a.workers} workers -c {a.concurrency}, {os.cpu_count()} cores, "
           f"medians of {a.repeat}")
     print(f"  one server:                {rate['one']:9,.0f} jobs/s  Redis {cpu_job['one']:.1f} us/job  "
-          f"workers {workers_job['one']:.1f} us/job")
+          f"workers {workers_job['one']:.1f} us/job  {per_call['one']:.1f} jobs/script call  "
+          f"{reads['one']:.3f} reads/job")
     print(f"  cluster of {a.primaries}, {a.shards} shards: {rate['cluster']:9,.0f} jobs/s  "
-          f"Redis {cpu_job['cluster']:.1f} us/job (all nodes)  workers {workers_job['cluster']:.1f} us/job")
+          f"Redis {cpu_job['cluster']:.1f} us/job (all nodes)  workers {workers_job['cluster']:.1f} us/job  "
+          f"{per_call['cluster']:.1f} jobs/script call  {reads['cluster']:.3f} reads/job")
     print(f"  cluster / one server: {rate['cluster'] / rate['one']:.2f}x jobs/s")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1))

@@ -31,6 +31,7 @@ import redis
 
 from bench import record
 from bench.bench import BenchError, BenchTimeout, Procs, log, wait_for
+from bench.cluster import counts
 from bench.limits import stop_after
 from taskrunner import TaskRunner
 from taskrunner.ops import queue
@@ -41,15 +42,10 @@ QUEUE = "q"
 
 
 def redis_counts(nodes: list[redis.Redis]) -> dict[str, float]:
-    """CPU seconds, script calls, reads and BRPOPs so far, summed over the nodes."""
-    out = {"cpu": 0.0, "calls": 0.0, "reads": 0.0, "brpop": 0.0}
-    for n in nodes:
-        info = n.info("all")
-        out["cpu"] += float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-        out["reads"] += int(info["total_reads_processed"])
-        for name in ("fcall", "evalsha"):
-            out["calls"] += info.get(f"cmdstat_{name}", {}).get("calls", 0)
-        out["brpop"] += info.get("cmdstat_brpop", {}).get("calls", 0)
+    """CPU seconds, script calls, reads and BRPOPs so far, summed over the nodes (cluster.counts())."""
+    each = counts(nodes)
+    out = {k: sum(x[k] for x in each) for k in ("calls", "reads", "brpop")}
+    out["cpu"] = sum(x["sys"] + x["user"] for x in each)
     return out
 
 

@@ -26,6 +26,11 @@ def test_cluster_bench_runs_and_reports(tmp_path):
     assert [x["topology"] for x in runs] == ["one", "cluster"]
     for x in runs:
         assert x["jobs"] == 400 and x["rate"] > 0 and x["redis_cpu_us_per_job"] > 0 and x["workers_cpu_us_per_job"] > 0
+        # every job was claimed and finished by a script call, in round trips that each carried
+        # several (a sync), on every node a job was placed on
+        assert 1 < x["jobs_per_script_call"] <= 400 and 0 < x["redis_reads_per_job"] < 1
+        assert len(x["nodes"]) == (3 if x["topology"] == "cluster" else 1)
+        assert all(n["calls"] > 0 and n["reads"] > 0 and n["writes"] > 0 for n in x["nodes"])
     assert "cluster of 3, 3 shards" in r.stdout and "cluster / one server:" in r.stdout
     assert not started_by(mark)  # its workers and redis-servers were stopped
 
