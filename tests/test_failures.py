@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -88,6 +89,35 @@ def test_poison_pill_ends_as_worker_lost(app, stack):
     assert e.value.error_type == "WorkerLost"
     assert ledger(app, "p1") == 2
     assert apps.add.delay(1, 2).wait(30) == 3  # the worker carries on
+
+
+def test_a_worker_killed_by_a_poison_pill_fails_it_not_the_jobs_in_its_prefetch(app, stack):
+    """A job that takes its whole worker down (SIGKILL of the process group) while quick
+    jobs wait behind it in its child, sent ahead: at each death only the job that ran counts
+    as lost. The pill ends WorkerLost after its max_lost (3) deaths; the jobs of its prefetch
+    (max_lost 1: one death counted against them fails them) go back uncounted and complete."""
+    stack.dispatcher()
+    w = stack.worker(concurrency=1)
+    assert apps.add.delay(1, 1).wait(30) == 2  # its child's runtime known: it is sent many at once
+    pill, *innocents = app.enqueue_many([{"task": "tests.apps.crash_worker", "args": ["pill"]}]
+                                        + [{"task": "tests.apps.fragile", "args": [f"i{k}"]} for k in range(6)])
+    for deaths in range(1, 4):
+        wait_for(lambda w=w: w.poll() is not None, what=f"the pill to kill worker {deaths}")
+        if deaths == 1:  # they were in its prefetch: sent ahead behind the pill, not begun
+            wait_for(lambda: pill.refresh().state == "pending", what="the dispatcher to requeue the pill")
+            held = [d for d in (job.refresh().to_dict() for job in innocents) if d.get("attempts")]  # lost with it
+            assert held and [(d["state"], d.get("lost", 0)) for d in held] == [("pending", 0)] * len(held), held
+        if deaths < 3:
+            w = stack.worker(concurrency=1)
+    with pytest.raises(JobFailed) as e:
+        pill.wait(30)
+    assert e.value.error_type == "WorkerLost" and ledger(app, "pill") == 3
+    stack.worker(concurrency=1)  # a healthy worker takes over
+    assert [job.wait(30) for job in innocents] == [1] * 6
+    records = [job.refresh().to_dict() for job in innocents]
+    assert [r.get("lost", 0) for r in records] == [0] * 6
+    events = [e["event"] for r in records for e in r["timeline"]]
+    assert any(re.fullmatch(r"delivery 1 requeued, it had not begun: worker \S+ is dead", ev) for ev in events), events
 
 
 def test_kill_running_job(app, stack):

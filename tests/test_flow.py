@@ -221,7 +221,7 @@ def test_a_prioritized_job_keeps_its_priority_when_requeued_retried_or_lost(app)
     assert finish(app, high.id, "2", "error", "E", "e", "", "1") == 1  # retries 0: failed for good
     assert high.refresh().state == "failed" and high.retry()
     assert claim(app)[0][1] == high.id
-    assert scripts.LOSE(app.redis, [app.keys.q("default")], [86400, high.id, "3", "gone", ""]) == ["pending"]
+    assert scripts.LOSE(app.redis, [app.keys.q("default")], [86400, high.id, "3", "gone", "", "1"]) == ["pending"]
     assert app.redis.lrange(app.keys.q("default") + "pending:7", 0, -1) == [high.id]
     assert [row[1] for row in claim(app, pids=(1, 2))] == [high.id, low.id]
     delayed = apps.add.apply_async([3, 3], priority=3, delay=0.01)

@@ -217,7 +217,7 @@ def test_every_end_of_a_delivery_gives_its_slot_back(app, path):
     if path in outcomes:
         assert consumer._finish([(d.queue, Ended(d.id, d.attempt, outcomes[path]))]) == [True]
     elif path == "lose":
-        assert scripts.LOSE(app.redis, [p], [60, d.id, d.attempt, "gone", ""]) == ["pending"]
+        assert scripts.LOSE(app.redis, [p], [60, d.id, d.attempt, "gone", "", "1"]) == ["pending"]
     elif path == "requeue":
         assert scripts.REQUEUE(app.redis, [p], [d.id, "admin"]) == "running"
     else:

@@ -15,9 +15,10 @@ import redis
 from taskrunner.client.aio import AsyncClient
 from taskrunner.ops.history import fields
 from taskrunner.ops.redis_server import RedisServer
-from taskrunner.protocol import scripts
+from taskrunner.protocol import holders, scripts
 from taskrunner.protocol.claims import STRIDE
 from tests import apps
+from tests.conftest import wait_for
 
 
 def claim(app, queues=("default",), pids=(111,), worker="w1", ahead=""):
@@ -243,7 +244,7 @@ def test_finish_is_fenced(app):
 def test_finish_from_a_lost_delivery_cannot_overwrite_the_new_owner(app):
     job = apps.add.delay(1, 2)
     claim(app, worker="old")
-    lost = scripts.LOSE(app.redis, [app.keys.q("default")], [3600, job.id, "1", "worker old is dead", ""])
+    lost = scripts.LOSE(app.redis, [app.keys.q("default")], [3600, job.id, "1", "worker old is dead", "", "1"])
     assert lost == ["pending"]
     claim(app, worker="new")
     assert finish(app, job.id, "1", "completed", '"stale"') == 0
@@ -257,15 +258,98 @@ def test_lose_respects_owner_and_kill_and_poison(app):
     job = apps.crash.delay("x")  # max_lost=2
     p = app.keys.q("default")
     claim(app, worker="a")
-    assert scripts.LOSE(app.redis, [p], [3600, job.id, "1", "r", "b"]) == [""]  # not b's
-    assert scripts.LOSE(app.redis, [p], [3600, job.id, "1", "r", "a"]) == ["pending"]
+    assert scripts.LOSE(app.redis, [p], [3600, job.id, "1", "r", "b", "1"]) == [""]  # not b's
+    assert scripts.LOSE(app.redis, [p], [3600, job.id, "1", "r", "a", "1"]) == ["pending"]
     claim(app, worker="a")
-    assert scripts.LOSE(app.redis, [p], [3600, job.id, "2", "r", ""]) == ["failed"]
+    assert scripts.LOSE(app.redis, [p], [3600, job.id, "2", "r", "", "1"]) == ["failed"]
     assert app.job(job.id).data["error_type"] == "WorkerLost"
     other = apps.add.delay(1, 1)
     claim(app)
     assert other.kill() == "running"
-    assert scripts.LOSE(app.redis, [p], [3600, other.id, "1", "r", ""]) == ["killed"]
+    assert scripts.LOSE(app.redis, [p], [3600, other.id, "1", "r", "", "1"]) == ["killed"]
+
+
+def test_lose_counts_only_deliveries_that_may_have_begun(app):
+    """A delivery lost with began "0" goes back to the front like a lost one (requeued, its
+    timeline says it had not begun), without counting towards max_lost; a bad `began` or a
+    value missing is refused before any job is touched."""
+    job = apps.crash.delay("nb")  # max_lost=2
+    p = app.keys.q("default")
+    for attempt in ("1", "2", "3"):  # three deaths of its process, none while it ran
+        claim(app, worker="a")
+        assert scripts.LOSE(app.redis, [p], [3600, job.id, attempt, "worker a is dead", "a", "0"]) == ["pending"]
+    d = app.job(job.id).to_dict()
+    assert (d["state"], d.get("lost", 0), d["requeues"], d["attempts"]) == ("pending", 0, 3, 3)
+    assert "delivery 3 requeued, it had not begun: worker a is dead" in [e["event"] for e in d["timeline"]]
+    assert app.redis.lindex(p + "pending", -1) == job.id  # next in line
+    claim(app, worker="a")
+    for bad, why in [([3600, job.id, "4", "r", "a"], "5 values per job"),
+                     ([3600, job.id, "4", "r", "a", "yes"], r'began \(ARGV\[6\]\) must be "1"'),
+                     (["x", job.id, "4", "r", "a", "1"], "failed TTL")]:
+        with pytest.raises(redis.ResponseError, match=why):
+            scripts.LOSE(app.redis, [p], bad)
+    assert app.job(job.id).data["state"] == "running"
+    assert scripts.LOSE(app.redis, [p], [3600, job.id, "4", "r", "a", "1"]) == ["pending"]  # counted: 1 of 2
+    assert app.job(job.id).to_dict()["lost"] == 1
+
+
+def test_a_dead_serial_process_counts_only_its_first_in_line(app):
+    """lose_held() on a dead worker's deliveries: of those claimed for one process of a serial
+    worker (a chain, each sent ahead behind the one before), the first in line counts; each
+    process's own first does; a holder not known to be serial (its heartbeat does not say:
+    a loop child runs many at once) has every delivery counted, as before."""
+    p = app.keys.q("default")
+    jobs = [apps.add.delay(i, i) for i in range(7)]
+    claim(app, pids=(501, 501, 501), worker="s", ahead="0.000")  # one child's chain of 3
+    claim(app, pids=(502,), worker="s", ahead="0.000")  # another child's, alone
+    claim(app, pids=(601, 601, 601), worker="loop", ahead="0.000")  # a loop child's 3 (same entries)
+    app.redis.set(app.keys.worker("s"), json.dumps({"name": "s", "serial": True}))
+    app.redis.set(app.keys.worker("loop"), json.dumps({"name": "loop", "serial": False}))
+    entries = {i: json.loads(app.redis.hget(p + "running", j.id)) for i, j in enumerate(jobs)}
+    assert [entries[i].get("ahead", 0) for i in range(7)] == [0, 300, 600, 0, 0, 300, 600]
+    acted = holders.lose_held(app, ["default"], lambda w, _: True, "worker {} is dead")
+    assert sorted(x.id for x in acted) == sorted(j.id for j in jobs)
+    lost = [app.job(j.id).to_dict().get("lost", 0) for j in jobs]
+    assert lost == [1, 0, 0, 1, 1, 1, 1]
+    assert all(app.job(j.id).data["state"] == "pending" for j in jobs)
+
+
+def test_the_dispatchers_sweep_counts_only_the_first_in_line_of_a_dead_process(app):
+    """The sweep's due deliveries of a holder that is not alive: the first in line of each
+    process counts; the corrupt entry beside them is requeued and counted, as before."""
+    from taskrunner.ops.dispatcher import Dispatcher
+
+    p = app.keys.q("default")
+    chain = [apps.add.apply_async([i, i], max_duration=0.01) for i in range(3)]
+    claim(app, pids=(801, 801, 801), worker="s", ahead="0.000")
+    app.redis.set(app.keys.worker("s"), json.dumps({"name": "s", "serial": True}))  # listed nowhere: not alive
+    corrupt = apps.add.apply_async([9, 9], max_duration=0.01)
+    claim(app, pids=(802,), worker="s", ahead="")
+    app.redis.hset(p + "running", corrupt.id, "not json")
+    wait_for(lambda: Dispatcher(app).run_once()["requeued"], what="the due bucket swept")
+    assert [app.job(j.id).to_dict().get("lost", 0) for j in [*chain, corrupt]] == [1, 0, 0, 1]
+    assert [app.job(j.id).data["state"] for j in [*chain, corrupt]] == ["pending"] * 4
+
+
+def test_deliveries_tied_first_in_line_all_count(app):
+    """Equal starts (nothing to order them by) or a missing start (the order is unknown):
+    every delivery of that process counts."""
+    p = app.keys.q("default")
+
+    def edit(job_id, field):  # a holding entry some other client wrote
+        entry = json.loads(app.redis.hget(p + "running", job_id))
+        del entry[field]
+        app.redis.hset(p + "running", job_id, json.dumps(entry))
+
+    tied = [apps.add.delay(i, i) for i in range(2)]
+    claim(app, pids=(701, 701), worker="s", ahead="0.000")
+    edit(tied[1].id, "ahead")
+    odd = [apps.add.delay(i, i) for i in range(2)]
+    claim(app, pids=(702, 702), worker="s", ahead="0.000")
+    edit(odd[0].id, "started_at")
+    held = holders.holdings(app, ["default"])
+    began = holders.may_have_begun(held, held, lambda h: True)
+    assert all(began) and len(began) == 4
 
 
 def test_sweep_promotes_due_and_reports_due_deadlines(app):

@@ -28,7 +28,19 @@ from taskrunner.ops.history import WARN_BACKLOG, Archiver, backlog
 from taskrunner.ops.listing import DISPATCHER_FORGET
 from taskrunner.protocol import codec, joins, scripts
 from taskrunner.protocol.connection import server_time
-from taskrunner.protocol.holders import Holding, Lost, boot_id, lose, lose_held, pid_namespace, process_gone
+from taskrunner.protocol.holders import (
+    Held,
+    Holding,
+    Lost,
+    boot_id,
+    by_heartbeat,
+    lose,
+    lose_held,
+    may_have_begun,
+    pid_namespace,
+    process_gone,
+    serial_workers,
+)
 
 log = logging.getLogger("taskrunner.dispatcher")
 # Back off and retry (every action is fenced); on a cluster also when no node is reachable.
@@ -114,26 +126,22 @@ class Dispatcher:
             batch.call(scripts.SWEEP, [self.keys.q(q)], [1000, 100, self.s.result_ttl, self.s.failed_ttl])
             batch.pipe.xrange(joins.outbox(self.app, q), "-", older, 1000)
         results = batch.execute()
+        corrupt: dict[str, list[Any]] = {q: [] for q in queues}  # lose.lua's values per queue
+        gone: list[Held] = []  # the due deliveries of holders that are not alive
         for q, res in zip(queues, results[0::2]):
             stats["promoted"] += int(res[0])
-            lost: list[Any] = []
-            holders: list[str] = []  # who held each of `lost`, for the log
             for job_id, raw in zip(res[1::2], res[2::2]):
                 holder = Holding.parse(raw)
                 if holder is None:
                     # Nobody can be told to stop it: requeue it (fenced by the record's attempt).
                     log.error("dispatcher: corrupt holding entry for job %s in %s: %r", job_id, q, raw[:200])
                     attempt = self.redis.hget(self.keys.job(q, job_id), "attempts") or ""
-                    lost += [job_id, attempt, f"its holding entry was corrupt: {raw[:200]!r}", ""]
-                    holders.append("")
-                    continue
-                worker, attempt = holder.worker, str(holder.attempt)
-                if worker not in alive:
-                    lost += [job_id, attempt, f"worker {worker} is dead", ""]
-                    holders.append(worker)
+                    corrupt[q] += [job_id, attempt, f"its holding entry was corrupt: {raw[:200]!r}", "", "1"]
+                elif holder.worker not in alive:
+                    gone.append(Held(q, job_id, holder))
                 else:
-                    self._stuck(q, job_id, attempt, stats)
-            self._tally(lose(self.app, q, lost, holders), stats)
+                    self._stuck(q, job_id, str(holder.attempt), stats)
+        self._lose_due(queues, corrupt, gone, stats)
         left = [e for found in results[1::2] for e in joins.parse(found)]
         if left:  # after the deadlines: a slot unreachable now must not hold up requeueing
             try:
@@ -158,6 +166,22 @@ class Dispatcher:
         if any(stats.values()):
             log.info("dispatcher %s: %s", self.name, " ".join(f"{k}={v}" for k, v in stats.items() if v))
         return stats
+
+    def _lose_due(self, queues: list[str], values: dict[str, list[Any]], gone: list[Held],
+                  stats: dict[str, int]) -> None:
+        """Lose the due deliveries of holders that are not alive (with `values`, the corrupt
+        entries' lose.lua values per queue). Of those a dead worker's process held, only the
+        first in line among them counts towards max_lost (may_have_begun(); the others of
+        that process, not due yet, are lost by _reap, seen whole)."""
+        holders: dict[str, list[str]] = {q: [""] * (len(v) // 5) for q, v in values.items()}  # for the log
+        if gone:
+            serial = by_heartbeat(serial_workers(self.app, {e.holding.worker for e in gone}))
+            for e, began in zip(gone, may_have_begun(gone, gone, serial)):
+                values[e.queue] += [e.id, str(e.holding.attempt), f"worker {e.holding.worker} is dead", "",
+                                    "1" if began else "0"]
+                holders[e.queue].append(e.holding.worker)
+        for q in queues:
+            self._tally(lose(self.app, q, values[q], holders[q]), stats)
 
     def forget_gone(self, now: float) -> None:
         """Take dispatchers silent for DISPATCHER_FORGET off the list (a SIGKILLed one

@@ -102,37 +102,109 @@ class Lost(NamedTuple):
     attempt: str
 
 
+class Held(NamedTuple):
+    """A delivery in a queue's holding hash, and its entry."""
+
+    queue: str
+    id: str
+    holding: Holding
+
+
+#: Two deliveries of one process whose starts at the latest (`started_at + ahead`) are this
+#: close may be either first in line (the worker sends `ahead` to the millisecond): both count.
+TIE = 0.001
+
+
+def may_have_begun(losing: list[Held], seen: list[Held], serial: Callable[[Holding], bool]) -> list[bool]:
+    """For each delivery of `losing` (its process is gone), whether it may have begun: only
+    those count towards the job's max_lost (lose.lua's `began`), so that a worker that dies
+    again and again does not fail the jobs that merely waited in its prefetch (the poison
+    pill rule is for the job that kills its process). A process of a holder for which
+    `serial` is true (a worker whose children run one job at a time, in the order they were
+    claimed: its heartbeat's `serial`) ran the first in line of the deliveries it held, the
+    one with the earliest `started_at + ahead` among `seen` (the holding entries read with
+    `losing`): that one, and any tied with it, may have begun, the others had not. Anything
+    else may have: a holder not known to be serial (a loop child runs many at once; an older
+    worker, a consumer), an entry without a PID or a start, or in a process whose entries
+    lack one (the order is unknown). Caveat: a job that ended within the worker's last
+    moments, its result not yet sent, still holds its place in line, and the one the child
+    began after it then counts as not begun (docs/PROTOCOL.md, Lose)."""
+    first: dict[tuple[str, float], float] = {}  # (worker, pid) -> the earliest start; -inf: unknown order
+    for e in seen:
+        h = e.holding
+        if h.pid is None or not serial(h):
+            continue
+        start = h.started_at + h.ahead if h.started_at > 0 else float("-inf")
+        first[h.worker, h.pid] = min(first.get((h.worker, h.pid), start), start)
+    out = []
+    for e in losing:
+        h = e.holding
+        earliest = first.get((h.worker, h.pid)) if h.pid is not None and serial(h) else None
+        out.append(earliest is None or earliest == float("-inf") or h.started_at + h.ahead <= earliest + TIE)
+    return out
+
+
 def lose(app: TaskRunner, queue: str, values: list[Any], workers: list[str] | None = None) -> list[Lost]:
-    """lose.lua on deliveries (id, attempt, reason, owner per job; fenced); each it acted
-    on. `workers`: who held each (default: the owners given)."""
+    """lose.lua on deliveries (id, attempt, reason, owner, began per job; fenced); each it
+    acted on. `workers`: who held each (default: the owners given)."""
     if not values:
         return []
     states = scripts.LOSE(app.redis, [app.keys.q(queue)], [app.settings.failed_ttl, *values])
     return [Lost(queue, job_id, state, worker, attempt) for job_id, attempt, worker, state
-            in zip(values[::4], values[1::4], values[3::4] if workers is None else workers, states) if state]
+            in zip(values[::5], values[1::5], values[3::5] if workers is None else workers, states) if state]
 
 
-def held(app: TaskRunner, queues: list[str]) -> list[tuple[str, str, str, str]]:
-    """(queue, id, worker, attempt) of every delivery in the queues' holding hashes (one
-    round trip); entries that are not holding entries are left out (the dispatcher
-    requeues those at their deadline)."""
+def holdings(app: TaskRunner, queues: list[str]) -> list[Held]:
+    """Every delivery in the queues' holding hashes (one round trip); entries that are not
+    holding entries are left out (the dispatcher requeues those at their deadline)."""
     pipe = app.redis.pipeline(transaction=False)
     for q in queues:
         pipe.hgetall(app.keys.q(q) + "running")
-    out = []
-    for q, running in zip(queues, pipe.execute()):
-        for job_id, raw in running.items():
-            if (h := Holding.parse(raw)) is not None:
-                out.append((q, job_id, h.worker, str(h.attempt)))
+    return [Held(q, job_id, h) for q, running in zip(queues, pipe.execute()) for job_id, raw in running.items()
+            if (h := Holding.parse(raw)) is not None]
+
+
+def held(app: TaskRunner, queues: list[str]) -> list[tuple[str, str, str, str]]:
+    """(queue, id, worker, attempt) of every delivery in the queues' holding hashes (holdings())."""
+    return [(e.queue, e.id, e.holding.worker, str(e.holding.attempt)) for e in holdings(app, queues)]
+
+
+def serial_workers(app: TaskRunner, workers: set[str]) -> set[str]:
+    """Those of `workers` whose heartbeat's info says `serial` (docs/PROTOCOL.md, Liveness):
+    one MGET, only when deliveries are lost. A holder whose info expired, or says nothing,
+    is not known to be one."""
+    names = sorted(workers)
+    infos = app.redis.mget([app.keys.worker(n) for n in names]) if names else []
+    out = set()
+    for n, raw in zip(names, infos):
+        try:
+            info = codec.loads(raw) if raw else None
+        except ValueError:
+            continue
+        if isinstance(info, dict) and info.get("serial") is True:
+            out.add(n)
     return out
 
 
-def lose_held(app: TaskRunner, queues: list[str], gone: Callable[[str, str], bool],
-              why: str) -> list[Lost]:
+def by_heartbeat(serial: set[str]) -> Callable[[Holding], bool]:
+    """may_have_begun()'s `serial` for the holders named (serial_workers())."""
+    return lambda h: h.worker in serial
+
+
+def lose_held(app: TaskRunner, queues: list[str], gone: Callable[[str, str], bool], why: str,
+              serial: Callable[[Holding], bool] | None = None) -> list[Lost]:
     """Lose, fenced by owner and delivery, every running job for which gone(worker, id) is
-    true; `why` is formatted with the worker's name. Returns those it acted on."""
+    true; `why` is formatted with the worker's name. Only those that may have begun count
+    towards max_lost (may_have_begun(), by `serial`; default: the holders' heartbeats say).
+    Returns those it acted on."""
+    seen = holdings(app, queues)
+    losing = [e for e in seen if gone(e.holding.worker, e.id)]
+    if not losing:
+        return []
+    if serial is None:
+        serial = by_heartbeat(serial_workers(app, {e.holding.worker for e in losing}))
     by_queue: dict[str, list[Any]] = {q: [] for q in queues}
-    for q, job_id, worker, attempt in held(app, queues):
-        if gone(worker, job_id):
-            by_queue[q] += [job_id, attempt, why.format(worker), worker]
+    for e, began in zip(losing, may_have_begun(losing, seen, serial)):
+        h = e.holding
+        by_queue[e.queue] += [e.id, str(h.attempt), why.format(h.worker), h.worker, "1" if began else "0"]
     return [lost for q, values in by_queue.items() for lost in lose(app, q, values)]

@@ -110,6 +110,9 @@ class Worker:
         # Coroutine slots only for an app with async def tasks: otherwise children stay classic.
         self.threads = threads
         self.async_slots = async_slots if any(inspect.iscoroutinefunction(t.fn) for t in app.tasks.values()) else 0
+        # Classic children: each runs its jobs one at a time, in claim order. Its heartbeat says
+        # so, and then a dead process's jobs behind its first in line do not count as lost.
+        self.serial = threads == 1 and self.async_slots == 0
         self.host = socket.gethostname()
         self.name = codec.check_name("worker", name or f"{self.host}.{os.getpid()}")
         self.redis = app.redis
@@ -543,8 +546,10 @@ class Worker:
         """Deliveries the holding lists give to us that no child of ours has (a claim whose
         answer never came, or a previous life under the same name): requeue them."""
         mine = self.crew.job_ids() | set(self.outbox.waiting_ids())
+        # What our children hold is known to be in line (a previous life's processes are not).
+        children = {c.pid for c in self.crew.children} if self.serial else set()
         acted = lose_held(self.app, self.queues, lambda w, job_id: w == self.name and job_id not in mine,
-                          "worker {} no longer ran it")
+                          "worker {} no longer ran it", lambda h: h.worker == self.name and h.pid in children)
         if acted:
             log.warning("worker %s: released %d orphaned deliveries: %s", self.name, len(acted),
                         ", ".join(f"{x.id} in {x.queue} -> {x.state}" for x in acted))
@@ -595,7 +600,8 @@ class Worker:
                 "children": [c.pid for c in self.crew.children],
                 "children_rss": {str(pid): n for pid, n in child_rss.items()},
                 "queues": self.queues, "concurrency": self.concurrency, "prefetch": self.prefetch,
-                "threads": self.threads, "async_slots": self.async_slots, "busy": self.crew.busy(),
+                "threads": self.threads, "async_slots": self.async_slots, "serial": self.serial,
+                "busy": self.crew.busy(),
                 "processed": self.crew.processed, "rss": rss, "cpu": round(cpu, 1), "started_at": self.started_at,
                 # the deliveries it holds: its dashboard page reads these jobs, not every running one
                 "running": [[d.queue, d.id] for _, d in self.crew.held()]}

@@ -429,7 +429,9 @@ end
 -- The process running delivery `attempt` is gone. A kill request wins; otherwise requeue
 -- at the front, until the job has been lost max_lost times (a poison pill): WorkerLost.
 -- `released`: the caller released the delivery already. `index` as for finalize().
-local function lose(p, id, job, r, attempt, t, ttl, reason, released, index)
+-- `unbegun`: the delivery had not begun (it waited in a dead worker's prefetch behind the
+-- job that ran): requeued the same way, but not counted towards max_lost.
+local function lose(p, id, job, r, attempt, t, ttl, reason, released, index, unbegun)
   if not released then
     release(p, id, r)
   end
@@ -439,17 +441,20 @@ local function lose(p, id, job, r, attempt, t, ttl, reason, released, index)
       'Killed', index)
     return 'killed'
   end
-  local lost = redis.call('HINCRBY', job, 'lost', 1)
-  local max_lost = tonumber(r[MAX_LOST]) or 5
-  if lost >= max_lost then
-    local ek, ev = ended(attempt, t, 'failed WorkerLost: ' .. reason)
-    finalize(p, id, job, r, 'failed', t, ttl, {'error_type', 'WorkerLost',
-      'error', 'the process running the job died ' .. lost .. ' times; last: ' .. reason, ek, ev}, 'WorkerLost', index)
-    return 'failed'
+  if not unbegun then
+    local lost = redis.call('HINCRBY', job, 'lost', 1)
+    local max_lost = tonumber(r[MAX_LOST]) or 5
+    if lost >= max_lost then
+      local ek, ev = ended(attempt, t, 'failed WorkerLost: ' .. reason)
+      finalize(p, id, job, r, 'failed', t, ttl, {'error_type', 'WorkerLost',
+        'error', 'the process running the job died ' .. lost .. ' times; last: ' .. reason, ek, ev}, 'WorkerLost',
+        index)
+      return 'failed'
+    end
   end
   redis.call('HINCRBY', job, 'requeues', 1)
   history(p, id, r, 'requeued', t, 'WorkerLost')
-  local ek, ev = ended(attempt, t, 'requeued: ' .. reason)
+  local ek, ev = ended(attempt, t, (unbegun and 'requeued, it had not begun: ' or 'requeued: ') .. reason)
   to_pending(p, id, job, true, {'last_requeued_at', fmt(t), 'last_lost_reason', reason, ek, ev}, r[PRIORITY])
   return 'pending'
 end
