@@ -33,11 +33,13 @@ def test_a_sync_task_gets_soft_time_limit_inside_time_sleep(app, stack):
     assert apps.add.delay(1, 2).wait(20) == 3  # the child goes on, with no alarm left behind
 
 
-def test_a_soft_time_limit_that_lands_in_a_finalizer_still_reaches_the_task(app, stack):
-    """SIGALRM's SoftTimeLimit raised inside a __del__ was swallowed by Python ("Exception
-    ignored in", a traceback on the worker's output) and the task ran on to its hard limit; it
-    is raised again at the task's next line, as a kill is (test_api.py)."""
-    w = stack.worker("--async-slots", "0", concurrency=1)
+@pytest.mark.parametrize("children", [("--async-slots", "0"), ("--threads", "2")], ids=["classic", "threads"])
+def test_a_soft_time_limit_that_lands_in_a_finalizer_still_reaches_the_task(app, stack, children):
+    """SoftTimeLimit raised inside a __del__ (SIGALRM's in a classic child, the timer's
+    asynchronous exception in a thread) was swallowed by Python ("Exception ignored in", a
+    traceback on the worker's output) and the task ran on to its hard limit; it is raised again
+    at the task's next line, as a kill is (test_api.py), or posted to its thread again."""
+    w = stack.worker(*children, concurrency=1)
     job = apps.soft_finalizing.delay("f")
     assert job.wait(25) == "cleaned up"  # its loop runs 20 s; the soft limit is 0.3 s
     assert cleaned(app, "f") == 1

@@ -82,6 +82,7 @@ class Link:
         self.sending = self.killed = False
         self.interrupt: BaseException | None = None  # raised once a frame is whole (soft_limit.py)
         self.soft_armed = False  # a soft limit's alarm may come now (soft_limit.py): unraisable() raises it again
+        self.killing = False  # a kill swallowed by a finalizer waits to be raised again (unraisable())
         self.previous_hook = sys.unraisablehook
         self.lock = threading.Lock()
 
@@ -111,16 +112,25 @@ class Link:
         returns: a generator or coroutine suspended by an exception raised there would skip
         its finally blocks for good; its caller's next line raises it. Any other exception
         goes to the hook there was before (an app's, e.g. an error reporter's).
-        A soft limit's SoftTimeLimit swallowed so is raised again the same way, if the job's
-        soft limit still applies when that next line runs (its block may have ended: the
-        exception must not land in the child's own code after the job)."""
+        A soft limit's SoftTimeLimit swallowed so is raised again the same way (SIGALRM's in
+        the main thread, the timer's in a job's thread: sys.settrace is the thread's own), if
+        the job's soft limit still applies when that next line runs (its block may have
+        ended: the exception must not land in the child's own code after the job). A kill
+        waiting to be raised again wins over it."""
         exc = info.exc_value
-        if isinstance(exc, _Killed):
-            def due() -> bool:
-                return True
-        elif isinstance(exc, SoftTimeLimit) and self.soft_armed:
-            def due() -> bool:
-                return self.soft_armed
+        if isinstance(exc, SoftTimeLimit):
+            if self.killing:
+                return  # the job stops anyway
+            if threading.current_thread() is threading.main_thread():
+                def due() -> bool:
+                    return self.soft_armed
+            else:
+                due = soft_limit.thread_due
+            if not due():
+                self.previous_hook(info)
+                return
+        elif isinstance(exc, _Killed):
+            self.killing = True
         else:
             self.previous_hook(info)
             return
@@ -132,9 +142,11 @@ class Link:
             sys.settrace(None)
             for f in frames:
                 f.f_trace = None
-            if due():
-                raise exc.with_traceback(None)
-            return None
+            if isinstance(exc, _Killed):
+                self.killing = False
+            elif not due():
+                return None
+            raise exc.with_traceback(None)
 
         frame: Any = sys._getframe(0).f_back  # None when no Python code runs (the interpreter's exit)
         while frame is not None:

@@ -6,7 +6,8 @@ seconds after it began, so that it can clean up before the hard kill at its max 
   its handler raises in the task wherever it is, blocking calls included (time.sleep,
   socket reads: they fail with SoftTimeLimit). One raised in a finalizer (a `__del__`,
   where Python swallows exceptions) is raised again at the task's next line (child.py,
-  Link.unraisable), as a kill is. A handler that comes while the job is
+  Link.unraisable), as a kill is (a task in a thread's too). A handler that comes while the
+  job is
   writing a frame to the worker (a progress or log line) waits for the frame to be whole
   (Link.send raises it then): a frame cut short would break the pipe. One that comes while
   a spark=True task waits on the JVM (a Spark action) cancels the job's Spark job group and
@@ -69,15 +70,15 @@ def _alarm(seconds: float, link: Any) -> Iterator[None]:
             raise exc
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
     if link is not None:
         link.soft_armed = True  # one raised in a finalizer is raised again (Link.unraisable)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:
-        armed = False
         if link is not None:
             link.soft_armed = False
+        armed = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         spark_session.CHILD.forget()
@@ -85,17 +86,30 @@ def _alarm(seconds: float, link: Any) -> Iterator[None]:
             link.interrupt = None
 
 
+class _Posted:
+    """A job thread's soft limit while its block runs: whether it fired (SoftTimeLimit posted
+    to the thread), under a lock shared with its timer."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active, self.fired = True, False
+
+
+#: Thread id -> its soft limit, while the block runs (post_again()).
+_threads: dict[int, _Posted] = {}
+
+
 @contextlib.contextmanager
 def _async_exc(seconds: float) -> Iterator[None]:
-    ident, lock = threading.get_ident(), threading.Lock()
-    state = {"active": True, "fired": False}
+    ident, state = threading.get_ident(), _Posted()
 
     def fire() -> None:
-        with lock:
-            if state["active"]:
-                state["fired"] = True
+        with state.lock:
+            if state.active:
+                state.fired = True
                 _set_async_exc(ident, SoftTimeLimit)
 
+    _threads[ident] = state
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
     timer.start()
@@ -103,10 +117,19 @@ def _async_exc(seconds: float) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
-        with lock:
-            state["active"] = False
-            if state["fired"]:
+        with state.lock:
+            state.active = False
+            if state.fired:
                 _set_async_exc(ident, None)  # one not raised yet must not hit what runs next
+        del _threads[ident]
+
+
+def thread_due() -> bool:
+    """Whether this thread's soft limit (a task in a thread) fired and its block still runs:
+    a SoftTimeLimit that a finalizer swallowed is then raised again (child.py,
+    Link.unraisable). Posting it again from there would raise it in the hook itself."""
+    state = _threads.get(threading.get_ident())
+    return state is not None and state.active and state.fired
 
 
 def _set_async_exc(ident: int, exc: type[BaseException] | None) -> None:
