@@ -4,6 +4,7 @@ from taskrunner.client.app import JobSpec, Schedule, Task, TaskRunner
 from taskrunner.client.canvas import Chain, Chord, Group, GroupJob, Signature, chain, chord, group
 from taskrunner.client.job import Job
 from taskrunner.errors import (
+           BadArguments,
            InvalidName,
            JobFailed,
            JobNotFound,
@@ -24,4 +25,4 @@ __all__ = ["TaskRunner", "Task", "Job", "current_job", "JobContext", "chain", "C
            "GroupJob", "chord", "Chord",
            "JobSpec", "Schedule", "Retry", "Reject", "SoftTimeLimit", "TaskRunnerError", "JobFailed",
            "JobNotFound", "NotJSONError", "PayloadTooLarge", "InvalidName", "Timeout", "QueueFull", "QueueClosed",
-           "QueueNotFound"]
+           "QueueNotFound", "BadArguments"]

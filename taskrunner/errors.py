@@ -22,6 +22,11 @@ class NotJSONError(TaskRunnerError, TypeError):
     """Arguments or a result that JSON cannot carry (taskrunner never pickles)."""
 
 
+class BadArguments(TaskRunnerError, TypeError):
+    """A job's arguments that do not fit its task's signature (missing, extra or unknown
+    ones), refused where it is enqueued: a worker would fail it with BadArguments."""
+
+
 class PayloadTooLarge(TaskRunnerError, ValueError):
     """Encoded arguments larger than the `max_payload` setting."""
 

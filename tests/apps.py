@@ -306,6 +306,12 @@ def tsum(values: list) -> int:
 
 
 @app.task
+def anything(*args, **kwargs) -> list:
+    """Takes any arguments (the enqueue's check refuses none): gives them back."""
+    return [list(args), kwargs]
+
+
+@app.task
 def echo(value):
     """Returns what it is given (a callback's argument, to look at)."""
     return value

@@ -131,7 +131,10 @@ def test_failures_are_recorded(app, stack):
     stack.worker()
     boom = apps.boom.delay("bad <thing>")
     unknown = app.enqueue("tests.apps.nope", [1])
-    bad_args = apps.add.delay(1, 2, 3)
+    # Refused where the task is known (tests/test_arguments.py); a producer that does not
+    # know it (no app, queue given: no declaration read) leaves the worker to fail it.
+    blind = TaskRunner("blind", redis_url=app.settings.redis_url, prefix=app.settings.prefix)
+    bad_args = blind.enqueue("tests.apps.add", [1, 2, 3], queue="default")
     not_json = apps.not_json.delay()
     rejected = apps.reject.delay("no way")
     with pytest.raises(JobFailed) as e:

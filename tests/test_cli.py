@@ -39,7 +39,7 @@ def test_enqueue_options_and_failure_exit_code(app, stack):
     stack.worker("-Q", "q2")
     r = stack.cli("wait", "cli-1", "--timeout", "30")
     assert r.returncode == 1 and "ValueError: bad" in r.stderr
-    again = stack.cli("enqueue", "tests.apps.boom", "--id", "cli-1", "-q", "q2", check=True)
+    again = stack.cli("enqueue", "tests.apps.boom", "--args", '["x"]', "--id", "cli-1", "-q", "q2", check=True)
     assert again.stdout.strip() == "cli-1" and "exists already" in again.stderr
 
 
@@ -218,7 +218,8 @@ def test_redis_url_and_app_before_the_command(app, stack):
     assert r.returncode == 0 and json.loads(r.stdout)["pending"] == 1, r.stderr
     r = run_cli(stack, "-A", "no_such_module", "jobs")
     assert r.returncode == 2 and "no_such_module" in r.stderr
-    r = run_cli(stack, "-A", "tests.apps", "--redis-url", stack.url, "enqueue", "tests.apps.add", env=wrong)
+    r = run_cli(stack, "-A", "tests.apps", "--redis-url", stack.url, "enqueue", "tests.apps.add", "--args", "[1, 2]",
+                env=wrong)
     assert r.returncode == 0 and app.job(r.stdout.strip()).queue == "default", r.stderr
 
 

@@ -13,7 +13,17 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from taskrunner import JobFailed, JobNotFound, NotJSONError, PayloadTooLarge, Reject, Retry, TaskRunner, current_job
+from taskrunner import (
+    BadArguments,
+    JobFailed,
+    JobNotFound,
+    NotJSONError,
+    PayloadTooLarge,
+    Reject,
+    Retry,
+    TaskRunner,
+    current_job,
+)
 
 NOWHERE = "redis://127.0.0.1:1/0"
 
@@ -198,11 +208,11 @@ def test_unknown_task_ends_failed_not_registered() -> None:
     assert e.value.error_type == "NotRegistered" and "no.such.task" in e.value.message
 
 
-def test_bad_arguments_fail_as_in_a_worker() -> None:
-    app, _ = make_app()
-    with pytest.raises(JobFailed) as e:
-        app.tasks["add"].delay(1).wait()
-    assert e.value.error_type == "BadArguments"
+def test_bad_arguments_are_refused_at_enqueue_as_with_redis() -> None:
+    app, calls = make_app()
+    with pytest.raises(BadArguments, match="missing a required argument: 'b'"):
+        app.tasks["add"].delay(1)
+    assert calls["add"] == []
 
 
 def test_enqueue_many_runs_each_in_order() -> None:

@@ -102,8 +102,8 @@ def test_enqueue_many_links_earlier_jobs_existing_ones_and_callbacks(app, stack)
     with pytest.raises(ValueError, match="job 1: a job with depends_on cannot have a delay"):
         app.enqueue_many([{"task": "tests.apps.add", "args": [1, 1], "depends_on": ["e1"], "delay": 5}])
     with pytest.raises(ValueError, match="job 2: unknown fields \\['nope'\\] in on_success"):
-        app.enqueue_many([{"task": "tests.apps.add"},
-                          {"task": "tests.apps.add", "on_success": {"task": "x", "nope": 1}}])
+        app.enqueue_many([{"task": "tests.apps.add", "args": [1, 1]},
+                          {"task": "tests.apps.add", "args": [1, 1], "on_success": {"task": "x", "nope": 1}}])
 
 
 def test_asyncio_client_depends_on_and_callbacks(app, stack):

@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from taskrunner.client import canvas, declarations, eager, flow, steps
+from taskrunner.client import arguments, canvas, declarations, eager, flow, steps
 from taskrunner.client.canvas import Signature
 from taskrunner.client.job import Job
 from taskrunner.client.middleware import Enqueued, Middleware
@@ -194,7 +194,7 @@ class Task:
     def __init__(self, app: TaskRunner, fn: Callable, name: str, spec: JobSpec,
                  retry_on: tuple[type[BaseException], ...] | None = None,
                  no_retry_on: tuple[type[BaseException], ...] = (), ignore_result: bool = False,
-                 spark: bool = False):
+                 spark: bool = False, check_args: bool = True):
         self.app, self.fn, self.name, self.spec = app, fn, name, spec
         self.retry_on, self.no_retry_on = retry_on, no_retry_on
         #: The return value is dropped where the job runs (child.returned): it is neither
@@ -203,7 +203,18 @@ class Task:
         #: Its jobs get current_job().spark, the child's SparkSession (worker/spark_session.py).
         #: Worker-side only, as retry_on: not declared in Redis.
         self.spark = spark
+        #: Whether producers check a job's arguments against the function's signature.
+        self.check_args = check_args
+        self._shape: tuple[arguments.Shape | None] | None = None  # read on first use
         functools.update_wrapper(self, fn)
+
+    @property
+    def shape(self) -> arguments.Shape | None:
+        """The signature a job's arguments must bind to (None: not checked: check_args=False,
+        or a callable whose signature Python cannot read); read once, on first use."""
+        if self._shape is None:
+            self._shape = (arguments.shape_of(self.fn) if self.check_args else None,)
+        return self._shape[0]
 
     def retryable(self, error: BaseException) -> bool:
         """May a job that raised `error` run again (while its retries last)? Not for a
@@ -338,7 +349,7 @@ class TaskRunner:
              retry_backoff_max: float | None = None, result_ttl: int | None = None, failed_ttl: int | None = None,
              ignore_result: bool = False, soft_limit: float | None = None,
              rate_limit: str | None = None, max_concurrency: int | None = None, spark: bool = False,
-             retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
+             check_args: bool = True, retry_on: type[BaseException] | tuple[type[BaseException], ...] | None = None,
              no_retry_on: type[BaseException] | tuple[type[BaseException], ...] = ()) -> Any:
         """Declare a task: `@app.task` or `@app.task(queue=..., max_duration=..., retries=...)`.
         The name defaults to module.function. timeout_policy: "kill" ends a job that passes
@@ -360,8 +371,12 @@ class TaskRunner:
         spark: the task gets `current_job().spark`, a SparkSession its child makes on first
         use and keeps for its next jobs; a kill or its max duration cancels its Spark jobs
         (taskrunner/worker/spark_session.py). Give such tasks a queue of their own, served by
-        workers meant for them: each child that runs one starts a JVM."""
-        for flag, value in (("ignore_result", ignore_result), ("spark", spark)):
+        workers meant for them: each child that runs one starts a JVM.
+        check_args: a job's arguments are checked against the function's signature where
+        it is enqueued (BadArguments; taskrunner/client/arguments.py); False turns that off,
+        as Celery's typing=False, e.g. for a decorator that changes the arguments without
+        saying so in a __signature__."""
+        for flag, value in (("ignore_result", ignore_result), ("spark", spark), ("check_args", check_args)):
             if not isinstance(value, bool):
                 raise ValueError(f"{flag} must be True or False, not {value!r}")
         retry_classes = None if retry_on is None else _exception_classes("retry_on", retry_on)
@@ -377,7 +392,7 @@ class TaskRunner:
             if task_name in self.tasks and self.tasks[task_name].fn is not f:
                 raise TaskRunnerError(f"two tasks named {task_name!r}: pass name= to one of them")
             t = self.tasks[task_name] = Task(self, f, task_name, spec, retry_classes, no_retry_classes,
-                                             ignore_result, spark)
+                                             ignore_result, spark, check_args)
             return t
 
         return register(fn) if fn is not None else register
@@ -406,11 +421,13 @@ class TaskRunner:
     # -- enqueueing ------------------------------------------------------------------
 
     def _fields(self, task: str, args: Iterable, kwargs: dict | None, spec: JobSpec,
-                sent: list[str] | None, headers: dict[str, Any] | None = None) -> list[Any]:
+                sent: list[str] | None, headers: dict[str, Any] | None = None, fed: bool = False) -> list[Any]:
         """The fields of a job for enqueue.lua: with `sent` None (a task declared here) all
         of the spec's settings (those of OPTIONAL when not their default), else only those
         named (the script fills in the rest from the task's declaration in Redis). Headers
-        go only when there are some: a job without costs no field."""
+        go only when there are some: a job without costs no field. The arguments must fit
+        the task's signature, where it is known (arguments.check; `fed`: the job is given
+        its parent's result or error first)."""
         codec.check_name("task", task)
         if isinstance(args, (str, bytes, dict)) or not isinstance(args, Iterable):
             raise TypeError(f"args must be a list or tuple of arguments, not {type(args).__name__}")
@@ -418,13 +435,15 @@ class TaskRunner:
             raise TypeError(f"kwargs must be a dict, not {type(kwargs).__name__}")
         if not isinstance(headers or {}, dict):
             raise TypeError(f"headers must be a dict, not {type(headers).__name__}")
-        a = codec.dumps(list(args), "args")
+        args = list(args)
+        a = codec.dumps(args, "args")
         k = codec.dumps(kwargs or {}, "kwargs")
         h = codec.dumps(headers, "headers") if headers else b""
         size = len(a) + len(k) + len(h)
         if size > self.settings.max_payload:
             raise PayloadTooLarge(f"arguments {'and headers ' if h else ''}of {task} take {size} bytes; the limit "
                                   f"is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
+        arguments.check(task, self._shape_of(task), args, kwargs or {}, fed)
         fields: list[Any] = ["task", task, "queue", spec.queue, "args", a, "kwargs", k,
                              *(("headers", h) if h else ())]
         if sent is None:
@@ -447,6 +466,17 @@ class TaskRunner:
             for name in sent:
                 fields += [name, getattr(spec, name)]
         return [*fields, "producer", f"{self._producer}:{threading.get_ident()}"]
+
+    def _shape_of(self, task: str, look_up: bool = False) -> arguments.Shape | None:
+        """What a job's arguments must bind to (None: nothing is checked): the signature of
+        a task declared here, else the one its workers declared (`params`), as far as that
+        was looked up already: an enqueue by name looks it up anyway when no queue is given
+        (once every few seconds per task), so a job costs Redis no command for the check.
+        `look_up`: ask Redis if it was not (for a one-off such as adding a schedule)."""
+        t = self.tasks.get(task)
+        if t is not None:
+            return t.shape
+        return arguments.from_declaration(self.declared(task) if look_up else self._declared.get(task)[1])
 
     def _job_spec(self, task: str, options: dict[str, Any]) -> tuple[JobSpec, list[str] | None]:
         """The spec of a job of `task` with `options` (JobSpec fields; None: not set) and

@@ -114,7 +114,7 @@ class Chain:
         refused it (then no step was enqueued)."""
         app = self.steps[0].task.app
         if app.settings.eager:
-            drafts = steps.run(app, make_drafts(app, self.steps))
+            drafts = steps.run(app, make_drafts(app, self.steps, 1))
             return eager.chain(app, [(d.id, d.fields) for d in drafts], [s.immutable for s in self.steps])
         return steps.run(app, self.enqueued())[-1]
 
@@ -122,7 +122,7 @@ class Chain:
         """Enqueue every step, as an operation (steps.py: apply_async runs it, and so does
         AsyncClient.apply); every step's Job, in order."""
         app = self.steps[0].task.app
-        drafts = yield from make_drafts(app, self.steps)
+        drafts = yield from make_drafts(app, self.steps, 1)
         for parent, child, sig in zip(drafts, drafts[1:], self.steps[1:]):
             child.fields += ["parents", f"{parent.queue} {parent.id}", *(() if sig.immutable else ("takes", "result"))]
         return (yield from _write(app, drafts, "chain"))
@@ -205,7 +205,8 @@ class Chord:
         (its wait() gives the chord's result)."""
         app = self.body.task.app
         if app.settings.eager:
-            *members, callback = steps.run(app, make_drafts(app, [*self.header.members, self.body]))
+            *members, callback = steps.run(app, make_drafts(app, [*self.header.members, self.body],
+                                                            len(self.header.members)))
             done: list[Job] = [eager.enqueue(app, d.id, d.fields) for d in members]
             return eager.chord(app, (callback.id, callback.fields), done, self.body.immutable,
                                self.on_member_failure == "continue")
@@ -215,7 +216,7 @@ class Chord:
         """Enqueue the members and the callback, as an operation (as Chain.enqueued); their
         Jobs, the callback's last."""
         app = self.body.task.app
-        drafts = yield from make_drafts(app, [*self.header.members, self.body])
+        drafts = yield from make_drafts(app, [*self.header.members, self.body], len(self.header.members))
         *members, callback = drafts
         callback.fields += ["parents", " ".join(f"{d.queue} {d.id}" for d in members)]
         if not self.body.immutable:
@@ -225,17 +226,20 @@ class Chord:
         return (yield from _write(app, drafts, "chord"))
 
 
-def make_drafts(app: TaskRunner, sigs: list[Signature]) -> steps.Steps[list[steps.Draft]]:
+def make_drafts(app: TaskRunner, sigs: list[Signature], fed: int | None = None) -> steps.Steps[list[steps.Draft]]:
     """Each signature's job as enqueue.lua takes it (ids made here). A task known by name
-    only sends the options given; its declaration in Redis gives the rest."""
+    only sends the options given; its declaration in Redis gives the rest. The signatures
+    from index `fed` on are given their parent's value first unless immutable (a chain's
+    steps after the first: 1; a chord's callback: the members' count; a callback alone: 0;
+    None: none, a group's members)."""
     out = []
-    for sig in sigs:
+    for n, sig in enumerate(sigs):
         o = sig.options
         settings = {k: o.get(k) for k in ("queue", "max_duration", "retries", "max_retries")}
         spec = sig.task.job_spec(*settings.values())
         out.append((yield from steps.draft(app, sig.task.name, sig.args, sig.kwargs, spec,
                                            {} if spec is not None else settings, o.get("delay"), o.get("job_id"),
-                                           o.get("headers"))))
+                                           o.get("headers"), fed=fed is not None and n >= fed and not sig.immutable)))
     return out
 
 
@@ -269,7 +273,7 @@ def callbacks(app: TaskRunner, draft: steps.Draft, on_success: Signature | None,
             continue
         if not isinstance(sig, Signature):
             raise TypeError(f"a callback is a signature (task.s(...)), not {type(sig).__name__}")
-        [callback] = yield from make_drafts(app, [sig])
+        [callback] = yield from make_drafts(app, [sig], 0)
         callback.fields += ["parents", f"{draft.queue} {draft.id}", *edge, *(() if sig.immutable else takes)]
         out.append(callback)
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from taskrunner.client import arguments
 from taskrunner.protocol import codec
 
 if TYPE_CHECKING:
@@ -30,14 +31,18 @@ def declaration(app: TaskRunner, task: Task, worker: str, at: float) -> dict[str
     """What a worker publishes for one task: its settings with this worker's defaults
     filled in (the ones its jobs would get from it), who published it and when. The
     retry backoff cap and the TTLs only when the task sets them (null: the settings of
-    whichever process ends the job, as for a job of a producer that knows the task)."""
+    whichever process ends the job, as for a job of a producer that knows the task).
+    `params`, the function's parameters, for producers to check a job's arguments
+    (arguments.params), unless the task has check_args=False or no readable signature."""
     s = task.spec
+    shape = task.shape
     return {"task": task.name, "queue": s.queue, "max_duration": s.max_duration or app.settings.max_duration,
             "retries": s.retries, "retry_backoff": s.retry_backoff, "timeout_policy": s.timeout_policy,
             "max_lost": s.max_lost or app.settings.max_lost, "max_retries": s.max_retries,
             "retry_backoff_max": s.retry_backoff_max, "result_ttl": s.result_ttl, "failed_ttl": s.failed_ttl,
             "soft_limit": s.soft_limit, "rate_limit": s.rate_limit, "max_concurrency": s.max_concurrency,
-            "worker": worker, "declared_at": at}
+            "worker": worker, "declared_at": at,
+            **({"params": arguments.params(shape.signature)} if shape is not None else {})}
 
 
 def publish(app: TaskRunner, queues: list[str], worker: str, at: float, overwrite: bool = True) -> None:

@@ -178,15 +178,17 @@ class Draft:
 
 def draft(app: TaskRunner, task: str, args: Any, kwargs: dict | None, spec: JobSpec | None,
           options: dict[str, Any], delay: float | None, job_id: str | None,
-          headers: dict[str, Any] | None = None, flow: list[Any] | None = None) -> Steps[Draft]:
+          headers: dict[str, Any] | None = None, flow: list[Any] | None = None, fed: bool = False) -> Steps[Draft]:
     """Check a job and make its fields (TaskRunner.enqueue says how), its headers as the
     before_enqueue hooks leave them, before it is enqueued — or, in eager mode, run.
-    `flow`: its priority and unique lock fields (client/flow.py), checked already."""
+    `flow`: its priority and unique lock fields (client/flow.py), checked already. `fed`:
+    the job is given its parent's result (or error) first, a workflow step's or callback's
+    (its arguments are checked counting it)."""
     spec, sent = (spec.merged(**options), None) if spec is not None else (yield from job_spec(app, task, options))
     spec = spec.merged(queue=(yield from placed(app, task, spec, flow or [], job_id)))
     job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
     headers = app._headers(task, args, kwargs, spec.queue, job_id, headers)
-    fields = app._fields(task, args, kwargs, spec, sent, headers)
+    fields = app._fields(task, args, kwargs, spec, sent, headers, fed)
     if flow:
         fields += flow
     return Draft(job_id, spec.queue, codec.seconds("delay", delay) if delay is not None else 0.0, fields)

@@ -28,6 +28,7 @@ from zoneinfo import ZoneInfo
 
 from croniter import croniter
 
+from taskrunner.client import arguments
 from taskrunner.client.app import Schedule, check_cron, check_schedule_options, cron_job_id
 from taskrunner.errors import TaskRunnerError
 from taskrunner.protocol import codec
@@ -140,6 +141,7 @@ def add(app: TaskRunner, name: str, task: str, *, cron: str | None = None, every
     check_schedule_options(tz, missed, overlap, jitter)
     if not isinstance(args or [], list) or not isinstance(kwargs or {}, dict):
         raise ValueError("args must be a JSON array and kwargs a JSON object")
+    arguments.check(task, app._shape_of(task, look_up=True), list(args or []), dict(kwargs or {}), False)
     s = Schedule(name=name, cron=cron or "", task=task, args=list(args or []), kwargs=dict(kwargs or {}),
                  queue=queue, missed=missed, every=seconds, tz=tz, jitter=jitter, overlap=overlap, source="runtime")
     definition = {k: v for k, v in asdict(s).items() if k not in ("name", "source") and v not in (None, "")}

@@ -1,0 +1,219 @@
+"""A job's arguments checked against its task's signature where it is enqueued
+(taskrunner/client/arguments.py): `add.delay(1)` for `def add(a, b)` raises BadArguments in
+the caller, one line naming the task and what is wrong, and enqueues nothing, instead of
+failing later in a worker. Correct calls still enqueue, workflow steps given their parent's
+value first included; a producer without the app checks against the workers' declaration."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+
+import pytest
+
+from taskrunner import BadArguments, TaskRunner
+from taskrunner.client import arguments, declarations
+from taskrunner.client.canvas import chord, group
+from tests import apps
+from tests.conftest import wait_for
+
+
+def nothing_enqueued(app: TaskRunner) -> bool:
+    return not app.redis.exists(app.keys.q("default") + "pending")
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: apps.add.delay(1), "missing a required argument: 'b'"),
+    (lambda: apps.add.delay(1, 2, 3), "too many positional arguments"),
+    (lambda: apps.add.apply_async((1, 2), {"c": 3}), "got an unexpected keyword argument 'c'"),
+    (lambda: apps.app.enqueue("tests.apps.add", [1]), "missing a required argument: 'b'"),
+    (lambda: apps.app.enqueue_many([{"task": "tests.apps.add", "args": [1, 2]},
+                                    {"task": "tests.apps.add", "kwargs": {"a": 1}}]),
+     "job 2: tests.apps.add(a, b): missing a required argument: 'b'"),
+    (lambda: (apps.add.s(1, 2) | apps.mul.s(3, 4)).delay(), "tests.apps.mul(a, b): too many positional arguments"),
+    (lambda: apps.add.apply_async((1, 2), on_success=apps.mul.s()), "missing a required argument: 'b'"),
+    (lambda: chord(group(apps.add.s(i, i) for i in range(3)), apps.mul.s(1, 2)).delay(),
+     "tests.apps.mul(a, b): too many positional arguments"),
+])
+def test_arguments_that_do_not_fit_are_refused_at_enqueue(app, call, words):
+    with pytest.raises(BadArguments) as e:
+        call()
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert isinstance(e.value, TypeError)  # as calling the function would raise
+    assert nothing_enqueued(app) and not app.redis.exists(app.keys.q("default") + "waiting")
+
+
+def test_calls_that_fit_still_enqueue(app):
+    jobs = [apps.add.delay(1, 2), apps.add.apply_async((1,), {"b": 2}), apps.hold.delay("k"),
+            app.enqueue("tests.apps.hold", ["k"], {"seconds": 1})]
+    # Steps and callbacks given a value first: counted as their first argument.
+    jobs.append((apps.add.s(1, 2) | apps.mul.s(10) | apps.echo.s() | apps.add.si(0, 0)).delay())
+    jobs.append(apps.add.apply_async((1, 2), on_success=apps.echo.s(), on_failure=apps.echo.s()))
+    jobs.append(apps.add.apply_async((1, 2), on_success=apps.add.si(1, 1), on_failure=apps.record.si("k")))
+    jobs.append(chord(group(apps.add.s(i, i) for i in range(3)), apps.tsum.s()).delay())
+    jobs.append(apps.add.s(1, 2).delay())  # a signature alone is not given anything
+    assert all(j.created for j in jobs)
+
+
+def make_eager() -> TaskRunner:
+    """An eager app (the task runs in enqueue) with tasks of every shape the check reads."""
+    app = TaskRunner("shapes", eager=True, redis_url="redis://127.0.0.1:1/0")
+
+    @app.task(name="star")
+    def star(first, *rest, scale=1, **options):
+        return [first, list(rest), scale, options]
+
+    @app.task(name="aio")
+    async def aio(x, y=2):
+        await asyncio.sleep(0)
+        return x + y
+
+    class Doubler:
+        def __call__(self, x):
+            return 2 * x
+
+    app.task(Doubler(), name="doubler")
+
+    def logged(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    @app.task(name="wrapped")
+    @logged
+    def wrapped(a, b):
+        return a - b
+
+    def injecting(fn):  # a decorator that adds an argument, without a __signature__: opted out
+        @functools.wraps(fn)
+        def wrapper(*args):
+            return fn("db", *args)
+        return wrapper
+
+    @app.task(name="injected", check_args=False)
+    @injecting
+    def injected(db, x):
+        return f"{db}:{x}"
+
+    return app
+
+
+def test_every_shape_of_task_is_checked_and_runs(monkeypatch):
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    app = make_eager()
+    t = app.tasks
+    assert t["star"].delay(1).wait() == [1, [], 1, {}]
+    assert t["star"].delay(1, 2, 3, scale=2, x=4).wait() == [1, [2, 3], 2, {"x": 4}]
+    assert t["aio"].delay(1).wait() == 3 and t["aio"].delay(1, y=5).wait() == 6
+    assert t["doubler"].delay(4).wait() == 8
+    assert t["wrapped"].delay(5, 3).wait() == 2
+    assert t["injected"].delay(7).wait() == "db:7"  # check_args=False: not checked
+    assert (t["aio"].s(1) | t["doubler"].s() | t["star"].s(0, scale=3)).delay().wait() == [6, [0], 3, {}]
+    for call, words in [(lambda: t["star"].delay(), "missing a required argument: 'first'"),
+                        (lambda: t["aio"].delay(1, 2, 3), "too many positional arguments"),
+                        (lambda: t["doubler"].delay(x=1, y=2), "unexpected keyword argument 'y'"),
+                        (lambda: t["wrapped"].delay(1), r"wrapped\(a, b\): missing a required argument: 'b'"),
+                        (lambda: (t["aio"].s(1) | t["doubler"].s(2)).delay(), "too many positional")]:
+        with pytest.raises(BadArguments, match=words):
+            call()
+
+
+def test_a_schedule_with_arguments_that_do_not_fit_is_refused_where_it_is_declared(monkeypatch):
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    app = make_eager()
+    with pytest.raises(BadArguments, match="missing a required argument: 'b'"):
+        app.periodic("* * * * *", name="sub", args=[1])(app.tasks["wrapped"])
+
+
+def test_the_declaration_carries_the_parameters(app):
+    """docs/PROTOCOL.md, Task declarations: `params`, as Python writes the signature without
+    annotations nor defaults; none for a task that opts out."""
+    def f(a, /, b, c=1, *, d, **kw): ...
+
+    def g(*args, z=2): ...
+
+    for fn, words in [(f, ["a", "/", "b", "c=", "*", "d", "**kw"]), (g, ["*args", "z="]), (lambda: 0, []),
+                      (lambda a, b, /: 0, ["a", "b", "/"])]:
+        shape = arguments.shape_of(fn)
+        assert shape is not None and arguments.params(shape.signature) == words
+        back = arguments.from_declaration({"params": words})
+        assert back is not None and arguments.params(back.signature) == words
+    assert declarations.declaration(app, apps.add, "w", 0.0)["params"] == ["a", "b"]
+    assert declarations.declaration(app, apps.hold, "w", 0.0)["params"] == ["key", "seconds="]
+    opted = TaskRunner("opted").task(lambda x: x, name="opted", check_args=False)
+    assert "params" not in declarations.declaration(app, opted, "w", 0.0)
+    for bad in [None, {}, {"params": "a"}, {"params": [1]}, {"params": ["a", "a"]}, {"params": ["a=", "b"]},
+                {"params": ["no such"]}]:
+        assert arguments.from_declaration(bad) is None  # not checked
+
+
+def test_a_producer_without_the_app_checks_against_the_declaration(app, stack):
+    """The CLI without -A and app.enqueue by name look the declaration up anyway (the
+    task's queue): its params then refuse arguments that do not fit, at no Redis cost."""
+    stack.worker(name="declarer")
+    wait_for(lambda: app.redis.zscore(app.keys.workers, "declarer"), what="the worker's first heartbeat")
+    r = stack.cli("enqueue", "tests.apps.add", "--args", "[1]")
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == "Error: tests.apps.add(a, b): missing a required argument: 'b'\n"
+    bare = TaskRunner("bare", redis_url=app.settings.redis_url, prefix=app.settings.prefix)
+    with pytest.raises(BadArguments, match="too many positional arguments"):
+        bare.enqueue("tests.apps.add", [1, 2, 3])
+    assert nothing_enqueued(app)
+    assert bare.enqueue("tests.apps.add", [1, 2]).wait(30) == 3
+    # A declaration without params (an older worker's): not checked.
+    old = {k: v for k, v in json.loads(app.redis.hget(app.keys.tasks, "tests.apps.mul")).items() if k != "params"}
+    app.redis.hset(app.keys.tasks, "tests.apps.mul", json.dumps(old))
+    r = stack.cli("enqueue", "tests.apps.mul", "--args", "[1]", check=True)
+    assert r.stdout.strip()
+
+
+def test_cli_with_the_app_refuses_arguments_that_do_not_fit(app, stack):
+    r = stack.cli("enqueue", "-A", "tests.apps", "tests.apps.add", "--args", "[1, 2]", "--kwargs", '{"c": 3}')
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == "Error: tests.apps.add(a, b): got an unexpected keyword argument 'c'\n"
+    r = stack.cli("enqueue", "-A", "tests.apps", "tests.apps.add", "--args", "[1, 2]",
+                  "--on-success", '{"task": "tests.apps.mul", "args": [1, 2]}')
+    assert r.returncode == 2 and "tests.apps.mul(a, b): too many positional arguments" in r.stderr
+    r = stack.cli("schedule", "add", "-A", "tests.apps", "nightly", "tests.apps.add", "--cron", "0 3 * * *",
+                  "--args", "[1, 2, 3]")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "too many positional arguments" in r.stderr
+    assert nothing_enqueued(app)
+    r = stack.cli("enqueue", "-A", "tests.apps", "tests.apps.add", "--args", "[1]", "--kwargs", '{"b": 2}',
+                  "--on-success", "tests.apps.echo", check=True)
+    assert app.job(r.stdout.strip()).state == "pending"
+
+
+def test_counting_positional_arguments_agrees_with_binding():
+    """Shape.check counts a job's positional arguments instead of binding them: the same
+    verdict as Signature.bind, for every kind of parameter."""
+    def plain(a, b): ...
+
+    def defaults(a, b=1, c=2): ...
+
+    def star(a, *rest): ...
+
+    def kwonly(a, *, k): ...
+
+    def kwdefault(a, *, k=1): ...
+
+    def positional(a, /, b=1): ...
+
+    def anything(*args, **kwargs): ...
+
+    for fn in (plain, defaults, star, kwonly, kwdefault, positional, anything, lambda: 0):
+        shape = arguments.shape_of(fn)
+        assert shape is not None
+        for n in range(5):
+            for fed in (False, True):
+                try:
+                    shape.signature.bind(*range(n + fed))
+                    fits = True
+                except TypeError:
+                    fits = False
+                try:
+                    shape.check("t", list(range(n)), {}, fed)
+                    assert fits, (fn, n, fed)
+                except BadArguments:
+                    assert not fits, (fn, n, fed)
