@@ -106,6 +106,9 @@ class Shape:
 
     def __init__(self, sig: inspect.Signature) -> None:
         self.signature = sig
+        #: As errors show it: without annotations, which say nothing a worker checks.
+        self.shown = str(sig.replace(parameters=[p.replace(annotation=P.empty) for p in sig.parameters.values()],
+                                     return_annotation=inspect.Signature.empty))
         ps = list(sig.parameters.values())
         positional = [p for p in ps if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
         #: Positional arguments alone fit when their count is from `least` to `most` (None: any
@@ -124,9 +127,9 @@ class Shape:
         try:
             self.signature.bind(*((_FED, *args) if fed else args), **kwargs)
         except TypeError as e:
-            first = " (counting the value it is given first, its parent's result or error; .si() gives none)" \
-                if fed else ""
-            raise BadArguments(f"{task}{self.signature}: {e}{first}") from None
+            first = (" (counting the value it is given first, its parent's result or error; an immutable step, "
+                     ".si(), is given none)") if fed else ""
+            raise BadArguments(f"{task}{self.shown}: {e}{first}") from None
 
 
 def from_declaration(declared: dict[str, Any] | None) -> Shape | None:
