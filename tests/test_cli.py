@@ -314,6 +314,22 @@ def test_values_taskrunner_refuses_are_usage_errors(app, stack):
     assert app.queue_names() == []
 
 
+def test_durations_the_scripts_cannot_store_are_refused_before_redis(app, stack):
+    """A newcomer's sweep: `enqueue --delay 1e300` (or --max-duration) passed the client's
+    check (a finite number) and came back from enqueue.lua as "Error: job 01M8...: delay must
+    be ... < 2^53", naming a job id the user never saw; the API raised the same. The client
+    now refuses what the scripts refuse (2^53 s and more), in its own words."""
+    add = ["enqueue", "tests.apps.add", "--args", "[1, 2]"]
+    for option, name, least in (("--delay", "delay", ">= 0"), ("--max-duration", "max_duration", "> 0")):
+        r = stack.cli(*add, option, "1e300")
+        assert (r.returncode, r.stdout, one_line_error(r)) == (
+            2, "", f"Error: {name} must be a finite number of seconds {least} and < 2^53, not 1e+300\n"), r
+    with pytest.raises(ValueError, match=r"^delay must be a finite number of seconds >= 0 and < 2\^53, not 9"):
+        apps.add.apply_async((1, 2), delay=2.0**53)
+    assert apps.add.apply_async((1, 2), delay=2.0**53 - 1).created  # the largest the scripts take
+    assert app.queue_names() == ["default"]
+
+
 def test_tables_stay_aligned_with_long_ids_and_queue_names(app, stack):
     """A cron tick's id (cron.<task>.<tick>) or a queue name longer than the usual pushed
     the next columns of `jobs` and `inspect` out of line with their headings."""

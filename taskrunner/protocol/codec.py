@@ -99,15 +99,23 @@ def new_id() -> str:
     return "".join([_PAIRS[(n >> s) & 1023] for s in _SHIFTS])  # 26 characters, 10 bits at a time
 
 
+#: Seconds the scripts take (enqueue.lua's SECONDS_MAX, 2^53): whole seconds up to it are exact doubles.
+SECONDS_MAX = 2**53
+
+
 def seconds(name: str, value: Any, positive: bool = False) -> float:
-    """A duration given by a caller: a finite number, >= 0 (> 0 if positive). NaN or text
-    would reach the Lua scripts as strings they cannot compare."""
+    """A duration given by a caller: a finite number, >= 0 (> 0 if positive), below 2^53 as
+    the scripts take it (enqueue.lua refuses more, in words naming the job: the caller's
+    mistake is said here first). NaN or text would reach the Lua scripts as strings they
+    cannot compare."""
     try:
-        ok = not isinstance(value, (bool, str)) and math.isfinite(value) and (value > 0 if positive else value >= 0)
+        ok = not isinstance(value, (bool, str)) and math.isfinite(value) and value < SECONDS_MAX \
+            and (value > 0 if positive else value >= 0)
     except (TypeError, OverflowError):
         ok = False
     if not ok:
-        raise ValueError(f"{name} must be a finite number of seconds {'> 0' if positive else '>= 0'}, not {value!r}")
+        raise ValueError(f"{name} must be a finite number of seconds {'> 0' if positive else '>= 0'} and < 2^53, "
+                         f"not {value!r}")
     return float(value)
 
 
