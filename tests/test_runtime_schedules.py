@@ -137,7 +137,7 @@ def test_overlap_skip_and_jitter(app):
     (["--cron", "not a cron"], "invalid cron expression"),
     (["--cron", "0 3 * * *", "--tz", "Mars/Olympus"], "unknown time zone"),
     (["--cron", "0 3 * * *", "--every", "5s"], "either a cron expression or an interval"),
-    ([], "either a cron expression or an interval"),
+    ([], "give a schedule a cron expression or an interval (every): it has neither"),  # said "not both"
     (["--every", "0s"], "whole number of seconds >= 1"),
     (["--every", "1.5s"], "whole number of seconds >= 1"),
     (["--every", "5s", "--tz", "UTC"], "time zone applies to cron"),

@@ -131,7 +131,9 @@ def add(app: TaskRunner, name: str, task: str, *, cron: str | None = None, every
     codec.check_name("task", task)
     codec.check_name("queue", queue)
     codec.check_id(cron_job_id(name, 2**40))
-    if (cron is None) == (every is None):
+    if cron is None and every is None:
+        raise ValueError("give a schedule a cron expression or an interval (every): it has neither")
+    if cron is not None and every is not None:
         raise ValueError("give a schedule either a cron expression or an interval (every), not both")
     if every is not None and tz is not None:
         raise ValueError("a time zone applies to cron schedules, not to intervals")
