@@ -1005,20 +1005,32 @@ def harvest(queue_list: str | None, app_spec: str | None, redis_url: str | None)
     click.echo(" ".join(f"{k}={v}" for k, v in stats.items()))
 
 
-def _seconds(value: str) -> float:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    try:
-        return float(value[:-1]) * units[value[-1]] if value and value[-1] in units else float(value)
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: expected seconds, or e.g. 90s, 5m, 2h") from None
+class Age(click.ParamType):
+    """A duration as `recover --older-than` takes it: seconds, or a number with a unit (90s,
+    5m, 2h, 1d), finite and >= 0. Read before anything runs: a negative age (a cutoff in the
+    future) would put back every running job, even one its live worker has just started."""
+
+    name = "DURATION"
+    UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float):
+            return value
+        text = str(value)
+        try:
+            n = float(text[:-1]) * self.UNITS[text[-1]] if text and text[-1] in self.UNITS else float(text)
+            return codec.seconds("age", n)
+        except ValueError:
+            self.fail(f"{text!r}: expected seconds (a number >= 0), or e.g. 90s, 5m, 2h", param, ctx)
 
 
 @main.command()
 @click.option("-q", "--queue", "queue_name", required=True)
-@click.option("--older-than", required=True, help="Put back jobs delivered longer ago than this (e.g. 60s, 5m).")
+@click.option("--older-than", type=Age(), required=True,
+              help="Put back jobs delivered longer ago than this (e.g. 60s, 5m).")
 @click.option("--count", type=click.IntRange(min=1), default=1000, show_default=True, help="At most this many.")
 @common
-def recover(queue_name: str, older_than: str, count: int, app_spec: str | None, redis_url: str | None) -> None:
+def recover(queue_name: str, older_than: float, count: int, app_spec: str | None, redis_url: str | None) -> None:
     """Put running jobs delivered too long ago back in line (whatever their workers do);
     their next delivery is counted. Prints the ids."""
     import socket
@@ -1030,7 +1042,7 @@ def recover(queue_name: str, older_than: str, count: int, app_spec: str | None, 
     _known(app, queue_name)
     ids = [i for shard in shards_of(app, queue_name)  # each shard of a sharded queue
            for i in scripts.RECOVER(app.redis, [app.keys.q(shard)],
-                                    [_seconds(older_than), count, f"{socket.gethostname()}:{os.getpid()}"])]
+                                    [older_than, count, f"{socket.gethostname()}:{os.getpid()}"])]
     click.echo("\n".join(ids) if ids else "nothing to recover")
 
 

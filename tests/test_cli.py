@@ -330,6 +330,35 @@ def test_durations_the_scripts_cannot_store_are_refused_before_redis(app, stack)
     assert app.queue_names() == ["default"]
 
 
+@pytest.mark.parametrize("value", ["-5m", "-1", "nan", "inf", "1e400", "soon", ""])
+def test_recover_refuses_an_age_that_is_no_duration(app, stack, value):
+    """A newcomer's sweep: `recover --older-than -5m` was taken (a cutoff 5 minutes in the
+    future) and put back every running job, one delivered a second before included, whose
+    live worker went on running it: the job then ran twice. nan and inf were taken too (and
+    recovered nothing), and a value that is no number was read only after Redis was asked
+    (`-q nope --older-than soon` said no queue), in an error that did not name the option."""
+    r = stack.cli("recover", "-q", "nope", "--older-than", value)
+    assert (r.returncode, r.stdout) == (2, ""), r
+    [error] = [line for line in r.stderr.splitlines() if line.startswith("Error: ")]
+    assert error.startswith("Error: Invalid value for '--older-than': ") and "90s, 5m, 2h" in error, error
+
+
+def test_the_recover_script_refuses_an_age_or_count_that_is_none(app, stack):
+    """recover.lua too (another client may call it): a negative age put back every running
+    job, one its live worker had just started included."""
+    from taskrunner.protocol import scripts
+
+    stack.worker(name="holder")
+    job = apps.hold.delay("recover-me", 30)
+    wait_for(lambda: job.refresh().state == "running", what="the job to start")
+    for age, count, said in ((-300, 10, "the age (ARGV[1])"), ("nan", 10, "the age"), ("inf", 10, "the age"),
+                             ("soon", 10, "the age"), (60, 0, "the count (ARGV[2])"), (60, 1.5, "the count")):
+        with pytest.raises(ValueError, match=re.escape(f"recover: {said}")):
+            scripts.RECOVER(app.redis, [app.keys.q("default")], [age, count, "test"])
+    assert (job.refresh().state, job.data["attempts"]) == ("running", "1")  # not put back
+    assert scripts.RECOVER(app.redis, [app.keys.q("default")], [0, 10, "test"]) == [job.id]  # 0: every one
+
+
 def test_tables_stay_aligned_with_long_ids_and_queue_names(app, stack):
     """A cron tick's id (cron.<task>.<tick>) or a queue name longer than the usual pushed
     the next columns of `jobs` and `inspect` out of line with their headings."""

@@ -2,10 +2,20 @@
 -- released and pending next in line; their next claim counts a new delivery.
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  older than (s)   ARGV[2] at most this many   ARGV[3] who asked
--- Returns the ids put back.
+-- Returns the ids put back. An age that is not a number of seconds >= 0 and < 2^53 (a
+-- negative one would put back every running job, one just started by a live worker too), or
+-- a count that is not a whole number >= 1, is refused: ERR taskrunner: BadCall: recover: ...
 local p = KEYS[1]
+local age, most = tonumber(ARGV[1]), tonumber(ARGV[2])
+if not age or not (age >= 0 and age < 9007199254740992) then
+  return redis.error_reply('ERR taskrunner: BadCall: recover: the age (ARGV[1]) must be a number of seconds >= 0 '
+    .. 'and < 2^53')
+end
+if not most or most < 1 or most ~= math.floor(most) then
+  return redis.error_reply('ERR taskrunner: BadCall: recover: the count (ARGV[2]) must be a whole number >= 1')
+end
 local t = now()
-local cutoff = t - tonumber(ARGV[1])
+local cutoff = t - age
 local due = {}
 local entries = redis.call('HGETALL', p .. 'running')
 for i = 1, #entries, 2 do
@@ -17,7 +27,7 @@ for i = 1, #entries, 2 do
 end
 table.sort(due, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
 local out = {}
-for i = 1, math.min(#due, tonumber(ARGV[2])) do
+for i = 1, math.min(#due, most) do
   local id = due[i][2]
   local job = p .. 'job:' .. id
   local r = load(job)
