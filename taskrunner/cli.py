@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -39,6 +40,18 @@ from taskrunner.protocol.connection import server_time
 APP_HELP = "Module with your TaskRunner (module or module:attr). Env: TASKRUNNER_APP."
 URL_HELP = ("redis://host:port/db, rediss://..., unix:///path, redis+sentinel://host[:port][,host...]/service[/db], "
             "redis+cluster://host[:port][,host...]. Env: REDIS_URL.")
+
+
+class Finite(click.FloatRange):
+    """click's FloatRange, less NaN and the infinities: it takes them (NaN compares false
+    with either bound), and `wait --timeout nan` waited forever, `--max-memory-per-child nan`
+    never replaced a child."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 def _or_before(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
@@ -348,7 +361,7 @@ def workflow(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | 
 
 @main.command()
 @click.argument("job_id")
-@click.option("--timeout", type=click.FloatRange(min=0), help="Give up after this many seconds (exit 2); default: as "
+@click.option("--timeout", type=Finite(min=0), help="Give up after this many seconds (exit 2); default: as "
               "long as it takes.")
 @common
 def wait(job_id: str, timeout: float | None, app_spec: str | None, redis_url: str | None) -> None:
@@ -537,7 +550,7 @@ def log_options(f: Callable) -> Callable:
               "or max duration cancels one coroutine, and its siblings go on.")
 @click.option("--max-jobs-per-child", type=click.IntRange(min=1), help="Replace a child process by a fresh one "
               "after it ran this many jobs (recycling: for leaks; nothing is lost or counted). Default: never.")
-@click.option("--max-memory-per-child", type=click.FloatRange(min=1), metavar="MB", help="Replace a child process "
+@click.option("--max-memory-per-child", type=Finite(min=1), metavar="MB", help="Replace a child process "
               "once its resident memory (RSS, checked after its jobs) exceeds this many MB. Default: never.")
 @log_options
 @HEALTH_PORT
@@ -656,7 +669,7 @@ def schedule() -> None:
 @click.option("--args", "args_json", metavar="JSON", help="JSON array of arguments.")
 @click.option("--kwargs", "kwargs_json", metavar="JSON", help="JSON object of keyword arguments.")
 @click.option("-q", "--queue", "queue_name", default="default", show_default=True)
-@click.option("--jitter", type=click.FloatRange(0, 86400, max_open=True), default=0.0, show_default=True,
+@click.option("--jitter", type=Finite(0, 86400, max_open=True), default=0.0, show_default=True,
               help="Delay each tick's job by up to this many seconds (spreads load; the same on every dispatcher).")
 @click.option("--overlap", type=click.Choice(["allow", "skip"]), default="allow", show_default=True,
               help="skip: no tick while the previous tick's job is pending, delayed or running.")
@@ -853,7 +866,7 @@ def purge(queue_name: str, yes: bool, app_spec: str | None, redis_url: str | Non
 
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("-q", "--queue", "queue_list", required=True, help="Queues in priority order, comma-separated.")
-@click.option("--timeout", type=click.FloatRange(min=0), default=0, show_default=True,
+@click.option("--timeout", type=Finite(min=0), default=0, show_default=True,
               help="Wait this long for a job (exit 2 if none).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @log_options
@@ -1102,7 +1115,7 @@ def history_archive(history_dir: str | None, batch: int, app_spec: str | None, r
               "Env: TASKRUNNER_HISTORY_DIR.")
 @click.option("--date", "day", type=click.DateTime(["%Y-%m-%d"]), help="Only this day's partitions (YYYY-MM-DD; "
               "default: every day but today, UTC).")
-@click.option("--target-mb", type=click.FloatRange(min=1), default=128, show_default=True,
+@click.option("--target-mb", type=Finite(min=1), default=128, show_default=True,
               help="About how large each merged file is.")
 @click.option("--json", "as_json", is_flag=True)
 @common

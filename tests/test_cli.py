@@ -302,6 +302,23 @@ def test_option_out_of_range_is_a_usage_error(stack, args):
     assert "Invalid value for" in error and args[-2] in error, error
 
 
+@pytest.mark.parametrize("args", [
+    ["wait", "someid", "--timeout", "nan"], ["wait", "someid", "--timeout", "inf"],
+    ["consume", "-q", "default", "--timeout", "nan"], ["consume", "-q", "default", "--timeout", "inf"],
+    ["worker", "-A", "tests.apps", "--max-memory-per-child", "nan"],
+    ["history", "compact", "--target-mb", "nan"],
+    ["schedule", "add", "s", "tests.apps.add", "--every", "5s", "--args", "[1, 2]", "--jitter", "nan"]])
+def test_an_option_that_takes_seconds_or_megabytes_refuses_nan_and_infinity(app, stack, args):
+    """A newcomer's sweep: click's FloatRange takes NaN (it compares false with either bound)
+    and the infinities: `wait ID --timeout nan` and `consume --timeout nan` waited forever, a
+    worker with `--max-memory-per-child nan` never replaced a child, `history compact
+    --target-mb nan` said "cannot convert float NaN to integer"."""
+    r = stack.cli(*args, timeout=20)
+    assert (r.returncode, r.stdout) == (2, ""), r
+    [error] = [line for line in r.stderr.splitlines() if line.startswith("Error: ")]
+    assert error.startswith(f"Error: Invalid value for '{args[-2]}'") and "finite" in error, error
+
+
 def test_values_taskrunner_refuses_are_usage_errors(app, stack):
     """README: exit 2 is a mistake in what the command was given. An invalid queue name or
     job id, a negative delay or retries exited 1, as if Redis had failed."""
