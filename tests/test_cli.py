@@ -376,6 +376,19 @@ def test_the_recover_script_refuses_an_age_or_count_that_is_none(app, stack):
     assert scripts.RECOVER(app.redis, [app.keys.q("default")], [0, 10, "test"]) == [job.id]  # 0: every one
 
 
+def test_a_delay_with_depends_on_is_refused_in_the_callers_words(app, stack):
+    """A newcomer's sweep: `enqueue T --depends-on ID --delay 5` came back from enqueue.lua
+    as "Error: job 01M8...: a job with parents cannot have a delay", naming a job id the user
+    never saw (enqueue_many said it in its own words already); apply_async the same."""
+    parent = apps.add.delay(1, 2)
+    r = stack.cli("enqueue", "tests.apps.add", "--args", "[1, 2]", "--depends-on", parent.id, "--delay", "5")
+    assert (r.returncode, r.stdout, one_line_error(r)) == (
+        2, "", "Error: a job with depends_on cannot have a delay (it runs once its parents completed)\n"), r
+    with pytest.raises(ValueError, match="^a job with depends_on cannot have a delay"):
+        apps.add.apply_async((1, 2), depends_on=[parent], delay=5)
+    assert app.redis.llen(app.keys.q("default") + "pending") == 1  # the parent alone
+
+
 def test_tables_stay_aligned_with_long_ids_and_queue_names(app, stack):
     """A cron tick's id (cron.<task>.<tick>) or a queue name longer than the usual pushed
     the next columns of `jobs` and `inspect` out of line with their headings."""

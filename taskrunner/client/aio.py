@@ -117,8 +117,7 @@ class AsyncClient:
         on_success, on_failure: signatures, e.g. app.signature("name")) and errors as
         TaskRunner.enqueue (QueueFull after block_timeout, QueueClosed, NotJSONError...)."""
         fields = flow.fields(task, args, kwargs, priority, unique_for, unique_key, unique_until)
-        if "unique_key" in fields and (depends_on is not None or on_success is not None or on_failure is not None):
-            raise ValueError("a unique job cannot be part of a workflow (depends_on, on_success, on_failure)")
+        canvas.refuse_bad_links(fields, delay, depends_on, on_success, on_failure)
         draft = await self._run(steps.draft(self.app, task, args, kwargs, None, options, delay, job_id, headers,
                                             fields))
         created = await self._run(canvas.linked(self.app, draft, depends_on, on_success, on_failure, block_timeout))

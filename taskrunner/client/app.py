@@ -536,8 +536,7 @@ class TaskRunner:
                 and isinstance(args, Iterable) and not isinstance(args, (str, bytes, dict)):
             args = list(args)  # read twice: for the key, then for the job
         flow_fields = flow.fields(task, args, kwargs, priority, unique_for, unique_key, unique_until)
-        if "unique_key" in flow_fields and (depends_on is not None or on_success is not None or on_failure is not None):
-            raise ValueError("a unique job cannot be part of a workflow (depends_on, on_success, on_failure)")
+        canvas.refuse_bad_links(flow_fields, delay, depends_on, on_success, on_failure)
         draft = steps.run(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id, headers,
                                             flow_fields))
         if self.settings.eager:
@@ -673,8 +672,7 @@ class TaskRunner:
                 draft = steps.Draft(job_id, queue, delay, fields)
                 if links is not None and links[0]:
                     if delay:
-                        raise ValueError("a job with depends_on cannot have a delay (it runs once its parents "
-                                         "completed)")
+                        raise ValueError(canvas.NO_DELAY)
                     fields += ["parents", " ".join(f"{q} {i}" for q, i in links[0])]
                 group = [draft] if links is None or self.settings.eager else [
                     draft, *steps.run(self, canvas.callbacks(self, draft, links[1], links[2]))]

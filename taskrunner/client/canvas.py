@@ -243,6 +243,21 @@ def make_drafts(app: TaskRunner, sigs: list[Signature], fed: int | None = None) 
     return out
 
 
+#: A job with parents becomes pending when they completed: a delay has nothing to count from.
+NO_DELAY = "a job with depends_on cannot have a delay (it runs once its parents completed)"
+
+
+def refuse_bad_links(flow_fields: list[Any], delay: float | None, depends_on: Any, on_success: Any,
+                     on_failure: Any) -> None:
+    """What enqueue.lua refuses of a job's links, said in the caller's words before anything
+    is sent (the script's refusal names a job id the caller never saw): a unique job
+    (`flow_fields`, flow.fields()) in a workflow, a delay with depends_on."""
+    if "unique_key" in flow_fields and (depends_on is not None or on_success is not None or on_failure is not None):
+        raise ValueError("a unique job cannot be part of a workflow (depends_on, on_success, on_failure)")
+    if depends_on is not None and delay:
+        raise ValueError(NO_DELAY)
+
+
 def linked(app: TaskRunner, draft: steps.Draft, depends_on: Any, on_success: Signature | None,
            on_failure: Signature | None, block_timeout: float | None) -> steps.Steps[int | str]:
     """Enqueue a drafted job after the jobs of `depends_on` (Job objects or ids), with its
