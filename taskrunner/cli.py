@@ -241,7 +241,9 @@ def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, qu
     lost) are the task's: from -A APP, else as the workers that run it declared them in
     Redis. With -A, a task APP does not declare is an error (exit 2); without, a name no
     worker declared is enqueued with a warning on stderr (default settings, queue
-    'default' unless -q).
+    'default' unless -q). Arguments that do not fit the task's signature (from APP, else
+    as its workers declared it) are an error (exit 2), as are a callback's, counting the
+    value it is given first (unless immutable).
 
     \b
     A workflow step:  a=$(taskrunner enqueue shop.fetch --args '["x"]')
