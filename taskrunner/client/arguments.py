@@ -100,9 +100,10 @@ def _from_params(declared: tuple[str, ...]) -> Shape | None:
 
 
 class Shape:
-    """A signature made ready to check jobs against, once per task: a job with positional
-    arguments only is checked by counting them (well under a microsecond); any other by
-    Signature.bind (a few)."""
+    """A signature made ready to check jobs against, once per task. A job whose arguments
+    plainly fit is passed by counting its positional arguments and looking its keywords up
+    (about a microsecond); any other is bound by Signature.bind (a few), which says what is
+    wrong, or passes the cases counting leaves to it (a keyword caught by **kwargs)."""
 
     def __init__(self, sig: inspect.Signature) -> None:
         self.signature = sig
@@ -110,19 +111,34 @@ class Shape:
         self.shown = str(sig.replace(parameters=[p.replace(annotation=P.empty) for p in sig.parameters.values()],
                                      return_annotation=inspect.Signature.empty))
         ps = list(sig.parameters.values())
-        positional = [p for p in ps if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
-        #: Positional arguments alone fit when their count is from `least` to `most` (None: any
-        #: more), unless a keyword-only parameter without a default wants a keyword.
-        self.least = sum(p.default is P.empty for p in positional)
-        self.most = None if any(p.kind is P.VAR_POSITIONAL for p in ps) else len(positional)
-        self.counted = not any(p.kind is P.KEYWORD_ONLY and p.default is P.empty for p in ps)
+        #: Names of the parameters positional arguments fill, in order; None past them: *args.
+        self.positional = [p.name for p in ps if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        self.most = None if any(p.kind is P.VAR_POSITIONAL for p in ps) else len(self.positional)
+        #: Those a keyword argument may name, and those that must be given.
+        self.named = frozenset(p.name for p in ps if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY))
+        required = [p for p in ps if p.default is P.empty and p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)]
+        self.required = frozenset(p.name for p in required)
+        #: Positional arguments alone fit when there are at least this many (and at most `most`),
+        #: unless a keyword-only parameter must be given (`counted` False).
+        self.least = sum(p.kind is not P.KEYWORD_ONLY for p in required)
+        self.counted = all(p.kind is not P.KEYWORD_ONLY for p in required)
+
+    def fits(self, n: int, kwargs: dict[str, Any]) -> bool:
+        """True if `n` positional arguments and `kwargs` surely bind (False: ask bind)."""
+        if self.most is not None and n > self.most:
+            return False
+        if not kwargs:
+            return self.counted and n >= self.least
+        filled = self.positional[:n]
+        if any(k not in self.named or k in filled for k in kwargs):
+            return False
+        return all(r in kwargs or r in filled for r in self.required)
 
     def check(self, task: str, args: list[Any], kwargs: dict[str, Any], fed: bool) -> None:
         """Raise BadArguments, one line naming the task and what is wrong, unless `args` and
         `kwargs` bind to the signature. `fed`: the job is given a value first when it becomes
         pending (a chain step, a callback), counted as its first argument."""
-        n = len(args) + fed
-        if not kwargs and self.counted and self.least <= n and (self.most is None or n <= self.most):
+        if self.fits(len(args) + fed, kwargs):
             return
         try:
             self.signature.bind(*((_FED, *args) if fed else args), **kwargs)
