@@ -25,10 +25,11 @@ def web(app):
 def fail(app, task: str, error_type: str, n: int = 1, queue: str = "default", args: list | None = None,
          **options) -> list[str]:
     """Jobs that ran and failed with `error_type`, as a worker reports it (each in the shard
-    it was put in, of a sharded queue)."""
+    it was put in, of a sharded queue). Their arguments fit the task (the enqueue checks)."""
     ids = []
     for _ in range(n):
-        job = app.enqueue(task, args if args is not None else [1, 2], queue=queue, **options)
+        given = args if args is not None else ["went wrong"] if task == "tests.apps.boom" else [1, 2]
+        job = app.enqueue(task, given, queue=queue, **options)
         [row] = claim(app, queues=(job.queue,))
         assert row[1] == job.id
         assert finish(app, job.id, str(row[2]), "error", error_type, f"{error_type} went wrong", "Traceback",
@@ -224,7 +225,7 @@ def test_failed_filter_refusals(app, web, query, status, message):
 
 def test_hostile_error_types_and_tasks_are_escaped(app, web):
     evil = '<script>alert(1)</script>"\'&'
-    fail(app, "tests.apps.add", evil, args=[evil])
+    fail(app, "tests.apps.add", evil, args=[evil, 1])
     page = web.get("/failed").get_data(as_text=True)
     assert "<script>alert" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     from urllib.parse import quote
