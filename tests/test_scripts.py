@@ -314,6 +314,23 @@ def test_a_dead_serial_process_counts_only_its_first_in_line(app):
     assert all(app.job(j.id).data["state"] == "pending" for j in jobs)
 
 
+@pytest.mark.parametrize("pill_md", [300, 5], ids=["same max duration", "shorter pill"])
+def test_a_job_claimed_later_does_not_take_the_running_ones_place(app, pill_md):
+    """(Review.) A chain of 3 claimed for one child, the first two ended at once, the third
+    (a pill) running; the worker's next claim for that child says `ahead` = what is left of the
+    pill's max duration, so the job it claims has an earlier latest start (started_at + ahead)
+    than the pill: ordered by that, the pill went uncounted and the later job counted. Claim
+    order (started_at, then ahead) is the order the child runs them in."""
+    a, b = apps.add.delay(1, 1), apps.add.delay(2, 2)
+    pill, later = apps.add.apply_async([3, 3], max_duration=pill_md), apps.add.delay(4, 4)
+    claim(app, pids=(501, 501, 501), worker="s", ahead="0.000")
+    assert finish(app, a.id, "1", "completed", "2") == finish(app, b.id, "1", "completed", "4") == 1
+    claim(app, pids=(501,), worker="s", ahead=f"{pill_md - 0.01:.3f}")  # policy.slots: the pill's max duration left
+    app.redis.set(app.keys.worker("s"), json.dumps({"name": "s", "serial": True}))
+    holders.lose_held(app, ["default"], lambda w, _: True, "worker {} is dead")
+    assert [app.job(j.id).to_dict().get("lost", 0) for j in (pill, later)] == [1, 0]
+
+
 def test_the_dispatchers_sweep_counts_only_the_first_in_line_of_a_dead_process(app):
     """The sweep's due deliveries of a holder that is not alive: the first in line of each
     process counts; the corrupt entry beside them is requeued and counted, as before."""

@@ -171,8 +171,9 @@ class Dispatcher:
                   stats: dict[str, int]) -> None:
         """Lose the due deliveries of holders that are not alive (with `values`, the corrupt
         entries' lose.lua values per queue). Of those a dead worker's process held, only the
-        first in line among them counts towards max_lost (may_have_begun(); the others of
-        that process, not due yet, are lost by _reap, seen whole)."""
+        first in line among them counts towards max_lost (may_have_begun()). Judged among the
+        due ones only: the one that ran is first among any of its process's that include it,
+        so this errs only towards counting (_reap sees a dead worker's entries whole)."""
         holders: dict[str, list[str]] = {q: [""] * (len(v) // 5) for q, v in values.items()}  # for the log
         if gone:
             serial = by_heartbeat(serial_workers(self.app, {e.holding.worker for e in gone}))

@@ -110,37 +110,39 @@ class Held(NamedTuple):
     holding: Holding
 
 
-#: Two deliveries of one process whose starts at the latest (`started_at + ahead`) are this
-#: close may be either first in line (the worker sends `ahead` to the millisecond): both count.
-TIE = 0.001
-
-
 def may_have_begun(losing: list[Held], seen: list[Held], serial: Callable[[Holding], bool]) -> list[bool]:
     """For each delivery of `losing` (its process is gone), whether it may have begun: only
     those count towards the job's max_lost (lose.lua's `began`), so that a worker that dies
     again and again does not fail the jobs that merely waited in its prefetch (the poison
     pill rule is for the job that kills its process). A process of a holder for which
     `serial` is true (a worker whose children run one job at a time, in the order they were
-    claimed: its heartbeat's `serial`) ran the first in line of the deliveries it held, the
-    one with the earliest `started_at + ahead` among `seen` (the holding entries read with
-    `losing`): that one, and any tied with it, may have begun, the others had not. Anything
-    else may have: a holder not known to be serial (a loop child runs many at once; an older
+    claimed: its heartbeat's `serial`) ran the first in line of the deliveries it held: of
+    those among `seen` (the holding entries read with `losing`), the one claimed first
+    (`started_at`, the claim's time), and of that claim's, the first sent (the least
+    `ahead`, which grows along a claim's chain). Not the least `started_at + ahead`: a later
+    claim's `ahead` counts only what is left of the running job's max duration, so a job
+    claimed later can have the earlier latest start. That one, and any tied with it (two
+    with the same place cannot be told apart), may have begun, the others had not. Claims
+    on shards in different Redis servers are ordered by their clocks: skewed by more than
+    the time between two claims, the wrong one of two jobs counts (one per death, as
+    before). Anything else may have: a holder not known to be serial (a loop child runs many at once; an older
     worker, a consumer), an entry without a PID or a start, or in a process whose entries
     lack one (the order is unknown). Caveat: a job that ended within the worker's last
     moments, its result not yet sent, still holds its place in line, and the one the child
     began after it then counts as not begun (docs/PROTOCOL.md, Lose)."""
-    first: dict[tuple[str, float], float] = {}  # (worker, pid) -> the earliest start; -inf: unknown order
+    unknown = (float("-inf"), 0.0)  # a start missing: the order is unknown, every one counts
+    first: dict[tuple[str, float], tuple[float, float]] = {}  # (worker, pid) -> the first in line's place
     for e in seen:
         h = e.holding
         if h.pid is None or not serial(h):
             continue
-        start = h.started_at + h.ahead if h.started_at > 0 else float("-inf")
-        first[h.worker, h.pid] = min(first.get((h.worker, h.pid), start), start)
+        place = (h.started_at, h.ahead) if h.started_at > 0 else unknown
+        first[h.worker, h.pid] = min(first.get((h.worker, h.pid), place), place)
     out = []
     for e in losing:
         h = e.holding
-        earliest = first.get((h.worker, h.pid)) if h.pid is not None and serial(h) else None
-        out.append(earliest is None or earliest == float("-inf") or h.started_at + h.ahead <= earliest + TIE)
+        at = first.get((h.worker, h.pid)) if h.pid is not None and serial(h) else None
+        out.append(at is None or at == unknown or (h.started_at, h.ahead) == at)
     return out
 
 
