@@ -145,6 +145,7 @@ class Worker:
         self.flights: deque[Flight] = deque()  # oldest first
         self.proc = psutil.Process()
         self.started_at = time.time()
+        self.born = float("inf")  # the server's time as it starts (_check_name_free): what it claimed is after it
 
     def _served(self, counts: list[int]) -> None:
         """Serve the queues' shards as `counts` says: the physical queues and their wake lists."""
@@ -207,6 +208,7 @@ class Worker:
         if last is not None and now - last < self.s.dead_after:
             raise NameInUse(f"worker name {self.name!r} is in use by a live worker (heartbeat "
                             f"{now - last:.1f}s ago); pick another with -n")
+        self.born = now
         pipe = self.redis.pipeline(transaction=False)
         self._shard_counts(pipe)
         self._served([shards.count(n) for n in pipe.execute()])
@@ -546,10 +548,12 @@ class Worker:
         """Deliveries the holding lists give to us that no child of ours has (a claim whose
         answer never came, or a previous life under the same name): requeue them."""
         mine = self.crew.job_ids() | set(self.outbox.waiting_ids())
-        # What our children hold is known to be in line (a previous life's processes are not).
+        # What our children hold is known to be in line; a previous life's processes are not,
+        # though their PIDs may be our children's again (a container's): claimed before we began.
         children = {c.pid for c in self.crew.children} if self.serial else set()
         acted = lose_held(self.app, self.queues, lambda w, job_id: w == self.name and job_id not in mine,
-                          "worker {} no longer ran it", lambda h: h.worker == self.name and h.pid in children)
+                          "worker {} no longer ran it",
+                          lambda h: h.worker == self.name and h.pid in children and h.started_at >= self.born)
         if acted:
             log.warning("worker %s: released %d orphaned deliveries: %s", self.name, len(acted),
                         ", ".join(f"{x.id} in {x.queue} -> {x.state}" for x in acted))
