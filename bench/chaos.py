@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import platform
@@ -96,6 +97,8 @@ KINDS = ("worker-kill", "child-kill", "dispatcher-kill", "worker-pause",
          "redis-term", "redis-kill", "redis-powerloss", "client-kill")
 #: Extra faults beyond the minimum are drawn with these weights: mostly process deaths.
 WEIGHTS = (4, 4, 2, 2, 1, 1, 1, 2)
+#: Seconds after which a fault whose target was down is tried again (within the window).
+RETRY_AFTER = 1.0
 PREFIX = "chaos"
 QUEUES = ("default", "cron", "wf")  # wf: the workflow mode's jobs (--workflows)
 DISPATCHERS = 2
@@ -496,14 +499,16 @@ def restart_redis(run: Run, how: str, target: int) -> int:
     return i
 
 
-def inject(run: Run, fault: Fault) -> None:
+def inject(run: Run, fault: Fault) -> bool:
+    """Make the fault happen; False when its target was not there (a worker killed and not
+    yet back, one whose children are not forked yet, every node down): tried again later."""
     workers = run.args.workers
     now = time.time()
     if fault.kind in ("worker-kill", "worker-pause"):
         proc = pick(run, "worker", fault.target, workers)
         if proc is None:
             run.skipped[fault.kind] += 1
-            return
+            return False
         ids = held(run, {"worker": proc.name})
         if fault.kind == "worker-kill":
             run.sup.kill(proc)
@@ -520,21 +525,21 @@ def inject(run: Run, fault: Fault) -> None:
             children = []
         if not children:
             run.skipped[fault.kind] += 1
-            return
+            return False
         pid = children[(fault.target % 10) % len(children)]
         ids = held(run, {"pid": pid})
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             run.skipped[fault.kind] += 1
-            return
+            return False
         run.kills.append((fault.kind, now, ids))
         detail = f"{proc.name} child {pid}"
     elif fault.kind == "dispatcher-kill":
         proc = pick(run, "dispatcher", fault.target, DISPATCHERS)
         if proc is None:
             run.skipped[fault.kind] += 1
-            return
+            return False
         run.sup.kill(proc)
         detail = proc.name
     elif fault.kind.startswith("redis-"):
@@ -551,12 +556,13 @@ def inject(run: Run, fault: Fault) -> None:
                 log(f"  client-kill: a node passed over: {e}")
         if not reached:
             run.skipped[fault.kind] += 1
-            return
+            return False
         detail = f"{dropped} connections on {reached} of {len(run.servers)} servers"
     else:
         raise ValueError(fault.kind)
     run.injected[fault.kind] += 1
     log(f"  fault {fault.at:6.1f}s {fault.kind}: {detail}")
+    return True
 
 
 # -- checking ----------------------------------------------------------------------------------
@@ -898,7 +904,12 @@ def run_once(args: argparse.Namespace, fsync: str, base: Path) -> dict[str, Any]
         while (now := time.monotonic()) < started + args.window:
             sup.tick(now)
             while pending_faults and now - started >= pending_faults[0].at:
-                inject(run, pending_faults.popleft())
+                fault = pending_faults.popleft()
+                if not inject(run, fault) and fault.at + RETRY_AFTER < args.window - 5:
+                    # its target was down: the same fault a little later, so that every kind
+                    # happens (a loaded machine restarts a killed worker slowly)
+                    later = dataclasses.replace(fault, at=fault.at + RETRY_AFTER)
+                    pending_faults = collections.deque(sorted([*pending_faults, later], key=lambda f: f.at))
             if now - last_log > 10:
                 log(f"  {now - started:5.0f}s: {enqueuer.acked} enqueued, {sum(run.injected.values())} faults")
                 last_log = now
@@ -991,7 +1002,7 @@ def report(res: dict[str, Any]) -> str:
         *(f"    {k:15s} {stats(v)}" for k, v in sorted(rec.items())),
         f"faults injected                {sum(res['faults'].values())} of {res['planned_faults']}: "
         + ", ".join(f"{k} {res['faults'].get(k, 0)}" for k in KINDS)
-        + (f"; skipped (target down): {res['skipped']}" if res["skipped"] else ""),
+        + (f"; targets found down (tried again 1 s later): {res['skipped']}" if res["skipped"] else ""),
         f"redis restarts                 {len(res['redis_down'])}, down {stats(res['redis_down'])}; "
         f"AOF cut by power losses: {sum(c[2] for c in res['aof_cuts'])} bytes in {len(res['aof_cuts'])}; "
         f"aof_delayed_fsync {res['aof_delayed_fsync']}",
