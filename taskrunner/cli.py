@@ -22,6 +22,7 @@ from taskrunner import logs
 from taskrunner.client.app import TaskRunner
 from taskrunner.client.canvas import Signature
 from taskrunner.client.loader import load_app
+from taskrunner.config import Settings
 from taskrunner.errors import (
     AppNotFound,
     BadURL,
@@ -642,6 +643,7 @@ def up(demo: bool, concurrency: int, port: int, exit_after: bool, log_format: st
     if not app_spec and not demo:
         raise click.UsageError("give your app with -A module, or try --demo")
     require_extra("dashboard", "up (it serves the dashboard)", "flask", "gunicorn")
+    Settings.from_env()  # a bad setting: one line, exit 2, before Redis and the processes start (each would say it)
     sys.exit(run_stack(app_spec or "taskrunner.demo:app", redis_url, concurrency, port, demo, exit_after,
                        log_format))
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -68,17 +70,23 @@ class Settings:
     eager: bool = False  # TASKRUNNER_EAGER
 
     def __post_init__(self) -> None:
-        # finish.lua refuses these (a record kept 0 s is gone as it finishes): say so at start,
-        # not at every finish of every job
-        for name in ("result_ttl", "failed_ttl"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TASKRUNNER_{name.upper()}={getattr(self, name)!r} must be at least 1 (seconds)")
+        """Each setting checked against what the code and the scripts take, at start: a bad
+        one is refused here in one line naming its variable, not by every enqueue (in words
+        about a job id the user never saw), or by a worker that spins, never runs a job or
+        kills them all at once."""
+        for name, (check, what) in _RANGES.items():
+            value = getattr(self, name)
+            if not check(value):
+                raise ValueError(f"{_env(name)}={value!r} must be {what}")
+        if self.heartbeat >= self.dead_after:
+            raise ValueError(f"TASKRUNNER_HEARTBEAT={self.heartbeat!r} must be less than TASKRUNNER_DEAD_AFTER="
+                             f"{self.dead_after!r}: a worker beating that seldom is taken for dead between beats")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:
         values: dict[str, Any] = {}
         for f in fields(cls):
-            env = "REDIS_URL" if f.name == "redis_url" else "TASKRUNNER_" + f.name.upper()
+            env = _env(f.name)
             raw = os.environ.get(env)
             if raw not in (None, ""):
                 kind: Callable[[str], Any] = (_flag if isinstance(f.default, bool) else
@@ -87,7 +95,7 @@ class Settings:
                     values[f.name] = kind(raw)
                 except ValueError:
                     what = ("yes/no (1, true, yes, on / 0, false, no, off)" if kind is _flag
-                            else getattr(kind, "__name__", "value"))
+                            else "whole number" if kind is int else "number" if kind is float else "value")
                     raise ValueError(f"{env}={raw!r} is not a valid {what}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)
@@ -99,3 +107,69 @@ def _flag(raw: str) -> bool:
     if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         raise ValueError(raw)
     return word in ("1", "true", "yes", "on")
+
+
+def _env(name: str) -> str:
+    """The environment variable of setting `name`."""
+    return "REDIS_URL" if name == "redis_url" else "TASKRUNNER_" + name.upper()
+
+
+#: Seconds the scripts take (codec.SECONDS_MAX, 2^53: whole seconds up to it are exact doubles).
+_SECONDS_MAX = 2**53
+#: Counts the scripts keep (codec.count): larger ones would be stored as text no reader takes.
+_COUNT_MAX = 2**31 - 1
+#: Seconds a process waits at most: a poll's timeout is milliseconds in a C int
+#: (worker/children.py), a thread's wait at most threading.TIMEOUT_MAX (a dispatcher with
+#: TASKRUNNER_DISPATCH_INTERVAL=1e12 died of OverflowError). About 24 days.
+_WAIT_MAX = _COUNT_MAX // 1000
+#: Letters, digits and _.:@- as in names: no braces (the hash tag must be the queue's), no
+#: glob characters (deleting a queue SCANs "<prefix>:{<queue>}:*"), no spaces.
+_PREFIX = re.compile(r"[A-Za-z0-9_.:@-]{1,200}\Z")
+
+
+def _seconds(least: float, most: float = _SECONDS_MAX, above: bool = False) -> Callable[[Any], bool]:
+    """A duration from `least` (or above it) to below `most`: a finite number, not a bool."""
+    def ok(value: Any) -> bool:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and (value > least if above else value >= least) and value < most)
+    return ok
+
+
+def _count(value: Any) -> bool:
+    """A whole number from 1 to _COUNT_MAX, an int as the field says (and codec.count takes a
+    task's result_ttl, max_lost, ...): not a float, even 3600.0."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= _COUNT_MAX
+
+
+_POSITIVE = f"a finite number of seconds > 0 and < {_WAIT_MAX}"
+_ANY = f"a finite number of seconds >= 0 and < {_WAIT_MAX}"
+_WHOLE = f"a whole number from 1 to {_COUNT_MAX}"
+#: Setting -> (its check, what it must be). A duration a process waits on stays below
+#: _WAIT_MAX; one the scripts keep below 2^53.
+_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "redis_url": (lambda v: v is None or isinstance(v, str), "a URL"),
+    "prefix": (lambda v: isinstance(v, str) and _PREFIX.match(v) is not None,
+               "1 to 200 letters, digits and _.:@- (keys hold it: no braces, spaces or *?[]\\)"),
+    "heartbeat": (_seconds(0, _WAIT_MAX, above=True), _POSITIVE),
+    "dead_after": (_seconds(0, _WAIT_MAX, above=True), _POSITIVE),
+    "result_ttl": (_count, _WHOLE + " (seconds)"),
+    "failed_ttl": (_count, _WHOLE + " (seconds)"),
+    # claim.lua takes it written as a plain decimal ("300", "0.5"): a float below 1e-4 is
+    # written "1e-05"
+    "max_duration": (_seconds(0.0001), "a finite number of seconds from 0.0001 to below 2^53"),
+    "kill_grace": (_seconds(0, _WAIT_MAX), _ANY),
+    "shutdown_grace": (_seconds(0, _WAIT_MAX), _ANY),
+    "dispatch_interval": (_seconds(0, _WAIT_MAX, above=True), _POSITIVE),
+    "bucket_width": (_count, _WHOLE + " (seconds)"),
+    "stuck_recheck": (_seconds(0, above=True), "a finite number of seconds > 0 and < 2^53"),
+    "max_payload": (_count, _WHOLE + " (bytes)"),
+    "max_lost": (_count, _WHOLE),
+    "retry_backoff_max": (_seconds(0), "a finite number of seconds >= 0 and < 2^53"),
+    "block_timeout": (_seconds(0), "a finite number of seconds >= 0 and < 2^53"),
+    "history_interval": (_seconds(0, _WAIT_MAX), _ANY),
+    "analyze_cron": (lambda v: isinstance(v, str), "a cron schedule or empty"),
+    "prefetch": (_count, _WHOLE),
+    "idle_block": (_seconds(0, _WAIT_MAX, above=True), _POSITIVE),
+    "enqueue_spin": (_seconds(0, _WAIT_MAX), _ANY),
+    "eager": (lambda v: isinstance(v, bool), "yes or no"),
+}

@@ -275,7 +275,7 @@ def test_bad_env_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_record_ttl_under_a_second_is_refused_at_start(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """finish.lua refuses it: a worker started with it would fail every finish."""
     monkeypatch.setenv(f"TASKRUNNER_{name}", "0")
-    with pytest.raises(ValueError, match=f"TASKRUNNER_{name}=0 must be at least 1"):
+    with pytest.raises(ValueError, match=f"TASKRUNNER_{name}=0 must be a whole number from 1 "):
         TaskRunner("env")
 
 
