@@ -122,9 +122,10 @@ _COUNT_MAX = 2**31 - 1
 #: (worker/children.py), a thread's wait at most threading.TIMEOUT_MAX (a dispatcher with
 #: TASKRUNNER_DISPATCH_INTERVAL=1e12 died of OverflowError). About 24 days.
 _WAIT_MAX = _COUNT_MAX // 1000
-#: Letters, digits and _.:@- as in names: no braces (the hash tag must be the queue's), no
-#: glob characters (deleting a queue SCANs "<prefix>:{<queue>}:*"), no spaces.
-_PREFIX = re.compile(r"[A-Za-z0-9_.:@-]{1,200}\Z")
+#: No braces (the hash tag must be the queue's), no glob characters (deleting a queue SCANs
+#: "<prefix>:{<queue>}:*"), no spaces or control characters; any other (an existing
+#: deployment's "/", a non-ASCII letter) as before.
+_PREFIX = re.compile(r"[^{}*?\[\]\\\s\x00-\x1f\x7f]{1,200}\Z")
 
 
 def _seconds(least: float, most: float = _SECONDS_MAX, above: bool = False) -> Callable[[Any], bool]:
@@ -149,7 +150,7 @@ _WHOLE = f"a whole number from 1 to {_COUNT_MAX}"
 _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "redis_url": (lambda v: v is None or isinstance(v, str), "a URL"),
     "prefix": (lambda v: isinstance(v, str) and _PREFIX.match(v) is not None,
-               "1 to 200 letters, digits and _.:@- (keys hold it: no braces, spaces or *?[]\\)"),
+               "1 to 200 characters, none of {}*?[]\\, spaces or control characters (keys hold it)"),
     "heartbeat": (_seconds(0, _WAIT_MAX, above=True), _POSITIVE),
     "dead_after": (_seconds(0, _WAIT_MAX, above=True), _POSITIVE),
     "result_ttl": (_count, _WHOLE + " (seconds)"),

@@ -33,7 +33,7 @@ BAD = [
     ("STUCK_RECHECK", "0"), ("RETRY_BACKOFF_MAX", "-1"), ("RETRY_BACKOFF_MAX", "inf"),
     ("BLOCK_TIMEOUT", "nan"), ("BLOCK_TIMEOUT", "-1"), ("HISTORY_INTERVAL", "-1"), ("HISTORY_INTERVAL", "inf"),
     ("ENQUEUE_SPIN", "-0.1"), ("ENQUEUE_SPIN", "nan"),
-    ("PREFIX", "a{b}"), ("PREFIX", "a b"), ("PREFIX", "app*"), ("PREFIX", "caf\u00e9"), ("PREFIX", "x" * 201),
+    ("PREFIX", "a{b}"), ("PREFIX", "a b"), ("PREFIX", "app*"), ("PREFIX", "a\tb"), ("PREFIX", "x" * 201),
     ("EAGER", "maybe"),
 ]
 
@@ -47,7 +47,7 @@ GOOD = [
     {"RESULT_TTL": str(2**31 - 1), "BUCKET_WIDTH": "60"},
     {"HEARTBEAT": "0.2", "DEAD_AFTER": "1.5", "IDLE_BLOCK": "0.001", "DISPATCH_INTERVAL": "0.01"},
     {"HEARTBEAT": "9.999", "DEAD_AFTER": "2147482", "IDLE_BLOCK": "2147482"},
-    {"PREFIX": "my-app:tr_2.x@y"}, {"PREFIX": "x" * 200},
+    {"PREFIX": "my-app:tr_2.x@y"}, {"PREFIX": "x" * 200}, {"PREFIX": "team/caf\u00e9"},
 ]
 
 
