@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from taskrunner.protocol.codec import SECONDS_MAX as _SECONDS_MAX
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -76,6 +78,10 @@ class Settings:
         kills them all at once."""
         for name, (check, what) in _RANGES.items():
             value = getattr(self, name)
+            if isinstance(self.__dataclass_fields__[name].default, int) and isinstance(value, float) \
+                    and value.is_integer():  # a count given as 86400.0 (timedelta(days=1).total_seconds())
+                value = int(value)
+                object.__setattr__(self, name, value)
             if not check(value):
                 raise ValueError(f"{_env(name)}={value!r} must be {what}")
         if self.heartbeat >= self.dead_after:
@@ -114,18 +120,16 @@ def _env(name: str) -> str:
     return "REDIS_URL" if name == "redis_url" else "TASKRUNNER_" + name.upper()
 
 
-#: Seconds the scripts take (codec.SECONDS_MAX, 2^53: whole seconds up to it are exact doubles).
-_SECONDS_MAX = 2**53
 #: Counts the scripts keep (codec.count): larger ones would be stored as text no reader takes.
 _COUNT_MAX = 2**31 - 1
 #: Seconds a process waits at most: a poll's timeout is milliseconds in a C int
 #: (worker/children.py), a thread's wait at most threading.TIMEOUT_MAX (a dispatcher with
 #: TASKRUNNER_DISPATCH_INTERVAL=1e12 died of OverflowError). About 24 days.
 _WAIT_MAX = _COUNT_MAX // 1000
-#: No braces (the hash tag must be the queue's), no glob characters (deleting a queue SCANs
-#: "<prefix>:{<queue>}:*"), no spaces or control characters; any other (an existing
-#: deployment's "/", a non-ASCII letter) as before.
-_PREFIX = re.compile(r"[^{}*?\[\]\\\s\x00-\x1f\x7f]{1,200}\Z")
+#: No glob characters: deleting a queue SCANs "<prefix>:{<queue>}:*", which would match other
+#: apps' keys. Any other character as before (an existing deployment's "/", a space, braces:
+#: on a Redis Cluster those make every key's hash tag the prefix's, one slot for all).
+_PREFIX = re.compile(r"[^*?\[\]\\]{1,200}\Z")
 
 
 def _seconds(least: float, most: float = _SECONDS_MAX, above: bool = False) -> Callable[[Any], bool]:
@@ -150,7 +154,8 @@ _WHOLE = f"a whole number from 1 to {_COUNT_MAX}"
 _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "redis_url": (lambda v: v is None or isinstance(v, str), "a URL"),
     "prefix": (lambda v: isinstance(v, str) and _PREFIX.match(v) is not None,
-               "1 to 200 characters, none of {}*?[]\\, spaces or control characters (keys hold it)"),
+               "1 to 200 characters, none of *?[]\\ (deleting a queue scans keys by a pattern that starts "
+               "with it: it would match other apps' keys)"),
     "heartbeat": (_seconds(0, _WAIT_MAX, above=True), _POSITIVE),
     "dead_after": (_seconds(0, _WAIT_MAX, above=True), _POSITIVE),
     "result_ttl": (_count, _WHOLE + " (seconds)"),

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
+import re
 
 import pytest
 
-from taskrunner import BadArguments, TaskRunner
+from taskrunner import BadArguments, JobFailed, TaskRunner
 from taskrunner.client import arguments, declarations
 from taskrunner.client.canvas import chord, group
 from tests import apps
@@ -75,27 +77,32 @@ def make_eager() -> TaskRunner:
 
     app.task(Doubler(), name="doubler")
 
-    def logged(fn):
+    def signed(fn):  # a decorator that says its signature: checked by it
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             return fn(*args, **kwargs)
+        wrapper.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
         return wrapper
 
     @app.task(name="wrapped")
-    @logged
+    @signed
     def wrapped(a, b):
         return a - b
 
-    def injecting(fn):  # a decorator that adds an argument, without a __signature__: opted out
+    def injecting(fn):  # (review) a decorator that adds an argument: its wrapper's signature binds
         @functools.wraps(fn)
         def wrapper(*args):
             return fn("db", *args)
         return wrapper
 
-    @app.task(name="injected", check_args=False)
+    @app.task(name="injected")
     @injecting
     def injected(db, x):
         return f"{db}:{x}"
+
+    @app.task(name="opted_out", check_args=False)
+    def opted_out(x):
+        return x
 
     return app
 
@@ -109,7 +116,9 @@ def test_every_shape_of_task_is_checked_and_runs(monkeypatch):
     assert t["aio"].delay(1).wait() == 3 and t["aio"].delay(1, y=5).wait() == 6
     assert t["doubler"].delay(4).wait() == 8
     assert t["wrapped"].delay(5, 3).wait() == 2
-    assert t["injected"].delay(7).wait() == "db:7"  # check_args=False: not checked
+    assert t["injected"].delay(7).wait() == "db:7"  # was refused: "missing a required argument: 'x'"
+    with pytest.raises(JobFailed, match="BadArguments"):
+        t["opted_out"].delay(1, 2).wait()  # check_args=False: not checked here, fails where it runs
     assert (t["aio"].s(1) | t["doubler"].s() | t["star"].s(0, scale=3)).delay().wait() == [6, [0], 3, {}]
     for call, words in [(lambda: t["star"].delay(), "missing a required argument: 'first'"),
                         (lambda: t["aio"].delay(1, 2, 3), "too many positional arguments"),
@@ -120,11 +129,58 @@ def test_every_shape_of_task_is_checked_and_runs(monkeypatch):
             call()
 
 
+def test_enqueue_many_says_how_many_jobs_before_the_bad_one_were_enqueued(app):
+    """(Review.) A long enqueue_many sends its jobs in chunks: the chunks before a job that is
+    refused are enqueued, and the error said nothing of it (a run again, fixed, enqueued them
+    twice). The count it gives is what Redis holds."""
+    jobs = [{"task": "tests.apps.add", "args": [i, i]} for i in range(2500)]
+    jobs[2200] = {"task": "tests.apps.add", "args": [1]}
+    with pytest.raises(BadArguments) as e:
+        app.enqueue_many(jobs)
+    m = re.search(r"^job 2201: .*missing a required argument: 'b' "
+                  r"\((\d+) of the 2200 before it enqueued, none after\)$", str(e.value))
+    assert m, str(e.value)
+    assert int(m.group(1)) == app.redis.llen(app.keys.q("default") + "pending")
+
+
+def test_eager_mode_refuses_a_callback_that_does_not_fit_before_the_job_runs(monkeypatch):
+    """(Review.) In eager mode callbacks were not checked at enqueue: a bad on_failure was
+    accepted (the job completed), a bad on_success refused only after the job had run."""
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    app = make_eager()
+    ran: list[int] = []
+
+    @app.task(name="note")
+    def note(x):
+        ran.append(x)
+        return x
+
+    doubler = app.tasks["doubler"]
+    for links in ({"on_failure": doubler.s(9, 9)}, {"on_success": doubler.s(9)}):
+        with pytest.raises(BadArguments, match="too many positional arguments"):
+            note.apply_async((1,), **links)
+        with pytest.raises(BadArguments, match="too many positional arguments"):
+            app.enqueue_many([{"task": "note", "args": [2], **links}])
+    assert ran == []
+    assert note.apply_async((3,), on_success=doubler.s()).wait() == 3 and ran == [3]
+
+
+def test_a_task_declared_again_from_a_task_keeps_its_own_settings(monkeypatch):
+    """(Review.) Task.__init__ copied the wrapped Task's attributes over its own
+    (functools.update_wrapper after them): check_args=False, the name and the app were lost."""
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    a, b = make_eager(), TaskRunner("other", eager=True, redis_url="redis://127.0.0.1:1/0")
+    outer = b.task(a.tasks["doubler"], name="outer", check_args=False)
+    assert (outer.name, outer.app, outer.check_args, outer.shape) == ("outer", b, False, None)
+
+
 def test_a_schedule_with_arguments_that_do_not_fit_is_refused_where_it_is_declared(monkeypatch):
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
     app = make_eager()
     with pytest.raises(BadArguments, match="missing a required argument: 'b'"):
         app.periodic("* * * * *", name="sub", args=[1])(app.tasks["wrapped"])
+    with pytest.raises(BadArguments, match="missing a required argument: 'x'"):
+        app.periodic("* * * * *", name="sub2")(app.tasks["doubler"])
 
 
 def test_the_declaration_carries_the_parameters(app):

@@ -105,6 +105,23 @@ def test_a_time_zone_cron_across_spring_forward_and_fall_back(app):
     assert len(long) == 24 and walls.count("02:00") == 1 and sorted(set(walls)) == sorted(walls)
 
 
+def test_a_schedule_fires_after_a_deploy_changed_its_tasks_signature(app):
+    """(Review.) A schedule's arguments are checked when it is added; the dispatcher fires it
+    unchecked. It checked them again against the new code: refused every pass (an error logged
+    twice a second), its state never recorded, no job to see."""
+    prefix = app.settings.prefix + "dep"
+    old = TaskRunner("v1", redis_url=app.settings.redis_url, prefix=prefix)
+    old.task(lambda a: a, name="shop.report")
+    schedules.add(old, "nightly", "shop.report", every="10s", args=[1])
+    new = TaskRunner("v2", redis_url=app.settings.redis_url, prefix=prefix)
+    new.task(lambda a, b: a + b, name="shop.report")
+    d = Dispatcher(new)
+    base = 1_800_000_000.0
+    d.fire_schedules(base + 1)  # first sight: nothing
+    assert d.fire_schedules(base + 11) == 1 and ticks_of(new) == [int(base + 10)]
+    assert json.loads(new.redis.hget(new.keys.schedules, "nightly"))["last_job"] == f"cron.nightly.{int(base + 10)}"
+
+
 def test_overlap_skip_and_jitter(app):
     t = TaskRunner("ovl", redis_url=app.settings.redis_url, prefix=app.settings.prefix + "ovl")
     schedules.add(t, "slow", "shop.slow", every="10s", overlap="skip")

@@ -195,6 +195,9 @@ class Task:
                  retry_on: tuple[type[BaseException], ...] | None = None,
                  no_retry_on: tuple[type[BaseException], ...] = (), ignore_result: bool = False,
                  spark: bool = False, check_args: bool = True):
+        # First: it copies fn's __dict__ in, which for a Task wrapped again (app.task(task,
+        # name=...)) holds that Task's app, name and settings; ours go over them.
+        functools.update_wrapper(self, fn)
         self.app, self.fn, self.name, self.spec = app, fn, name, spec
         self.retry_on, self.no_retry_on = retry_on, no_retry_on
         #: The return value is dropped where the job runs (child.returned): it is neither
@@ -205,8 +208,7 @@ class Task:
         self.spark = spark
         #: Whether producers check a job's arguments against the function's signature.
         self.check_args = check_args
-        self._shape: tuple[arguments.Shape | None] | None = None  # read on first use
-        functools.update_wrapper(self, fn)
+        self._shape: tuple[arguments.Shape | None] | None = None  # read on first use (a 1-tuple: None is a value)
 
     @property
     def shape(self) -> arguments.Shape | None:
@@ -540,6 +542,7 @@ class TaskRunner:
         draft = steps.run(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id, headers,
                                             flow_fields))
         if self.settings.eager:
+            canvas.check_callbacks(self, on_success, on_failure)
             ran = eager.enqueue(self, draft.id, draft.fields, eager.parents_of(depends_on))
             return canvas.eager_callbacks(self, ran, on_success, on_failure)
         created = steps.run(self, canvas.linked(self, draft, depends_on, on_success, on_failure, block_timeout))
@@ -669,6 +672,8 @@ class TaskRunner:
             try:
                 queue, job_id, delay, fields = self._job_of(spec_)
                 links = self._links_of(spec_, seen)
+                if links is not None and self.settings.eager:
+                    canvas.check_callbacks(self, links[1], links[2])
                 draft = steps.Draft(job_id, queue, delay, fields)
                 if links is not None and links[0]:
                     if delay:
@@ -677,8 +682,8 @@ class TaskRunner:
                 group = [draft] if links is None or self.settings.eager else [
                     draft, *steps.run(self, canvas.callbacks(self, draft, links[1], links[2]))]
             except (TaskRunnerError, ValueError, TypeError) as e:
-                settle()
-                raise type(e)(f"job {n}: {e}") from None
+                settle()  # those sent are enqueued; say so: a run again would enqueue them twice
+                raise type(e)(f"job {n}: {e} ({len(out)} of the {n - 1} before it enqueued, none after)") from None
             if self.settings.eager:
                 parents = None if links is None or not links[0] else [seen[i] for _, i in links[0]]
                 ran: Job = eager.enqueue(self, job_id, fields, parents)

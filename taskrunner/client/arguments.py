@@ -14,9 +14,11 @@ with a placeholder in its place."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from taskrunner.errors import BadArguments
@@ -26,14 +28,33 @@ P = inspect.Parameter
 #: A stand-in for the value a workflow step is given first (its parent's result).
 _FED = object()
 
+#: True while enqueues check nothing (unchecked()).
+_UNCHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("taskrunner_unchecked", default=False)
+
+
+@contextlib.contextmanager
+def unchecked() -> Iterator[None]:
+    """Enqueues in the block check no arguments: the dispatcher's firing of a schedule, whose
+    arguments were checked when it was added. Checked again against code deployed since, a
+    schedule would be refused at every pass (an error logged, its state not kept, no job to
+    see); fired, its jobs fail where they run, where they are seen and retried."""
+    token = _UNCHECKED.set(True)
+    try:
+        yield
+    finally:
+        _UNCHECKED.reset(token)
+
 
 def shape_of(fn: Callable) -> Shape | None:
     """The signature a job's arguments must bind to, or None where Python cannot read one
-    (some builtins): then nothing is checked. A decorator made with functools.wraps is read
-    through to the function it wraps, as inspect.signature does; one that changes the
-    arguments without saying so (no __signature__) needs check_args=False."""
+    (some builtins): then nothing is checked. A decorator made with functools.wraps is not
+    read through to the function it wraps: the job is called with the wrapper's arguments,
+    and a decorator may inject or take some (a database handle, a trace id), so its own
+    signature is what binds, (*args, **kwargs) taking anything, as Celery's check
+    (getfullargspec) reads it. A wrapper that says its signature (__signature__) is checked
+    by it."""
     try:
-        return Shape(inspect.signature(fn))
+        return Shape(inspect.signature(fn, follow_wrapped=False))
     except (TypeError, ValueError):
         return None
 
@@ -158,6 +179,7 @@ def from_declaration(declared: dict[str, Any] | None) -> Shape | None:
 
 
 def check(task: str, shape: Shape | None, args: list[Any], kwargs: dict[str, Any], fed: bool) -> None:
-    """Shape.check, where there is a shape (None: nothing to check)."""
-    if shape is not None:
+    """Shape.check, where there is a shape (None: nothing to check) and the caller checks
+    (unchecked())."""
+    if shape is not None and not _UNCHECKED.get():
         shape.check(task, args, kwargs, fed)

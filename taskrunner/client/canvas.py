@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from taskrunner.client import eager, steps
+from taskrunner.client import arguments, eager, steps
 from taskrunner.client.job import Job
 from taskrunner.errors import QueueClosed, QueueFull
 from taskrunner.protocol import joins, scripts
@@ -292,6 +292,16 @@ def callbacks(app: TaskRunner, draft: steps.Draft, on_success: Signature | None,
         callback.fields += ["parents", f"{draft.queue} {draft.id}", *edge, *(() if sig.immutable else takes)]
         out.append(callback)
     return out
+
+
+def check_callbacks(app: TaskRunner, on_success: Signature | None, on_failure: Signature | None) -> None:
+    """Eager mode: the callbacks' arguments checked before the job runs, as callbacks()
+    checks them where they are enqueued beside it: a call refused with Redis is refused in
+    eager mode too, and before the job ran, not after."""
+    for sig in (on_success, on_failure):
+        if isinstance(sig, Signature):
+            name = sig.task.name
+            arguments.check(name, app._shape_of(name), list(sig.args), sig.kwargs, not sig.immutable)
 
 
 def eager_callbacks(app: TaskRunner, job: Job, on_success: Signature | None, on_failure: Signature | None) -> Job:

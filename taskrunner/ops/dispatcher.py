@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from taskrunner.client import steps
+from taskrunner.client import arguments, steps
 from taskrunner.client.app import Schedule, TaskRunner, cron_job_id
 from taskrunner.errors import MissingExtra, TaskRunnerError
 from taskrunner.logs import Run, job_fields
@@ -373,8 +373,9 @@ class Dispatcher:
             tick, skipped = None, skipped + 1
         last_job = state.get("last_job")
         if tick is not None:
-            job = self.app.enqueue(s.task, s.args, s.kwargs, queue=s.queue, job_id=cron_job_id(s.name, tick),
-                                   delay=schedules.jitter_of(s, tick) or None, block_timeout=0)
+            with arguments.unchecked():  # checked when the schedule was added
+                job = self.app.enqueue(s.task, s.args, s.kwargs, queue=s.queue, job_id=cron_job_id(s.name, tick),
+                                       delay=schedules.jitter_of(s, tick) or None, block_timeout=0)
             fired, last_job = int(job.created), job.id
             if job.created:
                 log.info("dispatcher: fired %s for %s (job %s)", s.name,
