@@ -254,7 +254,9 @@ def test_a_consumer_whose_process_is_gone_here_is_dead_at_once(app, stack, forei
     wait_for(lambda: foreign.record("default", job.id)["state"] == "pending", timeout=30, what="requeue")
     rec = foreign.record("default", job.id)
     assert "worker c1 is dead" in rec["end:1"]
-    assert app.redis.zscore(app.keys.workers_dead, "c1")
+    # The dispatcher lists it dead once its jobs are requeued (in that order: a dispatcher
+    # that died between the two must not leave the jobs of a worker no longer listed held).
+    wait_for(lambda: app.redis.zscore(app.keys.workers_dead, "c1"), timeout=30, what="c1 listed dead")
 
 
 def test_a_consumer_restarted_under_its_name_is_judged_by_its_new_pid(app, stack, foreign):
