@@ -1031,9 +1031,7 @@ class Age(click.ParamType):
     UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        if isinstance(value, float):
-            return value
-        text = str(value)
+        text = str(value)  # a number given as one (a default) is read, and checked, as its text
         try:
             n = float(text[:-1]) * self.UNITS[text[-1]] if text and text[-1] in self.UNITS else float(text)
             return codec.seconds("age", n)

@@ -95,7 +95,7 @@ class _Posted:
         self.active, self.fired = True, False
 
 
-#: Thread id -> its soft limit, while the block runs (post_again()).
+#: Thread id -> its soft limit, while the block runs (thread_due()).
 _threads: dict[int, _Posted] = {}
 
 
