@@ -33,13 +33,12 @@ from taskrunner.protocol.holders import (
     Holding,
     Lost,
     boot_id,
-    by_heartbeat,
     lose,
     lose_held,
     may_have_begun,
     pid_namespace,
     process_gone,
-    serial_workers,
+    serial_by_heartbeat,
 )
 
 log = logging.getLogger("taskrunner.dispatcher")
@@ -176,7 +175,7 @@ class Dispatcher:
         so this errs only towards counting (_reap sees a dead worker's entries whole)."""
         holders: dict[str, list[str]] = {q: [""] * (len(v) // 5) for q, v in values.items()}  # for the log
         if gone:
-            serial = by_heartbeat(serial_workers(self.app, {e.holding.worker for e in gone}))
+            serial = serial_by_heartbeat(self.app, {e.holding.worker for e in gone})
             for e, began in zip(gone, may_have_begun(gone, gone, serial)):
                 values[e.queue] += [e.id, str(e.holding.attempt), f"worker {e.holding.worker} is dead", "",
                                     "1" if began else "0"]

@@ -171,10 +171,10 @@ def held(app: TaskRunner, queues: list[str]) -> list[tuple[str, str, str, str]]:
     return [(e.queue, e.id, e.holding.worker, str(e.holding.attempt)) for e in holdings(app, queues)]
 
 
-def serial_workers(app: TaskRunner, workers: set[str]) -> set[str]:
-    """Those of `workers` whose heartbeat's info says `serial` (docs/PROTOCOL.md, Liveness):
-    one MGET, only when deliveries are lost. A holder whose info expired, or says nothing,
-    is not known to be one."""
+def serial_by_heartbeat(app: TaskRunner, workers: set[str]) -> Callable[[Holding], bool]:
+    """may_have_begun()'s `serial`: true for the holders among `workers` whose heartbeat's
+    info says `serial` (docs/PROTOCOL.md, Liveness); one MGET, only when deliveries are
+    lost. A holder whose info expired, or says nothing, is not known to be one."""
     names = sorted(workers)
     infos = app.redis.mget([app.keys.worker(n) for n in names]) if names else []
     out = set()
@@ -185,12 +185,7 @@ def serial_workers(app: TaskRunner, workers: set[str]) -> set[str]:
             continue
         if isinstance(info, dict) and info.get("serial") is True:
             out.add(n)
-    return out
-
-
-def by_heartbeat(serial: set[str]) -> Callable[[Holding], bool]:
-    """may_have_begun()'s `serial` for the holders named (serial_workers())."""
-    return lambda h: h.worker in serial
+    return lambda h: h.worker in out
 
 
 def lose_held(app: TaskRunner, queues: list[str], gone: Callable[[str, str], bool], why: str,
@@ -204,7 +199,7 @@ def lose_held(app: TaskRunner, queues: list[str], gone: Callable[[str, str], boo
     if not losing:
         return []
     if serial is None:
-        serial = by_heartbeat(serial_workers(app, {e.holding.worker for e in losing}))
+        serial = serial_by_heartbeat(app, {e.holding.worker for e in losing})
     by_queue: dict[str, list[Any]] = {q: [] for q in queues}
     for e, began in zip(losing, may_have_begun(losing, seen, serial)):
         h = e.holding

@@ -35,7 +35,8 @@ from typing import Any
 import orjson
 
 from taskrunner import logs
-from taskrunner.errors import NotJSONError, Reject, Retry, SoftTimeLimit
+from taskrunner.client import arguments
+from taskrunner.errors import BadArguments, NotJSONError, Reject, Retry, SoftTimeLimit
 from taskrunner.protocol import codec
 from taskrunner.protocol.outcome import Outcome
 from taskrunner.worker import frames, soft_limit, spark_session
@@ -258,17 +259,15 @@ def _error(e: BaseException, task: Any) -> Outcome:
     return Outcome.error(kind, str(e), traceback.format_exc(), random.uniform(0.5, 1.0))
 
 
-def _mismatch(fn: Any, args: list, kwargs: dict) -> str | None:
-    """Why the arguments do not fit the task's signature, or None (then a TypeError came
-    from inside the task). Checked only after a TypeError: binding costs on every job."""
+def _mismatch(call: Call) -> str | None:
+    """Why the arguments do not fit the task's signature, as a producer that knows it says
+    it (client/arguments.py, check_args=False or not), or None: then a TypeError came from
+    inside the task. Asked only after a TypeError: binding costs on every job."""
+    shape = arguments.shape_of(call.task.fn)
     try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    try:
-        sig.bind(*args, **kwargs)
-    except TypeError as e:
-        return f"{sig}: {e}"
+        arguments.check(call.context.task, shape, call.args, call.kwargs, False)
+    except BadArguments as e:
+        return str(e)
     return None
 
 
@@ -336,9 +335,9 @@ def raised(e: BaseException, call: Call) -> Outcome:
     if isinstance(e, Reject):
         return Outcome.failed("Rejected", str(e))
     if isinstance(e, TypeError):
-        mismatch = _mismatch(call.task.fn, call.args, call.kwargs)
+        mismatch = _mismatch(call)
         if mismatch:
-            return Outcome.failed("BadArguments", f"{call.context.task}{mismatch}")
+            return Outcome.failed("BadArguments", mismatch)
     return _error(e, call.task)
 
 
