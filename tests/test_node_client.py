@@ -144,7 +144,8 @@ def test_a_node_consumer_sigkilled_mid_job_has_its_job_run_again(app, stack):
     first.wait()
     # The dispatcher (same machine: pidns and boot_id match) sees node-1's PID gone.
     wait_for(lambda: job.refresh().state == "pending", what="the dispatcher requeueing the job")
-    assert "worker node-1 is dead" in job.data["end:1"]
+    # refresh() read the record before .state read the state: read the requeued record again
+    assert "worker node-1 is dead" in job.refresh().data["end:1"]
     consumer(stack, "node-2")
     assert job.wait(30) == 42
     d = job.refresh().to_dict()
