@@ -36,6 +36,7 @@ from taskrunner.errors import (
 from taskrunner.ops import listing
 from taskrunner.ops.diagnose import explain
 from taskrunner.protocol import codec
+from taskrunner.protocol import shards as sharding
 from taskrunner.protocol.connection import server_time
 
 APP_HELP = "Module with your TaskRunner (module or module:attr). Env: TASKRUNNER_APP."
@@ -449,13 +450,20 @@ def jobs(queue: str | None, state: str | None, limit: int, offset: int, as_json:
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--shards", "by_shard", is_flag=True, help="A sharded queue's shards each on a line of its own "
-              "(NAME~i; shard 0 is NAME), not their totals.")
+              "(NAME~i; shard 0 is NAME), not their totals; on a Redis Cluster, with the primary that serves each.")
 @common
 def queues(as_json: bool, by_shard: bool, app_spec: str | None, redis_url: str | None) -> None:
     """Every queue (topic) with its counts, counters and settings; a sharded queue once,
-    with its shards' totals. Finished counts cover the result TTL; produced/consumed count
-    messages since the queue was created."""
-    stats = listing.queue_stats(_app(app_spec, redis_url), shards=by_shard)
+    with its shards' totals (--shards: each shard, and on a Redis Cluster the primary that
+    serves it). Finished counts cover the result TTL; produced/consumed count messages since
+    the queue was created."""
+    from taskrunner.ops.queue import primaries_of
+
+    app = _app(app_spec, redis_url)
+    stats = listing.queue_stats(app, shards=by_shard)
+    placed = primaries_of(app, [s["name"] for s in stats]) if by_shard else None  # None off a cluster
+    for s, primary in zip(stats, placed or ()):
+        s["primary"] = primary
     if as_json:
         return _emit(stats)
     cols = ("waiting", "pending", "delayed", "running", "completed", "failed", "killed", "canceled",
@@ -466,7 +474,8 @@ def queues(as_json: bool, by_shard: bool, app_spec: str | None, redis_url: str |
                                          ("exclusive", s["exclusive"]), ("paused", s["paused"]),
                                          ("priorities=" + ",".join(map(str, s["priorities"])), s["priorities"]),
                                          (f"rate={s['rate']} used={s['rate_used']}", s["rate"]),
-                                         (f"shards={s['shards']}", s["shards"] > 1)) if on)
+                                         (f"shards={s['shards']}", s["shards"] > 1),
+                                         (f"primary={s.get('primary')}", "primary" in s)) if on)
         click.echo(f"{s['name']:20}" + "".join(f"{s[c]:>11}" for c in cols) + f"  {flags}")
 
 
@@ -761,7 +770,9 @@ def queue() -> None:
 @common
 def queue_create(name: str, bound: int, exclusive: bool, rate: str | None, shards: int | None, app_spec: str | None,
                  redis_url: str | None) -> None:
-    """Create queue NAME, or change its bound, exclusivity, rate limit and shards."""
+    """Create queue NAME, or change its bound, exclusivity, rate limit and shards. On a
+    Redis Cluster, a sharded queue's shards per primary, and a warning when they fall
+    unevenly (CRC16 of each shard's name decides), naming the counts that would spread evenly."""
     from taskrunner.ops import queue as queues
 
     app = _app(app_spec, redis_url)
@@ -769,6 +780,16 @@ def queue_create(name: str, bound: int, exclusive: bool, rate: str | None, shard
     n = queues.info(app, name)["shards"]
     click.echo(f"queue {name}: bound {bound or 'none'}{', exclusive' if exclusive else ''}"
                f"{f', rate {rate}' if rate else ''}{f', {n} shards' if n > 1 else ''}")
+    place = queues.placement(app, name, n) if n > 1 else None
+    if place is not None:
+        click.echo(f"shards per primary: {', '.join(map(str, place.per_primary))} ({', '.join(place.primaries)})")
+        if place.uneven:
+            counts = ", ".join(map(str, place.even))
+            fix = (f"{counts} shards would spread this name evenly (taskrunner queue create {name} --shards "
+                   f"{place.even[0]}, while it has no unfinished job)" if place.even else
+                   f"no shard count up to {sharding.MAX} spreads this name evenly")
+            click.echo(f"warning: the {n} shards of queue {name} fall unevenly on the {len(place.primaries)} "
+                       f"primaries: {fix}", err=True)
 
 
 def _rate(value: str, none: bool = True) -> str:
@@ -839,12 +860,18 @@ def queue_delete(name: str, force: bool, yes: bool, app_spec: str | None, redis_
 @click.option("--json", "as_json", is_flag=True)
 @common
 def queue_info(name: str, as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
-    """Whether queue NAME exists, its length, settings and counters (exit 1 if it does not exist)."""
+    """Whether queue NAME exists, its length, settings and counters (exit 1 if it does not
+    exist); on a Redis Cluster, a sharded queue's shards per primary (as `queue create` says)."""
+    from taskrunner.ops import queue as queues
+
     app = _app(app_spec, redis_url)
     _known(app, name)
     found = [s for s in listing.queue_stats(app) if s["name"] == name]
     if not found:
         raise click.ClickException(f"queue {name!r} was deleted meanwhile")
+    place = queues.placement(app, name, found[0]["shards"]) if found[0]["shards"] > 1 else None
+    if place is not None:  # on a cluster
+        found[0]["placement"] = place.to_dict()
     if as_json:
         return _emit(found[0])
     for k, v in found[0].items():

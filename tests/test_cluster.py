@@ -781,6 +781,69 @@ def test_a_consumers_wake_tokens_that_come_together_on_every_shard_each_bring_a_
         consumer.close()
 
 
+def spreads(cluster: Cluster, queue: str) -> dict[int, list[int]]:
+    """For each shard count n (1 to shards.MAX), the shards of `queue` on each primary (by
+    port), by the cluster's own CLUSTER KEYSLOT and CLUSTER SLOTS (not redis-py's slot map,
+    which the CLI reads)."""
+    with cluster.primaries[0].client() as c:
+        ranges = [(start, end, int(port)) for start, end, (_, port, *_) in c.execute_command("CLUSTER", "SLOTS")]
+        pipe = c.pipeline(transaction=False)
+        for s in shards.names(queue, shards.MAX):
+            pipe.execute_command("CLUSTER", "KEYSLOT", f"{{{s}}}")
+        owners = [next(port for start, end, port in ranges if start <= slot <= end) for slot in pipe.execute()]
+    ports = sorted(node.port for node in cluster.primaries)
+    return {n: [owners[:n].count(p) for p in ports] for n in range(1, shards.MAX + 1)}
+
+
+def even(counts: list[int]) -> bool:
+    return max(counts) - min(counts) <= 1
+
+
+def per_primary_line(cluster: Cluster, counts: list[int]) -> str:
+    ports = sorted(node.port for node in cluster.primaries)
+    return f"shards per primary: {', '.join(map(str, counts))} ({', '.join(f'127.0.0.1:{p}' for p in ports)})"
+
+
+def test_queue_create_warns_of_shards_that_fall_unevenly_and_names_counts_that_spread_evenly(capp, stack, cluster):
+    """CRC16 decides where each shard's slot is: 3 shards on 3 primaries fall one on each for
+    about 22% of names. `queue create` says how they fell and, when unevenly, the smallest
+    shard counts that put a fair share on every primary (those the cluster's own slot map
+    says spread evenly); for about a tenth of uneven names no count up to 64 does."""
+    layouts = {f"un{i}": spreads(cluster, f"un{i}") for i in range(200)}
+    fixable = {q: [k for k in range(3, shards.MAX + 1) if even(by[k])][:3] for q, by in layouts.items()
+               if not even(by[3])}
+    name, suggested = next((q, ks) for q, ks in fixable.items() if ks)
+    r = stack.cli("queue", "create", name, "--shards", "3", check=True)
+    fell = layouts[name][3]
+    assert r.stdout.splitlines() == [f"queue {name}: bound none, 3 shards", per_primary_line(cluster, fell)]
+    assert r.stderr.splitlines() == [
+        f"warning: the 3 shards of queue {name} fall unevenly on the 3 primaries: {', '.join(map(str, suggested))} "
+        f"shards would spread this name evenly (taskrunner queue create {name} --shards {suggested[0]}, while it "
+        "has no unfinished job)"]
+    info = json.loads(stack.cli("queue", "info", name, "--json", check=True).stdout)["placement"]
+    ports = sorted(node.port for node in cluster.primaries)
+    assert info == {"per_primary": {f"127.0.0.1:{p}": c for p, c in zip(ports, fell)},
+                    "uneven": True, "even_shard_counts": suggested}
+
+    r = stack.cli("queue", "create", name, "--shards", str(suggested[0]), check=True)
+    assert r.stdout.splitlines()[1] == per_primary_line(cluster, layouts[name][suggested[0]]) and r.stderr == ""
+    rows = json.loads(stack.cli("queues", "--shards", "--json", check=True).stdout)
+    primaries = {row["name"]: row["primary"] for row in rows if shards.logical(row["name"]) == name}
+    assert primaries == {s: f"127.0.0.1:{cluster.owner(f'{{{s}}}').port}" for s in shards.names(name, suggested[0])}
+    assert f"primary=127.0.0.1:{cluster.owner(f'{{{name}~1}}').port}" in stack.cli("queues", "--shards").stdout
+
+    hopeless = next(q for q, ks in fixable.items() if not ks)
+    r = stack.cli("queue", "create", hopeless, "--shards", "3", check=True)
+    assert r.stderr == (f"warning: the 3 shards of queue {hopeless} fall unevenly on the 3 primaries: no shard count "
+                        "up to 64 spreads this name evenly\n")
+
+
+def test_queue_create_gives_no_warning_for_shards_one_on_each_primary(capp, stack, cluster, sharded):
+    r = stack.cli("queue", "create", sharded, "--shards", "3", check=True)
+    assert r.stdout.splitlines()[1] == per_primary_line(cluster, [1, 1, 1]) and r.stderr == ""
+    assert json.loads(stack.cli("queue", "info", sharded, "--json", check=True).stdout)["placement"]["uneven"] is False
+
+
 def incr_each(r, counters: list[str]) -> scripts.Batch:
     """A batch that INCRs each counter (one per primary: what ran where, and how often)."""
     batch = scripts.Batch(r)

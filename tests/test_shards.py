@@ -35,7 +35,9 @@ def on_shards(jobs) -> Counter:
 
 def test_jobs_spread_over_shards_and_run_once_from_every_producer(app, stack):
     r = stack.cli("queue", "create", "sq", "--shards", "4", check=True)
-    assert "4 shards" in r.stdout
+    # One server: nothing to say of where the shards fall (on a cluster: test_cluster.py).
+    assert (r.stdout, r.stderr) == ("queue sq: bound none, 4 shards\n", "")
+    assert queue.placement(app, "sq", 4) is None
     assert app.queue_names() == ["sq", "sq~1", "sq~2", "sq~3"]  # the dispatcher sweeps each
     jobs = [apps.add.apply_async([i, 1], queue="sq") for i in range(40)]
     jobs += app.enqueue_many({"task": "tests.apps.add", "args": [i, 2], "queue": "sq"} for i in range(20))
@@ -55,7 +57,9 @@ def test_jobs_spread_over_shards_and_run_once_from_every_producer(app, stack):
     assert row["name"] == "sq" and row["pending"] == 68 and row["shards"] == 4
     per_shard = json.loads(stack.cli("queues", "--json", "--shards", check=True).stdout)
     assert {s["name"]: s["pending"] for s in per_shard} == {"sq": 17, "sq~1": 17, "sq~2": 17, "sq~3": 17}
+    assert not any("primary" in s for s in per_shard) and "primary=" not in stack.cli("queues", "--shards").stdout
     assert "shards=4" in stack.cli("queues", check=True).stdout
+    assert "placement" not in json.loads(stack.cli("queue", "info", "sq", "--json", check=True).stdout)
 
     stack.worker("-Q", "sq", concurrency=2)
     assert [j.wait(30) for j in jobs] == [i + 1 for i in range(40)] + [i + 2 for i in range(20)] + \
@@ -65,6 +69,16 @@ def test_jobs_spread_over_shards_and_run_once_from_every_producer(app, stack):
     assert info["produced_messages"] == 68 and info["consumed_messages"] == 68
     done = listing.list_jobs(app, "sq", "completed", limit=100)
     assert len(done) == 68  # `jobs -q sq` lists every shard's
+
+
+def test_shards_per_primary_and_the_counts_that_would_spread_them_evenly():
+    primaries = ["a", "b", "c"]
+    owners = ["a", "a", "b", "c", "b", "c", "c", "a"] + ["a"] * (shards.MAX - 8)
+    assert shards.per_primary(owners[:3], primaries) == [2, 1, 0] and shards.uneven([2, 1, 0])
+    assert not shards.uneven([1, 1, 0]) and not shards.uneven([2, 2, 1])  # 2 shards over 3; 5 over 3
+    assert shards.even_counts(owners, primaries, 3) == [4, 5, 6]  # 2,1,1; 2,2,1; 2,2,2 (7: 2,2,3 too)
+    assert shards.even_counts(owners, primaries, 5) == [4, 5, 6, 7, 8]
+    assert shards.even_counts(["a"] * shards.MAX, primaries, 3) == []
 
 
 def test_an_idle_worker_sleeps_on_every_shard_and_wakes_for_any(app, stack):

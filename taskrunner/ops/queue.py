@@ -5,12 +5,15 @@ queue's `meta` hash, which the enqueue and claim scripts read."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from redis.crc import key_slot
 
 from taskrunner.errors import QueueNotFound, TaskRunnerError
 from taskrunner.protocol import codec
 from taskrunner.protocol import shards as sharding
-from taskrunner.protocol.connection import server_time
+from taskrunner.protocol.connection import is_cluster, server_time
 
 if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
@@ -126,6 +129,56 @@ def unfinished(app: TaskRunner, names: list[str]) -> int:
 def shards_of(app: TaskRunner, name: str) -> list[str]:
     """The physical queues of queue `name`: its shards, or itself."""
     return sharding.names(name, sharding.count(app.redis.hget(app.keys.q(name) + "meta", "shards")))
+
+
+#: How many shard counts that would spread a queue evenly a Placement names.
+EVEN_SHOWN = 3
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the shards of a queue fall on a Redis Cluster's primaries. CRC16 of each
+    shard's hash tag decides, so N shards over N primaries often leave one primary two and
+    another none; this says so, and which shard counts would spread the name evenly (the
+    key layout, `Q~i`, is protocol and cannot bend to the cluster)."""
+
+    shards: int
+    #: Every primary that serves slots (host:port), by host then port.
+    primaries: list[str]
+    #: The shards on each of `primaries`.
+    per_primary: list[int]
+    #: The smallest shard counts (EVEN_SHOWN at most, up to shards.MAX) that would spread
+    #: this queue evenly with a shard on every primary.
+    even: list[int]
+
+    @property
+    def uneven(self) -> bool:
+        return sharding.uneven(self.per_primary)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As --json gives it."""
+        return {"per_primary": dict(zip(self.primaries, self.per_primary)), "uneven": self.uneven,
+                "even_shard_counts": self.even}
+
+
+def primaries_of(app: TaskRunner, physical: list[str]) -> list[str] | None:
+    """The primary (host:port) that serves each of the physical queues `physical`, from the
+    slot map the cluster client holds (no command); None off a cluster."""
+    if not is_cluster(app.redis):
+        return None
+    nodes = app.redis.nodes_manager
+    return [nodes.get_node_from_slot(key_slot(app.keys.q(q).encode())).name for q in physical]
+
+
+def placement(app: TaskRunner, name: str, n: int) -> Placement | None:
+    """How `n` shards of queue `name` fall on the cluster's primaries (None off a cluster)."""
+    owners = primaries_of(app, sharding.names(name, sharding.MAX))
+    if owners is None:
+        return None
+    serving = {nodes[0] for nodes in app.redis.nodes_manager.slots_cache.values() if nodes}
+    primaries = [node.name for node in sorted(serving, key=lambda node: (node.host, node.port))]
+    return Placement(n, primaries, sharding.per_primary(owners[:n], primaries),
+                     sharding.even_counts(owners, primaries, EVEN_SHOWN))
 
 
 def close(app: TaskRunner, name: str) -> None:

@@ -17,6 +17,7 @@ import random
 import re
 import time
 import zlib
+from collections.abc import Sequence
 
 #: What separates a logical queue's name from a shard's number.
 SEP = "~"
@@ -68,6 +69,27 @@ def of_key(key: str, n: int) -> int:
     task): the same key always lands on the same shard, so that locks, slots and limits,
     which count per shard, count it exactly. CRC32: the same in every process and language."""
     return zlib.crc32(key.encode()) % n
+
+
+def per_primary(owners: Sequence[str], primaries: Sequence[str]) -> list[int]:
+    """How many shards each of `primaries` serves, `owners` being the primary of each shard."""
+    return [sum(o == p for o in owners) for p in primaries]
+
+
+def uneven(counts: Sequence[int]) -> bool:
+    """Shards per primary that leave some primary with two more than another. With at
+    least as many shards as primaries that covers a primary with none; with fewer, a
+    spread is even when no primary has two."""
+    return max(counts) - min(counts) > 1
+
+
+def even_counts(owners: Sequence[str], primaries: Sequence[str], most: int) -> list[int]:
+    """The smallest shard counts (at most `most` of them) that spread a queue evenly over
+    `primaries`, a shard on each at least, `owners` being the primary of each of its
+    first MAX shards: shard i's slot depends on the queue's name and i only, so a count
+    n puts the queue on the primaries of owners[:n]."""
+    return [n for n in range(max(2, len(primaries)), len(owners) + 1)
+            if not uneven(per_primary(owners[:n], primaries))][:most]
 
 
 class Spreader:
