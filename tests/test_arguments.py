@@ -201,7 +201,7 @@ def test_the_declaration_carries_the_parameters(app):
     opted = TaskRunner("opted").task(lambda x: x, name="opted", check_args=False)
     assert "params" not in declarations.declaration(app, opted, "w", 0.0)
     for bad in [None, {}, {"params": "a"}, {"params": [1]}, {"params": ["a", "a"]}, {"params": ["a=", "b"]},
-                {"params": ["no such"]}]:
+                {"params": ["no such"]}, {"params": [""]}, {"params": ["a", "**"]}]:
         assert arguments.from_declaration(bad) is None  # not checked
 
 

@@ -116,8 +116,8 @@ def _from_params(declared: tuple[str, ...]) -> Shape | None:
             else:
                 out.append(P(w, mode))
         return Shape(inspect.Signature(out))
-    except (ValueError, TypeError):  # not an identifier, a name twice, a required one after a default, ...
-        return None
+    except (ValueError, TypeError, IndexError):  # not an identifier, a name twice, a required one after a
+        return None  # default, ...; an empty name ("", "**") is an IndexError in inspect.Parameter
 
 
 class Shape:
