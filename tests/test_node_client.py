@@ -15,8 +15,10 @@ import subprocess
 import orjson
 import pytest
 
+from taskrunner.client import arguments
 from taskrunner.client.flow import unique_key_of
-from taskrunner.errors import JobFailed
+from taskrunner.errors import BadArguments, JobFailed
+from taskrunner.ops import listing
 from taskrunner.ops import queue as queues
 from tests.conftest import ROOT, Stack, wait_for
 
@@ -423,3 +425,91 @@ def test_the_node_consumer_on_a_rate_limited_queue_starts_jobs_spaced_by_the_lim
     assert starts[-1] - starts[0] < 5.5, gaps
     assert all(j.data["attempts"] == "1" and j.data["worker"] == "node-r" for j in jobs)
     assert "stopped after 6 jobs" in stop(node_c)
+
+
+# -- a job's arguments against the task's declared params -----------------------------------
+
+
+def test_the_node_check_of_arguments_says_what_pythons_does():
+    """checkArguments binds as Python's Signature.bind (taskrunner/client/arguments.py) and
+    says it in Python's words, for every kind of parameter and mix of arguments; params not
+    as Python writes them check nothing, where Python's producer checks nothing."""
+    def f(a, /, b, c=1, *, d, **kw): ...
+
+    def g(*args, z=2): ...
+
+    def kwdefault(a, *, k=1): ...
+
+    def catchall(a, /, **kw): ...
+
+    declared = [arguments.params(arguments.shape_of(fn).signature) for fn in
+                (f, g, kwdefault, catchall, lambda: 0, lambda a, b, /: 0, lambda a, b=1, c=2: 0,
+                 lambda a, *rest: 0, lambda a, *, k: 0, lambda *args, **kwargs: 0)]
+    declared += [["a", "*"], ["a", "a"], ["a=", "b"], ["no such"], ["class"], ["**"], ["*a", "*b"], ["é", "x="],
+                 ["*", "k", "/", "x"], ["a", "/", "/"], [1], "a", None]
+    keywords = [{}, {"a": 1}, {"b": 1}, {"k": 1}, {"a": 1, "b": 2}, {"b": 1, "k": 2}, {"c": 1, "k": 1},
+                {"z": 1}, {"rest": 1}, {"kw": 1}, {"d": 1, "b": 2}, {"x": 1, "a": 1}]
+    cases = [(params, n, kwargs, fed) for params in declared for n in range(4) for kwargs in keywords
+             for fed in (False, True)]
+    python = []
+    for params, n, kwargs, fed in cases:
+        try:
+            arguments.check("t.x", arguments.from_declaration({"params": params}), list(range(n)), dict(kwargs), fed)
+            python.append(None)
+        except BadArguments as e:  # the Node client's immutable steps are {immutable: true}, not .si()
+            python.append(str(e).replace("an immutable step, .si(),", "an immutable step, immutable: true,"))
+    program = ("const { checkArguments } = require('./taskrunner');\n"
+               "const cases = JSON.parse(require('fs').readFileSync(0, 'utf8'));\n"
+               "console.log(JSON.stringify(cases.map(([params, n, kwargs, fed]) => {\n"
+               "  try { checkArguments('t.x', params, [...Array(n).keys()], kwargs, fed); return null; }\n"
+               "  catch (e) { return e.name === 'BadArguments' ? e.message : `not BadArguments: ${e}`; } })));")
+    r = subprocess.run(["node", "-e", program], cwd=NODE_DIR, input=json.dumps(cases), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    node = json.loads(r.stdout)
+    assert sum(m is not None for m in python) > 200  # the table refuses many
+    assert [(c, m) for c, m, p in zip(cases, node, python) if m != p] == []
+
+
+def test_the_node_producer_checks_arguments_where_it_read_the_declaration(app, stack):
+    """Where the Node producer reads a task's declaration anyway (to place a job on a sharded
+    queue's shard) or read it less than 10 s ago, the declared params refuse arguments that
+    do not fit, before anything is written, in the Python producer's words; a plain queue's job
+    of a task it did not read is not checked (no command is spent on it: Python's rule)."""
+    queues.create(app, "ck", shards=2)
+    stack.worker("-Q", "ck", name="declarer")  # publishes the declarations of tests.apps, `params` among them
+    wait_for(lambda: app.redis.zscore(app.keys.workers, "declarer"), what="the worker's first heartbeat")
+    got = node_script(stack, """
+      const attempt = async (f) => { try { return await f(); } catch (e) { return `${e.name}: ${e.message}`; } };
+      const unread = await tr.enqueue('tests.apps.add', [1], {}, { queue: 'plainq' });
+      const refused = [
+        await attempt(() => tr.enqueue('tests.apps.add', [1], {}, { queue: 'ck' })),
+        await attempt(() => tr.chain([{ task: 'tests.apps.add', args: [1, 2], queue: 'ck' },
+          { task: 'tests.apps.mul', args: [3, 4], queue: 'ck' }])),
+        await attempt(() => tr.enqueue('tests.apps.add', [1, 2], {}, { queue: 'ck',
+          onSuccess: { task: 'tests.apps.mul', args: [3, 4], queue: 'ck' } })),
+        await attempt(() => tr.chord([{ task: 'tests.apps.add', args: [1, 2], queue: 'ck' }],
+          { task: 'tests.apps.mul', args: [1, 2], queue: 'ck' })),
+        await attempt(() => tr.enqueue('tests.apps.add', [1], { c: 2 }, { queue: 'plainq' })),  // read just now
+      ];
+      const fits = await tr.chain([{ task: 'tests.apps.add', args: [1, 2], queue: 'ck' },
+        { task: 'tests.apps.mul', args: [3], queue: 'ck' }, { task: 'tests.apps.mul', args: [1, 2], immutable: true,
+        queue: 'ck' }]);
+      console.log(JSON.stringify({ unread, refused, fits }));
+    """)
+    assert got["unread"]["created"] is True
+    fed = (" (counting the value it is given first, its parent's result or error; an immutable step, immutable: "
+           "true, is given none)")
+    assert got["refused"] == [
+        "BadArguments: tests.apps.add(a, b): missing a required argument: 'b'",
+        "BadArguments: tests.apps.mul(a, b): too many positional arguments" + fed,
+        "BadArguments: tests.apps.mul(a, b): too many positional arguments" + fed,
+        "BadArguments: tests.apps.mul(a, b): too many positional arguments" + fed,
+        "BadArguments: tests.apps.add(a, b): missing a required argument: 'b'"]
+    assert app.job(got["fits"]["id"], got["fits"]["queue"]).wait(30) == 2
+    # The refused ones left nothing behind: the chain's 3 jobs, on every shard (`jobs -q ck`), ran.
+    assert len(listing.list_jobs(app, "ck", "completed", limit=10)) == 3
+    assert queues.unfinished(app, ["ck", "ck~1"]) == 0
+    r = produce(stack, "--queue", "ck", "tests.apps.add", "[1]")  # as the Python CLI says it
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == "Error: tests.apps.add(a, b): missing a required argument: 'b'\n"

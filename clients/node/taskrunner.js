@@ -151,6 +151,122 @@ function flow(task, args, kwargs, opts, unique) {
   return out;
 }
 
+// A job's arguments checked against its task's declared `params` (PROTOCOL.md, Task
+// declarations), as taskrunner's Python producer checks them (taskrunner/client/arguments.py):
+// Python's Signature.bind rules and wording, so that a job that would fail in a worker with a
+// TypeError is refused here, one line naming the task and its signature. Python's parameter
+// kinds, in the order a signature must keep them:
+const [POSITIONAL_ONLY, POSITIONAL_OR_KEYWORD, VAR_POSITIONAL, KEYWORD_ONLY, VAR_KEYWORD] = [0, 1, 2, 3, 4];
+const PY_NAME = /^[\p{L}\p{Nl}_][\p{L}\p{Nl}\p{Mn}\p{Mc}\p{Nd}\p{Pc}]*$/u;
+const PY_KEYWORDS = new Set(['False', 'None', 'True', 'and', 'as', 'assert', 'async', 'await', 'break', 'class',
+  'continue', 'def', 'del', 'elif', 'else', 'except', 'finally', 'for', 'from', 'global', 'if', 'import', 'in', 'is',
+  'lambda', 'nonlocal', 'not', 'or', 'pass', 'raise', 'return', 'try', 'while', 'with', 'yield']);
+
+class BadArguments extends Error {
+  constructor(message) {
+    super(message);
+    this.name = 'BadArguments';
+  }
+}
+
+// The parameters a declaration's `params` describe ({name, kind, optional}) and the signature
+// as Python shows it ("(a, /, b, c=..., *, d, **kw)"); null where they are not as Python writes
+// them (absent, another language's worker, a corrupt declaration): nothing is checked then.
+function signatureOf(params) {
+  if (!Array.isArray(params) || !params.every((w) => typeof w === 'string')) return null;
+  let mode = params.includes('/') ? POSITIONAL_ONLY : POSITIONAL_OR_KEYWORD;
+  const ps = [];
+  for (const w of params) {
+    if (w === '/') mode = POSITIONAL_OR_KEYWORD;
+    else if (w === '*') mode = KEYWORD_ONLY;
+    else if (w.startsWith('**')) ps.push({ name: w.slice(2), kind: VAR_KEYWORD, optional: false });
+    else if (w.startsWith('*')) {
+      ps.push({ name: w.slice(1), kind: VAR_POSITIONAL, optional: false });
+      mode = KEYWORD_ONLY;
+    } else if (w.endsWith('=')) ps.push({ name: w.slice(0, -1), kind: mode, optional: true });
+    else ps.push({ name: w, kind: mode, optional: false });
+  }
+  // What Python refuses to make a signature of: a name that is not one, a name twice, a kind
+  // out of order, a positional parameter without a default after one with.
+  let top = POSITIONAL_ONLY;
+  let defaulted = false;
+  const names = new Set();
+  for (const p of ps) {
+    if (!PY_NAME.test(p.name) || PY_KEYWORDS.has(p.name) || names.has(p.name) || p.kind < top) return null;
+    if (p.kind <= POSITIONAL_OR_KEYWORD && !p.optional && defaulted) return null;
+    defaulted = defaulted || (p.kind <= POSITIONAL_OR_KEYWORD && p.optional);
+    top = p.kind;
+    names.add(p.name);
+  }
+  const words = [];
+  let slashDue = false;
+  let starDue = true;
+  for (const p of ps) {
+    if (p.kind === POSITIONAL_ONLY) slashDue = true;
+    else if (slashDue) {
+      words.push('/');
+      slashDue = false;
+    }
+    if (p.kind === VAR_POSITIONAL) starDue = false;
+    else if (p.kind === KEYWORD_ONLY && starDue) {
+      words.push('*');
+      starDue = false;
+    }
+    words.push(({ [VAR_POSITIONAL]: '*', [VAR_KEYWORD]: '**' }[p.kind] || '') + p.name + (p.optional ? '=...' : ''));
+  }
+  if (slashDue) words.push('/');
+  return { params: ps, shown: `(${words.join(', ')})` };
+}
+
+// What Python's Signature.bind says of `n` positional arguments and `kwargs`, or null: they bind.
+function unbound(ps, n, kwargs) {
+  const left = new Set(Object.keys(kwargs));
+  const onlyPositional = (p) => `'${p.name}' parameter is positional only, but was passed as a keyword`;
+  let i = 0;
+  let rest = []; // the parameter the positional arguments stopped at, when keywords may fill it
+  for (let given = 0; ; given++) {
+    const p = ps[i++];
+    if (given === n) {
+      if (p === undefined || p.kind === VAR_POSITIONAL) break;
+      if (left.has(p.name) && p.kind === POSITIONAL_ONLY) return onlyPositional(p);
+      if (left.has(p.name) || p.kind === VAR_KEYWORD || p.optional) {
+        rest = [p];
+        break;
+      }
+      return `missing a required argument: '${p.name}'`;
+    }
+    if (p === undefined || p.kind === KEYWORD_ONLY || p.kind === VAR_KEYWORD) return 'too many positional arguments';
+    if (p.kind === VAR_POSITIONAL) break;
+    if (left.has(p.name) && p.kind !== POSITIONAL_ONLY) return `multiple values for argument '${p.name}'`;
+  }
+  let anyKeyword = false;
+  for (const p of [...rest, ...ps.slice(i)]) {
+    if (p.kind === VAR_KEYWORD) anyKeyword = true;
+    else if (p.kind === VAR_POSITIONAL) continue;
+    else if (!left.has(p.name)) {
+      if (!p.optional) return `missing a required argument: '${p.name}'`;
+    } else if (p.kind === POSITIONAL_ONLY) return onlyPositional(p);
+    else left.delete(p.name);
+  }
+  return left.size && !anyKeyword ? `got an unexpected keyword argument '${left.values().next().value}'` : null;
+}
+
+// Throw BadArguments unless `args` and `kwargs` fit the task's declared `params` (nothing
+// declared, or not as Python writes it: nothing to check). `fed`: the job is given a value
+// first when it becomes pending (a chain step, a callback: not immutable), counted as its first
+// argument.
+const SIGNATURES = new WeakMap(); // params (as kept with their declaration) -> signatureOf(them), read once
+function checkArguments(task, params, args, kwargs, fed = false) {
+  if (Array.isArray(params) && !SIGNATURES.has(params)) SIGNATURES.set(params, signatureOf(params));
+  const sig = Array.isArray(args) && Array.isArray(params) ? SIGNATURES.get(params) : null;
+  const why = sig && unbound(sig.params, args.length + (fed ? 1 : 0), kwargs || {});
+  if (why) {
+    const first = fed ? ' (counting the value it is given first, its parent\'s result or error; an immutable step, '
+      + 'immutable: true, is given none)' : '';
+    throw new BadArguments(`${task}${sig.shown}: ${why}${first}`);
+  }
+}
+
 // Loading a script: the text of _lib.lua, a newline, then <name>.lua; SCRIPT LOAD, EVALSHA,
 // and load it again after a NOSCRIPT reply (Redis restarted, a promoted replica).
 // Sharded queues (PROTOCOL.md, Sharded queues): shard i >= 1 of queue Q is the queue `Q~i`;
@@ -214,10 +330,16 @@ class TaskRunner {
 
   connection() { return this.redis.duplicate(); } // for blocking commands (BRPOP)
 
+  // A value keep() read less than KEEP_MS ago, else undefined (nothing is read).
+  recalled(key) {
+    const hit = this.kept.get(key);
+    return hit && hit[0] > Date.now() ? hit[1] : undefined;
+  }
+
   // A value read from Redis by `read()`, kept KEEP_MS (a queue not sharded: no command per job).
   async keep(key, read) {
-    const hit = this.kept.get(key);
-    if (hit && hit[0] > Date.now()) return hit[1];
+    const hit = this.recalled(key);
+    if (hit !== undefined) return hit;
     const value = await read();
     this.kept.set(key, [Date.now() + KEEP_MS, value]);
     return value;
@@ -227,16 +349,21 @@ class TaskRunner {
   // `c:<concurrency key>` (the task's name by default) when its task has max_concurrency,
   // else `r:<task>` when it has a rate limit (as sent, else as declared), else
   // `u:<unique key>`, else `i:<id>` for an id given; else round robin. Before anything
-  // names its queue (a parent's edge).
+  // names its queue (a parent's edge). The job's arguments are checked against the task's
+  // declared `params` where the declaration is at hand: read for a sharded queue's placement,
+  // or read so less than KEEP_MS ago; never read for the check alone (a plain queue's job
+  // costs no command more, as with Python's producer, which checks when it looked it up anyway).
   async place(d, opts = {}) {
-    if (SHARD.test(d.queue)) return d;
-    const n = Number(await this.keep(`shards ${d.queue}`, () => this.redis.hget(this.q(d.queue) + 'meta', 'shards')));
+    const { task, args, kwargs, fed } = d.call;
+    const n = SHARD.test(d.queue) ? 1
+      : Number(await this.keep(`shards ${d.queue}`, () => this.redis.hget(this.q(d.queue) + 'meta', 'shards')));
+    const declared = !(n > 1) ? this.recalled(`task ${task}`) : await this.keep(`task ${task}`, async () => {
+      try { return JSON.parse(await this.redis.hget(this.g + 'tasks', task)) || {}; } catch { return {}; }
+    });
+    checkArguments(task, (declared || {}).params, args, kwargs, fed);
     if (!(n > 1)) return d;
     const f = {};
     for (let i = 0; i < d.fields.length; i += 2) f[d.fields[i]] = d.fields[i + 1];
-    const declared = await this.keep(`task ${f.task}`, async () => {
-      try { return JSON.parse(await this.redis.hget(this.g + 'tasks', f.task)) || {}; } catch { return {}; }
-    });
     let key = null;
     if (f.max_concurrency || declared.max_concurrency) key = `c:${f.concurrency_key || f.task}`;
     else if (f.rate_limit || declared.rate_limit) key = `r:${f.task}`;
@@ -253,8 +380,9 @@ class TaskRunner {
   // A job as enqueue.lua takes it (Enqueue): {id, queue, delay, fields}. `opts`: queue, id,
   // delay, maxDuration, retries, retryBackoff, timeoutPolicy, maxLost, headers, and flow
   // control (flow()): priority, concurrencyKey, and with `unique` (a job alone, not part of
-  // a workflow) uniqueKey, uniqueFor, uniqueUntil.
-  draft(task, args = [], kwargs = {}, opts = {}, { unique = false } = {}) {
+  // a workflow) uniqueKey, uniqueFor, uniqueUntil. `fed`: the job is given its parent's result
+  // (or error) first (checkArguments).
+  draft(task, args = [], kwargs = {}, opts = {}, { unique = false, fed = false } = {}) {
     const queue = SHARD.test(opts.queue || '') ? opts.queue : checkName('queue', opts.queue || 'default');
     const id = opts.id || ulid();
     if (!ID.test(id)) throw new Error(`invalid job id ${JSON.stringify(id)}`);
@@ -265,7 +393,7 @@ class TaskRunner {
     for (const [k, field] of Object.entries(optional)) if (opts[k] !== undefined) fields.push(field, String(opts[k]));
     if (opts.headers && Object.keys(opts.headers).length) fields.push('headers', JSON.stringify(opts.headers));
     fields.push(...flow(task, args, kwargs, opts, unique));
-    return { id, queue, delay: opts.delay || 0, fields };
+    return { id, queue, delay: opts.delay || 0, fields, call: { task, args, kwargs, fed } };
   }
 
   // One enqueue.lua call for jobs of `queue` (and of `others`, one Redis server only): its
@@ -434,7 +562,7 @@ class TaskRunner {
     for (const [cb, edge, takes] of [[opts.onSuccess, [], 'result'], [opts.onFailure, ['on_parent_failure', 'only'],
       'error']]) {
       if (!cb) continue;
-      const d = await this.place(this.draft(cb.task, cb.args, cb.kwargs, cb), cb);
+      const d = await this.place(this.draft(cb.task, cb.args, cb.kwargs, cb, { fed: !cb.immutable }), cb);
       d.fields.push('parents', `${job.queue} ${job.id}`, ...edge, ...(cb.immutable ? [] : ['takes', takes]));
       drafts.push(d);
     }
@@ -449,7 +577,9 @@ class TaskRunner {
   async chain(steps) {
     if (!steps.length) throw new Error('a chain needs at least one step');
     const drafts = [];
-    for (const s of steps) drafts.push(await this.place(this.draft(s.task, s.args, s.kwargs, s), s));
+    for (const [i, s] of steps.entries()) {
+      drafts.push(await this.place(this.draft(s.task, s.args, s.kwargs, s, { fed: i > 0 && !s.immutable }), s));
+    }
     drafts.slice(1).forEach((d, i) => {
       const takes = steps[i + 1].immutable ? [] : ['takes', 'result'];
       d.fields.push('parents', `${drafts[i].queue} ${drafts[i].id}`, ...takes);
@@ -476,7 +606,8 @@ class TaskRunner {
     if (!members.length) throw new Error('a chord needs at least one member');
     const drafts = [];
     for (const m of members) drafts.push(await this.place(this.draft(m.task, m.args, m.kwargs, m), m));
-    const cb = await this.place(this.draft(callback.task, callback.args, callback.kwargs, callback), callback);
+    const cb = await this.place(this.draft(callback.task, callback.args, callback.kwargs, callback,
+      { fed: !callback.immutable }), callback);
     cb.fields.push('parents', drafts.map((d) => `${d.queue} ${d.id}`).join(' '));
     if (!callback.immutable) cb.fields.push('takes', 'results');
     if (onMemberFailure === 'continue') cb.fields.push('on_parent_failure', 'continue');
@@ -730,4 +861,4 @@ class Consumer {
   }
 }
 
-module.exports = { TaskRunner, Consumer, Scripts, ulid, sleep, uniqueKeyOf };
+module.exports = { TaskRunner, Consumer, Scripts, BadArguments, checkArguments, ulid, sleep, uniqueKeyOf };
