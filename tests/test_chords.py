@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from taskrunner import JobFailed, TaskRunner, chain, chord, group
-from taskrunner.ops.history import fields
+from taskrunner.ops.history import read
 from tests import apps
 from tests.conftest import wait_for
 from tests.test_failures import ledger, started_pid
@@ -73,7 +73,7 @@ def test_a_chord_survives_a_sigkilled_worker_and_its_callback_runs_once(app, sta
         app.redis.set(f"{app.settings.prefix}:release:m{i}", 1)
     handle.wait(timeout=60)
     assert ledger(app, "callback") == 1
-    entries = [fields(f) for _, f in app.redis.xrange(app.keys.q("default") + "history") if f["id"] == handle.id]
+    entries = [f for _, f in read(app.redis.xrange(app.keys.q("default") + "history")) if f["id"] == handle.id]
     assert [e["state"] for e in entries] == ["completed"]
 
 

@@ -20,8 +20,8 @@ from tests.conftest import wait_for
 
 
 def stream(app, queue="default"):
-    """The queue's history entries, each's fields by name (whichever shape: history.fields)."""
-    return [(i, history.fields(f, queue)) for i, f in app.redis.xrange(app.keys.q(queue) + "history")]
+    """The queue's history records, each's fields by name (whichever shape: history.read)."""
+    return history.read(app.redis.xrange(app.keys.q(queue) + "history"), queue)
 
 
 def archived(directory) -> list[dict]:
@@ -154,6 +154,31 @@ def test_dispatcher_archives_and_warns_when_behind(app, tmp_path, monkeypatch, c
 
     page = create_app(app).test_client().get("/").get_data(as_text=True)
     assert "Job history of queue default is not archived fast enough" in page
+
+
+def test_the_dispatcher_keeps_a_stream_of_batches_within_its_cap_in_records(app, monkeypatch):
+    """XADD caps the stream in entries, and an entry may hold a finish call's many records:
+    the dispatcher's pass trims it to about CAP records (oldest first), archiving or not
+    (here: pyarrow missing, as in a core install)."""
+    from taskrunner.errors import MissingExtra
+
+    def no_pyarrow(*_a, **_k):
+        raise MissingExtra("archiving job history to Parquet", "history")
+
+    monkeypatch.setattr("taskrunner.ops.dispatcher.Archiver", no_pyarrow)
+    monkeypatch.setattr(history, "CAP", 5000)
+    key = app.keys.q("default") + "history"
+    batch = "\n".join(f"j{i}\ncompleted 1 1 1 1 1 t w h\n" for i in range(50))
+    pipe = app.redis.pipeline(transaction=False)
+    for _ in range(400):  # 20,000 records in 400 entries: far within XADD's cap of 500,000 entries
+        pipe.xadd(key, {"jobs": batch})
+    pipe.execute()
+    assert history.backlog(app, ["default"]) == {"default": 20_000}
+    d = Dispatcher(app)
+    d.archive_history(["default"])
+    assert 100 <= app.redis.xlen(key) < 200  # MAXLEN ~ 100: whole macro nodes (a few entries each)
+    assert 5000 <= history.backlog(app, ["default"])["default"] < 10_000
+    assert d.history_backlog == {}  # not archived: nothing to warn of (history stays in Redis, capped)
 
 
 def test_entries_of_either_shape_are_archived_alike(app, tmp_path):

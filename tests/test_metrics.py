@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dashboard import create_app
 from taskrunner.ops import health
-from taskrunner.ops.history import fields
+from taskrunner.ops.history import read
 from tests import apps
 from tests.conftest import wait_for
 
@@ -177,10 +177,9 @@ def test_liveness_says_when_the_loop_stopped_going_round():
 
 
 def _stream_truth(app, queue: str = "default") -> dict[tuple[str, str], int]:
-    """(task, state) -> history entries, read from the stream itself."""
+    """(task, state) -> history records, read from the stream itself."""
     out: dict[tuple[str, str], int] = {}
-    for _, entry in app.redis.xrange(app.keys.q(queue) + "history"):
-        f = fields(entry)
+    for _, f in read(app.redis.xrange(app.keys.q(queue) + "history")):
         out[(f["task"], f["state"])] = out.get((f["task"], f["state"]), 0) + 1
     return out
 
@@ -247,9 +246,10 @@ def test_tally_refuses_a_bad_count_and_skips_hostile_task_names(app):
     assert app.redis.hget(app.keys.q("default") + "stats", "jobs|?|completed") == "1"
 
 
-def test_tally_counts_entries_of_either_shape(app):
-    """The history stream holds entries of an older worker (a field each) and this one's
-    (values packed in `v`): tally.lua counts both alike."""
+def test_tally_counts_entries_of_every_shape(app):
+    """The history stream holds entries of an older worker (a field each), of this one's
+    single finishes (values packed in `v`) and of its batches (`jobs`, three lines a record):
+    tally.lua counts every record alike."""
     from taskrunner.protocol import scripts
 
     p = app.keys.q("default")
@@ -258,11 +258,28 @@ def test_tally_counts_entries_of_either_shape(app):
                                    "worker": "w", "host": "h", "pid": "1", "error_type": ""})
     app.redis.xadd(p + "history", {"id": "b", "v": "completed 1 100 100.5 101.5 1 t w a host"})
     app.redis.xadd(p + "history", {"id": "c", "v": "failed 2 100 100.5 101 1 t w h", "error_type": "E"})
-    assert scripts.TALLY(app.redis, [p], [10]) == 3
+    app.redis.xadd(p + "history", {"jobs": "d\ncompleted 1 100 100.5 101.5 1 t w h\n\n"
+                                           "e\nrequeued 1 100 100.5 101 1 u w h\nWorkerLost"})
+    assert scripts.TALLY(app.redis, [p], [10]) == 5
     stats = app.redis.hgetall(p + "stats")
-    assert (stats["jobs|t|completed"], stats["jobs|t|failed"]) == ("2", "1")
-    assert (stats["run|t|8"], stats["run|t|7"], float(stats["run_sum|t"])) == ("2", "1", 2.5)
-    assert (stats["wait|t|7"], float(stats["wait_sum|t"])) == ("2", 1.0)  # attempt 1 only
+    assert (stats["jobs|t|completed"], stats["jobs|t|failed"], stats["jobs|u|requeued"]) == ("3", "1", "1")
+    assert (stats["run|t|8"], stats["run|t|7"], float(stats["run_sum|t"])) == ("3", "1", 3.5)
+    assert (stats["wait|t|7"], float(stats["wait_sum|t"])) == ("3", 1.5)  # attempt 1 only
+
+
+def test_tally_bounds_a_call_by_records_and_reads_whole_entries(app):
+    """ARGV[1] bounds the records a call counts (an entry may hold a batch of them): it reads
+    whole entries until it has counted that many, and the next call goes on from there."""
+    from taskrunner.protocol import scripts
+
+    p = app.keys.q("default")
+    batch = "\n".join(f"j{i}\ncompleted 1 100 100.5 101 1 t w h\n" for i in range(4))
+    for _ in range(3):
+        app.redis.xadd(p + "history", {"jobs": batch})
+    assert scripts.TALLY(app.redis, [p], [6]) == 8  # two whole entries
+    assert scripts.TALLY(app.redis, [p], [6]) == 4
+    assert scripts.TALLY(app.redis, [p], [6]) == 0
+    assert app.redis.hget(p + "stats", "jobs|t|completed") == "12"
 
 
 def test_canceled_steps_are_in_the_history_the_metrics_and_the_archive(app, stack, tmp_path):
@@ -278,7 +295,7 @@ def test_canceled_steps_are_in_the_history_the_metrics_and_the_archive(app, stac
     handle = (apps.boom.si("bad") | apps.add.s(1) | apps.mul.s(2)).delay()
     with pytest.raises(Exception, match="bad"):
         handle.wait(30)
-    canceled = [f for f in (fields(e) for _, e in app.redis.xrange(app.keys.q("default") + "history"))
+    canceled = [f for _, f in read(app.redis.xrange(app.keys.q("default") + "history"))
                 if f["state"] == "canceled"]
     assert sorted(f["task"] for f in canceled) == ["tests.apps.add", "tests.apps.mul"]
     assert {(f["attempt"], f["started_at"], f["worker"], f["error_type"]) for f in canceled} == {

@@ -48,7 +48,7 @@ def test_retrying_a_failed_middle_step_runs_the_rest_of_the_chain(app, stack):
             f"brought back: step {mid} retried by ")
     assert app.redis.zcard(app.keys.q("default") + "canceled") == 0
     assert app.redis.zcard(app.keys.q("default") + "waiting") == 0
-    states = [history.fields(f)["state"] for _, f in app.redis.xrange(app.keys.q("default") + "history")]
+    states = [f["state"] for _, f in history.read(app.redis.xrange(app.keys.q("default") + "history"))]
     assert sorted(states) == ["canceled"] * 2 + ["completed"] * 4 + ["failed"]
 
 

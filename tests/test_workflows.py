@@ -98,7 +98,7 @@ def test_a_failed_step_cancels_the_steps_after_it_and_wait_names_it(app, stack):
         assert (d["state"], d["canceled_by"], d["error_type"]) == ("canceled", f"default {failed_id}", "Canceled")
         assert d["attempts"] == "0"  # never ran
     assert app.redis.zcard(app.keys.q("default") + "canceled") == 2
-    history = [(i, hist.fields(e)) for i, e in app.redis.xrange(app.keys.q("default") + "history")]
+    history = hist.read(app.redis.xrange(app.keys.q("default") + "history"))
     assert sorted(e["state"] for _, e in history) == ["canceled", "canceled", "completed", "failed"]
     assert app.redis.zcard(app.keys.q("default") + "waiting") == 0
     assert stack.cli("jobs", "--state", "canceled", check=True).stdout.count("canceled") >= 2
@@ -167,7 +167,7 @@ def test_a_chain_survives_a_sigkilled_worker_each_step_made_pending_once(app, st
         ids.insert(0, parents.split()[1])
     deliveries = [int(record(app, "default", i)["attempts"]) for i in ids]
     assert deliveries == [1, 2, 1, 1]  # step 2 ran again after the kill; each later one once
-    history = [(i, hist.fields(e)) for i, e in app.redis.xrange(app.keys.q("default") + "history")]
+    history = hist.read(app.redis.xrange(app.keys.q("default") + "history"))
     assert sorted(e["id"] for _, e in history if e["state"] == "completed") == sorted(ids)
 
 

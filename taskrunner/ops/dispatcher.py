@@ -24,7 +24,7 @@ from taskrunner.client.app import Schedule, TaskRunner, cron_job_id
 from taskrunner.errors import MissingExtra, TaskRunnerError
 from taskrunner.logs import Run, job_fields
 from taskrunner.ops import compact, schedules
-from taskrunner.ops.history import WARN_BACKLOG, Archiver, backlog
+from taskrunner.ops.history import CAP, WARN_BACKLOG, Archiver, backlog
 from taskrunner.ops.listing import DISPATCHER_FORGET
 from taskrunner.protocol import codec, joins, scripts
 from taskrunner.protocol.connection import server_time
@@ -61,6 +61,7 @@ class Dispatcher:
         self._hosts: dict[str, dict[str, Any]] = {}  # worker name -> info (host, pid, ...)
         self.passes = 0
         self.next_archive = 0.0
+        self.archiving = True  # False once Archiver() said pyarrow is missing
         self.next_forget = 0.0
         self.next_compact = 0.0
         self.compacting: threading.Thread | None = None
@@ -197,27 +198,33 @@ class Dispatcher:
             log.info("dispatcher %s: forgot %s, silent for over %.0f s", self.name, ", ".join(gone), DISPATCHER_FORGET)
 
     def archive_history(self, queues: list[str]) -> int:
-        """Move job history to Parquet (a few batches a pass); warn loudly when a stream
-        fills up faster than it is archived, before its cap could drop anything."""
+        """Move job history to Parquet (a few batches a pass); keep each stream within its
+        cap in records (backlog(trim=True): XADD caps it in entries, and an entry may hold a
+        finish call's many records), archived or not; warn loudly when a stream fills up
+        faster than it is archived, before its cap could drop anything."""
         self.next_archive = time.monotonic() + self.s.history_interval
-        try:
-            archiver = Archiver(self.app)
-        except MissingExtra as e:  # a core install: said once, and history stays in Redis
-            log.warning("dispatcher: job history is not archived, each queue's last %d records stay in Redis: %s",
-                        2 * WARN_BACKLOG, e)
-            self.next_archive = float("inf")
-            return 0
-        try:
-            n = archiver.archive(queues, max_batches=5)
-        except OSError as e:
-            log.error("dispatcher: archiving job history to %s failed: %s", archiver.directory, e)
-            n = 0
-        self.history_backlog = backlog(self.app, queues)
+        n = 0
+        if self.archiving:
+            try:
+                archiver = Archiver(self.app)
+            except MissingExtra as e:  # a core install: said once, and history stays in Redis
+                log.warning("dispatcher: job history is not archived, each queue's last %d records stay in Redis: %s",
+                            CAP, e)
+                self.archiving = False
+            else:
+                try:
+                    n = archiver.archive(queues, max_batches=5)
+                except OSError as e:
+                    log.error("dispatcher: archiving job history to %s failed: %s", archiver.directory, e)
+        held = backlog(self.app, queues, trim=True)
+        if not self.archiving:  # history stays in Redis, the last CAP records a queue: nothing to warn of
+            return n
+        self.history_backlog = held
         for q, waiting in self.history_backlog.items():
             if waiting >= WARN_BACKLOG:
                 log.error("dispatcher: %d history records of queue %s wait to be archived; the stream keeps at "
                           "most %d: archive faster (taskrunner history archive) or records will be lost",
-                          waiting, q, 2 * WARN_BACKLOG)
+                          waiting, q, CAP)
         return n
 
     def compact_history(self, now: float) -> threading.Thread | None:

@@ -25,9 +25,14 @@ if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
 
 log = logging.getLogger("taskrunner.history")
-#: Half of HISTORY_MAX in _lib.lua: beyond this backlog the dispatcher warns (the stream
-#: is capped at HISTORY_MAX; entries past it would be trimmed before being archived).
-WARN_BACKLOG = 250_000
+#: The most records a queue's history stream keeps: HISTORY_MAX in _lib.lua, where each
+#: XADD caps the stream in entries (MAXLEN ~); an entry may hold a finish call's many records,
+#: so the dispatcher trims it to about this many records too (backlog(trim=True)).
+CAP = 500_000
+#: Beyond this backlog the dispatcher warns: records past CAP are trimmed before being archived.
+WARN_BACKLOG = CAP // 2
+#: The newest entries of a stream read for its records per entry (backlog()).
+SAMPLE = 10
 _DATE = re.compile(r"date=\d{4}-\d{2}-\d{2}")
 
 
@@ -130,24 +135,54 @@ def _next_id(stream_id: str) -> str:
 PACKED = ("state", "attempt", "enqueued_at", "started_at", "finished_at", "pid", "task", "worker", "host")
 
 
-def fields(f: dict[str, str], queue: str = "") -> dict[str, str]:
-    """A history stream entry's fields by name, whichever shape it was written in: one field
-    each (`id, task, queue, state, attempt, …`, entries written before 2026-11-26), or `id`,
-    `v` (the values of PACKED) and `error_type` when there is one; such an entry has no
-    `queue` (it is the stream's: `queue`)."""
-    v = f.get("v")
-    if v is None:
-        return f
-    out = {"id": f.get("id", ""), "queue": queue, **dict(zip(PACKED, v.split(" ", len(PACKED) - 1)))}
-    if "error_type" in f:
-        out["error_type"] = f["error_type"]
+def _unpacked(id: str, v: str, error_type: str | None, queue: str) -> dict[str, str]:
+    out = {"id": id, "queue": queue, **dict(zip(PACKED, v.split(" ", len(PACKED) - 1)))}
+    if error_type:
+        out["error_type"] = error_type
     return out
 
 
-def _record(stream_id: str, f: dict[str, str], queue: str) -> dict[str, Any]:
-    """A stream entry of `queue`'s stream as a row (either shape: fields()). Runtime and wait
-    are derived here, not stored in Redis (its CPU is every worker's bottleneck); entries
-    written by earlier versions carry them."""
+def records(f: dict[str, str], queue: str = "") -> list[dict[str, str]]:
+    """The records a history stream entry holds, each its fields by name, whichever shape it
+    was written in (docs/PROTOCOL.md, Keys: `p history`): one field each (`id, task, queue,
+    state, attempt, …`, entries written before 2026-11-26); `id`, `v` (the values of PACKED)
+    and `error_type` when there is one; or `jobs`, a finish call's records, three lines each
+    (id, `v`, error type or an empty line). The last two have no `queue`: it is the
+    stream's (`queue`)."""
+    jobs = f.get("jobs")
+    if jobs is not None:
+        lines = jobs.split("\n")
+        return [_unpacked(lines[k], lines[k + 1], lines[k + 2], queue) for k in range(0, len(lines) - 2, 3)]
+    v = f.get("v")
+    if v is None:
+        return [f]
+    return [_unpacked(f.get("id", ""), v, f.get("error_type"), queue)]
+
+
+def count(f: dict[str, str]) -> int:
+    """How many records a history stream entry holds (records() without reading them)."""
+    jobs = f.get("jobs")
+    return 1 if jobs is None else (jobs.count("\n") + 1) // 3
+
+
+def read(entries: list[tuple[str, dict[str, str]]], queue: str = "") -> list[tuple[str, dict[str, str]]]:
+    """The records of stream entries as XRANGE gives them, each with its own id: the
+    entry's, or for an entry holding several, `<entry id>/<k>` (k = 1, 2, …): the archive's
+    `stream_id`, one per row."""
+    out = []
+    for stream_id, f in entries:
+        held = records(f, queue)
+        if "jobs" in f:
+            out += [(f"{stream_id}/{k}", rec) for k, rec in enumerate(held, 1)]
+        else:
+            out += [(stream_id, rec) for rec in held]
+    return out
+
+
+def _record(stream_id: str, f: dict[str, str]) -> dict[str, Any]:
+    """A record of `queue`'s stream (records()) as a row. Runtime and wait are derived
+    here, not stored in Redis (its CPU is every worker's bottleneck); entries written by
+    earlier versions carry them."""
     def num(v: str | None, kind: type = float) -> Any:
         try:
             return kind(float(v)) if v else None
@@ -160,7 +195,6 @@ def _record(stream_id: str, f: dict[str, str], queue: str) -> dict[str, Any]:
     def since(end: float | None, start: float | None) -> float | None:
         return round(end - start, 6) if end is not None and start is not None else None
 
-    f = fields(f, queue)
     enqueued, started, finished = num(f.get("enqueued_at")), num(f.get("started_at")), num(f.get("finished_at"))
     runtime = num(f["runtime"]) if "runtime" in f else since(finished, started)
     wait = num(f["wait"]) if "wait" in f else since(started, enqueued)
@@ -171,14 +205,28 @@ def _record(stream_id: str, f: dict[str, str], queue: str) -> dict[str, Any]:
             "pid": num(f.get("pid"), int), "error_type": f.get("error_type") or None, "stream_id": stream_id}
 
 
-def backlog(app: TaskRunner, queues: list[str] | None = None) -> dict[str, int]:
-    """Entries waiting in each queue's history stream (no pyarrow needed: known with
-    archiving off too)."""
+def backlog(app: TaskRunner, queues: list[str] | None = None, trim: bool = False) -> dict[str, int]:
+    """Records waiting in each queue's history stream (no pyarrow needed: known with
+    archiving off too): its length in entries times the records per entry of its newest
+    SAMPLE (exact up to SAMPLE entries, else an estimate that reads little: an entry holds a
+    finish call's records, one or many; the archiver leaves streams empty). With `trim` (the
+    dispatcher), a stream estimated past CAP records is trimmed, oldest first, to about CAP:
+    each XADD caps it in entries only."""
     queues = queues if queues is not None else app.queue_names()
     pipe = app.redis.pipeline(transaction=False)
     for q in queues:
         pipe.xlen(app.keys.q(q) + "history")
-    return dict(zip(queues, pipe.execute()))
+    lengths = dict(zip(queues, pipe.execute()))
+    held = [q for q, n in lengths.items() if n]
+    for q in held:
+        pipe.xrevrange(app.keys.q(q) + "history", count=SAMPLE)
+    out = dict(lengths)
+    for q, newest in zip(held, pipe.execute()):
+        per_entry = sum(count(f) for _, f in newest) / max(1, len(newest))
+        out[q] = round(lengths[q] * per_entry)
+        if trim and out[q] > CAP:  # the dispatcher's warning (WARN_BACKLOG) has said so, if it archives
+            app.redis.xtrim(app.keys.q(q) + "history", maxlen=int(CAP / per_entry), approximate=True)
+    return out
 
 
 class Archiver:
@@ -219,7 +267,7 @@ class Archiver:
             if entries:
                 first, last = recorded.split()
             else:
-                entries = r.xrange(stream, "-", "+", count=self.batch)
+                entries = self._take(stream)
                 if not entries:
                     return 0
                 first, last = entries[0][0], entries[-1][0]
@@ -236,18 +284,35 @@ class Archiver:
             pipe.xtrim(stream, minid=_next_id(last), approximate=False)
             pipe.delete(mark)
             pipe.execute()
-            return len(entries)
+            return sum(count(f) for _, f in entries)
         finally:
             if r.get(lock) == self.token:
                 r.delete(lock)
+
+    def _take(self, stream: str) -> list:
+        """The stream's oldest entries up to the first that makes `batch` records (an entry
+        holds one record or a finish call's many), read up to 500 entries at a time."""
+        entries: list = []
+        held, start = 0, "-"
+        while held < self.batch:
+            piece = self.app.redis.xrange(stream, start, "+", count=min(500, self.batch - held))
+            if not piece:
+                break
+            for e in piece:
+                entries.append(e)
+                held += count(e[1])
+                if held >= self.batch:
+                    break
+            start = "(" + piece[-1][0]
+        return entries
 
     def _write(self, queue: str, first: str, last: str, entries: list) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         by_date: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for stream_id, entry in entries:
-            rec = _record(stream_id, entry, queue)
+        for stream_id, entry in read(entries, queue):
+            rec = _record(stream_id, entry)
             day = (rec["finished_at"] or datetime.fromtimestamp(int(stream_id.split("-")[0]) / 1000, timezone.utc))
             by_date[day.strftime("%Y-%m-%d")].append(rec)
         for day, records in by_date.items():

@@ -9,9 +9,9 @@ Series (every one a gauge unless it says total or histogram):
   parent, which never ran: outcome canceled), and per task and queue the histograms
   taskrunner_job_runtime_seconds (deliveries that ended) and taskrunner_job_queue_wait_seconds
   (first deliveries: enqueued to started). Counted from each queue's history stream by
-  tally.lua when metrics are read, exactly once per entry whoever reads; while someone reads
+  tally.lua when metrics are read, exactly once per record whoever reads; while someone reads
   them (the last hour), the archiver counts a batch before it trims it. Exact as long as a
-  queue's stream is read (scraped or archived) before it holds 500,000 entries (its cap).
+  queue's stream is read (scraped or archived) before it holds 500,000 records (its cap).
 - per queue: taskrunner_queue_{waiting,pending,delayed,running,stuck}, the age of its oldest pending
   job (taskrunner_queue_oldest_pending_age_seconds, 0 when none), the finished jobs still
   listed (taskrunner_queue_{completed,failed,killed,canceled}: kept for the result and failed TTLs),
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 #: The buckets (seconds) of the run time and queue wait histograms: tally.lua's BOUNDS.
 BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
-#: History entries counted per tally.lua call.
+#: History records counted per tally.lua call (at most ~100 entries more: it reads whole entries).
 TALLY_CHUNK = 5000
 #: Seconds after a read of the metrics during which the archiver counts what it trims.
 METRICS_ON = 3600
@@ -175,8 +175,8 @@ class RedisCollector:
 
 
 def tally(app: TaskRunner, queue: str, chunks: int = 20) -> int:
-    """Count a queue's new history entries into its stats (tally.lua), up to `chunks` calls
-    of TALLY_CHUNK entries (a long backlog is caught up over several reads, each call short
+    """Count a queue's new history records into its stats (tally.lua), up to `chunks` calls
+    of TALLY_CHUNK records (a long backlog is caught up over several reads, each call short
     for Redis); returns how many were counted."""
     done = 0
     for _ in range(chunks):

@@ -26,7 +26,8 @@
 --                          delivery n) and end:<n> ("<time> <how it ended>")
 --   <p>notify:<id>  LIST  one token per waiter when the job ends
 --   <p>tasks        HASH  task -> its declaration (JSON), written by workers; enqueue reads it
---   <p>history      STREAM one entry per finished or requeued delivery, for the archiver
+--   <p>history      STREAM one entry per finished or requeued delivery, or per finish call
+--                          that ended several (history() below), for the archiver
 --   <p>outbox       STREAM one entry per parent that ended with a child in another slot (Redis
 --                          Cluster), until a carrier has applied it with join.lua there
 --   <p>joined:<id>  HASH  "<queue> <id>" -> JSON: the parents in other slots that waiting job <id>
@@ -333,7 +334,8 @@ end
 -- <<< Failure indexes ------------------------------------------------------------------
 
 -- The history stream is capped (approximately) at this many entries; the archiver empties
--- it long before, and the dispatcher warns when it holds half as many.
+-- it long before, and the dispatcher warns when it holds half as many records. An entry may
+-- hold many records (a batch's): the dispatcher trims the stream to about as many records.
 local HISTORY_MAX = '500000'
 
 -- Append what just happened to a delivery to the queue's history stream: its id, and one
@@ -342,14 +344,52 @@ local HISTORY_MAX = '500000'
 -- the only one that may hold a space: docs/PROTOCOL.md, Keys) — a field of a stream entry
 -- costs Redis more than the text it holds; `error_type` only when there is one (readers take
 -- its absence for none). The queue is the stream's.
-local function history(p, id, r, state, t, error_type)
+-- With `index` (a finish call's batch, see finalize()), the record is kept in index.history
+-- instead, three lines for the caller's flush_history(): one XADD for the batch (an XADD
+-- costs Redis ~13k instructions a job, its fields ~1k).
+local function history(p, id, r, state, t, error_type, index)
   local v = state .. ' ' .. (r[ATTEMPTS] or '0') .. ' ' .. (r[ENQUEUED_AT] or '') .. ' ' .. (r[STARTED_AT] or '')
     .. ' ' .. fmt(t) .. ' ' .. (r[PID] or '') .. ' ' .. (r[TASK] or '') .. ' ' .. (r[WORKER] or '') .. ' '
     .. (r[HOST] or '')
+  if index then
+    local h = index.history
+    if not h then
+      h = {}
+      index.history = h
+    end
+    local n = #h
+    if string.find(v, '\n', 1, true) then  -- a host may hold one (a foreign client's): a line each
+      v = string.gsub(v, '\n', ' ')
+    end
+    if error_type and string.find(error_type, '\n', 1, true) then
+      error_type = string.gsub(error_type, '\n', ' ')
+    end
+    h[n + 1], h[n + 2], h[n + 3] = id, v, error_type or ''
+    return
+  end
   if error_type and error_type ~= '' then
     redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*', 'id', id, 'v', v, 'error_type', error_type)
   else
     redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*', 'id', id, 'v', v)
+  end
+end
+
+-- The records a batch kept (history() with `index`) as one history entry: one record in the
+-- usual shape; more in one field `jobs`, three lines per record (its id, its `v`, its
+-- error type or an empty line; none of them holds a newline).
+local function flush_history(p, index)
+  local h = index.history
+  index.history = nil
+  if not h then
+    return
+  elseif #h == 3 then
+    if h[3] ~= '' then
+      redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*', 'id', h[1], 'v', h[2], 'error_type', h[3])
+    else
+      redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*', 'id', h[1], 'v', h[2])
+    end
+  else
+    redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*', 'jobs', table.concat(h, '\n'))
   end
 end
 
@@ -362,8 +402,9 @@ end
 -- number formatted per job); the record's own result_ttl / failed_ttl wins. One longer than the
 -- setting is kept in meta longest_result_ttl / longest_failed_ttl (only ever raised): the
 -- sweep trims the finished sets by the longest, so that such a job stays listed.
--- With `index`, a table state -> ids, the caller adds the id to the finished set itself
--- (one ZADD for many jobs); without, finalize() does.
+-- With `index`, a table state -> ids (and `history`: history()), the caller adds the id to
+-- the finished set itself (one ZADD for many jobs) and writes the history entry
+-- (flush_history(): one for many jobs); without, finalize() does both.
 -- The workflow helpers (below; finalize() and settle_children() call each other: a chain
 -- cancels step by step), made by workflows() in the calls that need them.
 local sibling, queue_of, prepend, emitted, emit, blame, CHILD, far_parent, join, settle, settle_children
@@ -384,7 +425,7 @@ local function conclude(p, id, job, r, state, t, ttl, error_type, index)
     end
     ttl = own
   end
-  history(p, id, r, state, t, error_type)  -- a canceled step too (attempt 0: it never ran)
+  history(p, id, r, state, t, error_type, index)  -- a canceled step too (attempt 0: it never ran)
   if index then
     local ids = index[state] or {}
     index[state] = ids
@@ -453,7 +494,7 @@ local function lose(p, id, job, r, attempt, t, ttl, reason, released, index, unb
     end
   end
   redis.call('HINCRBY', job, 'requeues', 1)
-  history(p, id, r, 'requeued', t, 'WorkerLost')
+  history(p, id, r, 'requeued', t, 'WorkerLost', index)
   local ek, ev = ended(attempt, t, (unbegun and 'requeued, it had not begun: ' or 'requeued: ') .. reason)
   to_pending(p, id, job, true, {'last_requeued_at', fmt(t), 'last_lost_reason', reason, ek, ev}, r[PRIORITY])
   return 'pending'

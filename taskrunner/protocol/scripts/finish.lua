@@ -22,8 +22,9 @@
 -- entries this call left in outboxes, as XRANGE gives them ({stream id, {field, value, ...}}),
 -- for the caller to carry to join.lua (docs/PROTOCOL.md, Workflows).
 -- The fence and the release are batched: one HMGET of the holding hash for all jobs, one
--- HDEL/SREM each for those released; the finished sets get one ZADD per state. One job
--- alone: its HDEL is the check, and its SREMs and ZADD name it (no lists built).
+-- HDEL/SREM each for those released; the finished sets get one ZADD per state, the history
+-- one entry for the call (docs/PROTOCOL.md, Keys: `p history`). One job alone: its HDEL is
+-- the check, and its SREMs, ZADD and history entry name it (no lists built).
 -- An exclusive queue with jobs waiting gets a wake token (its next job may run now), and so
 -- does a queue where a job gave back a concurrency slot (one held back for it may run).
 -- A job that ends with children (a workflow's, see finalize() and settle_children() in
@@ -192,7 +193,7 @@ for k = #ids, 1, -1 do
       -- ended failed
     elseif outcome == 'requeue' then
       redis.call('HINCRBY', job, 'requeues', 1)
-      history(p, id, r, 'requeued', t, nil)
+      history(p, id, r, 'requeued', t, nil, index)
       local delay = amount(v1, 0)
       local why = v3 ~= '' and v3 or (v2 == 'front' and 'worker shutting down'
         or string.format('requeued itself (Retry, %gs)', delay))
@@ -207,7 +208,7 @@ for k = #ids, 1, -1 do
       local failures = redis.call('HINCRBY', job, 'failures', 1)
       local retries = tonumber(r[RETRIES]) or 0
       if outcome == 'error' and failures <= retries then
-        history(p, id, r, 'requeued', t, v1)
+        history(p, id, r, 'requeued', t, v1, index)
         local base = amount(r[RETRY_BACKOFF], 1)
         -- the task's cap, else ARGV[2]
         local most = amount(redis.call('HGET', job, 'retry_backoff_max'), nil) or amount(ARGV[2], 0)
@@ -223,6 +224,7 @@ for k = #ids, 1, -1 do
   end
 end
 if index then
+  flush_history(p, index)  -- before the loop below: index is then state -> ids only
   for state, list in pairs(index) do  -- a batch's finished sets, one ZADD each
     local args, n = {}, 0  -- counted, not #args (a length is a search of the table)
     for _, id in ipairs(list) do

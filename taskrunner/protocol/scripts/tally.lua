@@ -5,7 +5,8 @@
 -- work for it; it runs when metrics are read (and before the archiver trims the stream,
 -- while someone reads them), so a queue nobody scrapes pays nothing.
 -- KEYS[1]  queue key prefix p
--- ARGV[1]  most history entries to count in this call (a whole number >= 1)
+-- ARGV[1]  most records to count in this call (a whole number >= 1): entries are read in
+--          pieces of 100 until this many records are counted (an entry holds one or many)
 -- Sets, in p stats (HASH): cursor = the last stream id counted;
 --   jobs|<task>|<state>  deliveries that ended or went back in line, by history state
 --                        (completed, failed, killed, requeued), and workflow steps canceled
@@ -15,10 +16,11 @@
 --                        #BOUNDS + 1: above the last), run_sum|<task> the sum of those times;
 --   wait|<task>|<i>, wait_sum|<task>  the same for the queue wait of first deliveries
 --                        (attempt 1: started_at - enqueued_at).
--- An entry has a field each, or its values packed in `v` (history() in _lib.lua). A task name
--- that is missing, or holds '|', is counted as '?'. Times that are missing or not numbers
--- count in jobs only.
--- Returns the number of entries counted (0: none new).
+-- An entry has a field each, or its values packed in `v` (history() in _lib.lua), or holds
+-- several records in `jobs`, three lines each: id, `v`, error type (flush_history()). A task
+-- name that is missing, or holds '|', is counted as '?'. Times that are missing or not
+-- numbers count in jobs only.
+-- Returns the number of records counted (0: none new); fewer than ARGV[1]: none left.
 local p = KEYS[1]
 local count = tonumber(ARGV[1])
 if not count or count < 1 or count % 1 ~= 0 then
@@ -26,10 +28,6 @@ if not count or count < 1 or count % 1 ~= 0 then
 end
 local stats = p .. 'stats'
 local cursor = redis.call('HGET', stats, 'cursor')
-local entries = redis.call('XRANGE', p .. 'history', cursor and ('(' .. cursor) or '-', '+', 'COUNT', count)
-if #entries == 0 then
-  return 0
-end
 local BOUNDS = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600}
 local ENDED = {completed = true, failed = true, killed = true}
 local add, sums = {}, {}
@@ -47,11 +45,8 @@ local function observe(kind, task, seconds)
   f = kind .. '_sum|' .. task
   sums[f] = (sums[f] or 0) + seconds
 end
-for _, e in ipairs(entries) do
-  local v, fields = {}, e[2]
-  for i = 1, #fields, 2 do
-    v[fields[i]] = fields[i + 1]
-  end
+-- One record, its values by name.
+local function count_record(v)
   if v.v then  -- the values packed in one field (entries written since 2026-11-26): the first 7 of them
     v.state, v.attempt, v.enqueued_at, v.started_at, v.finished_at, v.pid, v.task =
       string.match(v.v, '^(%S*) (%S*) (%S*) (%S*) (%S*) (%S*) (%S*)')
@@ -71,11 +66,45 @@ for _, e in ipairs(entries) do
     observe('wait', task, started - enqueued)
   end
 end
+local counted, last = 0, nil
+while counted < count do
+  local entries = redis.call('XRANGE', p .. 'history', last and ('(' .. last) or cursor and ('(' .. cursor) or '-',
+    '+', 'COUNT', math.min(100, count - counted))
+  if #entries == 0 then
+    break
+  end
+  for _, e in ipairs(entries) do
+    if counted >= count then
+      break
+    end
+    local v, fields = {}, e[2]
+    for i = 1, #fields, 2 do
+      v[fields[i]] = fields[i + 1]
+    end
+    if v.jobs then  -- a batch's records (entries written since 2026-11-27): each line 2 of 3 is a `v`
+      local k = 0
+      for line in string.gmatch(v.jobs .. '\n', '([^\n]*)\n') do
+        k = k + 1
+        if k % 3 == 2 then
+          count_record({v = line})
+          counted = counted + 1
+        end
+      end
+    else
+      count_record(v)
+      counted = counted + 1
+    end
+    last = e[1]
+  end
+end
+if not last then
+  return 0
+end
 for f, n in pairs(add) do
   redis.call('HINCRBY', stats, f, n)
 end
 for f, x in pairs(sums) do
   redis.call('HINCRBYFLOAT', stats, f, x)
 end
-redis.call('HSET', stats, 'cursor', entries[#entries][1])
-return #entries
+redis.call('HSET', stats, 'cursor', last)
+return counted
