@@ -44,7 +44,9 @@ record was in the dropped second). Runs beyond those a job is designed to have a
 classified by the timeline of its record (`end:<n>`: how delivery n ended). Exit status 1
 on: a loss not put down to everysec; a job still pending, delayed or running after the
 drain; a record that disagrees with the ledger; an extra run that no delivery on record
-explains; and under always, any enqueue or delivery Redis forgot.
+explains; a job that ended with no history record of its end (the archive, as `analyze`
+reads it, after the rest of the streams is archived at the end); and under always, any
+enqueue or delivery Redis forgot, or a job with two records of its end.
 
 --workflows adds, at the start of the window, a chord of --chord members (500) and a chain
 of --chain steps (50) on queue wf, and its own fault schedule (from --seed + 1000) to the
@@ -678,7 +680,46 @@ def check(run: Run, planned: list[dict[str, Any]]) -> dict[str, Any]:
     res["cron"] = check_cron(run)
     res["recovery"] = recovery(run)
     res["zombies"] = zombies(run, recs)
+    res["history"] = check_history(run, recs)
     return res
+
+
+def check_history(run: Run, recs: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """Every job that ended has one history record of its end: archived by the dispatchers
+    while they were killed and restarted (and Redis with them), the rest archived here, the
+    archive read as `analyze` reads it (live files only). `missing`: jobs that ended with no
+    such record; `doubled`: with more than one (a power loss under everysec may drop an end
+    that was archived already: the job ends again). Without pyarrow: not checked (None)."""
+    from taskrunner.errors import MissingExtra
+    from taskrunner.ops.history import Archiver, dates, live_files, open_dir, queue_dirs
+
+    directory = str(run.dir / "history")
+    where = physical(run, ["default"])
+    try:
+        Archiver(tasks_chaos.app, directory).archive(where)
+    except MissingExtra:
+        return {"records": None, "missing": {}, "doubled": {}}
+    import pyarrow.parquet as pq
+
+    fs, root = open_dir(directory)
+    ends: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    for day in dates(fs, root):
+        for folder in queue_dirs(fs, root, day):
+            if folder.rsplit("queue=", 1)[1] in where:
+                for f in live_files(fs, folder):
+                    table = pq.read_table(f.path, filesystem=fs, columns=["id", "state"])
+                    ends.update(zip(table.column("id").to_pylist(), table.column("state").to_pylist()))
+    out: dict[str, Any] = {"records": sum(ends.values()), "missing": {}, "doubled": {}}
+    for job_id, rec in recs.items():
+        state = rec.get("state")
+        if state in FINAL:
+            n = ends[(job_id, state)]
+            if n == 0:
+                out["missing"][job_id] = state
+            elif n > 1:
+                out["doubled"][job_id] = f"{n} {state} records"
+    return out
 
 
 def enqueue_workflows(args: argparse.Namespace, ledger: redis.Redis) -> None:
@@ -957,8 +998,9 @@ def ok(res: dict[str, Any]) -> bool:
     if res.get("workflows") is not None and not res["workflows"]["ok"]:
         return False
     return not (res["lost"] or res["stuck"] or res["cron"]["stuck"] or res["inconsistent"]
-                or res["why"].get("unexplained")
-                or (res["fsync"] == "always" and (res["lost_to_everysec"] or res["why"].get(FORGOT))))
+                or res["why"].get("unexplained") or res["history"]["missing"]
+                or (res["fsync"] == "always" and (res["lost_to_everysec"] or res["why"].get(FORGOT)
+                                                   or res["history"]["doubled"])))
 
 
 def stats(values: list[float]) -> str:
@@ -1011,6 +1053,10 @@ def report(res: dict[str, Any]) -> str:
         *(f"zombie {z['worker']:6s}                 held {z['held']}, {z['ended_elsewhere']} ended on another worker; "
           f"back: {z['results_fenced_off']} late results fenced off, {z['stopped_as_not_its_own']} jobs stopped as "
           f"no longer its own" for z in res["zombies"]),
+        f"history                        {res['history']['records']} records archived (None: no pyarrow); "
+        f"jobs ended without one {len(res['history']['missing'])} (must be 0), with more than one "
+        f"{len(res['history']['doubled'])}"
+        f"{' (must be 0 under always)' if res['fsync'] == 'always' else ''}",
         f"processes                      {res['process_starts']} started, "
         f"{len(res['unexpected_exits'])} exited on their own",
     ]
@@ -1030,7 +1076,8 @@ def report(res: dict[str, Any]) -> str:
     for title, items in (("LOST", res["lost"]), ("dropped by Redis (everysec)", everysec),
                          ("run with no delivery on record", res["unmatched_starts"]),
                          ("failed otherwise", res["failed_otherwise"]), ("inconsistent", res["inconsistent"]),
-                         ("stuck", res["stuck"])):
+                         ("stuck", res["stuck"]), ("no history record of its end", res["history"]["missing"]),
+                         ("history records of its end", res["history"]["doubled"])):
         for job_id, what in list(items.items())[:10]:
             lines.append(f"  {title}: {job_id}: {what}")
     lines += [f"  exited on its own: {u}" for u in res["unexpected_exits"][:10]]

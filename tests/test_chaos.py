@@ -29,6 +29,9 @@ def test_chaos_run_loses_nothing(tmp_path):
     assert res["stuck"] == {} and res["cron"]["stuck"] == []
     assert res["inconsistent"] == {} and "unexplained" not in res["why"]
     assert res["completed"] + sum(res["failed_as_designed"].values()) + len(res["failed_otherwise"]) == 2000
+    # One history record of each job's end (archived while dispatchers and Redis died), none twice.
+    assert res["history"]["missing"] == {} and res["history"]["doubled"] == {}
+    assert res["history"]["records"] >= 2000
     assert res["cron"]["ticks"] > 0
     wf = res["workflows"]  # a chord of 200 and a chain of 30 under faults of their own
     assert wf["ok"] and wf["members_completed"] == 200 and wf["chain_result"] == "30"
