@@ -294,6 +294,23 @@ def test_lose_counts_only_deliveries_that_may_have_begun(app):
     assert app.job(job.id).to_dict()["lost"] == 1
 
 
+def test_the_dispatcher_logs_a_delivery_that_had_not_begun_as_not_lost(app, caplog):
+    """holders.lose() says which deliveries were requeued as not begun, and the dispatcher's
+    log line says so instead of "lost its process" (it was not counted towards max_lost)."""
+    from taskrunner.ops.dispatcher import Dispatcher
+
+    ran, waited = apps.add.delay(1, 1), apps.add.delay(2, 2)
+    claim(app, pids=(5, 5), worker="a")
+    acted = holders.lose(app, "default", [ran.id, "1", "worker a is dead", "a", "1",
+                                          waited.id, "1", "worker a is dead", "a", "0"])
+    assert [(x.id, x.state, x.began) for x in acted] == [(ran.id, "pending", True), (waited.id, "pending", False)]
+    with caplog.at_level(logging.WARNING, logger="taskrunner.dispatcher"):
+        Dispatcher(app)._tally(acted, {"requeued": 0})
+    said = {r.getMessage().split()[2]: r.getMessage() for r in caplog.records}
+    assert said[ran.id].endswith("lost its process -> pending")
+    assert said[waited.id].endswith("waited for a process that died (had not begun: not lost) -> pending")
+
+
 def test_a_dead_serial_process_counts_only_its_first_in_line(app):
     """lose_held() on a dead worker's deliveries: of those claimed for one process of a serial
     worker (a chain, each sent ahead behind the one before), the first in line counts; each

@@ -311,8 +311,8 @@ class Dispatcher:
     def _tally(self, acted: list[Lost], stats: dict[str, int]) -> None:
         for lost, fields in zip(acted, self._fields([(x.queue, x.id, x.attempt, x.worker) for x in acted])):
             stats["requeued" if lost.state == "pending" else lost.state] += 1
-            log.warning("dispatcher: job %s in %s lost its process -> %s", lost.id, lost.queue, lost.state,
-                        extra=fields)
+            how = "lost its process" if lost.began else "waited for a process that died (had not begun: not lost)"
+            log.warning("dispatcher: job %s in %s %s -> %s", lost.id, lost.queue, how, lost.state, extra=fields)
 
     def _fields(self, runs: list[tuple[str, str, str, str]]) -> list[dict[str, Any]]:
         """The log fields of each run (queue, id, attempt, worker; "": unknown) the

@@ -92,14 +92,16 @@ def identity() -> dict[str, str]:
 
 
 class Lost(NamedTuple):
-    """A delivery lose.lua acted on: the job's new state (pending, failed, killed), and the
-    worker ("" when unknown) and attempt it was lost from, to log it by."""
+    """A delivery lose.lua acted on: the job's new state (pending, failed, killed), the
+    worker ("" when unknown) and attempt it was lost from, to log it by, and whether it may
+    have begun (False: it waited in the dead process's prefetch, not counted as lost)."""
 
     queue: str
     id: str
     state: str
     worker: str
     attempt: str
+    began: bool = True
 
 
 class Held(NamedTuple):
@@ -152,8 +154,9 @@ def lose(app: TaskRunner, queue: str, values: list[Any], workers: list[str] | No
     if not values:
         return []
     states = scripts.LOSE(app.redis, [app.keys.q(queue)], [app.settings.failed_ttl, *values])
-    return [Lost(queue, job_id, state, worker, attempt) for job_id, attempt, worker, state
-            in zip(values[::5], values[1::5], values[3::5] if workers is None else workers, states) if state]
+    return [Lost(queue, job_id, state, worker, attempt, began != "0") for job_id, attempt, worker, began, state
+            in zip(values[::5], values[1::5], values[3::5] if workers is None else workers, values[4::5], states)
+            if state]
 
 
 def holdings(app: TaskRunner, queues: list[str]) -> list[Held]:
