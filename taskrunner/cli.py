@@ -1167,10 +1167,11 @@ def history_compact(history_dir: str | None, day: datetime | None, target_mb: fl
 @click.option("--json", "as_json", is_flag=True)
 @common
 def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
-    """Records waiting to be archived, per queue."""
-    from taskrunner.ops.history import backlog as history_backlog
+    """Records waiting to be archived, per queue (each queue's stream read whole: an entry
+    holds one record or a batch's)."""
+    from taskrunner.ops.history import waiting
 
-    backlog = history_backlog(_app(app_spec, redis_url))
+    backlog = waiting(_app(app_spec, redis_url))
     if as_json:
         return _emit(backlog)
     for q, n in backlog.items():

@@ -67,6 +67,15 @@ def fill(app, n: int, queue: str = "default") -> set[str]:
         ids.update(d.id for d in got)
 
 
+def test_history_status_counts_the_records_of_batch_entries(app, stack):
+    """An entry holds a finish call's records (here 500 and a last 37): `history status`
+    counts records, not entries; the dispatcher's estimate is exact on so few entries."""
+    fill(app, 1537)
+    assert app.redis.xlen(app.keys.q("default") + "history") == 4
+    assert history.waiting(app) == history.backlog(app) == {"default": 1537}
+    assert stack.cli("history", "status", check=True).stdout.split() == ["default", "1537", "waiting"]
+
+
 def test_archive_writes_each_record_once_partitioned_by_date(app, tmp_path):
     ids = fill(app, 2500)
     n = Archiver(app, str(tmp_path), batch=1000).archive()
