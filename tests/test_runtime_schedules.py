@@ -12,8 +12,9 @@ import pytest
 
 from dashboard import create_app
 from taskrunner import TaskRunner
-from taskrunner.ops import schedules
+from taskrunner.ops import queue, schedules
 from taskrunner.ops.dispatcher import Dispatcher
+from taskrunner.protocol import shards
 from tests.conftest import wait_for
 from tests.test_dashboard import csrf, login
 
@@ -148,6 +149,27 @@ def test_overlap_skip_and_jitter(app):
     assert 0 < due - now <= 31  # up to 30 s later, from when it was enqueued
     again = schedules.jitter_of(schedules.effective(j)[0][0], base + 60)
     assert again == schedules.jitter_of(schedules.effective(j)[0][0], base + 60) and 0 < again < 30
+
+
+def test_overlap_skip_on_a_sharded_queue(app):
+    """On a sharded queue a tick's job goes to the shard of its id's hash (README, Sharded
+    queues): the job of the previous tick is looked at on that shard. It was looked for on
+    shard 0 alone, so a tick whose job was on another shard fired the next tick beside it."""
+    t = TaskRunner("ovs", redis_url=app.settings.redis_url, prefix=app.settings.prefix + "ovs")
+    queue.create(t, "many", shards=4)
+    schedules.add(t, "sharded", "shop.slow", every="10s", overlap="skip", queue="many")
+    d = Dispatcher(t)
+    later = next(b for b in range(1_800_000_000, 1_800_001_000, 10)
+                 if shards.of_key(f"i:cron.sharded.{b}", 4) != 0)  # a tick placed beyond shard 0
+    d.fire_schedules(later - 9)  # first sight: nothing
+    assert d.fire_schedules(later + 1) == 1
+    assert [q for q in queue.shards_of(t, "many") if t.redis.exists(t.keys.job(q, f"cron.sharded.{later}"))] \
+        == [shards.name("many", shards.of_key(f"i:cron.sharded.{later}", 4))]
+    assert d.fire_schedules(later + 11) == 0  # its job is still pending: skipped
+    state = json.loads(t.redis.hget(t.keys.schedules, "sharded"))
+    assert state["skipped"] == 1 and state["last_job"] == f"cron.sharded.{later}"
+    t.redis.hset(t.keys.job(state["last_queue"], state["last_job"]), "state", "completed")  # as if it ended
+    assert d.fire_schedules(later + 21) == 1
 
 
 @pytest.mark.parametrize("args, error", [

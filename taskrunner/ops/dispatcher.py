@@ -373,16 +373,15 @@ class Dispatcher:
         else:
             tick = latest
         fired, skipped = 0, state.get("skipped", 0)
-        if tick is not None and s.overlap == "skip" and self._still_running(s, state.get("last_job")):
-            log.info("dispatcher: %s skipped its tick: job %s of the one before has not ended", s.name,
-                     state.get("last_job"))
+        last_job, last_queue = state.get("last_job"), state.get("last_queue") or s.queue
+        if tick is not None and s.overlap == "skip" and self._still_running(last_queue, last_job):
+            log.info("dispatcher: %s skipped its tick: job %s of the one before has not ended", s.name, last_job)
             tick, skipped = None, skipped + 1
-        last_job = state.get("last_job")
         if tick is not None:
             with arguments.unchecked():  # checked when the schedule was added
                 job = self.app.enqueue(s.task, s.args, s.kwargs, queue=s.queue, job_id=cron_job_id(s.name, tick),
                                        delay=schedules.jitter_of(s, tick) or None, block_timeout=0)
-            fired, last_job = int(job.created), job.id
+            fired, last_job, last_queue = int(job.created), job.id, job.queue
             if job.created:
                 log.info("dispatcher: fired %s for %s (job %s)", s.name,
                          datetime.fromtimestamp(tick, timezone.utc).isoformat(), job.id,
@@ -390,15 +389,16 @@ class Dispatcher:
         new = {"name": s.name, "cron": s.cron, "every": s.every, "tz": s.tz, "task": s.task, "queue": s.queue,
                "args": s.args, "kwargs": s.kwargs, "source": s.source, "last": max(latest, last or 0), "next": nxt,
                "last_fired_at": now if tick is not None else state.get("last_fired_at"), "last_job": last_job,
-               "skipped": skipped}
+               "last_queue": last_queue, "skipped": skipped}
         self.redis.hset(self.keys.schedules, s.name, codec.dumps(new))
         return fired
 
-    def _still_running(self, s: Schedule, job_id: Any) -> bool:
-        """The job of a schedule's previous tick has not ended (pending, delayed, running)."""
-        if not isinstance(job_id, str):
+    def _still_running(self, queue: Any, job_id: Any) -> bool:
+        """The job of a schedule's previous tick has not ended (pending, delayed, running).
+        `queue`: where it went, its shard on a sharded queue (the shard of its id's hash)."""
+        if not isinstance(job_id, str) or not isinstance(queue, str):
             return False
-        state = self.redis.hget(self.keys.job(s.queue, job_id), "state")
+        state = self.redis.hget(self.keys.job(queue, job_id), "state")
         return state in ("pending", "delayed", "running")
 
 
