@@ -5,6 +5,7 @@ daylight-saving changes, overlap and jitter, with a dispatcher driven at chosen 
 from __future__ import annotations
 
 import json
+import logging
 from datetime import datetime, timezone
 from zoneinfo import ZoneInfo
 
@@ -170,6 +171,28 @@ def test_overlap_skip_on_a_sharded_queue(app):
     assert state["skipped"] == 1 and state["last_job"] == f"cron.sharded.{later}"
     t.redis.hset(t.keys.job(state["last_queue"], state["last_job"]), "state", "completed")  # as if it ended
     assert d.fire_schedules(later + 21) == 1
+
+
+def test_a_tick_its_queue_refuses_is_logged_once_and_fires_once_the_queue_takes_jobs(app, caplog):
+    """A closed (or full) queue refuses the tick's job at every pass until it takes jobs
+    again: the dispatcher tries at each pass, but says so once, not twice a second."""
+    t = TaskRunner("cls", redis_url=app.settings.redis_url, prefix=app.settings.prefix + "cls")
+    queue.create(t, "shut")
+    queue.close(t, "shut")
+    schedules.add(t, "into", "shop.poll", every="10s", queue="shut")
+    d = Dispatcher(t)
+    base = 1_800_000_000.0
+    d.fire_schedules(base + 1)  # first sight: nothing
+    with caplog.at_level(logging.INFO, logger="taskrunner.dispatcher"):
+        for at in (11, 11.5, 12, 12.5, 15):  # passes, the tick base+10 refused at each
+            assert d.fire_schedules(base + at) == 0
+        refused = [r for r in caplog.records if "did not fire" in r.getMessage()]
+        assert len(refused) == 1 and "queue shut is closed" in refused[0].getMessage(), caplog.text
+        queue.open(t, "shut")
+        assert d.fire_schedules(base + 16) == 1 and ticks_of(t, "shut") == [int(base + 10)]
+        queue.close(t, "shut")
+        assert d.fire_schedules(base + 21) == 0 and d.fire_schedules(base + 22) == 0  # refused again: said again
+        assert len([r for r in caplog.records if "did not fire" in r.getMessage()]) == 2
 
 
 @pytest.mark.parametrize("args, error", [

@@ -66,6 +66,7 @@ class Dispatcher:
         self.next_compact = 0.0
         self.compacting: threading.Thread | None = None
         self.history_backlog: dict[str, int] = {}
+        self.refused: dict[str, str] = {}  # schedule name -> why its tick did not fire, as logged
         # Redis time of our first pass since we last failed to reach Redis (None: not yet).
         # Heartbeats are counted from then at the earliest: after a Redis outage no worker
         # could heartbeat, and each gets dead_after to do so before it is dead.
@@ -351,8 +352,13 @@ class Dispatcher:
         for s, raw in zip(found, states):
             try:
                 fired += self._fire(s, raw, now, s.name in paused)
-            except (TaskRunnerError, ValueError) as e:  # e.g. its queue closed, no tick left
-                log.error("dispatcher: schedule %s (%s) did not fire: %s", s.name, s.cron or f"every {s.every}s", e)
+                self.refused.pop(s.name, None)
+            except (TaskRunnerError, ValueError) as e:  # e.g. its queue closed or full, no tick left
+                # Tried again at each pass (the tick fires once its queue takes it), said once.
+                if self.refused.get(s.name) != str(e):
+                    self.refused[s.name] = str(e)
+                    log.error("dispatcher: schedule %s (%s) did not fire: %s (retried at each pass, not logged "
+                              "again until it fires)", s.name, s.cron or f"every {s.every}s", e)
         return fired
 
     def _fire(self, s: Schedule, raw: str | None, now: float, paused: bool) -> int:
