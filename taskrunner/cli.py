@@ -675,7 +675,8 @@ def schedule() -> None:
 @schedule.command("add")
 @click.argument("name")
 @click.argument("task")
-@click.option("--cron", help="Cron expression (5 fields, or 6 with seconds first), in UTC unless --tz.")
+@click.option("--cron", help="Cron expression, in UTC unless --tz: 5 fields (minute hour day month weekday), "
+              "or 6 with the seconds last, as croniter reads them (\"* * * * * 30\": every minute at :30).")
 @click.option("--every", help="An interval instead of a cron: 30s, 5m, 2h, 1d (whole seconds >= 1).")
 @click.option("--tz", help="IANA time zone of the cron, e.g. Europe/Berlin. A time in an hour skipped by a "
               "daylight-saving change fires once, shifted by the gap; one in a repeated hour fires once.")

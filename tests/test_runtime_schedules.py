@@ -13,6 +13,7 @@ import pytest
 
 from dashboard import create_app
 from taskrunner import TaskRunner
+from taskrunner.client.app import Schedule
 from taskrunner.ops import queue, schedules
 from taskrunner.ops.dispatcher import Dispatcher
 from taskrunner.protocol import shards
@@ -193,6 +194,16 @@ def test_a_tick_its_queue_refuses_is_logged_once_and_fires_once_the_queue_takes_
         queue.close(t, "shut")
         assert d.fire_schedules(base + 21) == 0 and d.fire_schedules(base + 22) == 0  # refused again: said again
         assert len([r for r in caplog.records if "did not fire" in r.getMessage()]) == 2
+
+
+def test_the_cron_help_puts_the_seconds_field_where_croniter_reads_it(stack):
+    """The help said "6 with seconds first": "30 * * * * *", meant as every minute at :30,
+    is minute 30 of each hour at every second there (60 jobs an hour), as croniter reads a
+    sixth field as the seconds, last."""
+    said = " ".join(stack.cli("schedule", "add", "--help", check=True).stdout.split())
+    assert "seconds first" not in said and '"* * * * * 30": every minute at :30' in said, said
+    latest, nxt = schedules.ticks(Schedule(name="s", cron="* * * * * 30", task="t"), 1_800_000_000.0)
+    assert nxt - latest == 60 and datetime.fromtimestamp(nxt, timezone.utc).second == 30
 
 
 @pytest.mark.parametrize("args, error", [
