@@ -145,6 +145,20 @@ def test_kill_reaches_worker_through_heartbeat_when_message_lost(app, stack):
     assert e.value.state == "killed"
 
 
+def test_a_worker_stopping_a_job_requeued_under_it_logs_who_requeued_it(app, stack):
+    """An operator's requeue (dashboard, API, `recover`) of a running job: the worker sees
+    at its next beat that the delivery is no longer its own and stops it, and its log says
+    why, from the record (`end:<attempt>`). It said "requeued while we were unreachable",
+    with Redis reachable all along."""
+    w = stack.worker(concurrency=1)
+    job = apps.hold.delay("rq")
+    started_pid(app, "rq")
+    assert job.requeue("ops@desk")
+    lines: list[str] = []
+    wait_for(lambda: lines.append(w.stdout.readline()) or "no longer ours" in lines[-1], what="the worker's stop")
+    assert "requeued by ops@desk" in lines[-1] and "unreachable" not in lines[-1], lines[-1]
+
+
 def test_job_over_max_duration_is_stuck_then_failed(app, stack):
     stack.worker(concurrency=1, env={"TASKRUNNER_KILL_GRACE": "3"})
     job = apps.stubborn.apply_async(["t1"], max_duration=0.5)

@@ -565,7 +565,7 @@ class Worker:
         batch.call(scripts.HEARTBEAT, [self.keys.g], [self.name, codec.dumps(self.info()),
                                                       int(self.s.dead_after * 3 + 60)])
         for _, d in held:
-            batch.pipe.hmget(self.keys.job(d.queue, d.id), "attempts", "kill_requested")
+            batch.pipe.hmget(self.keys.job(d.queue, d.id), "attempts", "kill_requested", f"end:{d.attempt}")
             batch.pipe.hexists(self.keys.q(d.queue) + "running", d.id)
         self._shard_counts(batch.pipe)
         results = batch.execute()
@@ -583,13 +583,14 @@ class Worker:
             declarations.publish(self.app, self.queues, self.name, float(results[0]), overwrite=False)
             self.next_declare = self.next_beat + declarations.REFRESH
         for i, (c, d) in enumerate(held):
-            (attempts, kill_requested), mine = results[1 + 2 * i], results[2 + 2 * i]
+            (attempts, kill_requested, ended), mine = results[1 + 2 * i], results[2 + 2 * i]
             lost = attempts != d.attempt or not mine
             if d not in c.jobs or c.kill_reason or d.stop_reason or not (lost or kill_requested):
                 continue
-            if lost:
-                log.warning("worker %s: job %s is no longer ours (requeued while we were unreachable); "
-                            "stopping it", self.name, d.id, extra=job_fields(d, self.name))
+            if lost:  # how the record says the delivery ended ("<time> requeued by ops@host"), if it does
+                why = ended.partition(" ")[2] if ended else "its record is gone" if attempts is None else "requeued"
+                log.warning("worker %s: job %s is no longer ours (%s); stopping it", self.name, d.id, why,
+                            extra=job_fields(d, self.name))
             self.crew.stop(c, d, "lost" if lost else "killed")
 
     def info(self) -> dict[str, Any]:
