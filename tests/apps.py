@@ -311,6 +311,12 @@ def anything(*args, **kwargs) -> list:
     return [list(args), kwargs]
 
 
+@app.task(result_ttl=1)
+def forgetful(value):
+    """Returns its value, kept 1 s (a chord member whose own result TTL is shorter than the chord)."""
+    return value
+
+
 @app.task
 def echo(value):
     """Returns what it is given (a callback's argument, to look at)."""

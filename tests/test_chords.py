@@ -77,6 +77,20 @@ def test_a_chord_survives_a_sigkilled_worker_and_its_callback_runs_once(app, sta
     assert [e["state"] for e in entries] == ["completed"]
 
 
+def test_a_member_with_a_short_result_ttl_keeps_its_result_for_the_callback(app, stack):
+    """A member whose own result_ttl (1 s) is shorter than the chord takes: its record, which
+    the callback's join reads its result from when the last member ends, is kept the result
+    TTL setting instead (the callback was given null for it)."""
+    stack.worker(concurrency=2)
+    handle = chord([apps.forgetful.s(5), apps.hold.s("last", 60)], apps.echo.s()).delay()
+    p = app.keys.q("default")
+    first = app.redis.hget(p + "job:" + handle.id, "parents").split()[1]
+    wait_for(lambda: app.redis.hget(p + "job:" + first, "state") == "completed", what="the quick member to end")
+    assert app.redis.ttl(p + "job:" + first) > 60  # the setting's, not its own 1 s
+    app.redis.set(f"{app.settings.prefix}:release:last", 1)
+    assert handle.wait(timeout=60) == [5, "released"]
+
+
 def test_eager_groups_and_chords(redis_server):
     eager = TaskRunner("eager", eager=True)
     add = eager.task(apps.add.fn, name="add")

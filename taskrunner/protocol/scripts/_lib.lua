@@ -401,7 +401,10 @@ end
 -- failed and killed), a number or an integer's digits (text: EXPIRE takes it as it is, no
 -- number formatted per job); the record's own result_ttl / failed_ttl wins. One longer than the
 -- setting is kept in meta longest_result_ttl / longest_failed_ttl (only ever raised): the
--- sweep trims the finished sets by the longest, so that such a job stays listed.
+-- sweep trims the finished sets by the longest, so that such a job stays listed. One shorter
+-- does not win for a workflow step that completed with children: a chord's callback reads
+-- each member's result from its record when the last member ends (join()), so a member's own
+-- result_ttl of 1 s gave the callback null for a result it had.
 -- With `index`, a table state -> ids (and `history`: history()), the caller adds the id to
 -- the finished set itself (one ZADD for many jobs) and writes the history entry
 -- (flush_history(): one for many jobs); without, finalize() does both.
@@ -419,7 +422,7 @@ local function conclude(p, id, job, r, state, t, ttl, error_type, index)
     kind, own = 'failed_ttl', r[OWN_FAILED_TTL]
   end
   own = own and tonumber(own)
-  if own and own >= 1 and own % 1 == 0 then
+  if own and own >= 1 and own % 1 == 0 and not (r[CHILDREN] and state == 'completed' and own < tonumber(ttl)) then
     if own > tonumber(ttl) and own > (tonumber(redis.call('HGET', p .. 'meta', 'longest_' .. kind)) or 0) then
       redis.call('HSET', p .. 'meta', 'longest_' .. kind, own)
     end
