@@ -303,6 +303,10 @@ def _enqueue_file(app: TaskRunner, app_spec: str | None, f: Any) -> None:
     click.echo("\n".join(j.id for j in jobs))
 
 
+#: Parents (or children) `status` names; `workflow` (and --json) shows them all.
+STATUS_LINKS = 5
+
+
 @main.command()
 @click.argument("job_id")
 @click.option("--json", "as_json", is_flag=True, help="Every field as JSON.")
@@ -325,9 +329,10 @@ def status(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | No
         rows.append(("result", json.dumps(d["result"])))
     if d.get("error_type"):
         rows.append(("error", f"{d['error_type']}: {d.get('error')}"))
-    for k in ("parents", "children"):
+    for k in ("parents", "children"):  # a chord's callback has a parent per member: the first few
         if d[k]:
-            rows.append((k, "  ".join(f"{j['id']} ({j['queue']})" for j in d[k])))
+            more = f"  (+{len(d[k]) - STATUS_LINKS}: taskrunner workflow {job_id})" if len(d[k]) > STATUS_LINKS else ""
+            rows.append((k, "  ".join(f"{j['id']} ({j['queue']})" for j in d[k][:STATUS_LINKS]) + more))
     for k, v in rows:
         click.echo(f"{k:>9}  {v}")
     if d["logs"]:

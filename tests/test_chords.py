@@ -91,6 +91,16 @@ def test_a_member_with_a_short_result_ttl_keeps_its_result_for_the_callback(app,
     assert handle.wait(timeout=60) == [5, "released"]
 
 
+def test_status_of_a_chord_callback_names_its_first_parents_and_how_many_more(app, stack):
+    """`taskrunner status` of a callback of 8 members names 5 of them and points to
+    `workflow` for the rest (a chord of 1,000 printed a 40 KB line); --json has them all."""
+    handle = chord([apps.add.s(i, 1) for i in range(8)], apps.echo.s()).delay()  # no worker: it waits
+    out = stack.cli("status", handle.id, check=True).stdout
+    [line] = [x for x in out.splitlines() if x.strip().startswith("parents")]
+    assert line.count("(default)") == 5 and line.endswith(f"(+3: taskrunner workflow {handle.id})"), line
+    assert len(json.loads(stack.cli("status", handle.id, "--json", check=True).stdout)["parents"]) == 8
+
+
 def test_eager_groups_and_chords(redis_server):
     eager = TaskRunner("eager", eager=True)
     add = eager.task(apps.add.fn, name="add")
