@@ -85,6 +85,34 @@ def test_a_failed_parent_in_another_queue_cancels_a_depends_on_job(app, stack):
         apps.add.apply_async((1, 2), depends_on=[bad])
 
 
+def test_a_step_that_goes_on_after_a_failure_may_name_a_parent_that_failed_already(app, stack):
+    """A step with on_parent_failure "continue" or "only" whose parent ended failed before it
+    was written (a chord over slots writes its members a call before its callback: a member
+    in the callback's slot may fail in between) is settled as that end says, not refused:
+    continue runs it with null for that result, only (an on_failure callback) runs it with the
+    error; cancel, the default, is still refused (it would never run)."""
+    bad = apps.boom.apply_async(["early"])
+    good = apps.add.apply_async((2, 2))
+    stack.worker()
+    with pytest.raises(JobFailed):
+        bad.wait(30)
+    assert good.wait(30) == 4
+
+    def enqueue(job_id: str, parents: list[str], takes: str, opf: str | None) -> int:
+        fields = ["task", "tests.apps.echo", "args", "[]", "kwargs", "{}", "parents",
+                  " ".join(f"default {p}" for p in parents), "takes", takes]
+        return app._enqueue_batch("default", [(job_id, 0, fields + (["on_parent_failure", opf] if opf else []))],
+                                  ())[0]
+
+    assert enqueue("cb-continue", [good.id, bad.id], "results", "continue") == 1
+    assert app.job("cb-continue").wait(30) == [4, None]
+    assert enqueue("cb-only", [bad.id], "error", "only") == 1
+    got = app.job("cb-only").wait(30)
+    assert (got["id"], got["state"], got["error_type"], got["error"]) == (bad.id, "failed", "ValueError", "early")
+    with pytest.raises(ValueError, match="ended failed: the job would never run"):
+        enqueue("cb-cancel", [good.id, bad.id], "results", None)
+
+
 def test_a_failed_step_cancels_the_steps_after_it_and_wait_names_it(app, stack):
     stack.worker()
     handle = (apps.add.s(1, 2) | apps.boom.si("bad input") | apps.add.s(1) | apps.mul.s(2)).delay()

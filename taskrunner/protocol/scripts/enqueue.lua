@@ -20,8 +20,9 @@
 -- max_concurrency (1 to 2^31-1), concurrency_key (a name; needs max_concurrency, the job's
 -- or the declaration's); for a
 -- workflow's step (docs/PROTOCOL.md, Workflows): parents ("<queue> <id> ..."; each an
--- earlier job of this call or an existing one that has not failed; no delay; when all have
--- completed already it is settled at once, as by the join of its last parent), takes
+-- earlier job of this call or an existing one that has not failed — or has, with
+-- on_parent_failure continue or only; no delay; when all have ended already it is settled
+-- at once, as by the join of its last parent), takes
 -- ("result": its one parent's result goes first in its args; "results": a JSON array of
 -- its parents' results, in the order of parents, goes first: a chord's callback) and
 -- on_parent_failure ("cancel", the default: a parent that does not complete cancels it;
@@ -245,9 +246,11 @@ local function declared(jp, task)
 end
 
 -- A workflow step's parents ("<queue> <id> ..."), checked: a list of {queue, id}, or nil and
--- why not. `here`: "<queue prefix><id>" -> true for the jobs before it in this call.
+-- why not. `here`: "<queue prefix><id>" -> true for the jobs before it in this call. `ended`:
+-- a parent may have ended otherwise than completed (on_parent_failure continue or only: it
+-- is settled as its end says; with cancel it would never run).
 local FINAL = {completed = true, failed = true, killed = true, canceled = true}
-local function parents_of(text, jq, id, here, cross)
+local function parents_of(text, jq, id, here, cross, ended)
   local list, seen = {}, {}
   local rest = string.gsub(text, '(%S+)%s+(%S+)', function(q, pid)
     list[#list + 1] = {q, pid}
@@ -276,7 +279,7 @@ local function parents_of(text, jq, id, here, cross)
       if not state then
         return nil, 'parent ' .. pid .. ' not found in queue ' .. q .. ' (never enqueued, expired, or not before it '
           .. 'in this call)'
-      elseif FINAL[state] and state ~= 'completed' then
+      elseif FINAL[state] and state ~= 'completed' and not ended then
         return nil, 'parent ' .. pid .. ' (queue ' .. q .. ') ended ' .. state .. ': the job would never run'
       end
     end
@@ -415,7 +418,7 @@ for n = 1, n_jobs do
       here = {}
       for k = 1, n - 1 do here[(queues_of[k] or p) .. plan[4 * k - 3]] = true end
     end
-    local list, bad = parents_of(parents, jq, id, here, cross)
+    local list, bad = parents_of(parents, jq, id, here, cross, opf == 'continue' or opf == 'only')
     if not list then return refuse('BadValue', 'job ' .. id .. ': ' .. bad) end
     for _, e in ipairs(list) do
       if uniques and uniques[prefixes[e[1]] .. e[2]] then
@@ -629,14 +632,14 @@ for n = 1, n_jobs do
   elseif not step and delay <= 0 and qs.room and qs.room >= qs.bound then
     out[n] = -1
   else
-    if step then  -- each parent not completed yet gets it among its children
+    if step then  -- each parent that has not ended yet gets it among its children
       workflows()
       for _, e in ipairs(step[1]) do
         local pjob = not e[3] and prefixes[e[1]] .. 'job:' .. e[2]
         local f = pjob and redis.call('HMGET', pjob, 'state', 'children') or {}
         if not pjob then  -- in another slot: counted, and joined by join.lua
           left = left + 1
-        elseif f[1] ~= 'completed' then
+        elseif not FINAL[f[1]] then  -- one that ended otherwise than completed: only where parents_of() let it
           redis.call('HSET', pjob, 'children', (f[2] and f[2] .. ' ' or '') .. string.match(jp, '{([^{}]*)}:$') .. ' '
             .. id)
           left = left + 1
@@ -672,19 +675,20 @@ for n = 1, n_jobs do
     elseif delay > 0 then
       to_delayed(jp, id, job, t + delay)
     elseif step and (step[2] == 'results' or step[2] == 'error' or step[4] == 'only') then
-      -- Every parent completed already, and what it takes (the array of their results), or
-      -- whether it runs at all (an on_failure callback), is the join's to say: it waits for
-      -- its last parent, settled now, behind the jobs of this call before it.
+      -- Every parent ended already, and what it takes (the array of their results, an error),
+      -- or whether it runs at all (an on_failure callback), is the join's to say: it waits for
+      -- its last parent, settled now as it ended, behind the jobs of this call before it.
       if #qs.fresh > 0 then push(jp, qs) end
       local e = step[1][#step[1]]
       local pjob = prefixes[e[1]] .. 'job:' .. e[2]
+      local pf = redis.call('HMGET', pjob, 'task', 'state', 'error_type', 'error', 'canceled_by')
       redis.call('HSET', job, 'state', 'waiting', 'waiting_on', 1)
       redis.call('ZADD', jp .. 'waiting', t, id)
-      settle(jp, id, {queue = e[1], id = e[2], task = redis.call('HGET', pjob, 'task') or '?', state = 'completed',
-        job = pjob}, redis.call('HMGET', job, unpack(CHILD)), t, FAILED_TTL)
+      settle(jp, id, {queue = e[1], id = e[2], task = pf[1] or '?', state = pf[2] or 'completed', error_type = pf[3],
+        error = pf[4], canceled_by = pf[5], job = pjob}, redis.call('HMGET', job, unpack(CHILD)), t, FAILED_TTL)
       if qs.room and redis.call('HGET', job, 'state') == 'pending' then qs.room = qs.room + 1 end
     else
-      if step and step[2] then  -- its parent completed already: its result now
+      if step and step[2] then  -- its parent ended already: its result now (null where it did not complete)
         local e = step[1][1]
         redis.call('HSET', job, 'args', prepend(redis.call('HGET', prefixes[e[1]] .. 'job:' .. e[2], 'result')
           or 'null', redis.call('HGET', job, 'args')))
