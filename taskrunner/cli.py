@@ -791,8 +791,14 @@ def queue_create(name: str, bound: int, exclusive: bool, rate: str | None, shard
         click.echo(f"shards per primary: {', '.join(map(str, place.per_primary))} ({', '.join(place.primaries)})")
         if place.uneven:
             counts = ", ".join(map(str, place.even))
+            # the settings this call gave again (queue create sets bound and exclusive each time); more
+            # shards rather than fewer, which drop the removed shards' finished records
+            to = next((k for k in place.even if k >= n), place.even[0]) if place.even else 0
+            again = f"{f' --bound {bound}' if bound else ''}{' --exclusive' if exclusive else ''}"
+            drop = ("; fewer shards drop the removed shards' finished records and unarchived history"
+                    if to < n else "")
             fix = (f"{counts} shards would spread this name evenly (taskrunner queue create {name} --shards "
-                   f"{place.even[0]}, while it has no unfinished job)" if place.even else
+                   f"{to}{again}, while it has no unfinished job{drop})" if place.even else
                    f"no shard count up to {sharding.MAX} spreads this name evenly")
             click.echo(f"warning: the {n} shards of queue {name} fall unevenly on the {len(place.primaries)} "
                        f"primaries: {fix}", err=True)
@@ -881,7 +887,7 @@ def queue_info(name: str, as_json: bool, app_spec: str | None, redis_url: str | 
     if as_json:
         return _emit(found[0])
     for k, v in found[0].items():
-        click.echo(f"{k:>18}  {v}")
+        click.echo(f"{k:>18}  {json.dumps(v) if isinstance(v, (dict, list)) else v}")  # JSON, not Python's repr
 
 
 @main.command()
@@ -1173,11 +1179,10 @@ def history_compact(history_dir: str | None, day: datetime | None, target_mb: fl
 @click.option("--json", "as_json", is_flag=True)
 @common
 def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
-    """Records waiting to be archived, per queue (each queue's stream read whole: an entry
-    holds one record or a batch's)."""
-    from taskrunner.ops.history import waiting
+    """Records waiting to be archived, per queue."""
+    from taskrunner.ops.history import backlog as history_backlog
 
-    backlog = waiting(_app(app_spec, redis_url))
+    backlog = history_backlog(_app(app_spec, redis_url))
     if as_json:
         return _emit(backlog)
     for q, n in backlog.items():

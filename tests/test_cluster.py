@@ -813,19 +813,20 @@ def test_queue_create_warns_of_shards_that_fall_unevenly_and_names_counts_that_s
     fixable = {q: [k for k in range(3, shards.MAX + 1) if even(by[k])][:3] for q, by in layouts.items()
                if not even(by[3])}
     name, suggested = next((q, ks) for q, ks in fixable.items() if ks)
-    r = stack.cli("queue", "create", name, "--shards", "3", check=True)
+    r = stack.cli("queue", "create", name, "--shards", "3", "--bound", "99", check=True)
     fell = layouts[name][3]
-    assert r.stdout.splitlines() == [f"queue {name}: bound none, 3 shards", per_primary_line(cluster, fell)]
-    assert r.stderr.splitlines() == [
+    assert r.stdout.splitlines() == [f"queue {name}: bound 99, 3 shards", per_primary_line(cluster, fell)]
+    assert r.stderr.splitlines() == [  # the command it names keeps the bound (queue create sets it each time)
         f"warning: the 3 shards of queue {name} fall unevenly on the 3 primaries: {', '.join(map(str, suggested))} "
-        f"shards would spread this name evenly (taskrunner queue create {name} --shards {suggested[0]}, while it "
-        "has no unfinished job)"]
+        f"shards would spread this name evenly (taskrunner queue create {name} --shards {suggested[0]} --bound 99, "
+        "while it has no unfinished job)"]
     info = json.loads(stack.cli("queue", "info", name, "--json", check=True).stdout)["placement"]
     ports = sorted(node.port for node in cluster.primaries)
     assert info == {"per_primary": {f"127.0.0.1:{p}": c for p, c in zip(ports, fell)},
                     "uneven": True, "even_shard_counts": suggested}
+    assert '"uneven": true' in stack.cli("queue", "info", name, check=True).stdout  # JSON, not Python's repr
 
-    r = stack.cli("queue", "create", name, "--shards", str(suggested[0]), check=True)
+    r = stack.cli("queue", "create", name, "--shards", str(suggested[0]), "--bound", "99", check=True)
     assert r.stdout.splitlines()[1] == per_primary_line(cluster, layouts[name][suggested[0]]) and r.stderr == ""
     rows = json.loads(stack.cli("queues", "--shards", "--json", check=True).stdout)
     primaries = {row["name"]: row["primary"] for row in rows if shards.logical(row["name"]) == name}

@@ -9,12 +9,14 @@ import signal
 
 import pyarrow.parquet as pq
 import pytest
+import redis
 
 from taskrunner import JobFailed
 from taskrunner.client.consumer import Consumer
 from taskrunner.ops import history
 from taskrunner.ops.dispatcher import Dispatcher
 from taskrunner.ops.history import Archiver, _next_id
+from taskrunner.protocol import scripts
 from tests import apps
 from tests.conftest import wait_for
 
@@ -54,13 +56,14 @@ def test_every_end_and_requeue_is_recorded(app, stack):
     assert [f["error_type"] for f in rows if f["id"] == bad.id] == ["ValueError"]
 
 
-def fill(app, n: int, queue: str = "default") -> set[str]:
-    """n completed deliveries through the real scripts, quickly (a consumer acks them)."""
+def fill(app, n: int, queue: str = "default", per_ack: int = 500) -> set[str]:
+    """n completed deliveries through the real scripts, quickly (a consumer acks them,
+    `per_ack` a finish call: a history entry each)."""
     app.enqueue_many([{"task": "tests.apps.add", "args": [i, 1], "queue": queue} for i in range(n)])
     c = Consumer(app, [queue])
     ids = set()
     while True:
-        got = c.claim(500)
+        got = c.claim(per_ack)
         if not got:
             return ids
         assert all(c.ack(got))
@@ -72,7 +75,7 @@ def test_history_status_counts_the_records_of_batch_entries(app, stack):
     counts records, not entries; the dispatcher's estimate is exact on so few entries."""
     fill(app, 1537)
     assert app.redis.xlen(app.keys.q("default") + "history") == 4
-    assert history.waiting(app) == history.backlog(app) == {"default": 1537}
+    assert history.backlog(app) == {"default": 1537}
     assert stack.cli("history", "status", check=True).stdout.split() == ["default", "1537", "waiting"]
 
 
@@ -165,29 +168,63 @@ def test_dispatcher_archives_and_warns_when_behind(app, tmp_path, monkeypatch, c
     assert "Job history of queue default is not archived fast enough" in page
 
 
-def test_the_dispatcher_keeps_a_stream_of_batches_within_its_cap_in_records(app, monkeypatch):
-    """XADD caps the stream in entries, and an entry may hold a finish call's many records:
-    the dispatcher's pass trims it to about CAP records (oldest first), archiving or not
-    (here: pyarrow missing, as in a core install)."""
+def records_in(app, queue="default") -> int:
+    """The records of the queue's stream, counted by reading it whole."""
+    return sum(history.count(f) for _, f in app.redis.xrange(app.keys.q(queue) + "history"))
+
+
+def test_the_stream_counts_its_records_as_entries_and_extra(app, tmp_path):
+    """finish.lua counts a batch entry's records beyond the first in history:extra, and the
+    archiver's trim (trim.lua) takes them off with the entries: backlog() (XLEN + extra) is
+    the stream's count at each step, and the count goes with the stream's last entry."""
+    fill(app, 1200, per_ack=500)  # entries of 500, 500, 200
+    fill(app, 30, per_ack=1)  # 30 entries of one
+    key = app.keys.q("default") + "history"
+    assert app.redis.xlen(key) == 33 and app.redis.get(key + ":extra") == str(499 + 499 + 199)
+    assert history.backlog(app, ["default"]) == {"default": 1230} == {"default": records_in(app)}
+    Archiver(app, str(tmp_path), batch=600).archive_batch("default")  # two entries: 1000 records
+    assert history.backlog(app, ["default"]) == {"default": 230} == {"default": records_in(app)}
+    assert Archiver(app, str(tmp_path), batch=600).archive() == 230
+    assert app.redis.xlen(key) == 0 and not app.redis.exists(key + ":extra")
+    for bad, why in ([["x", 0], "stream id"], [["1-0", -1], "whole number"]):
+        with pytest.raises(redis.ResponseError, match=why):
+            scripts.TRIM(app.redis, [app.keys.q("default")], bad)
+
+
+def test_the_dispatcher_keeps_a_stream_within_its_cap_in_records(app, monkeypatch):
+    """An entry may hold a finish call's many records: the dispatcher's pass trims the stream
+    to CAP records exactly (whole entries, oldest first), archiving or not (here: pyarrow
+    missing, as in a core install), and no further."""
     from taskrunner.errors import MissingExtra
 
     def no_pyarrow(*_a, **_k):
         raise MissingExtra("archiving job history to Parquet", "history")
 
     monkeypatch.setattr("taskrunner.ops.dispatcher.Archiver", no_pyarrow)
-    monkeypatch.setattr(history, "CAP", 5000)
-    key = app.keys.q("default") + "history"
-    batch = "\n".join(f"j{i}\ncompleted 1 1 1 1 1 t w h\n" for i in range(50))
-    pipe = app.redis.pipeline(transaction=False)
-    for _ in range(400):  # 20,000 records in 400 entries: far within XADD's cap of 500,000 entries
-        pipe.xadd(key, {"jobs": batch})
-    pipe.execute()
-    assert history.backlog(app, ["default"]) == {"default": 20_000}
+    monkeypatch.setattr(history, "CAP", 1000)
+    monkeypatch.setattr("taskrunner.ops.dispatcher.CAP", 1000)
+    fill(app, 1500, per_ack=500)
+    fill(app, 300, per_ack=1)
     d = Dispatcher(app)
+    d.archive_history(["default"])  # 1800 records: the two oldest entries (1000) go, 800 stay
+    assert history.backlog(app, ["default"]) == {"default": 800} == {"default": records_in(app)}
+    assert app.redis.xlen(app.keys.q("default") + "history") == 301
     d.archive_history(["default"])
-    assert 100 <= app.redis.xlen(key) < 200  # MAXLEN ~ 100: whole macro nodes (a few entries each)
-    assert 5000 <= history.backlog(app, ["default"])["default"] < 10_000
+    assert records_in(app) == 800
     assert d.history_backlog == {}  # not archived: nothing to warn of (history stays in Redis, capped)
+
+
+def test_a_failing_archive_trims_nothing_below_the_cap(app, tmp_path, monkeypatch):
+    """Entries of one record, then a few of many (a quiet hour, then a burst), while the
+    archive cannot be written: the stream holds far fewer records than its cap, and the
+    dispatcher's pass keeps them all (an estimate from the newest entries dropped ~half)."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    monkeypatch.setenv("TASKRUNNER_HISTORY_DIR", str(blocker / "history"))
+    fill(app, 2000, per_ack=1)
+    fill(app, 1000, per_ack=100)
+    Dispatcher(app).archive_history(["default"])
+    assert records_in(app) == 3000 == history.backlog(app, ["default"])["default"]
 
 
 def test_entries_of_either_shape_are_archived_alike(app, tmp_path):

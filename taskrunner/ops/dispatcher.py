@@ -24,7 +24,7 @@ from taskrunner.client.app import Schedule, TaskRunner, cron_job_id
 from taskrunner.errors import MissingExtra, TaskRunnerError
 from taskrunner.logs import Run, job_fields
 from taskrunner.ops import compact, schedules
-from taskrunner.ops.history import CAP, WARN_BACKLOG, Archiver, backlog
+from taskrunner.ops.history import CAP, WARN_BACKLOG, Archiver, backlog, cap
 from taskrunner.ops.listing import DISPATCHER_FORGET
 from taskrunner.protocol import codec, joins, scripts
 from taskrunner.protocol.connection import server_time
@@ -48,6 +48,8 @@ _REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 DEAD_KEPT = 3600
 #: With missed="skip", a tick this late still fires.
 SKIP_GRACE = 60.0
+#: Seconds between the history cap's passes when history is not archived (history_interval 0).
+CAP_EVERY = 5.0
 
 
 class Dispatcher:
@@ -153,8 +155,12 @@ class Dispatcher:
         if dead:
             self._reap(queues, dead, now, stats)
         stats["fired"] = self.fire_schedules(now)
-        if self.s.history_interval and time.monotonic() >= self.next_archive:
-            stats["archived"] = self.archive_history(queues)
+        if time.monotonic() >= self.next_archive:
+            if self.s.history_interval:
+                stats["archived"] = self.archive_history(queues)
+            else:  # not archived: the cap still holds
+                self.next_archive = time.monotonic() + CAP_EVERY
+                self.cap_history(queues, archived=False)
         if self.s.history_interval and time.monotonic() >= self.next_compact:
             self.compact_history(now)
         self.passes += 1
@@ -199,10 +205,10 @@ class Dispatcher:
             log.info("dispatcher %s: forgot %s, silent for over %.0f s", self.name, ", ".join(gone), DISPATCHER_FORGET)
 
     def archive_history(self, queues: list[str]) -> int:
-        """Move job history to Parquet (a few batches a pass); keep each stream within its
-        cap in records (backlog(trim=True): XADD caps it in entries, and an entry may hold a
-        finish call's many records), archived or not; warn loudly when a stream fills up
-        faster than it is archived, before its cap could drop anything."""
+        """Move job history to Parquet (a few batches a pass); keep each stream within CAP
+        records (history.cap(): an entry may hold a finish call's many, which XADD's own cap
+        counts as one), archived or not; warn loudly when a stream fills up faster than it
+        is archived, before its cap could drop anything."""
         self.next_archive = time.monotonic() + self.s.history_interval
         n = 0
         if self.archiving:
@@ -217,8 +223,8 @@ class Dispatcher:
                     n = archiver.archive(queues, max_batches=5)
                 except OSError as e:
                     log.error("dispatcher: archiving job history to %s failed: %s", archiver.directory, e)
-        held = backlog(self.app, queues, trim=True)
-        if not self.archiving:  # history stays in Redis, the last CAP records a queue: nothing to warn of
+        held = self.cap_history(queues, archived=self.archiving)
+        if not self.archiving:  # history stays in Redis, capped: nothing to warn of
             return n
         self.history_backlog = held
         for q, waiting in self.history_backlog.items():
@@ -227,6 +233,18 @@ class Dispatcher:
                           "most %d: archive faster (taskrunner history archive) or records will be lost",
                           waiting, q, CAP)
         return n
+
+    def cap_history(self, queues: list[str], archived: bool) -> dict[str, int]:
+        """Keep each queue's history stream within CAP records (history.cap()); the records
+        each holds then. Records dropped that should have been archived are an error."""
+        held = backlog(self.app, queues)
+        if any(n > CAP for n in held.values()):
+            for q, trimmed in cap(self.app, held, self.name).items():
+                held[q] -= trimmed
+                if archived:
+                    log.error("dispatcher: %d history records of queue %s dropped unarchived: its stream held "
+                              "more than %d", trimmed, q, CAP)
+        return held
 
     def compact_history(self, now: float) -> threading.Thread | None:
         """Once a day after midnight UTC, the archive's compaction (compact.daily: one

@@ -20,19 +20,19 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from taskrunner.errors import require_extra
+from taskrunner.protocol import scripts
 
 if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
 
 log = logging.getLogger("taskrunner.history")
-#: The most records a queue's history stream keeps: HISTORY_MAX in _lib.lua, where each
-#: XADD caps the stream in entries (MAXLEN ~); an entry may hold a finish call's many records,
-#: so the dispatcher trims it to about this many records too (backlog(trim=True)).
+#: The most records a queue's history stream keeps: the dispatchers trim it to this many at
+#: each pass (cap(); an entry holds one record or a finish call's many), archiving or not.
+#: Each XADD caps it at twice as many entries (HISTORY_MAX in _lib.lua), for a queue no
+#: dispatcher serves.
 CAP = 500_000
 #: Beyond this backlog the dispatcher warns: records past CAP are trimmed before being archived.
 WARN_BACKLOG = CAP // 2
-#: The newest entries of a stream read for its records per entry (backlog()).
-SAMPLE = 10
 _DATE = re.compile(r"date=\d{4}-\d{2}-\d{2}")
 
 
@@ -205,40 +205,63 @@ def _record(stream_id: str, f: dict[str, str]) -> dict[str, Any]:
             "pid": num(f.get("pid"), int), "error_type": f.get("error_type") or None, "stream_id": stream_id}
 
 
-def backlog(app: TaskRunner, queues: list[str] | None = None, trim: bool = False) -> dict[str, int]:
+def backlog(app: TaskRunner, queues: list[str] | None = None) -> dict[str, int]:
     """Records waiting in each queue's history stream (no pyarrow needed: known with
-    archiving off too): its length in entries times the records per entry of its newest
-    SAMPLE (exact up to SAMPLE entries, else an estimate that reads little: an entry holds a
-    finish call's records, one or many; the archiver leaves streams empty). With `trim` (the
-    dispatcher), a stream estimated past CAP records is trimmed, oldest first, to about CAP:
-    each XADD caps it in entries only."""
+    archiving off too): XLEN + `history:extra`, the records of its entries beyond one each
+    (an entry holds one record or a finish call's many), read without reading the stream."""
     queues = queues if queues is not None else app.queue_names()
     pipe = app.redis.pipeline(transaction=False)
     for q in queues:
         pipe.xlen(app.keys.q(q) + "history")
-    lengths = dict(zip(queues, pipe.execute()))
-    held = [q for q, n in lengths.items() if n]
-    for q in held:
-        pipe.xrevrange(app.keys.q(q) + "history", count=SAMPLE)
-    out = dict(lengths)
-    for q, newest in zip(held, pipe.execute()):
-        per_entry = sum(count(f) for _, f in newest) / max(1, len(newest))
-        out[q] = round(lengths[q] * per_entry)
-        if trim and out[q] > CAP:  # the dispatcher's warning (WARN_BACKLOG) has said so, if it archives
-            app.redis.xtrim(app.keys.q(q) + "history", maxlen=int(CAP / per_entry), approximate=True)
-    return out
+        pipe.get(app.keys.q(q) + "history:extra")
+    got = pipe.execute()
+    return {q: got[2 * i] + int(got[2 * i + 1] or 0) for i, q in enumerate(queues)}
 
 
-def waiting(app: TaskRunner, queues: list[str] | None = None) -> dict[str, int]:
-    """Records waiting in each queue's history stream, counted: every entry read, 1000 at a
-    time (`history status`; the dispatcher's pass estimates them: backlog())."""
+def trim(app: TaskRunner, queue: str, entries: list[tuple[str, dict[str, str]]]) -> int:
+    """Remove `entries` (read from the head of `queue`'s stream, in order) and what they count
+    in `history:extra` (trim.lua), for a caller holding `history:lock`; the entries removed."""
+    extra = sum(count(f) - 1 for _, f in entries)
+    return scripts.TRIM(app.redis, [app.keys.q(queue)], [_next_id(entries[-1][0]), extra])
+
+
+def cap(app: TaskRunner, held: dict[str, int], token: str) -> dict[str, int]:
+    """Keep each queue's history stream within CAP records (the dispatchers, at each pass,
+    archiving or not; `held`: backlog() of the queues): from a stream holding more, the
+    oldest entries that make the excess are read and trimmed (trim.lua), counted first
+    (tally.lua) while someone reads metrics.
+    Skipped for a queue whose `history:lock` an archiver holds or whose `history:batch` an
+    archiver began (it will trim them). Returns the records trimmed per queue trimmed."""
     out = {}
-    for q in queues if queues is not None else app.queue_names():
-        key, n, start = app.keys.q(q) + "history", 0, "-"
-        while piece := app.redis.xrange(key, start, "+", count=1000):
-            n += sum(count(f) for _, f in piece)
-            start = "(" + piece[-1][0]
-        out[q] = n
+    for q, n in held.items():
+        if n <= CAP:
+            continue
+        r, p = app.redis, app.keys.q(q)
+        if not r.set(p + "history:lock", token, nx=True, ex=300):
+            continue
+        try:
+            if r.exists(p + "history:batch"):
+                continue
+            if r.exists(app.keys.g + "metrics:on"):
+                from taskrunner.ops.metrics import tally
+
+                while tally(app, q):
+                    pass
+            taken: list = []
+            excess, start = n - CAP, "-"
+            while excess > 0 and (piece := r.xrange(p + "history", start, "+", count=min(1000, excess))):
+                for e in piece:
+                    taken.append(e)
+                    excess -= count(e[1])
+                    if excess <= 0:
+                        break
+                start = "(" + piece[-1][0]
+            if taken:
+                trim(app, q, taken)
+                out[q] = sum(count(f) for _, f in taken)
+        finally:
+            if r.get(p + "history:lock") == token:
+                r.delete(p + "history:lock")
     return out
 
 
@@ -291,12 +314,11 @@ class Archiver:
 
                 while tally(self.app, queue):
                     pass
-            # Trim, then forget the batch, in this order and without MULTI (redis-py before
-            # 6.1 has no transactions on a cluster): a death between the two is the case above.
-            pipe = r.pipeline(transaction=False)
-            pipe.xtrim(stream, minid=_next_id(last), approximate=False)
-            pipe.delete(mark)
-            pipe.execute()
+            # Trim (with what the entries count in history:extra: trim.lua), then forget the
+            # batch, in this order and without MULTI (redis-py before 6.1 has no transactions
+            # on a cluster): a death between the two is the case above.
+            trim(self.app, queue, entries)
+            r.delete(mark)
             return sum(count(f) for _, f in entries)
         finally:
             if r.get(lock) == self.token:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 #: The buckets (seconds) of the run time and queue wait histograms: tally.lua's BOUNDS.
 BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
-#: History records counted per tally.lua call (at most ~100 entries more: it reads whole entries).
+#: History records counted per tally.lua call (at most one entry's more: it counts whole entries).
 TALLY_CHUNK = 5000
 #: Seconds after a read of the metrics during which the archiver counts what it trims.
 METRICS_ON = 3600

@@ -28,6 +28,8 @@
 --   <p>tasks        HASH  task -> its declaration (JSON), written by workers; enqueue reads it
 --   <p>history      STREAM one entry per finished or requeued delivery, or per finish call
 --                          that ended several (history() below), for the archiver
+--   <p>history:extra STRING the records of <p>history beyond one per entry (its records:
+--                          XLEN + this), kept by flush_history() and trim.lua
 --   <p>outbox       STREAM one entry per parent that ended with a child in another slot (Redis
 --                          Cluster), until a carrier has applied it with join.lua there
 --   <p>joined:<id>  HASH  "<queue> <id>" -> JSON: the parents in other slots that waiting job <id>
@@ -333,10 +335,10 @@ local function forget_gone(p, id, states)
 end
 -- <<< Failure indexes ------------------------------------------------------------------
 
--- The history stream is capped (approximately) at this many entries; the archiver empties
--- it long before, and the dispatcher warns when it holds half as many records. An entry may
--- hold many records (a batch's): the dispatcher trims the stream to about as many records.
-local HISTORY_MAX = '500000'
+-- Each XADD caps the history stream at about this many entries: a backstop for a queue no
+-- dispatcher serves. The dispatchers keep it within 500,000 records (history.CAP: XLEN +
+-- history:extra, trimmed by trim.lua), which the archiver empties long before.
+local HISTORY_MAX = '1000000'
 
 -- Append what just happened to a delivery to the queue's history stream: its id, and one
 -- value `v` = "<state> <attempt> <enqueued_at> <started_at> <finished_at> <pid> <task>
@@ -376,7 +378,8 @@ end
 
 -- The records a batch kept (history() with `index`) as one history entry: one record in the
 -- usual shape; more in one field `jobs`, three lines per record (its id, its `v`, its
--- error type or an empty line; none of them holds a newline).
+-- error type or an empty line; none of them holds a newline), and the records beyond the
+-- first counted in history:extra (so that the stream's records are known without reading it).
 local function flush_history(p, index)
   local h = index.history
   index.history = nil
@@ -390,6 +393,7 @@ local function flush_history(p, index)
     end
   else
     redis.call('XADD', p .. 'history', 'MAXLEN', '~', HISTORY_MAX, '*', 'jobs', table.concat(h, '\n'))
+    redis.call('INCRBY', p .. 'history:extra', #h / 3 - 1)
   end
 end
 

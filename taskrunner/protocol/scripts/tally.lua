@@ -6,7 +6,9 @@
 -- while someone reads them), so a queue nobody scrapes pays nothing.
 -- KEYS[1]  queue key prefix p
 -- ARGV[1]  most records to count in this call (a whole number >= 1): entries are read in
---          pieces of 100 until this many records are counted (an entry holds one or many)
+--          pieces (10 at first, then as many as should hold the records still to count, at
+--          most 100) until this many are counted (an entry holds one record or many): whole
+--          entries, so a call counts at most one entry's records more
 -- Sets, in p stats (HASH): cursor = the last stream id counted;
 --   jobs|<task>|<state>  deliveries that ended or went back in line, by history state
 --                        (completed, failed, killed, requeued), and workflow steps canceled
@@ -66,10 +68,14 @@ local function count_record(v)
     observe('wait', task, started - enqueued)
   end
 end
-local counted, last = 0, nil
+local counted, read, last = 0, 0, nil
 while counted < count do
+  -- As many entries as should hold the records still to count, by the records per entry read
+  -- so far (10 at first; at most 100): an entry may hold a finish call's hundreds.
+  local want = count - counted
+  local n = read > 0 and math.ceil(want * read / counted) or 10
   local entries = redis.call('XRANGE', p .. 'history', last and ('(' .. last) or cursor and ('(' .. cursor) or '-',
-    '+', 'COUNT', math.min(100, count - counted))
+    '+', 'COUNT', math.max(1, math.min(100, n, want)))
   if #entries == 0 then
     break
   end
@@ -95,6 +101,7 @@ while counted < count do
       counted = counted + 1
     end
     last = e[1]
+    read = read + 1
   end
 end
 if not last then
