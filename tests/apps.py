@@ -155,6 +155,17 @@ def exclusive_probe(i: int) -> int:
 
 
 @app.task
+def logged(path: str, i: int, seconds: float = 0.0) -> int:
+    """Appends a line `i` to the file at `path` (one write, O_APPEND: whole lines from any
+    number of processes), then sleeps: runs counted outside Redis, which a failover may roll
+    back."""
+    with open(path, "a") as f:
+        f.write(f"{i}\n")
+    time.sleep(seconds)
+    return i
+
+
+@app.task
 def nap(seconds: float) -> float:
     time.sleep(seconds)
     return seconds

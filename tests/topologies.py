@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -32,6 +32,7 @@ class Node:
     port: int
     dir: Path
     proc: subprocess.Popen
+    cmd: list[str] = field(default_factory=list)
 
     def client(self, **options) -> redis.Redis:
         """A plain connection to this very node (not through the sentinels)."""
@@ -65,14 +66,20 @@ class Topology:
                 cmd.append(str(folder / "node.conf"))
             cmd += ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
                     "--logfile", str(folder / "redis.log"), *args]
-            node = Node(port, folder, subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
-                                                       stderr=subprocess.DEVNULL))
+            node = Node(port, folder, _spawn(cmd), cmd)
             self.nodes.append(node)
-            wait_for(lambda n=node: n.proc.poll() is not None or _pings(n), timeout=20, what=f"redis on {port}")
-            if node.proc.poll() is None:
+            if _up(node):
                 return node
             # Most likely another process took the port between free_port() and the bind: again.
         raise RuntimeError(f"redis-server would not start; see the logs under {self.root}")
+
+    def restart(self, node: Node) -> None:
+        """Start a node we stopped again, as it was: its port, folder and arguments (a
+        cluster node finds its nodes.conf there)."""
+        node.kill()
+        node.proc = _spawn(node.cmd)
+        if not _up(node):
+            raise RuntimeError(f"redis-server on {node.port} would not start again; see {node.dir}")
 
     def stop(self) -> None:
         for node in self.nodes:
@@ -83,6 +90,16 @@ class Topology:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _spawn(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _up(node: Node) -> bool:
+    """Wait until the node answers PING (True) or its process exits (False)."""
+    wait_for(lambda: node.proc.poll() is not None or _pings(node), timeout=20, what=f"redis on {node.port}")
+    return node.proc.poll() is None
 
 
 def _pings(node: Node) -> bool:
@@ -151,21 +168,40 @@ def sentinel_group(topology: Topology, replicas: int = 1, sentinels: int = 3, se
 
 @dataclass
 class Cluster:
-    """Primaries of a Redis Cluster we started, each serving a third of the slots."""
+    """The nodes of a Redis Cluster we started: `primaries`, each serving a share of the
+    slots, and `replicas` (none, or each replicating one primary: replicas[i] primaries[i]'s,
+    as redis_cluster() built it; a failover swaps the roles, the lists stay as built)."""
 
     primaries: list[Node]
+    replicas: list[Node] = field(default_factory=list)
+
+    @property
+    def nodes(self) -> list[Node]:
+        return self.primaries + self.replicas
 
     def url(self) -> str:
         """The redis+cluster:// URL naming every node."""
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.primaries)
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def slots(self) -> list[tuple[int, int, int]]:
+        """CLUSTER SLOTS as the first node that answers reports it: (first slot, last slot,
+        port of the primary serving them)."""
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                try:
+                    with node.client(socket_timeout=2) as c:
+                        return [(start, end, int(port)) for start, end, (_, port, *_), *_ in
+                                c.execute_command("CLUSTER", "SLOTS")]
+                except redis.ConnectionError:
+                    continue
+        raise LookupError("no node of the cluster answers")
 
     def owner(self, key: str) -> Node:
         """The primary that serves the slot of `key`."""
-        with self.primaries[0].client() as c:
-            slot = c.execute_command("CLUSTER", "KEYSLOT", key)
-            for start, end, (_, port, *_) in c.execute_command("CLUSTER", "SLOTS"):
-                if start <= slot <= end:
-                    return next(n for n in self.primaries if n.port == int(port))
+        slot = key_slot(key)
+        for start, end, port in self.slots():
+            if start <= slot <= end:
+                return next(n for n in self.nodes if n.port == port)
         raise LookupError(f"no node serves slot {slot}")
 
     def move_slot(self, key: str, to: Node) -> None:
@@ -184,23 +220,80 @@ class Cluster:
                 c.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
 
 
-def redis_cluster(topology: Topology, primaries: int = 3) -> Cluster:
+def key_slot(key: str) -> int:
+    """The hash slot of `key` (redis-py computes it as the server does: CRC16 of its hash tag)."""
+    from redis.crc import key_slot as crc_slot
+
+    return crc_slot(key.encode())
+
+
+def redis_cluster(topology: Topology, primaries: int = 3, replicas: int = 0,
+                  node_timeout_ms: int | None = None) -> Cluster:
     """`primaries` nodes with --cluster-enabled (each with a cluster bus port of its own),
     the slots split evenly between them, joined by CLUSTER MEET: what `redis-cli --cluster
-    create --cluster-replicas 0` does, without its fixed waits. Returns once every node
-    reports cluster_state:ok and knows every other."""
+    create --cluster-replicas N` does, without its fixed waits. With `replicas` (0 or 1),
+    as many more nodes, each a replica of one primary (CLUSTER REPLICATE). Returns once
+    every node reports cluster_state:ok and knows every other, every replica is in sync
+    and every node agrees on who replicates whom, so that a failover can start as soon as
+    a primary is gone. `node_timeout_ms`: --cluster-node-timeout (Redis's default, 15 s,
+    unless given): how long a node may not answer before it counts as failing."""
+    if replicas not in (0, 1):
+        raise ValueError(f"replicas: 0 or 1 per primary, not {replicas}")
+    timeout = ("--cluster-node-timeout", str(node_timeout_ms)) if node_timeout_ms else ()
+    total = primaries * (1 + replicas)
     nodes, buses = [], []
-    while len(nodes) < primaries:
+    while len(nodes) < total:
         bus = free_port()
         try:
             nodes.append(topology.start(*DATA_NODE, "--cluster-enabled", "yes", "--cluster-port", str(bus),
-                                        "--cluster-config-file", "nodes.conf", attempts=1))
+                                        "--cluster-config-file", "nodes.conf", *timeout, attempts=1))
             buses.append(bus)
         except RuntimeError:
-            if len(topology.nodes) > 5 * primaries:  # not a port clash now and then: give up
+            if len(topology.nodes) > 5 * total:  # not a port clash now and then: give up
                 raise
-    join_cluster([n.client for n in nodes], nodes[0].port, buses[0])
-    return Cluster(nodes)
+    firsts, copies = nodes[:primaries], nodes[primaries:]
+    join_cluster([n.client for n in firsts], firsts[0].port, buses[0])
+    if copies:
+        replicate(firsts, copies, buses[0])
+    return Cluster(firsts, copies)
+
+
+def replicate(primaries: list[Node], copies: list[Node], first_bus: int) -> None:
+    """Make each of `copies` (fresh --cluster-enabled nodes) a replica of the primary in
+    its place: it MEETs the first primary, waits to know its primary, CLUSTER REPLICATE.
+    Returns once each replica is in sync and every node knows every replica as one."""
+    ids = []
+    for node in primaries:
+        with node.client() as c:
+            ids.append(c.execute_command("CLUSTER", "MYID"))
+    for copy in copies:
+        with copy.client() as c:
+            c.execute_command("CLUSTER", "MEET", "127.0.0.1", primaries[0].port, first_bus)
+    for copy, primary_id in zip(copies, ids):
+        with copy.client() as c:
+            wait_for(lambda c=c, i=primary_id: any(n["node_id"] == i for n in c.cluster("nodes").values()),
+                     what=f"node {copy.port} to know its primary")
+            c.execute_command("CLUSTER", "REPLICATE", primary_id)
+    for copy in copies:
+        with copy.client() as c:
+            wait_for(lambda c=c: c.info("replication")["master_link_status"] == "up",
+                     what=f"replica {copy.port} in sync")
+    expected = {copy.port: primary_id for copy, primary_id in zip(copies, ids)}
+    for node in primaries + copies:
+        wait_for(lambda n=node: replicas_seen(n) == expected and cluster_ok(n),
+                 what=f"node {node.port} to know every replica")
+
+
+def replicas_seen(node: Node) -> dict[int, str]:
+    """The replicas `node` knows of, by port: the id of the primary each replicates."""
+    with node.client() as c:
+        return {int(addr.split("@")[0].rsplit(":", 1)[1]): info["master_id"]
+                for addr, info in c.cluster("nodes").items() if "slave" in info["flags"]}
+
+
+def cluster_ok(node: Node) -> bool:
+    with node.client() as c:
+        return c.cluster("info")["cluster_state"] == "ok"
 
 
 def join_cluster(clients: list[Callable[[], redis.Redis]], first_port: int, first_bus: int) -> None:
