@@ -6,6 +6,7 @@ every job that was enqueued and replicated before the kill completes, at least o
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -194,7 +195,9 @@ def test_an_idle_worker_follows_the_failover_of_a_shards_primary(capp, stack, cl
     """An idle worker waits on each shard's wake list, a BRPOP on each primary, for 60 s. One
     of those primaries dies (not the global keys' one, whose heartbeats would show the worker
     an error of its own): its BRPOP's connection drops, and the worker must learn where the
-    shard went and wait there, so that a job enqueued there after the failover runs at once."""
+    shard went and wait there, so that a job enqueued there after the failover runs at once.
+    So must a client waiting for a job of that shard (Job.wait, a BLPOP there), and the
+    dispatcher that makes a delayed job of that shard pending once due."""
     parts = shards.names(sharded, 3)
     # Not shard 0, whose name is the queue's: a job enqueued there by name goes to any shard.
     [lost_shard] = [q for q in parts[1:] if cluster.owner(f"{{{q}}}") is not cluster.owner(capp.keys.g)][:1]
@@ -203,9 +206,20 @@ def test_an_idle_worker_follows_the_failover_of_a_shards_primary(capp, stack, cl
     stack.dispatcher()
     worker = stack.worker("-Q", sharded, name="w1", concurrency=3, env={"TASKRUNNER_IDLE_BLOCK": "60"})
     wait_for(lambda: blocked_on_every_shard(cluster, sharded), what="the worker's BRPOP on each primary")
+    # Due after the failover, most likely: the dispatcher promotes it on the new primary. A
+    # waiter blocks on its notify list on the old one from before the kill.
+    later = apps.add.apply_async([2, 2], queue=lost_shard, delay=4)
+    replicated(cluster, [capp.keys.q(lost_shard)])
+    waited: list = []
+    waiter = threading.Thread(target=lambda: waited.append(later.wait(60)))
+    waiter.start()
+    with victim.client() as primary:
+        wait_for(lambda: primary.info("clients")["blocked_clients"] == 2, what="the worker and the waiter blocked")
     victim.kill()
     wait_for(lambda: role(successor) == "master" and cluster.owner(f"{{{lost_shard}}}") is successor, 60,
              what="the replica promoted")
     job = apps.add.apply_async([1, 1], queue=lost_shard)  # that shard alone: its wake list alone wakes the worker
     assert job.wait(30) == 2 and job.queue == lost_shard
+    waiter.join(60)
+    assert waited == [4]
     assert worker.poll() is None
