@@ -238,6 +238,15 @@ def test_unknown_and_code_schedules(app, stack):
     assert "applies again" in schedules.delete(cron_app.app, "tests.cron_app.every_second")
     [s] = schedules.effective(cron_app.app)[0]
     assert s.cron == "* * * * * *" and s.source == "code"
+    # Published by a dispatcher, a code schedule is paused and resumed by name without -A
+    # (`schedule list` shows it); running it needs its task, from -A.
+    Dispatcher(cron_app.app).publish_schedules()
+    stack.cli("schedule", "pause", "tests.cron_app.every_second", check=True)
+    assert app.redis.sismember(app.keys.g + "schedules:paused", "tests.cron_app.every_second")
+    stack.cli("schedule", "resume", "tests.cron_app.every_second", check=True)
+    assert not app.redis.sismember(app.keys.g + "schedules:paused", "tests.cron_app.every_second")
+    r = stack.cli("schedule", "run-now", "tests.cron_app.every_second")
+    assert r.returncode == 1 and "with -A" in r.stderr
 
 
 def test_dashboard_schedule_actions(app):
