@@ -38,17 +38,18 @@ def test_cluster_bench_runs_and_reports(tmp_path):
 def test_worker_cost_bench_reports_where_a_cluster_workers_cpu_goes(tmp_path):
     """bench/worker_cost.py: one worker drains a queue sharded over a local cluster; every figure
     is measured (not zero), the jobs per script call say the syncs batched, and nothing it
-    started is left."""
+    started is left. 4000 jobs: a forked child's CPU counts from its fork, in ticks of 10 ms,
+    and 600 no-op jobs over two children (~5 ms each) read 0.0 now and then (CI)."""
     js = tmp_path / "w.json"
-    cmd = [sys.executable, "-m", "bench.worker_cost", "--jobs", "600", "--shards", "3", "--json", str(js),
+    cmd = [sys.executable, "-m", "bench.worker_cost", "--jobs", "4000", "--shards", "3", "--json", str(js),
            "--max-time", "170"]
     mark = {"TEST_BENCH_WORKER_COST_RUN": str(tmp_path)}
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **mark, "PYTHONPATH": str(ROOT)}, capture_output=True,
                        text=True, timeout=190)
     assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
     res = json.loads(js.read_text())
-    assert res["topology"] == "cluster of 3, 3 shards" and res["jobs"] == 600 and res["rate"] > 0
+    assert res["topology"] == "cluster of 3, 3 shards" and res["jobs"] == 4000 and res["rate"] > 0
     assert res["main_cpu_us_per_job"] > 0 and res["children_cpu_us_per_job"] > 0 and res["redis_cpu_us_per_job"] > 0
     assert res["jobs_per_script_call"] > 1 and 0 < res["reads_per_job"] < 1
-    assert "cluster of 3, 3 shards: 600 no-op jobs, one worker -c 2:" in r.stdout
+    assert "cluster of 3, 3 shards: 4,000 no-op jobs, one worker -c 2:" in r.stdout
     assert not started_by(mark)
