@@ -186,7 +186,7 @@ def test_the_stream_counts_its_records_as_entries_and_extra(app, tmp_path):
     assert history.backlog(app, ["default"]) == {"default": 230} == {"default": records_in(app)}
     assert Archiver(app, str(tmp_path), batch=600).archive() == 230
     assert app.redis.xlen(key) == 0 and not app.redis.exists(key + ":extra")
-    for bad, why in ([["x", 0], "stream id"], [["1-0", -1], "whole number"]):
+    for bad, why in ([["x", 0], "stream id"], [["1-0", -1], "whole number"], [["1-0", 0, "yes"], "forget"]):
         with pytest.raises(redis.ResponseError, match=why):
             scripts.TRIM(app.redis, [app.keys.q("default")], bad)
 
@@ -212,6 +212,29 @@ def test_the_dispatcher_keeps_a_stream_within_its_cap_in_records(app, monkeypatc
     d.archive_history(["default"])
     assert records_in(app) == 800
     assert d.history_backlog == {}  # not archived: nothing to warn of (history stays in Redis, capped)
+
+
+def test_the_cap_trims_through_a_dead_archivers_batch_and_forgets_it(app, tmp_path, monkeypatch):
+    """An archiver that died after writing its batch leaves the range recorded; while no one
+    archives it (a failing archive, history_interval 0), the stream must still be capped: the
+    cap trims that range whole and forgets it, so the next archiver writes ranges after it —
+    nothing twice in the archive, nothing over the cap in Redis."""
+    monkeypatch.setattr(history, "CAP", 1000)
+    monkeypatch.setattr("taskrunner.ops.dispatcher.CAP", 1000)
+    first = fill(app, 1200)  # entries of 500, 500, 200
+    with pytest.raises(KeyboardInterrupt):
+        DiesBeforeTrim(app, str(tmp_path), batch=500).archive()  # wrote the first entry's 500, trimmed nothing
+    key = app.keys.q("default") + "history"
+    assert app.redis.exists(key + ":batch")
+    later = fill(app, 1000)
+    for _ in range(2):  # a pass, and one more: the cap holds, the dead batch is gone
+        Dispatcher(app).cap_history(["default"], archived=False)
+        assert history.backlog(app, ["default"]) == {"default": 1000} == {"default": records_in(app)}
+    assert not app.redis.exists(key + ":batch")
+    Archiver(app, str(tmp_path), batch=700).archive()
+    rows = archived(tmp_path)
+    assert len(rows) == 1500 and len({r["stream_id"] for r in rows}) == len({r["id"] for r in rows}) == 1500
+    assert later <= {r["id"] for r in rows} and len(first & {r["id"] for r in rows}) == 500
 
 
 def test_a_failing_archive_trims_nothing_below_the_cap(app, tmp_path, monkeypatch):

@@ -100,7 +100,7 @@ def test_a_step_that_goes_on_after_a_failure_may_name_a_parent_that_failed_alrea
 
     def enqueue(job_id: str, parents: list[str], takes: str, opf: str | None) -> int:
         fields = ["task", "tests.apps.echo", "args", "[]", "kwargs", "{}", "parents",
-                  " ".join(f"default {p}" for p in parents), "takes", takes]
+                  " ".join(f"default {p}" for p in parents), *(["takes", takes] if takes else [])]
         return app._enqueue_batch("default", [(job_id, 0, fields + (["on_parent_failure", opf] if opf else []))],
                                   ())[0]
 
@@ -111,6 +111,9 @@ def test_a_step_that_goes_on_after_a_failure_may_name_a_parent_that_failed_alrea
     assert (got["id"], got["state"], got["error_type"], got["error"]) == (bad.id, "failed", "ValueError", "early")
     with pytest.raises(ValueError, match="ended failed: the job would never run"):
         enqueue("cb-cancel", [good.id, bad.id], "results", None)
+    # `only` with a parent that completed is canceled, whichever order the parents are named in
+    for name, parents in (("only-gb", [good.id, bad.id]), ("only-bg", [bad.id, good.id])):
+        assert enqueue(name, parents, "", "only") == 1 and app.job(name).refresh().state == "canceled", name
 
 
 def test_a_failed_step_cancels_the_steps_after_it_and_wait_names_it(app, stack):

@@ -218,20 +218,23 @@ def backlog(app: TaskRunner, queues: list[str] | None = None) -> dict[str, int]:
     return {q: got[2 * i] + int(got[2 * i + 1] or 0) for i, q in enumerate(queues)}
 
 
-def trim(app: TaskRunner, queue: str, entries: list[tuple[str, dict[str, str]]]) -> int:
+def trim(app: TaskRunner, queue: str, entries: list[tuple[str, dict[str, str]]], forget: bool = False) -> int:
     """Remove `entries` (read from the head of `queue`'s stream, in order) and what they count
-    in `history:extra` (trim.lua), for a caller holding `history:lock`; the entries removed."""
+    in `history:extra` (trim.lua), for a caller holding `history:lock`, and with `forget` the
+    recorded `history:batch` too; the entries removed."""
     extra = sum(count(f) - 1 for _, f in entries)
-    return scripts.TRIM(app.redis, [app.keys.q(queue)], [_next_id(entries[-1][0]), extra])
+    return scripts.TRIM(app.redis, [app.keys.q(queue)], [_next_id(entries[-1][0]), extra, int(forget)])
 
 
 def cap(app: TaskRunner, held: dict[str, int], token: str) -> dict[str, int]:
     """Keep each queue's history stream within CAP records (the dispatchers, at each pass,
     archiving or not; `held`: backlog() of the queues): from a stream holding more, the
     oldest entries that make the excess are read and trimmed (trim.lua), counted first
-    (tally.lua) while someone reads metrics.
-    Skipped for a queue whose `history:lock` an archiver holds or whose `history:batch` an
-    archiver began (it will trim them). Returns the records trimmed per queue trimmed."""
+    (tally.lua) while someone reads metrics, and trimmed (trim.lua) 1000 entries at a time.
+    Skipped for a queue whose `history:lock` an archiver holds. A `history:batch` recorded
+    while the lock is free is a dead archiver's: trimmed whole (a part left would be written
+    again as a range overlapping the file it may have written) and forgotten, in the call
+    that passes its end. Returns the records trimmed per queue trimmed."""
     out = {}
     for q, n in held.items():
         if n <= CAP:
@@ -240,25 +243,32 @@ def cap(app: TaskRunner, held: dict[str, int], token: str) -> dict[str, int]:
         if not r.set(p + "history:lock", token, nx=True, ex=300):
             continue
         try:
-            if r.exists(p + "history:batch"):
-                continue
             if r.exists(app.keys.g + "metrics:on"):
                 from taskrunner.ops.metrics import tally
 
                 while tally(app, q):
                     pass
-            taken: list = []
-            excess, start = n - CAP, "-"
-            while excess > 0 and (piece := r.xrange(p + "history", start, "+", count=min(1000, excess))):
+            mark = r.get(p + "history:batch")
+            through = _id(mark.split()[1]) if mark else None  # a dead archiver's range
+            excess, start, done = n - CAP, "-", 0
+            while piece := r.xrange(p + "history", start, "+", count=1000):
+                taken = []
                 for e in piece:
+                    if excess <= 0 and (through is None or _id(e[0]) > through):
+                        break
                     taken.append(e)
                     excess -= count(e[1])
-                    if excess <= 0:
-                        break
-                start = "(" + piece[-1][0]
-            if taken:
-                trim(app, q, taken)
-                out[q] = sum(count(f) for _, f in taken)
+                if not taken:
+                    break
+                forget = through is not None and _id(taken[-1][0]) >= through
+                trim(app, q, taken, forget)
+                done += sum(count(f) for _, f in taken)
+                through = None if forget else through
+                if len(taken) < len(piece):
+                    break
+                start = "(" + taken[-1][0]
+            if done:
+                out[q] = done
         finally:
             if r.get(p + "history:lock") == token:
                 r.delete(p + "history:lock")

@@ -680,6 +680,14 @@ for n = 1, n_jobs do
       -- its last parent, settled now as it ended, behind the jobs of this call before it.
       if #qs.fresh > 0 then push(jp, qs) end
       local e = step[1][#step[1]]
+      if step[4] == 'only' then  -- a parent that completed cancels it, whichever ended last (as joins would)
+        for _, x in ipairs(step[1]) do
+          if redis.call('HGET', prefixes[x[1]] .. 'job:' .. x[2], 'state') == 'completed' then
+            e = x
+            break
+          end
+        end
+      end
       local pjob = prefixes[e[1]] .. 'job:' .. e[2]
       local pf = redis.call('HMGET', pjob, 'task', 'state', 'error_type', 'error', 'canceled_by')
       redis.call('HSET', job, 'state', 'waiting', 'waiting_on', 1)
