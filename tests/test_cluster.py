@@ -342,6 +342,32 @@ def test_a_chain_over_three_slots_runs_each_step_once_in_order(capp, stack, clus
     assert [(j["queue"], j["state"]) for j in graph["jobs"]] == [(q, "completed") for q in (*queues, queues[0])]
 
 
+def test_a_chord_over_slots_writes_members_of_its_callbacks_queue_in_the_callbacks_call(capp, cluster, queues,
+                                                                                       monkeypatch):
+    """A chord over slots goes in calls by level (parents in other slots first); a member in
+    the callback's own queue is written in the callback's call, not a call before it, where
+    a worker could run it and see it fail before the callback existed (its enqueue was then
+    refused: "parent … ended failed", CI)."""
+    from taskrunner.client import steps
+
+    calls: list[tuple[str, list[str]]] = []
+    answer = steps._answer
+
+    def recorded(app, r):
+        if isinstance(r, steps.Enqueue):
+            calls.append((r.queue, [job_id for job_id, _, _ in r.jobs]))
+        return answer(app, r)
+
+    monkeypatch.setattr(steps, "_answer", recorded)
+    far, near = apps.add.s(1, 1).set(queue=queues[0]), apps.boom.s("no").set(queue=queues[2])
+    handle = chord([far, near], apps.echo.s().set(queue=queues[2]), on_member_failure="continue").delay()
+    parents = capp.redis.hget(capp.keys.q(queues[2]) + f"job:{handle.id}", "parents").split()
+    far_id, near_id = parents[1], parents[3]
+    # the workflow as asked for (one Enqueue of all three), then across()'s calls, level by level
+    assert calls == [(queues[0], [far_id, near_id, handle.id]), (queues[0], [far_id]),
+                     (queues[2], [near_id, handle.id])]
+
+
 def test_a_chord_over_slots_gives_its_callback_every_result_in_order(capp, stack, cluster, queues):
     """Members in two slots, the callback in a third: each member's finish carries its result
     into the callback's slot (joined hash), and the last assembles them in the members' order.

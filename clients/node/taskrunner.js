@@ -432,8 +432,11 @@ class TaskRunner {
   // children: a parent is written with cross_children naming its children of other queues
   // (each child with cross_slot 1), and an existing parent (dependsOn) learns of its child by
   // attach.lua first. One enqueue.lua call per level and queue, level by level: a job's level
-  // is one more than its parents' in other queues, as high as its parents' in its own. The
-  // drafts are in an order where parents come first. A refusal kills the jobs written before.
+  // is one more than its parents' in other queues, as high as its parents' in its own; then
+  // each parent goes as late as its children allow (a parent in its child's queue is written
+  // in the child's call: written a call before, it could fail before the child exists, which
+  // enqueue.lua then refuses). The drafts are in an order where parents come first. A
+  // refusal kills the jobs written before.
   async across(drafts) {
     const key = (q, id) => `${q} ${id}`;
     const mine = new Set(drafts.map((d) => key(d.queue, d.id)));
@@ -462,6 +465,19 @@ class TaskRunner {
       }
       level.set(key(d.queue, d.id), lv);
       if (far) d.fields.push('cross_slot', '1');
+    }
+    const children = new Map(); // parent -> its children among the drafts, [queue, id]
+    for (const d of drafts) {
+      const f = {};
+      for (let i = 0; i < d.fields.length; i += 2) f[d.fields[i]] = d.fields[i + 1];
+      const words = (f.parents || '').split(' ').filter(Boolean);
+      for (let i = 0; i < words.length; i += 2) {
+        if (level.has(key(words[i], words[i + 1]))) push(children, key(words[i], words[i + 1]), [d.queue, d.id]);
+      }
+    }
+    for (const d of [...drafts].reverse()) {
+      const mine = children.get(key(d.queue, d.id));
+      if (mine) level.set(key(d.queue, d.id), Math.min(...mine.map(([q, id]) => level.get(key(q, id)) - (q !== d.queue))));
     }
     for (const d of drafts) {
       if (cross.has(key(d.queue, d.id))) d.fields.push('cross_children', cross.get(key(d.queue, d.id)).join(' '));

@@ -347,12 +347,13 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
     with `cross_children` naming the child and the child with `cross_slot` 1, and an existing
     parent of another slot (depends_on) learns of its child by attach.lua first. The jobs go
     in levels, a level's jobs of one queue in one enqueue.lua call: a job's level is one more
-    than that of its parents in other queues and as high as that of those in its own, so a
-    chain over 3 queues is 3 calls. The jobs are in an order where each one's parents among
-    them come before it (a chain's, a chord's, a job's and its callbacks'). A refusal
-    (QueueClosed, QueueFull) stops there, and the jobs written before it are killed. An
-    operation (steps.py): the synchronous and asyncio drivers run it for an Enqueue request
-    whose jobs span queues on a cluster."""
+    than that of its parents in other queues and as high as that of those in its own, then
+    as late as its children allow (_as_late_as_may_be), so a chain over 3 queues is 3
+    calls. The jobs are in an order where each one's parents among them come before it (a
+    chain's, a chord's, a job's and its callbacks'). A refusal (QueueClosed, QueueFull)
+    stops there, and the jobs written before it are killed. An operation (steps.py): the
+    synchronous and asyncio drivers run it for an Enqueue request whose jobs span queues on
+    a cluster."""
     drafts = []
     for job_id, delay, fields in jobs:
         named = dict(zip(fields[0::2], fields[1::2]))
@@ -378,6 +379,7 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
         level[(d.queue, d.id)] = lv
         if far:
             d.fields += ["cross_slot", "1"]
+    _as_late_as_may_be(drafts, level)
     for d in drafts:
         if (d.queue, d.id) in cross:
             d.fields += ["cross_children", " ".join(cross[(d.queue, d.id)])]
@@ -403,6 +405,25 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
     if news:
         yield from steps.carry(app, news)
     return [answers[(d.queue, d.id)] for d in drafts]
+
+
+def _as_late_as_may_be(drafts: list[steps.Draft], level: dict[tuple[str, str], int]) -> None:
+    """Move each job to the latest level its children allow (as late as its own queue's
+    children, one before its children's in other queues; a job without children among
+    these keeps its level): a parent in its child's queue is then written in the child's
+    call, not a call before it, where a worker could run it and see it fail before the child
+    exists (enqueue.lua refuses a child whose parent failed, unless it goes on after a
+    failure). `drafts` are in an order where parents come first."""
+    children: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for d in drafts:
+        words = str(dict(zip(d.fields[0::2], d.fields[1::2])).get("parents", "")).split()
+        for q, pid in zip(words[0::2], words[1::2]):
+            if (q, pid) in level:
+                children.setdefault((q, pid), []).append((d.queue, d.id))
+    for d in reversed(drafts):
+        me = (d.queue, d.id)
+        if me in children:
+            level[me] = min(level[c] - (c[0] != d.queue) for c in children[me])
 
 
 def chain(*parts: Signature | Chain) -> Chain:
