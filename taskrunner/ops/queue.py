@@ -175,8 +175,9 @@ def placement(app: TaskRunner, name: str, n: int) -> Placement | None:
     owners = primaries_of(app, sharding.names(name, sharding.MAX))
     if owners is None:
         return None
-    serving = {nodes[0] for nodes in app.redis.nodes_manager.slots_cache.values() if nodes}
-    primaries = [node.name for node in sorted(serving, key=lambda node: (node.host, node.port))]
+    # by name: redis-py before 5.1 cannot hash a ClusterNode
+    serving = {nodes[0].name: nodes[0] for nodes in app.redis.nodes_manager.slots_cache.values() if nodes}
+    primaries = [node.name for node in sorted(serving.values(), key=lambda node: (node.host, node.port))]
     return Placement(n, primaries, sharding.per_primary(owners[:n], primaries),
                      sharding.even_counts(owners, primaries, EVEN_SHOWN))
 
