@@ -99,8 +99,10 @@ def start_up(cwd, *args: str, env: dict[str, str] | None = None) -> subprocess.P
                          start_new_session=True)
     up = psutil.Process(p.pid)
     try:
-        wait_for(lambda: len(up.children()) == 4, what="Redis, dispatcher, worker and dashboard")
-        wait_for(lambda: "queues default" in p.stdout.readline(), what="the worker to start")
+        # Generous: `up` starts them one after another, each importing the app (a loaded CI
+        # machine, 4 test processes on 2 cores, once took over 30 s).
+        wait_for(lambda: len(up.children()) == 4, 90, what="Redis, dispatcher, worker and dashboard")
+        wait_for(lambda: "queues default" in p.stdout.readline(), 90, what="the worker to start")
         # Both dashboard processes serve (a Ctrl-C while gunicorn imports is a traceback of its own).
         wait_for(lambda: len(psutil.Process(_dashboard(up).pid).children()) == 2 and _serves(port),
                  what="the dashboard")
