@@ -337,7 +337,7 @@ def test_a_chain_over_three_slots_runs_each_step_once_in_order(capp, stack, clus
     step3 = on_node(cluster, capp, q, parent)
     assert q == queues[2] and step3["cross_children"] == f"{queues[0]} {handle.id} result"
     assert step3["children"] == f"{queues[0]} {handle.id}"
-    assert outboxes(capp, queues) == 0  # the worker carried every entry
+    wait_for(lambda: outboxes(capp, queues) == 0, what="the carrier to delete every entry it applied")
     graph = json.loads(stack.cli("workflow", handle.id, "--json", check=True).stdout)
     assert [(j["queue"], j["state"]) for j in graph["jobs"]] == [(q, "completed") for q in (*queues, queues[0])]
 
@@ -384,7 +384,7 @@ def test_a_chord_over_slots_gives_its_callback_every_result_in_order(capp, stack
     mixed[2] = apps.boom.s("no").set(queue=queues[2])
     handle = chord(mixed, apps.echo.s().set(queue=queues[2]), on_member_failure="continue").delay()
     assert handle.wait(30) == [1, 2, None, 4]
-    assert outboxes(capp, queues) == 0
+    wait_for(lambda: outboxes(capp, queues) == 0, what="the carrier to delete every entry it applied")
 
 
 def test_callbacks_in_other_slots(capp, stack, cluster, queues):
@@ -416,7 +416,7 @@ def test_a_failed_step_cancels_the_rest_of_a_chain_over_slots(capp, stack, clust
     first = on_node(cluster, capp, queues[1], last["parents"].split()[1])["parents"].split()[1]
     assert (last["state"], last["canceled_by"]) == ("canceled", f"{queues[0]} {first}")
     assert f"step {first} (task tests.apps.boom) failed" in str(e.value)
-    assert outboxes(capp, queues) == 0
+    wait_for(lambda: outboxes(capp, queues) == 0, what="the carrier to delete every entry it applied")
 
 
 def test_depends_on_jobs_of_another_slot(capp, stack, cluster, queues):
@@ -443,7 +443,7 @@ def test_depends_on_jobs_of_another_slot(capp, stack, cluster, queues):
     with pytest.raises(ValueError, match="ended failed: the job would never run"):
         apps.record.apply_async(["never"], queue=queues[2], depends_on=[failed])
     assert {q: cluster.owner(f"{{{q}}}").client().dbsize() for q in queues} == before
-    assert outboxes(capp, queues) == 0
+    wait_for(lambda: outboxes(capp, queues) == 0, what="the carrier to delete every entry it applied")
 
 
 def test_an_entry_no_carrier_took_is_carried_by_the_dispatcher_once(capp, stack, cluster, queues):
@@ -505,7 +505,7 @@ def test_a_child_written_after_its_parent_ended_takes_what_join_kept(capp, clust
         "cross_slot", "1"]) == [1]
     child = on_node(cluster, capp, queues[1], child_id)
     assert (child["state"], child["args"], child["waiting_on"]) == ("pending", "[7]", "0")
-    assert outboxes(capp, queues) == 0
+    wait_for(lambda: outboxes(capp, queues) == 0, what="the carrier to delete every entry it applied")
 
 
 def test_news_of_a_parent_the_child_does_not_list_is_not_counted(capp, cluster, queues):
@@ -528,7 +528,7 @@ def test_news_of_a_parent_the_child_does_not_list_is_not_counted(capp, cluster, 
     assert steps.run(capp, steps.carry(capp, [entry])) == 0
     x = on_node(cluster, capp, queues[1], "x")
     assert (x["state"], x["waiting_on"]) == ("waiting", "1")
-    assert outboxes(capp, queues) == 0
+    wait_for(lambda: outboxes(capp, queues) == 0, what="the carrier to delete every entry it applied")
 
 
 def test_a_workflow_a_later_slot_refuses_is_killed_where_it_was_written(capp, cluster, queues):
