@@ -442,6 +442,7 @@ class TaskRunner {
     const mine = new Set(drafts.map((d) => key(d.queue, d.id)));
     const level = new Map();
     const cross = new Map(); // parent -> its children in other queues, "<queue> <id> <takes>"
+    const children = new Map(); // parent -> its children among the drafts, [queue, id]
     const attach = new Map(); // [parent queue, child queue, child id, takes] as JSON -> parent ids
     for (const d of drafts) {
       const f = {};
@@ -451,6 +452,7 @@ class TaskRunner {
       let far = false;
       for (let i = 0; i < words.length; i += 2) {
         const [q, pid] = [words[i], words[i + 1]];
+        if (mine.has(key(q, pid))) push(children, key(q, pid), [d.queue, d.id]);
         if (q === d.queue) {
           lv = Math.max(lv, level.get(key(q, pid)) || 0);
           continue;
@@ -466,18 +468,9 @@ class TaskRunner {
       level.set(key(d.queue, d.id), lv);
       if (far) d.fields.push('cross_slot', '1');
     }
-    const children = new Map(); // parent -> its children among the drafts, [queue, id]
-    for (const d of drafts) {
-      const f = {};
-      for (let i = 0; i < d.fields.length; i += 2) f[d.fields[i]] = d.fields[i + 1];
-      const words = (f.parents || '').split(' ').filter(Boolean);
-      for (let i = 0; i < words.length; i += 2) {
-        if (level.has(key(words[i], words[i + 1]))) push(children, key(words[i], words[i + 1]), [d.queue, d.id]);
-      }
-    }
     for (const d of [...drafts].reverse()) {
-      const mine = children.get(key(d.queue, d.id));
-      if (mine) level.set(key(d.queue, d.id), Math.min(...mine.map(([q, id]) => level.get(key(q, id)) - (q !== d.queue))));
+      const kids = children.get(key(d.queue, d.id));
+      if (kids) level.set(key(d.queue, d.id), Math.min(...kids.map(([q, id]) => level.get(key(q, id)) - (q !== d.queue))));
     }
     for (const d of drafts) {
       if (cross.has(key(d.queue, d.id))) d.fields.push('cross_children', cross.get(key(d.queue, d.id)).join(' '));

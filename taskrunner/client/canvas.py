@@ -362,11 +362,14 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
     level: dict[tuple[str, str], int] = {}
     cross: dict[tuple[str, str], list[str]] = {}  # parent -> its children in other queues, "<queue> <id> <takes>"
     attach: dict[tuple[str, str, str, str], list[str]] = {}  # (parent queue, child queue, id, takes) -> parents
+    children: dict[tuple[str, str], list[tuple[str, str]]] = {}  # parent -> its children among these
     for d in drafts:
         named = dict(zip(d.fields[0::2], d.fields[1::2]))
         words = str(named.get("parents", "")).split()
         lv, far = 0, False
         for q, pid in zip(words[0::2], words[1::2]):
+            if (q, pid) in mine:
+                children.setdefault((q, pid), []).append((d.queue, d.id))
             if q == d.queue:
                 lv = max(lv, level.get((q, pid), 0))
                 continue
@@ -379,7 +382,7 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
         level[(d.queue, d.id)] = lv
         if far:
             d.fields += ["cross_slot", "1"]
-    _as_late_as_may_be(drafts, level)
+    _as_late_as_may_be(drafts, level, children)
     for d in drafts:
         if (d.queue, d.id) in cross:
             d.fields += ["cross_children", " ".join(cross[(d.queue, d.id)])]
@@ -407,19 +410,15 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
     return [answers[(d.queue, d.id)] for d in drafts]
 
 
-def _as_late_as_may_be(drafts: list[steps.Draft], level: dict[tuple[str, str], int]) -> None:
+def _as_late_as_may_be(drafts: list[steps.Draft], level: dict[tuple[str, str], int],
+                       children: dict[tuple[str, str], list[tuple[str, str]]]) -> None:
     """Move each job to the latest level its children allow (as late as its own queue's
     children, one before its children's in other queues; a job without children among
     these keeps its level): a parent in its child's queue is then written in the child's
     call, not a call before it, where a worker could run it and see it fail before the child
     exists (enqueue.lua refuses a child whose parent failed, unless it goes on after a
-    failure). `drafts` are in an order where parents come first."""
-    children: dict[tuple[str, str], list[tuple[str, str]]] = {}
-    for d in drafts:
-        words = str(dict(zip(d.fields[0::2], d.fields[1::2])).get("parents", "")).split()
-        for q, pid in zip(words[0::2], words[1::2]):
-            if (q, pid) in level:
-                children.setdefault((q, pid), []).append((d.queue, d.id))
+    failure). `drafts` are in an order where parents come first; `children`: each one's
+    children among them."""
     for d in reversed(drafts):
         me = (d.queue, d.id)
         if me in children:

@@ -238,12 +238,11 @@ class Dispatcher:
         """Keep each queue's history stream within CAP records (history.cap()); the records
         each holds then. Records dropped that should have been archived are an error."""
         held = backlog(self.app, queues)
-        if any(n > CAP for n in held.values()):
-            for q, trimmed in cap(self.app, held, self.name).items():
-                held[q] -= trimmed
-                if archived:
-                    log.error("dispatcher: %d history records of queue %s dropped unarchived: its stream held "
-                              "more than %d", trimmed, q, CAP)
+        for q, trimmed in cap(self.app, held, self.name).items():
+            held[q] -= trimmed
+            if archived:
+                log.error("dispatcher: %d history records of queue %s dropped unarchived: its stream held "
+                          "more than %d", trimmed, q, CAP)
         return held
 
     def compact_history(self, now: float) -> threading.Thread | None:

@@ -15,7 +15,8 @@ import os
 import re
 import secrets
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -226,11 +227,33 @@ def trim(app: TaskRunner, queue: str, entries: list[tuple[str, dict[str, str]]],
     return scripts.TRIM(app.redis, [app.keys.q(queue)], [_next_id(entries[-1][0]), extra, int(forget)])
 
 
+@contextmanager
+def _holding(app: TaskRunner, queue: str, token: str) -> Iterator[bool]:
+    """`queue`'s `history:lock` for the block (True), or False where another holds it; let go
+    at the end if still ours (it expires after 300 s, for a holder that died)."""
+    r, lock = app.redis, app.keys.q(queue) + "history:lock"
+    got = bool(r.set(lock, token, nx=True, ex=300))
+    try:
+        yield got
+    finally:
+        if got and r.get(lock) == token:
+            r.delete(lock)
+
+
+def _count_first(app: TaskRunner, queue: str) -> None:
+    """While someone reads metrics, count the stream (tally.lua) before it is trimmed."""
+    if app.redis.exists(app.keys.g + "metrics:on"):
+        from taskrunner.ops.metrics import tally
+
+        while tally(app, queue):
+            pass
+
+
 def cap(app: TaskRunner, held: dict[str, int], token: str) -> dict[str, int]:
     """Keep each queue's history stream within CAP records (the dispatchers, at each pass,
     archiving or not; `held`: backlog() of the queues): from a stream holding more, the
-    oldest entries that make the excess are read and trimmed (trim.lua), counted first
-    (tally.lua) while someone reads metrics, and trimmed (trim.lua) 1000 entries at a time.
+    oldest entries that make the excess are read, counted first (tally.lua) while someone
+    reads metrics, and trimmed (trim.lua) 1000 entries at a time.
     Skipped for a queue whose `history:lock` an archiver holds. A `history:batch` recorded
     while the lock is free is a dead archiver's: trimmed whole (a part left would be written
     again as a range overlapping the file it may have written) and forgotten, in the call
@@ -240,14 +263,10 @@ def cap(app: TaskRunner, held: dict[str, int], token: str) -> dict[str, int]:
         if n <= CAP:
             continue
         r, p = app.redis, app.keys.q(q)
-        if not r.set(p + "history:lock", token, nx=True, ex=300):
-            continue
-        try:
-            if r.exists(app.keys.g + "metrics:on"):
-                from taskrunner.ops.metrics import tally
-
-                while tally(app, q):
-                    pass
+        with _holding(app, q, token) as mine:
+            if not mine:
+                continue
+            _count_first(app, q)
             mark = r.get(p + "history:batch")
             through = _id(mark.split()[1]) if mark else None  # a dead archiver's range
             excess, start, done = n - CAP, "-", 0
@@ -269,9 +288,6 @@ def cap(app: TaskRunner, held: dict[str, int], token: str) -> dict[str, int]:
                 start = "(" + taken[-1][0]
             if done:
                 out[q] = done
-        finally:
-            if r.get(p + "history:lock") == token:
-                r.delete(p + "history:lock")
     return out
 
 
@@ -302,10 +318,10 @@ class Archiver:
         """One batch of one queue; returns how many records it archived (0: none, or another
         archiver holds this queue's lock)."""
         r, p = self.app.redis, self.app.keys.q(queue)
-        lock, mark, stream = p + "history:lock", p + "history:batch", p + "history"
-        if not r.set(lock, self.token, nx=True, ex=300):
-            return 0
-        try:
+        mark, stream = p + "history:batch", p + "history"
+        with _holding(self.app, queue, self.token) as mine:
+            if not mine:
+                return 0
             recorded = r.get(mark)
             # A batch that an archiver began: write exactly it again. None left of it: that
             # archiver died after its trim, before forgetting the batch; go on with the next.
@@ -319,20 +335,13 @@ class Archiver:
                 first, last = entries[0][0], entries[-1][0]
                 r.set(mark, f"{first} {last}")
             self._write(queue, first, last, entries)
-            if r.exists(self.app.keys.g + "metrics:on"):  # someone reads the job counts: count before trimming
-                from taskrunner.ops.metrics import tally
-
-                while tally(self.app, queue):
-                    pass
+            _count_first(self.app, queue)
             # Trim (with what the entries count in history:extra: trim.lua), then forget the
             # batch, in this order and without MULTI (redis-py before 6.1 has no transactions
             # on a cluster): a death between the two is the case above.
             trim(self.app, queue, entries)
             r.delete(mark)
             return sum(count(f) for _, f in entries)
-        finally:
-            if r.get(lock) == self.token:
-                r.delete(lock)
 
     def _take(self, stream: str) -> list:
         """The stream's oldest entries up to the first that makes `batch` records (an entry
