@@ -715,9 +715,13 @@ def source_digest() -> str:
 
 
 def versions(systems: list[str]) -> dict[str, str]:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    out = {"python": platform.python_version(), "taskrunner": version("taskrunner") + f" ({git_revision()})",
+    try:
+        ours = version("taskrunner")
+    except PackageNotFoundError:  # run from a checkout on PYTHONPATH, not installed (a bare machine's run)
+        ours = "not installed"
+    out = {"python": platform.python_version(), "taskrunner": f"{ours} ({git_revision()})",
            "redis-py": version("redis")}
     peers = [s for s in systems if s in PEER_MODULES]
     if peers:

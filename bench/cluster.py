@@ -3,6 +3,7 @@ the same queue, unsharded, on one server, in one run (issue 18, goal 3).
 
     python -m bench.cluster                                 # 3 primaries, 12 shards, 8 workers -c 2
     python -m bench.cluster --jobs 50000 --workers 4 --repeat 1 --json /tmp/cluster.json
+    python -m bench.cluster --jobs 100000 --workers 5 --concurrency 3 --shards 3 --primaries 1   # a control
 
 For each topology (`one`: one redis-server; `cluster`: --primaries primaries, the queue made
 with `--shards`), and each repeat: --jobs no-op jobs are enqueued (enqueue_many), then
@@ -11,13 +12,17 @@ them; each job appends a byte to a file (bench/record.py). Reported per topology
 the last 80% of the jobs (the clock starts once 20% are done: every worker has started),
 Redis CPU per job (used_cpu_sys + used_cpu_user, summed over the nodes; the kernel's share
 of it, where a node's network system calls count) and the busiest node's share of it, jobs per
-script call, Redis reads per job (its system calls reading its clients' sockets: a round trip
+script call, the same Redis figures over the measured window alone (`measured`: the Redis
+CPU per job and the busiest node's cores while the rate was taken: near 1.0, Redis bound
+the run), Redis reads per job (its system calls reading its clients' sockets: a round trip
 or a pipelined batch is one), BRPOPs, the workers' CPU per job (their processes and children, start and stop
 included: with the busiest node's cores, what tells whether Redis, the machine's cores or
 neither bound a run), and the ratio cluster / one. Every server runs on TCP on loopback,
 without persistence. A job's placement over shards is round robin per producer: the shards
 get even loads. Needs as many cores as workers + nodes to show what a cluster adds: on a 2-core machine
-both topologies are bound by the cores, not by Redis.
+both topologies are bound by the cores, not by Redis. `--primaries 1` is a control: the
+queue's shards all on one cluster node, which costs what one server does when cluster mode and
+sharding add no work per job.
 
 Every process started here runs in its own session and is stopped at the end; every wait has a
 deadline, and the whole run stops after --max-time seconds."""
@@ -93,12 +98,14 @@ def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int
     procs = Procs()
     logfile = work / f"{tag}-workers.log"
     mark: tuple[float, int] | None = None
+    at_mark = before
 
     def finished() -> bool:
-        nonlocal mark
+        nonlocal mark, at_mark
         done = done_file.stat().st_size if done_file.exists() else 0
         if mark is None and a.jobs * WARM <= done < a.jobs:
             mark = (time.monotonic(), done)
+            at_mark = counts(nodes)
         return done >= a.jobs
 
     t0 = time.monotonic()
@@ -117,19 +124,24 @@ def drain(a: argparse.Namespace, url: str, nodes: list[redis.Redis], shards: int
         mark = (t0, 0)
     nodes_spent = spent(after, before)
     used = [x["sys"] + x["user"] for x in nodes_spent]
+    measured = [x["sys"] + x["user"] for x in spent(after, at_mark)]  # the window the rate is of
     total = {k: sum(x[k] for x in nodes_spent) for k in nodes_spent[0]}
     res = {"topology": tag, "jobs": a.jobs, "rate": (a.jobs - mark[1]) / max(t1 - mark[0], 1e-9),
            "redis_cpu_us_per_job": sum(used) / a.jobs * 1e6,
            "redis_sys_share": total["sys"] / sum(used) if sum(used) else 0.0,
            "busiest_node_share": max(used) / sum(used) if sum(used) else 0.0,
            "busiest_node_cpu_per_s": max(used) / max(t1 - t0, 1e-9),
+           "measured_redis_cpu_us_per_job": sum(measured) / max(a.jobs - mark[1], 1) * 1e6,
+           "measured_busiest_node_cores": max(measured) / max(t1 - mark[0], 1e-9),
            "redis_reads_per_job": total["reads"] / a.jobs, "redis_writes_per_job": total["writes"] / a.jobs,
            "jobs_per_script_call": a.jobs / max(total["calls"], 1), "brpops": int(total["brpop"]),
            "workers_cpu_us_per_job": workers_cpu / a.jobs * 1e6,
            "seconds_incl_start": t1 - t0, "fill_seconds": fill, "nodes": nodes_spent}
     log(f"  {tag:8} {res['rate']:9,.0f} jobs/s  Redis {res['redis_cpu_us_per_job']:5.1f} us/job "
         f"({res['redis_sys_share']:.0%} in the kernel)  busiest node {res['busiest_node_share']:.0%} of it, "
-        f"{res['busiest_node_cpu_per_s']:.2f} cores  workers {res['workers_cpu_us_per_job']:5.1f} us/job  "
+        f"{res['busiest_node_cpu_per_s']:.2f} cores (measured: {res['measured_redis_cpu_us_per_job']:.1f} us/job, "
+        f"busiest {res['measured_busiest_node_cores']:.2f} cores)  "
+        f"workers {res['workers_cpu_us_per_job']:5.1f} us/job  "
         f"{res['jobs_per_script_call']:.1f} jobs/script call  {res['redis_reads_per_job']:.3f} reads/job  "
         f"{res['brpops']} BRPOPs  (fill {fill:.1f} s)")
     return res
@@ -178,16 +190,19 @@ def main(argv: list[str] | None = None) -> int:
             for n in one_nodes + cluster_nodes:
                 n.close()
     rate = {t: statistics.median(r["rate"] for r in runs if r["topology"] == t) for t in ("one", "cluster")}
-    cpu_job, workers_job, reads, per_call = (
+    cpu_job, workers_job, reads, per_call, measured, busiest = (
         {t: statistics.median(r[k] for r in runs if r["topology"] == t) for t in ("one", "cluster")}
-        for k in ("redis_cpu_us_per_job", "workers_cpu_us_per_job", "redis_reads_per_job", "jobs_per_script_call"))
+        for k in ("redis_cpu_us_per_job", "workers_cpu_us_per_job", "redis_reads_per_job", "jobs_per_script_call",
+                  "measured_redis_cpu_us_per_job", "measured_busiest_node_cores"))
     print(f"one hot queue, {a.jobs:,} no-op jobs, {a.workers} workers -c {a.concurrency}, {os.cpu_count()} cores, "
           f"medians of {a.repeat}")
     print(f"  one server:                {rate['one']:9,.0f} jobs/s  Redis {cpu_job['one']:.1f} us/job  "
-          f"workers {workers_job['one']:.1f} us/job  {per_call['one']:.1f} jobs/script call  "
+          f"(measured: {measured['one']:.1f}, {busiest['one']:.2f} cores)  workers {workers_job['one']:.1f} us/job  "
+          f"{per_call['one']:.1f} jobs/script call  "
           f"{reads['one']:.3f} reads/job")
     print(f"  cluster of {a.primaries}, {a.shards} shards: {rate['cluster']:9,.0f} jobs/s  "
-          f"Redis {cpu_job['cluster']:.1f} us/job (all nodes)  workers {workers_job['cluster']:.1f} us/job  "
+          f"Redis {cpu_job['cluster']:.1f} us/job (all nodes; measured: {measured['cluster']:.1f}, busiest node "
+          f"{busiest['cluster']:.2f} cores)  workers {workers_job['cluster']:.1f} us/job  "
           f"{per_call['cluster']:.1f} jobs/script call  {reads['cluster']:.3f} reads/job")
     print(f"  cluster / one server: {rate['cluster'] / rate['one']:.2f}x jobs/s")
     if a.json:

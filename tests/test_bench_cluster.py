@@ -26,6 +26,8 @@ def test_cluster_bench_runs_and_reports(tmp_path):
     assert [x["topology"] for x in runs] == ["one", "cluster"]
     for x in runs:
         assert x["jobs"] == 400 and x["rate"] > 0 and x["redis_cpu_us_per_job"] > 0 and x["workers_cpu_us_per_job"] > 0
+        # the measured window's own figures (the whole drain's when it ended between two looks)
+        assert x["measured_redis_cpu_us_per_job"] > 0 and x["measured_busiest_node_cores"] > 0
         # every job was claimed and finished by a script call, in round trips that each carried
         # several (a sync), on every node a job was placed on
         assert 1 < x["jobs_per_script_call"] <= 400 and 0 < x["redis_reads_per_job"] < 1

@@ -55,3 +55,23 @@ def test_bad_arguments_get_one_clear_line(args, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(args)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_run_from_a_checkout_not_installed_says_so_in_its_versions(monkeypatch):
+    """A bare machine (the 16-core one) runs the bench from the checkout on PYTHONPATH, with
+    no taskrunner distribution installed: the results' versions say so, rather than the run
+    ending in PackageNotFoundError before its first measurement."""
+    import importlib.metadata
+
+    from bench.bench import versions
+
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "taskrunner":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    got = versions(["taskrunner"])
+    assert got["taskrunner"].startswith("not installed (git ") and got["redis-py"] == real("redis")
