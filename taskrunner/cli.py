@@ -1185,6 +1185,8 @@ def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -
     backlog = history_backlog(_app(app_spec, redis_url))
     if as_json:
         return _emit(backlog)
+    if not backlog:  # a blank output would read as a command that did nothing, or failed
+        click.echo("no queues: no job history to archive")
     for q, n in backlog.items():
         click.echo(f"{q:20} {n:>10} waiting")
 

@@ -3,6 +3,7 @@ once whatever dies when."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ from taskrunner.ops.dispatcher import Dispatcher
 from taskrunner.ops.history import Archiver, _next_id
 from taskrunner.protocol import scripts
 from tests import apps
-from tests.conftest import wait_for
+from tests.conftest import free_port, wait_for
 
 
 def stream(app, queue="default"):
@@ -77,6 +78,20 @@ def test_history_status_counts_the_records_of_batch_entries(app, stack):
     assert app.redis.xlen(app.keys.q("default") + "history") == 4
     assert history.backlog(app) == {"default": 1537}
     assert stack.cli("history", "status", check=True).stdout.split() == ["default", "1537", "waiting"]
+
+
+def test_history_status_says_so_when_there_is_nothing_to_show_or_no_redis(app, stack):
+    """No queue: one line, not a blank output (`--json`: an empty object); a queue whose
+    stream is empty: its row; Redis down: one line, exit 1."""
+    r = stack.cli("history", "status", check=True)
+    assert (r.stdout, r.stderr) == ("no queues: no job history to archive\n", "")
+    assert json.loads(stack.cli("history", "status", "--json", check=True).stdout) == {}
+    stack.cli("queue", "create", "quiet", check=True)
+    assert stack.cli("history", "status", check=True).stdout.split() == ["quiet", "0", "waiting"]
+    for how in ([], ["--json"]):
+        r = stack.cli("history", "status", *how, "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
+        assert r.returncode == 1 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith("Error: cannot reach Redis at redis://127.0.0.1:"), r.stderr
 
 
 def test_archive_writes_each_record_once_partitioned_by_date(app, tmp_path):
