@@ -763,9 +763,10 @@ def queue() -> None:
 
 @queue.command("create")
 @click.argument("name")
-@click.option("--bound", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Most pending jobs; producers then wait for room (0: no bound).")
-@click.option("--exclusive", is_flag=True, help="At most one job of the queue runs at a time, in order.")
+@click.option("--bound", type=click.IntRange(min=0), help="Most pending jobs; producers then wait for room (0: no "
+              "bound; not given: the queue's bound stays, none for a new queue).")
+@click.option("--exclusive/--no-exclusive", default=None, help="At most one job of the queue runs at a time, in "
+              "order (not given: as it is; a new queue is not exclusive).")
 @click.option("--rate", callback=lambda _c, _p, v: v and _rate(v, none=False),
               help='Most job starts, across all workers: "50/s", "N/m" or "N/h" (not given: the '
               "queue's limit, if any, stays; `queue rate` changes or removes it).")
@@ -774,31 +775,30 @@ def queue() -> None:
               "evenly over them. Changes only while the queue has no unfinished job (not given: as it is); "
               "fewer shards drop the removed shards' finished records (results, failures, history).")
 @common
-def queue_create(name: str, bound: int, exclusive: bool, rate: str | None, shards: int | None, app_spec: str | None,
-                 redis_url: str | None) -> None:
-    """Create queue NAME, or change its bound, exclusivity, rate limit and shards. On a
-    Redis Cluster, a sharded queue's shards per primary, and a warning when they fall
-    unevenly (CRC16 of each shard's name decides), naming the counts that would spread evenly."""
+def queue_create(name: str, bound: int | None, exclusive: bool | None, rate: str | None, shards: int | None,
+                 app_spec: str | None, redis_url: str | None) -> None:
+    """Create queue NAME, or change its bound, exclusivity, rate limit and shards: a
+    setting not given stays as it is. Prints the queue's settings after. On a Redis
+    Cluster, a sharded queue's shards per primary, and a warning when they fall unevenly
+    (CRC16 of each shard's name decides), naming the counts that would spread evenly."""
     from taskrunner.ops import queue as queues
 
     app = _app(app_spec, redis_url)
-    queues.create(app, name, bound, exclusive, rate, shards)
-    n = queues.info(app, name)["shards"]
-    click.echo(f"queue {name}: bound {bound or 'none'}{', exclusive' if exclusive else ''}"
-               f"{f', rate {rate}' if rate else ''}{f', {n} shards' if n > 1 else ''}")
+    now = queues.create(app, name, bound, exclusive, rate, shards)
+    n, limit = now["shards"], now["rate"]
+    click.echo(f"queue {name}: bound {now['bound'] or 'none'}{', exclusive' if now['exclusive'] else ''}"
+               f"{f', rate {limit}' if limit else ''}{f', {n} shards' if n > 1 else ''}")
     place = queues.placement(app, name, n) if n > 1 else None
     if place is not None:
         click.echo(f"shards per primary: {', '.join(map(str, place.per_primary))} ({', '.join(place.primaries)})")
         if place.uneven:
             counts = ", ".join(map(str, place.even))
-            # the settings this call gave again (queue create sets bound and exclusive each time); more
-            # shards rather than fewer, which drop the removed shards' finished records
+            # more shards rather than fewer, which drop the removed shards' finished records
             to = next((k for k in place.even if k >= n), place.even[0]) if place.even else 0
-            again = f"{f' --bound {bound}' if bound else ''}{' --exclusive' if exclusive else ''}"
             drop = ("; fewer shards drop the removed shards' finished records and unarchived history"
                     if to < n else "")
             fix = (f"{counts} shards would spread this name evenly (taskrunner queue create {name} --shards "
-                   f"{to}{again}, while it has no unfinished job{drop})" if place.even else
+                   f"{to}, while it has no unfinished job{drop})" if place.even else
                    f"no shard count up to {sharding.MAX} spreads this name evenly")
             click.echo(f"warning: the {n} shards of queue {name} fall unevenly on the {len(place.primaries)} "
                        f"primaries: {fix}", err=True)

@@ -842,9 +842,9 @@ def test_queue_create_warns_of_shards_that_fall_unevenly_and_names_counts_that_s
     r = stack.cli("queue", "create", name, "--shards", "3", "--bound", "99", check=True)
     fell = layouts[name][3]
     assert r.stdout.splitlines() == [f"queue {name}: bound 99, 3 shards", per_primary_line(cluster, fell)]
-    assert r.stderr.splitlines() == [  # the command it names keeps the bound (queue create sets it each time)
+    assert r.stderr.splitlines() == [  # the command it names need not repeat the bound: queue create keeps it
         f"warning: the 3 shards of queue {name} fall unevenly on the 3 primaries: {', '.join(map(str, suggested))} "
-        f"shards would spread this name evenly (taskrunner queue create {name} --shards {suggested[0]} --bound 99, "
+        f"shards would spread this name evenly (taskrunner queue create {name} --shards {suggested[0]}, "
         "while it has no unfinished job)"]
     info = json.loads(stack.cli("queue", "info", name, "--json", check=True).stdout)["placement"]
     ports = sorted(node.port for node in cluster.primaries)
@@ -852,8 +852,9 @@ def test_queue_create_warns_of_shards_that_fall_unevenly_and_names_counts_that_s
                     "uneven": True, "even_shard_counts": suggested}
     assert '"uneven": true' in stack.cli("queue", "info", name, check=True).stdout  # JSON, not Python's repr
 
-    r = stack.cli("queue", "create", name, "--shards", str(suggested[0]), "--bound", "99", check=True)
-    assert r.stdout.splitlines()[1] == per_primary_line(cluster, layouts[name][suggested[0]]) and r.stderr == ""
+    r = stack.cli("queue", "create", name, "--shards", str(suggested[0]), check=True)  # as the warning said
+    assert r.stdout.splitlines() == [f"queue {name}: bound 99, {suggested[0]} shards",
+                                     per_primary_line(cluster, layouts[name][suggested[0]])] and r.stderr == ""
     rows = json.loads(stack.cli("queues", "--shards", "--json", check=True).stdout)
     primaries = {row["name"]: row["primary"] for row in rows if shards.logical(row["name"]) == name}
     assert primaries == {s: f"127.0.0.1:{cluster.owner(f'{{{s}}}').port}" for s in shards.names(name, suggested[0])}

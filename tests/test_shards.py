@@ -335,6 +335,36 @@ def test_a_queue_keeps_its_rate_when_its_shard_count_changes(app):
     assert app.redis.hget(app.keys.q("rc~1") + "meta", "retired") == "1"
 
 
+def test_queue_create_keeps_the_settings_it_is_not_given(app, stack):
+    """Run again to change the shard count (or one setting), `queue create` keeps the bound,
+    exclusivity and rate it is not given: it reset the first two (to none) each time. The
+    bound given is kept exactly, however often the count changes (each shard's part is
+    rounded up); --bound 0 and --no-exclusive clear them."""
+    def meta(q: str, n: int) -> list[dict[str, str]]:
+        return [app.redis.hgetall(app.keys.q(s) + "meta") for s in shards.names(q, n)]
+
+    stack.cli("queue", "create", "keep", "--bound", "10", "--rate", "60/s", check=True)
+    r = stack.cli("queue", "create", "keep", "--shards", "3", check=True)
+    assert r.stdout == "queue keep: bound 10, rate 60/s, 3 shards\n"
+    assert [(m["bound"], m["rate"], m["exclusive"]) for m in meta("keep", 3)] == [("4", "20/s", "0")] * 3
+    assert stack.cli("queue", "create", "keep", "--shards", "2", check=True).stdout.startswith("queue keep: bound 10,")
+    assert [m["bound"] for m in meta("keep", 2)] == ["5", "5"]
+    stack.cli("queue", "create", "keep", "--shards", "1", check=True)
+    [one] = meta("keep", 1)
+    assert (one["bound"], one["rate"], "bound_total" in one, "rate_total" in one) == ("10", "60/s", False, False)
+    r = stack.cli("queue", "create", "keep", "--bound", "0", check=True)
+    assert r.stdout == "queue keep: bound none, rate 60/s\n"
+
+    stack.cli("queue", "create", "solo", "--exclusive", "--bound", "5", check=True)
+    assert stack.cli("queue", "create", "solo", check=True).stdout == "queue solo: bound 5, exclusive\n"
+    r = stack.cli("queue", "create", "solo", "--shards", "2")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--no-exclusive" in r.stderr, r.stderr
+    assert stack.cli("queue", "info", "solo", "--json", check=True).stdout.count('"exclusive": true') == 1
+    r = stack.cli("queue", "create", "solo", "--no-exclusive", "--shards", "2", check=True)
+    assert r.stdout == "queue solo: bound 5, 2 shards\n"
+    assert [(m["bound"], m["exclusive"]) for m in meta("solo", 2)] == [("3", "0")] * 2
+
+
 def test_harvest_and_recover_reach_every_shard(app, stack):
     queue.create(app, "hv", shards=2)
     assert stack.cli("harvest").returncode == 0  # every queue, shards included: a shard's name is no typo

@@ -21,26 +21,37 @@ if TYPE_CHECKING:
 COUNTERS = ("produced_messages", "produced_bytes", "consumed_messages", "consumed_bytes")
 
 
-def create(app: TaskRunner, name: str, bound: int = 0, exclusive: bool = False, rate: str | None = None,
-           shards: int | None = None) -> None:
-    """Create a queue, or change its settings: `bound` > 0 caps its pending jobs (producers
-    block, then QueueFull); `exclusive` runs at most one of its jobs at a time, in order;
-    `rate` ("50/s", "N/m", "N/h"), when given, is how many of its jobs may start, across
-    all workers (None: the queue's rate limit, if any, stays; set_rate() changes it).
-    `shards` (1-64; None: as it is): one logical queue over that many physical queues, each
-    in its own hash slot (protocol/shards.py); the bound and the rate are split evenly over
-    them. The shard count changes only while no job of the queue is pending, delayed,
-    waiting or running (TaskRunnerError otherwise; see _retire for fewer shards, whose
-    removed shards' finished records go); an exclusive queue has one shard."""
+def create(app: TaskRunner, name: str, bound: int | None = None, exclusive: bool | None = None,
+           rate: str | None = None, shards: int | None = None) -> dict[str, Any]:
+    """Create a queue, or change its settings; a setting not given (None) stays as it is
+    (a new queue: none), so that changing one, the shard count say, drops no other:
+    `bound` > 0 caps its pending jobs (producers block, then QueueFull; 0: no bound);
+    `exclusive` runs at most one of its jobs at a time, in order; `rate` ("50/s", "N/m",
+    "N/h") is how many of its jobs may start, across all workers (set_rate() removes it).
+    `shards` (1-64): one logical queue over that many physical queues, each in its own hash
+    slot (protocol/shards.py); the bound and the rate are split evenly over them, and what
+    was given is kept in `bound_total` and `rate_total`, to split again. The shard count
+    changes only while no job of the queue is pending, delayed, waiting or running
+    (TaskRunnerError otherwise; see _retire for fewer shards, whose removed shards' finished
+    records go); an exclusive queue has one shard. Returns the queue's settings after:
+    bound (the total given), exclusive, rate (None: none) and shards."""
     codec.check_name("queue", name)
-    if bound < 0:
+    if bound is not None and bound < 0:
         raise ValueError("bound must be >= 0 (0: no bound)")
     if shards is not None and not 1 <= shards <= sharding.MAX:
         raise ValueError(f"shards must be from 1 to {sharding.MAX}, not {shards}")
     r, p = app.redis, app.keys.q(name)
-    before, total, own, closed, paused = r.hmget(p + "meta", "shards", "rate_total", "rate", "closed", "paused")
+    before, total, own, bound_total, own_bound, was_exclusive, closed, paused = r.hmget(
+        p + "meta", "shards", "rate_total", "rate", "bound_total", "bound", "exclusive", "closed", "paused")
     now = sharding.count(before)
     n = shards or now
+    if bound is None:  # as it was given; a queue sharded before bound_total was kept: its shards' sum
+        bound = int(bound_total) if now > 1 and bound_total else int(own_bound or 0) * now
+    if exclusive is None:
+        if was_exclusive == "1" and n > 1:
+            raise TaskRunnerError(f"queue {name} is exclusive (one job at a time, in order), which takes one "
+                                  f"shard: give --no-exclusive with --shards {n} to shard it")
+        exclusive = was_exclusive == "1"
     if exclusive and n > 1:
         raise TaskRunnerError(f"queue {name} has {n} shards: an exclusive queue runs one job at a time in order, "
                               "which takes one shard (--shards 1)")
@@ -69,15 +80,14 @@ def create(app: TaskRunner, name: str, bound: int = 0, exclusive: bool = False, 
             pipe.hset(sp + "meta", "rate", each)
         pipe.lpush(sp + "notfull", "1").ltrim(sp + "notfull", 0, 0)
     if n > 1:
-        pipe.hset(p + "meta", "shards", n)
-        if rate_total is not None:
-            pipe.hset(p + "meta", "rate_total", rate_total)
-    else:  # one shard: its `rate` is the queue's
-        pipe.hdel(p + "meta", "shards")
-        pipe.hdel(p + "meta", "rate_total")
+        pipe.hset(p + "meta", mapping={"shards": n, "bound_total": bound,
+                                       **({"rate_total": rate_total} if rate_total is not None else {})})
+    else:  # one shard: its `bound` and `rate` are the queue's
+        pipe.hdel(p + "meta", "shards", "bound_total", "rate_total")
     pipe.sadd(app.keys.queues, *sharding.names(name, n))
     pipe.execute()
     app._spread.forget(name)
+    return {"bound": bound, "exclusive": exclusive, "rate": rate_total, "shards": n}
 
 
 def _retire(app: TaskRunner, name: str, gone: list[str], keep_closed: bool) -> None:
