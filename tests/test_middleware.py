@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from taskrunner import JobFailed, JobNotFound, PayloadTooLarge, Retry, TaskRunner, current_job
+from taskrunner import BadArguments, JobFailed, JobNotFound, PayloadTooLarge, Retry, TaskRunner, current_job
 from taskrunner.errors import NotJSONError
 from taskrunner.worker import child
 from tests import apps
@@ -150,6 +150,33 @@ def test_a_raising_hook_is_logged_with_the_job_id_and_the_job_is_neither_lost_no
         assert any(f"Recorder.{hook} raised for job {job.id}" in x for x in lines), lines
     hooks = [tuple(h[:3]) for h in mw.recorded()]
     assert ("after_run", hooks[-2][1], before.id) in hooks  # after a raising before_run, the after hooks ran
+
+
+def test_an_enqueue_refused_for_its_arguments_runs_no_before_enqueue_hook(app, mw, stack):
+    """The job is checked first (its arguments against the task's parameters, as JSON, their
+    size), then the hooks run: a hook that counts or logs enqueues saw ones never enqueued
+    (Celery checks the arguments before its publish signals too). Headers a hook adds are
+    counted in the payload after it."""
+    refusals = [
+        (lambda: mw.work.delay(), BadArguments),  # work(key)
+        (lambda: mw.work.delay("a", "b"), BadArguments),
+        (lambda: mw.work.apply_async(kwargs={"nope": 1}), BadArguments),
+        (lambda: mw.work.delay(object()), NotJSONError),
+        (lambda: mw.work.delay("y" * app.settings.max_payload), PayloadTooLarge),
+        (lambda: mw.work.apply_async(["k"], headers={"x": object()}), NotJSONError),
+        (lambda: mw.app.enqueue_many([{"task": mw.work.name, "args": []}]), BadArguments),
+    ]
+    for enqueue, refused in refusals:
+        with pytest.raises(refused):
+            enqueue()
+    r = stack.cli("enqueue", "-A", "tests.middleware_app", mw.work.name, "--args", "[1, 2]")
+    assert r.returncode == 2 and "too many positional arguments" in r.stderr, r.stderr
+    assert mw.recorded() == []
+    with pytest.raises(PayloadTooLarge, match="arguments and headers"):  # its stamp takes the last bytes
+        mw.work.delay("y" * (app.settings.max_payload - len('[""]{}')))
+    ok = mw.work.delay("ok")
+    hooks = mw.recorded()
+    assert [h[0] for h in hooks] == ["before_enqueue"] * 2 and hooks[1][2] == ok.id
 
 
 def test_eager_mode_calls_the_same_hooks_in_process():

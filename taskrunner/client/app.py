@@ -423,13 +423,17 @@ class TaskRunner:
     # -- enqueueing ------------------------------------------------------------------
 
     def _fields(self, task: str, args: Iterable, kwargs: dict | None, spec: JobSpec,
-                sent: list[str] | None, headers: dict[str, Any] | None = None, fed: bool = False) -> list[Any]:
+                sent: list[str] | None, headers: dict[str, Any] | None = None, fed: bool = False,
+                job_id: str | None = None) -> list[Any]:
         """The fields of a job for enqueue.lua: with `sent` None (a task declared here) all
         of the spec's settings (those of OPTIONAL when not their default), else only those
         named (the script fills in the rest from the task's declaration in Redis). Headers
         go only when there are some: a job without costs no field. The arguments must fit
         the task's signature, where it is known (arguments.check; `fed`: the job is given
-        its parent's result or error first)."""
+        its parent's result or error first). With `job_id`, the before_enqueue hooks run
+        once all of that is checked, so that a job refused for its arguments or settings
+        runs none (a hook that counts or logs enqueues would count one never enqueued); the
+        headers they leave are checked and counted in the payload after them."""
         codec.check_name("task", task)
         if isinstance(args, (str, bytes, dict)) or not isinstance(args, Iterable):
             raise TypeError(f"args must be a list or tuple of arguments, not {type(args).__name__}")
@@ -440,14 +444,17 @@ class TaskRunner:
         args = list(args)
         a = codec.dumps(args, "args")
         k = codec.dumps(kwargs or {}, "kwargs")
+
+        def fit(h: bytes) -> None:
+            size = len(a) + len(k) + len(h)
+            if size > self.settings.max_payload:
+                raise PayloadTooLarge(f"arguments {'and headers ' if h else ''}of {task} take {size} bytes; the "
+                                      f"limit is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
+
         h = codec.dumps(headers, "headers") if headers else b""
-        size = len(a) + len(k) + len(h)
-        if size > self.settings.max_payload:
-            raise PayloadTooLarge(f"arguments {'and headers ' if h else ''}of {task} take {size} bytes; the limit "
-                                  f"is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
+        fit(h)
         arguments.check(task, self._shape_of(task), args, kwargs or {}, fed)
-        fields: list[Any] = ["task", task, "queue", spec.queue, "args", a, "kwargs", k,
-                             *(("headers", h) if h else ())]
+        fields: list[Any] = ["task", task, "queue", spec.queue, "args", a, "kwargs", k]
         if sent is None:
             max_duration = spec.max_duration or self.settings.max_duration
             fields += ["max_duration", max_duration, "retries", spec.retries,
@@ -467,7 +474,11 @@ class TaskRunner:
         else:
             for name in sent:
                 fields += [name, getattr(spec, name)]
-        return [*fields, "producer", f"{self._producer}:{threading.get_ident()}"]
+        if job_id is not None and self.middleware.hooks["before_enqueue"]:
+            headers = self._headers(task, args, kwargs, spec.queue, job_id, headers)
+            h = codec.dumps(headers, "headers") if headers else b""
+            fit(h)
+        return [*fields, *(("headers", h) if h else ()), "producer", f"{self._producer}:{threading.get_ident()}"]
 
     def _shape_of(self, task: str, look_up: bool = False) -> arguments.Shape | None:
         """What a job's arguments must bind to (None: nothing is checked): the signature of
@@ -726,8 +737,8 @@ class TaskRunner:
         extra = flow.fields(task, args, spec.get("kwargs"), spec.get("priority"), spec.get("unique_for"),
                             spec.get("unique_key"), spec.get("unique_until"))
         job = job.merged(queue=steps.run(self, steps.placed(self, task, job, extra, spec.get("id"))))
-        headers = self._headers(task, args, spec.get("kwargs"), job.queue, job_id, spec.get("headers"))
-        return job.queue, job_id, delay, self._fields(task, args, spec.get("kwargs"), job, sent, headers) + extra
+        fields = self._fields(task, args, spec.get("kwargs"), job, sent, spec.get("headers"), job_id=job_id)
+        return job.queue, job_id, delay, fields + extra
 
     def _links_of(self, spec: dict[str, Any], seen: dict[str, Job]) -> tuple[
             list[tuple[str, str]], Signature | None, Signature | None] | None:
@@ -773,16 +784,11 @@ class TaskRunner:
         return self.signature(value["task"], value.get("args") or [], value.get("kwargs"),
                               immutable=value.get("immutable", False), **options)
 
-    def _headers(self, task: str, args: Any, kwargs: dict | None, queue: str, job_id: str,
+    def _headers(self, task: str, args: list[Any], kwargs: dict | None, queue: str, job_id: str,
                  headers: dict[str, Any] | None) -> dict[str, Any] | None:
         """The headers a job is enqueued with: the caller's, as the before_enqueue hooks
-        leave them (a hook that raises refuses the enqueue). No hook: as given, uncopied."""
-        if not self.middleware.hooks["before_enqueue"]:
-            return headers
-        if not isinstance(headers or {}, dict):
-            raise TypeError(f"headers must be a dict, not {type(headers).__name__}")
-        job = Enqueued(task, list(args) if isinstance(args, (list, tuple)) else args, dict(kwargs or {}), queue,
-                       job_id, dict(headers or {}))
+        leave them (a hook that raises refuses the enqueue)."""
+        job = Enqueued(task, list(args), dict(kwargs or {}), queue, job_id, dict(headers or {}))
         return self.middleware.before_enqueue(job)
 
     def enqueue_keys(self, queue: str, others: Iterable[str] = ()) -> list[str]:

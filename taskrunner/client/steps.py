@@ -187,8 +187,7 @@ def draft(app: TaskRunner, task: str, args: Any, kwargs: dict | None, spec: JobS
     spec, sent = (spec.merged(**options), None) if spec is not None else (yield from job_spec(app, task, options))
     spec = spec.merged(queue=(yield from placed(app, task, spec, flow or [], job_id)))
     job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
-    headers = app._headers(task, args, kwargs, spec.queue, job_id, headers)
-    fields = app._fields(task, args, kwargs, spec, sent, headers, fed)
+    fields = app._fields(task, args, kwargs, spec, sent, headers, fed, job_id)
     if flow:
         fields += flow
     return Draft(job_id, spec.queue, codec.seconds("delay", delay) if delay is not None else 0.0, fields)
