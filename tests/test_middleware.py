@@ -4,13 +4,26 @@ with the job id and the job is neither lost nor run twice."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 
 import pytest
 
-from taskrunner import BadArguments, JobFailed, JobNotFound, PayloadTooLarge, Retry, TaskRunner, current_job
+from taskrunner import (
+    BadArguments,
+    JobFailed,
+    JobNotFound,
+    PayloadTooLarge,
+    Retry,
+    TaskRunner,
+    chain,
+    chord,
+    current_job,
+    group,
+)
+from taskrunner.client.aio import AsyncClient
 from taskrunner.errors import NotJSONError
 from taskrunner.worker import child
 from tests import apps
@@ -179,6 +192,54 @@ def test_an_enqueue_refused_for_its_arguments_runs_no_before_enqueue_hook(app, m
     assert [h[0] for h in hooks] == ["before_enqueue"] * 2 and hooks[1][2] == ok.id
 
 
+def test_a_workflow_runs_its_before_enqueue_hooks_once_every_step_is_checked(app, mw):
+    """A workflow is written whole or not at all, so its hooks run once every job of it is
+    checked: one refused for a step's (a callback's, a member's) arguments, or for a parent
+    that does not exist, runs none, where the steps before it had run theirs (a hook that
+    counts enqueues counted jobs never enqueued). A valid one runs each job's hook once,
+    and the headers it sets reach every job, callbacks too."""
+    work, name = mw.work, mw.work.name  # work(key): a step fed its parent's result takes no other
+
+    def aio(call):
+        """call(client), awaited with an AsyncClient of its own loop."""
+        async def main():
+            client = AsyncClient(mw.app)
+            try:
+                return await call(client)
+            finally:
+                await client.close()
+        return asyncio.run(main())
+
+    refusals = [
+        (lambda: chain(work.s("a"), work.s("b")).delay(), BadArguments),
+        (lambda: group(work.s("a"), work.s()).delay(), BadArguments),
+        (lambda: chord([work.s("a"), work.s("b")], work.s("x")).delay(), BadArguments),
+        (lambda: work.apply_async(["a"], on_success=work.si("x"), on_failure=work.s("x")), BadArguments),
+        (lambda: work.apply_async(["a"], depends_on=["no-such-job"]), JobNotFound),
+        (lambda: mw.app.enqueue_many([{"task": name, "args": ["a"], "on_success": {"task": name, "args": ["x"]}}]),
+         BadArguments),
+        (lambda: aio(lambda c: c.apply(chain(work.s("a"), work.si("b"), work.s("c")))), BadArguments),
+        (lambda: aio(lambda c: c.enqueue(name, ["a"], on_success=work.s("x"))), BadArguments),
+    ]
+    for n, (enqueue, refused) in enumerate(refusals):
+        with pytest.raises(refused):
+            enqueue()
+        assert mw.recorded() == [], n
+    assert app.redis.keys(f"{app.settings.prefix}:*job:*") == []  # nothing written
+    last = chain(work.s("c1"), work.si("c2"), work.si("c3")).delay()
+    members = group(work.s("g1"), work.s("g2")).delay()
+    callback = chord([work.s("m1"), work.s("m2")], work.si("cb")).delay()
+    linked = work.apply_async(["l"], on_success=work.si("ok"), on_failure=work.si("ko"), depends_on=[last])
+    [many] = mw.app.enqueue_many([{"task": name, "args": ["e"], "on_success": {"task": name, "args": ["s"],
+                                                                              "immutable": True}}])
+    in_aio = aio(lambda c: c.apply(chain(work.s("a1"), work.si("a2"))))
+    ids = [h[2] for h in mw.recorded() if h[0] == "before_enqueue"]
+    assert len(ids) == len(set(ids)) == 3 + 2 + 3 + 3 + 2 + 2, ids  # each job's hook once, callbacks included
+    assert {last.id, *members.ids, callback.id, linked.id, many.id, in_aio} <= set(ids)
+    stamp = {"stamp": f"enqueued by {os.getpid()}"}
+    assert [app.job(i).to_dict()["headers"] for i in ids] == [stamp] * len(ids)
+
+
 def test_eager_mode_calls_the_same_hooks_in_process():
     eager = TaskRunner("eager-hooks", eager=True)
     calls = []
@@ -220,6 +281,12 @@ def test_eager_mode_calls_the_same_hooks_in_process():
     assert calls == [("before_enqueue", "flaky"), ("before_run", 1, "trace"), ("on_retry", 1, "KeyError"),
                      ("after_run", 1, "error"), ("before_run", 2, "trace"), ("on_failure", 2, "KeyError"),
                      ("after_run", 2, "error")]
+    calls.clear()
+    for refused in (lambda: chain(flaky.si(), asks.s()).delay(),  # asks() takes no parent's result
+                    lambda: flaky.apply_async(on_success=asks.s())):
+        with pytest.raises(BadArguments):
+            refused()
+    assert calls == []  # a workflow refused for a step's arguments runs no hook, in eager mode too
     with pytest.raises(TypeError, match="defines none of the middleware hooks"):
         eager.add_middleware(object())
 

@@ -423,17 +423,24 @@ class TaskRunner:
     # -- enqueueing ------------------------------------------------------------------
 
     def _fields(self, task: str, args: Iterable, kwargs: dict | None, spec: JobSpec,
-                sent: list[str] | None, headers: dict[str, Any] | None = None, fed: bool = False,
-                job_id: str | None = None) -> list[Any]:
+                sent: list[str] | None, headers: dict[str, Any] | None = None, fed: bool = False) -> list[Any]:
+        """The fields of a job for enqueue.lua (_checked), its headers as given: no hook runs
+        (a schedule's check when it is declared)."""
+        return self._checked(task, args, kwargs, spec, sent, headers, fed)[0]
+
+    def _checked(self, task: str, args: Iterable, kwargs: dict | None, spec: JobSpec, sent: list[str] | None,
+                 headers: dict[str, Any] | None = None, fed: bool = False,
+                 job_id: str | None = None) -> tuple[list[Any], Enqueued | None]:
         """The fields of a job for enqueue.lua: with `sent` None (a task declared here) all
         of the spec's settings (those of OPTIONAL when not their default), else only those
         named (the script fills in the rest from the task's declaration in Redis). Headers
         go only when there are some: a job without costs no field. The arguments must fit
         the task's signature, where it is known (arguments.check; `fed`: the job is given
-        its parent's result or error first). With `job_id`, the before_enqueue hooks run
-        once all of that is checked, so that a job refused for its arguments or settings
-        runs none (a hook that counts or logs enqueues would count one never enqueued); the
-        headers they leave are checked and counted in the payload after them."""
+        its parent's result or error first). With `job_id`, also the job as its
+        before_enqueue hooks are to see it (None: the app has none, and a job pays nothing
+        for them): they run once every job of the call is checked (steps.hooked, _hook), so
+        that a job or workflow refused for its arguments or settings runs none (a hook that
+        counts or logs enqueues would count one never enqueued)."""
         codec.check_name("task", task)
         if isinstance(args, (str, bytes, dict)) or not isinstance(args, Iterable):
             raise TypeError(f"args must be a list or tuple of arguments, not {type(args).__name__}")
@@ -444,17 +451,11 @@ class TaskRunner:
         args = list(args)
         a = codec.dumps(args, "args")
         k = codec.dumps(kwargs or {}, "kwargs")
-
-        def fit(h: bytes) -> None:
-            size = len(a) + len(k) + len(h)
-            if size > self.settings.max_payload:
-                raise PayloadTooLarge(f"arguments {'and headers ' if h else ''}of {task} take {size} bytes; the "
-                                      f"limit is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
-
         h = codec.dumps(headers, "headers") if headers else b""
-        fit(h)
+        self._fit(task, a, k, h)
         arguments.check(task, self._shape_of(task), args, kwargs or {}, fed)
-        fields: list[Any] = ["task", task, "queue", spec.queue, "args", a, "kwargs", k]
+        fields: list[Any] = ["task", task, "queue", spec.queue, "args", a, "kwargs", k,
+                             *(("headers", h) if h else ())]
         if sent is None:
             max_duration = spec.max_duration or self.settings.max_duration
             fields += ["max_duration", max_duration, "retries", spec.retries,
@@ -474,11 +475,31 @@ class TaskRunner:
         else:
             for name in sent:
                 fields += [name, getattr(spec, name)]
+        unhooked = None
         if job_id is not None and self.middleware.hooks["before_enqueue"]:
-            headers = self._headers(task, args, kwargs, spec.queue, job_id, headers)
-            h = codec.dumps(headers, "headers") if headers else b""
-            fit(h)
-        return [*fields, *(("headers", h) if h else ()), "producer", f"{self._producer}:{threading.get_ident()}"]
+            unhooked = Enqueued(task, args, dict(kwargs or {}), spec.queue, job_id, dict(headers or {}))
+        return [*fields, "producer", f"{self._producer}:{threading.get_ident()}"], unhooked
+
+    def _fit(self, task: str, a: bytes, k: bytes, h: bytes) -> None:
+        """PayloadTooLarge unless a job's args, kwargs and headers (JSON) fit the limit."""
+        size = len(a) + len(k) + len(h)
+        if size > self.settings.max_payload:
+            raise PayloadTooLarge(f"arguments {'and headers ' if h else ''}of {task} take {size} bytes; the "
+                                  f"limit is {self.settings.max_payload} (TASKRUNNER_MAX_PAYLOAD)")
+
+    def _hook(self, fields: list[Any], job: Enqueued) -> None:
+        """Run the before_enqueue hooks on a checked job (_checked's `fields` and `job`); one
+        that raises refuses it. The headers they leave replace those in `fields`, checked
+        (JSON) and counted in the payload."""
+        headers = self.middleware.before_enqueue(job)
+        h = codec.dumps(headers, "headers") if headers else b""
+        names = fields[0::2]
+        self._fit(job.task, fields[2 * names.index("args") + 1], fields[2 * names.index("kwargs") + 1], h)
+        if "headers" in names:
+            at = 2 * names.index("headers")
+            del fields[at:at + 2]
+        if h:
+            fields += ["headers", h]
 
     def _shape_of(self, task: str, look_up: bool = False) -> arguments.Shape | None:
         """What a job's arguments must bind to (None: nothing is checked): the signature of
@@ -554,6 +575,7 @@ class TaskRunner:
                                             flow_fields))
         if self.settings.eager:
             canvas.check_callbacks(self, on_success, on_failure)
+            steps.hooked(self, [draft])
             ran = eager.enqueue(self, draft.id, draft.fields, eager.parents_of(depends_on))
             return canvas.eager_callbacks(self, ran, on_success, on_failure)
         created = steps.run(self, canvas.linked(self, draft, depends_on, on_success, on_failure, block_timeout))
@@ -681,17 +703,17 @@ class TaskRunner:
 
         for n, spec_ in enumerate(jobs, 1):
             try:
-                queue, job_id, delay, fields = self._job_of(spec_)
+                draft = self._job_of(spec_)
+                queue, job_id, delay, fields = draft.queue, draft.id, draft.delay, draft.fields
                 links = self._links_of(spec_, seen)
                 if links is not None and self.settings.eager:
                     canvas.check_callbacks(self, links[1], links[2])
-                draft = steps.Draft(job_id, queue, delay, fields)
                 if links is not None and links[0]:
                     if delay:
                         raise ValueError(canvas.NO_DELAY)
                     fields += ["parents", " ".join(f"{q} {i}" for q, i in links[0])]
-                group = [draft] if links is None or self.settings.eager else [
-                    draft, *steps.run(self, canvas.callbacks(self, draft, links[1], links[2]))]
+                group = steps.hooked(self, [draft] if links is None or self.settings.eager else [
+                    draft, *steps.run(self, canvas.callbacks(self, draft, links[1], links[2]))])
             except (TaskRunnerError, ValueError, TypeError) as e:
                 settle()  # those sent are enqueued; say so: a run again would enqueue them twice
                 raise type(e)(f"job {n}: {e} ({len(out)} of the {n - 1} before it enqueued, none after)") from None
@@ -720,8 +742,9 @@ class TaskRunner:
             settle()
         return out
 
-    def _job_of(self, spec: Any) -> tuple[str, str, float, list[Any]]:
-        """(queue, id, delay, fields) of one job of enqueue_many, checked like enqueue's."""
+    def _job_of(self, spec: Any) -> steps.Draft:
+        """One job of enqueue_many, checked like enqueue's (its hooks not run yet: with its
+        links', steps.hooked)."""
         if not isinstance(spec, dict) or "task" not in spec:
             raise ValueError("expected an object with a 'task' field")
         unknown = set(spec) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "max_retries",
@@ -737,8 +760,9 @@ class TaskRunner:
         extra = flow.fields(task, args, spec.get("kwargs"), spec.get("priority"), spec.get("unique_for"),
                             spec.get("unique_key"), spec.get("unique_until"))
         job = job.merged(queue=steps.run(self, steps.placed(self, task, job, extra, spec.get("id"))))
-        fields = self._fields(task, args, spec.get("kwargs"), job, sent, spec.get("headers"), job_id=job_id)
-        return job.queue, job_id, delay, fields + extra
+        fields, unhooked = self._checked(task, args, spec.get("kwargs"), job, sent, spec.get("headers"),
+                                         job_id=job_id)
+        return steps.Draft(job_id, job.queue, delay, fields + extra, unhooked)
 
     def _links_of(self, spec: dict[str, Any], seen: dict[str, Job]) -> tuple[
             list[tuple[str, str]], Signature | None, Signature | None] | None:
@@ -783,13 +807,6 @@ class TaskRunner:
             options["job_id"] = value["id"]
         return self.signature(value["task"], value.get("args") or [], value.get("kwargs"),
                               immutable=value.get("immutable", False), **options)
-
-    def _headers(self, task: str, args: list[Any], kwargs: dict | None, queue: str, job_id: str,
-                 headers: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The headers a job is enqueued with: the caller's, as the before_enqueue hooks
-        leave them (a hook that raises refuses the enqueue)."""
-        job = Enqueued(task, list(args), dict(kwargs or {}), queue, job_id, dict(headers or {}))
-        return self.middleware.before_enqueue(job)
 
     def enqueue_keys(self, queue: str, others: Iterable[str] = ()) -> list[str]:
         """KEYS of enqueue.lua: the queue's prefix, and the global queue set where one script

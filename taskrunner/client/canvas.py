@@ -226,12 +226,15 @@ class Chord:
         return (yield from _write(app, drafts, "chord"))
 
 
-def make_drafts(app: TaskRunner, sigs: list[Signature], fed: int | None = None) -> steps.Steps[list[steps.Draft]]:
+def make_drafts(app: TaskRunner, sigs: list[Signature], fed: int | None = None,
+                hooks: bool = True) -> steps.Steps[list[steps.Draft]]:
     """Each signature's job as enqueue.lua takes it (ids made here). A task known by name
     only sends the options given; its declaration in Redis gives the rest. The signatures
     from index `fed` on are given their parent's value first unless immutable (a chain's
     steps after the first: 1; a chord's callback: the members' count; a callback alone: 0;
-    None: none, a group's members)."""
+    None: none, a group's members). Their before_enqueue hooks run once all are checked
+    (a workflow refused for one step's arguments runs none); `hooks` False: not here (a
+    job's callbacks, hooked with it)."""
     out = []
     for n, sig in enumerate(sigs):
         o = sig.options
@@ -240,7 +243,7 @@ def make_drafts(app: TaskRunner, sigs: list[Signature], fed: int | None = None) 
         out.append((yield from steps.draft(app, sig.task.name, sig.args, sig.kwargs, spec,
                                            {} if spec is not None else settings, o.get("delay"), o.get("job_id"),
                                            o.get("headers"), fed=fed is not None and n >= fed and not sig.immutable)))
-    return out
+    return steps.hooked(app, out) if hooks else out
 
 
 #: A job with parents becomes pending when they completed: a delay has nothing to count from.
@@ -264,22 +267,25 @@ def linked(app: TaskRunner, draft: steps.Draft, depends_on: Any, on_success: Sig
     callbacks, in one enqueue.lua call (TaskRunner.enqueue says what each means); what the
     script answered for the job (1 created, 0 it existed; a unique job's duplicate: the id of
     the job that holds its key). A job without callbacks waits up
-    to `block_timeout` for room in a full bounded queue; one with callbacks does not."""
+    to `block_timeout` for room in a full bounded queue; one with callbacks does not. The
+    before_enqueue hooks of the job and its callbacks run once its parents are found and
+    all of them are checked."""
     others: tuple[str, ...] = ()
     if depends_on is not None:
         parents = yield from steps.parents(app, depends_on)
         draft.fields += ["parents", " ".join(f"{q} {i}" for q, i in parents)]
         others = tuple(sorted({q for q, _ in parents} - {draft.queue}))
+    drafts = steps.hooked(app, [draft, *(yield from callbacks(app, draft, on_success, on_failure))])
     if on_success is None and on_failure is None:
         return (yield from steps.enqueue(app, draft, block_timeout, others))
-    drafts = [draft, *(yield from callbacks(app, draft, on_success, on_failure))]
     return (yield from written(drafts, "job", others))[0]
 
 
 def callbacks(app: TaskRunner, draft: steps.Draft, on_success: Signature | None,
               on_failure: Signature | None) -> steps.Steps[list[steps.Draft]]:
     """The drafts of a job's callbacks, each waiting for it: on_success given its result,
-    on_failure how it failed (unless immutable)."""
+    on_failure how it failed (unless immutable); their hooks not run yet (steps.hooked, with
+    the job's)."""
     out = []
     # (callback, how it waits for the job, what it takes unless immutable)
     for sig, edge, takes in ((on_success, (), ("takes", "result")),
@@ -288,7 +294,7 @@ def callbacks(app: TaskRunner, draft: steps.Draft, on_success: Signature | None,
             continue
         if not isinstance(sig, Signature):
             raise TypeError(f"a callback is a signature (task.s(...)), not {type(sig).__name__}")
-        [callback] = yield from make_drafts(app, [sig], 0)
+        [callback] = yield from make_drafts(app, [sig], 0, hooks=False)
         callback.fields += ["parents", f"{draft.queue} {draft.id}", *edge, *(() if sig.immutable else takes)]
         out.append(callback)
     return out

@@ -6,11 +6,13 @@ registry and calls the hooks safely; where each hook is called from is listed wi
   `enqueue_many`, the asyncio client, the dispatcher's cron ticks), once the job is checked
   (its arguments against the task's parameters, as JSON, their size: a job refused for them
   runs no hook, as Celery checks arguments before its publish signals) and before anything
-  is written; what only Redis refuses (a full or closed queue) comes after it. `job` is an
-  `Enqueued` (task, args, kwargs, queue, headers, id); a hook may change `job.headers` (add,
-  modify, or replace the dict), which travel with the job and are then checked (JSON, and
-  counted in the payload's size). One that raises refuses the enqueue: its exception
-  reaches the caller, nothing is written.
+  is written; a workflow's (a chain, group or chord, a job with its callbacks or
+  `depends_on`) once every job of it is checked and its parents found, so that one refused
+  for any job runs none. What only Redis refuses (a full or closed queue) comes after it.
+  `job` is an `Enqueued` (task, args, kwargs, queue, headers, id); a hook may change
+  `job.headers` (add, modify, or replace the dict), which travel with the job and are then
+  checked (JSON, and counted in the payload's size). One that raises refuses the enqueue:
+  its exception reaches the caller, nothing is written.
 - `child_start()`, `child_stop()`: in each worker child, after the fork before its first
   job (reset database pools, reconnect clients here), and when it exits gracefully (the
   worker stops, or replaces it: recycling). A child killed with its job, or dying, runs no

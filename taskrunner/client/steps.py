@@ -24,6 +24,7 @@ from taskrunner.protocol.connection import Backoff, pop_any
 
 if TYPE_CHECKING:
     from taskrunner.client.app import JobSpec, TaskRunner
+    from taskrunner.client.middleware import Enqueued
 
 T = TypeVar("T")
 #: Errors of Redis (down, failing over, a cluster without a node for a slot): thrown into
@@ -174,23 +175,37 @@ class Draft:
     queue: str
     delay: float
     fields: list[Any]
+    #: The job as its before_enqueue hooks are to see it, until hooked() runs them (None:
+    #: they ran, or the app has none).
+    unhooked: Enqueued | None = None
 
 
 def draft(app: TaskRunner, task: str, args: Any, kwargs: dict | None, spec: JobSpec | None,
           options: dict[str, Any], delay: float | None, job_id: str | None,
           headers: dict[str, Any] | None = None, flow: list[Any] | None = None, fed: bool = False) -> Steps[Draft]:
-    """Check a job and make its fields (TaskRunner.enqueue says how), its headers as the
-    before_enqueue hooks leave them, before it is enqueued — or, in eager mode, run.
-    `flow`: its priority and unique lock fields (client/flow.py), checked already. `fed`:
-    the job is given its parent's result (or error) first, a workflow step's or callback's
-    (its arguments are checked counting it)."""
+    """Check a job and make its fields (TaskRunner.enqueue says how) before it is enqueued
+    — or, in eager mode, run — once its before_enqueue hooks ran (hooked(), when every job
+    of the call is checked). `flow`: its priority and unique lock fields (client/flow.py),
+    checked already. `fed`: the job is given its parent's result (or error) first, a
+    workflow step's or callback's (its arguments are checked counting it)."""
     spec, sent = (spec.merged(**options), None) if spec is not None else (yield from job_spec(app, task, options))
     spec = spec.merged(queue=(yield from placed(app, task, spec, flow or [], job_id)))
     job_id = codec.check_id(job_id) if job_id is not None else codec.new_id()
-    fields = app._fields(task, args, kwargs, spec, sent, headers, fed, job_id)
+    fields, unhooked = app._checked(task, args, kwargs, spec, sent, headers, fed, job_id)
     if flow:
         fields += flow
-    return Draft(job_id, spec.queue, codec.seconds("delay", delay) if delay is not None else 0.0, fields)
+    return Draft(job_id, spec.queue, codec.seconds("delay", delay) if delay is not None else 0.0, fields, unhooked)
+
+
+def hooked(app: TaskRunner, drafts: list[Draft]) -> list[Draft]:
+    """Run the before_enqueue hooks of the drafts, once every job of the call is checked (a
+    workflow's steps, a job's callbacks): a call refused for one job's arguments runs none
+    (TaskRunner._hook). Each draft's hooks run once. Returns the drafts."""
+    for d in drafts:
+        if d.unhooked is not None:
+            job, d.unhooked = d.unhooked, None
+            app._hook(d.fields, job)
+    return drafts
 
 
 def shard_count(app: TaskRunner, queue: str) -> Steps[int]:
