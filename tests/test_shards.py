@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 from collections import Counter
@@ -282,7 +283,7 @@ def test_bound_and_rate_are_split_evenly_over_the_shards(app, stack):
     metas = [app.redis.hgetall(app.keys.q(s) + "meta") for s in shards.names("br", 3)]
     assert [(m["bound"], m["rate"]) for m in metas] == [("4", "1000/m")] * 3  # 50/s = 3 x 1000/m
     info = queue.info(app, "br")
-    assert (info["bound"], info["rate"], info["rate_each"], info["shards"]) == (12, "50/s", "1000/m", 3)
+    assert (info["bound"], info["rate"], info["rate_each"], info["shards"]) == (10, "50/s", "1000/m", 3)
     queue.set_rate(app, "br", "30/s")
     assert {app.redis.hget(app.keys.q(s) + "meta", "rate") for s in shards.names("br", 3)} == {"10/s"}
     assert queue.info(app, "br")["rate"] == "30/s"
@@ -363,6 +364,45 @@ def test_queue_create_keeps_the_settings_it_is_not_given(app, stack):
     r = stack.cli("queue", "create", "solo", "--no-exclusive", "--shards", "2", check=True)
     assert r.stdout == "queue solo: bound 5, 2 shards\n"
     assert [(m["bound"], m["exclusive"]) for m in meta("solo", 2)] == [("3", "0")] * 2
+
+
+def test_a_sharded_queue_shows_the_bound_it_was_given_everywhere(app, stack):
+    """`queue create b --bound 10 --shards 3` said bound 10 while `queue info`, `queues`, the
+    dashboard and the metrics showed 12, the sum of the shards' rounded-up parts (4 each).
+    Each shows the bound given (meta `bound_total`); a per-shard view each shard's part;
+    a queue sharded before bound_total was kept, the sum of its parts as before."""
+    web = create_app(app, password="pw", token="tok").test_client()
+
+    def shown() -> dict[str, float]:
+        """Queue b's bound as each place shows it."""
+        def cli(*command: str) -> str:
+            return stack.cli(*command, check=True).stdout
+
+        [listed] = [q for q in json.loads(cli("queues", "--json")) if q["name"] == "b"]
+        [text] = [line.split()[1] for line in cli("queue", "info", "b").splitlines() if line.split()[0] == "bound"]
+        [row] = [line for line in cli("queues").splitlines() if line.startswith("b ")]
+        [api] = [q for q in web.get("/api/queues").get_json() if q["name"] == "b"]
+        [overview] = [q for q in web.get("/api/overview").get_json()["queues"] if q["name"] == "b"]
+        page = web.get("/queues/b").get_data(as_text=True)
+        return {"info --json": json.loads(cli("queue", "info", "b", "--json"))["bound"], "info": int(text),
+                "queues --json": listed["bound"], "queues": int(row.split("bound=")[1].split()[0]),
+                "pause --json": json.loads(cli("queue", "pause", "b", "--json"))["bound"],
+                "/api/queues": api["bound"], "/api/overview": overview["bound"],
+                "page": int(re.findall(r">bound (\d+)<", page)[0]),
+                "metrics": float(re.findall(r'^taskrunner_queue_bound\{queue="b"\} (\S+)$', cli("metrics"), re.M)[0])}
+
+    assert stack.cli("queue", "create", "b", "--bound", "10", "--shards", "3", check=True).stdout.startswith(
+        "queue b: bound 10,")
+    places = shown()
+    assert places == dict.fromkeys(places, 10)
+    each = json.loads(stack.cli("queues", "--shards", "--json", check=True).stdout)
+    assert [q["bound"] for q in each if q["name"].startswith("b")] == [4, 4, 4]  # each shard's own part
+    assert [q["bound"] for q in listing.shard_stats(app, "b")] == [4, 4, 4]
+    stack.cli("queue", "create", "b", "--shards", "2", check=True)
+    assert queue.info(app, "b")["bound"] == 10 and [q["bound"] for q in listing.shard_stats(app, "b")] == [5, 5]
+    stack.cli("queue", "create", "b", "--bound", "10", "--shards", "3", check=True)
+    app.redis.hdel(app.keys.q("b") + "meta", "bound_total")  # sharded by a taskrunner that did not keep it
+    assert shown() == dict.fromkeys(places, 12)
 
 
 def test_harvest_and_recover_reach_every_shard(app, stack):

@@ -347,7 +347,9 @@ def settings(app: TaskRunner, names: list[str]) -> list[dict[str, Any]]:
     its jobs used (e.g. [9, 5]) and the duplicates of unique jobs not added, per task; with
     its rate limit (None: none) the starts it counted in the current period of the limit
     (`rate_used`: this second, minute or hour) and in the one before (`rate_used_last`), and
-    the seconds until its limiter lets the next job start (`rate_next`, 0.0: now)."""
+    the seconds until its limiter lets the next job start (`rate_next`, 0.0: now). Shard 0
+    of a sharded queue also has the queue's rate (`rate`; `rate_each` its own) and, where
+    the queue kept it, the bound it was given (`bound_total`; `bound` is its own part)."""
     pipe = app.redis.pipeline(transaction=False)
     for n in names:
         pipe.hgetall(app.keys.q(n) + "meta")
@@ -366,20 +368,25 @@ def settings(app: TaskRunner, names: list[str]) -> list[dict[str, Any]]:
         d["shards"] = sharding.count(meta.get("shards"))
         if d["shards"] > 1:  # shard 0 of a sharded queue: the queue's rate, and each shard's part
             d.update(rate=meta.get("rate_total"), rate_each=meta.get("rate"))
+            if "bound_total" in meta:
+                d["bound_total"] = int(meta["bound_total"])
         out.append(d)
     return out
 
 
 def combined(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One logical queue's figures from its shards' (shard 0 first, as settings() or
-    listing.queue_stats() give them): counts, counters, bounds and rate use summed; its
-    settings (paused, closed, rate) are shard 0's, as every shard has them."""
+    listing.queue_stats() give them): counts, counters and rate use summed; its settings
+    (paused, closed, rate) are shard 0's, as every shard has them. Its bound is the one it
+    was given (`bound_total`), not the sum of the shards' rounded-up parts (10 over 3
+    shards: 4 each); a queue sharded before bound_total was kept: that sum."""
     if len(rows) == 1:
         return rows[0]
     out = dict(rows[0])
     for k, v in rows[0].items():
-        if isinstance(v, int) and not isinstance(v, bool) and k != "shards":
+        if isinstance(v, int) and not isinstance(v, bool) and k not in ("shards", "bound_total"):
             out[k] = sum(r.get(k, 0) for r in rows)
+    out["bound"] = out.pop("bound_total", out["bound"])
     out["paused"] = any(r["paused"] for r in rows)
     out["closed"] = any(r["closed"] for r in rows)
     out["priorities"] = sorted({p for r in rows for p in r["priorities"]}, reverse=True)
