@@ -19,6 +19,7 @@ import redis
 from click.core import ParameterSource
 
 from taskrunner import logs
+from taskrunner.client import steps
 from taskrunner.client.app import TaskRunner
 from taskrunner.client.canvas import Signature
 from taskrunner.client.loader import load_app
@@ -190,7 +191,8 @@ def _undeclared(app: TaskRunner, app_spec: str | None, tasks: list[str]) -> list
             click.echo(f"Error: task {task!r} is not declared by app {app_spec} (its tasks: "
                        f"{', '.join(sorted(app.tasks)) or 'none'})", err=True)
             sys.exit(2)
-    return [] if app_spec else [t for t in dict.fromkeys(tasks) if app.declared(t) is None]
+    return [] if app_spec else [t for t in dict.fromkeys(tasks)
+                                if steps.ride(app, steps.declared(app, t), f"enqueueing {t}") is None]
 
 
 def _warn_undeclared(task: str, queues: list[str]) -> None:
@@ -245,7 +247,9 @@ def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, qu
     worker declared is enqueued with a warning on stderr (default settings, queue
     'default' unless -q). Arguments that do not fit the task's signature (from APP, else
     as its workers declared it) are an error (exit 2), as are a callback's, counting the
-    value it is given first (unless immutable).
+    value it is given first (unless immutable). While Redis is unreachable or failing
+    over it tries again for TASKRUNNER_ENQUEUE_RETRY seconds (default 15; 0: not at all),
+    then fails (exit 1); a job id is never enqueued twice.
 
     \b
     A workflow step:  a=$(taskrunner enqueue shop.fetch --args '["x"]')

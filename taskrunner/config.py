@@ -50,6 +50,11 @@ class Settings:
     retry_backoff_max: float = 600.0  # TASKRUNNER_RETRY_BACKOFF_MAX
     #: Seconds an enqueue waits for room in a full bounded queue before QueueFull.
     block_timeout: float = 10.0  # TASKRUNNER_BLOCK_TIMEOUT
+    #: Seconds a producer's enqueue (a job, a batch, a workflow) keeps trying while Redis
+    #: is unreachable or failing over (connection errors, READONLY, CLUSTERDOWN...), from
+    #: the first error of each outage, before it raises it; 0: it raises at once. Safe,
+    #: as job ids are made before the first try and an id that exists is not added twice.
+    enqueue_retry: float = 15.0  # TASKRUNNER_ENQUEUE_RETRY
     #: Seconds between the dispatcher's archiving of job history to Parquet (0: it does not
     #: archive; `taskrunner history archive` does it by hand). Where: TASKRUNNER_HISTORY_DIR.
     history_interval: float = 5.0  # TASKRUNNER_HISTORY_INTERVAL
@@ -172,6 +177,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_lost": (_count, _WHOLE),
     "retry_backoff_max": (_seconds(0), "a finite number of seconds >= 0 and < 2^53"),
     "block_timeout": (_seconds(0), "a finite number of seconds >= 0 and < 2^53"),
+    "enqueue_retry": (_seconds(0, _WAIT_MAX), _ANY),
     "history_interval": (_seconds(0, _WAIT_MAX), _ANY),
     "analyze_cron": (lambda v: isinstance(v, str), "a cron schedule or empty"),
     "prefetch": (_count, _WHOLE),

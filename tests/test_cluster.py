@@ -621,6 +621,24 @@ def test_asyncio_client_writes_workflows_over_slots(capp, stack, cluster, queues
     wait_for(lambda: outboxes(capp, queues) == 0, what="every outbox entry carried")
 
 
+def test_a_workflow_across_slots_sent_again_adds_nothing(capp, queues):
+    """A producer rides out an outage by sending a request again (steps.riding); a workflow
+    across slots is one Enqueue request that canvas.across() writes in several calls, so a
+    failure midway sends it again whole. across() must leave the jobs it was given as they
+    were (it adds cross_slot and cross_children to copies), and the second run finds every
+    job there: it adds none and refuses nothing."""
+    from taskrunner.client import canvas
+
+    sigs = (apps.add.s(1, 2).set(queue=queues[0]) | apps.add.s(3).set(queue=queues[1])).steps
+    first, second = steps.run(capp, canvas.make_drafts(capp, sigs, 1))
+    second.fields += ["parents", f"{first.queue} {first.id}", "takes", "result"]
+    jobs = [(d.id, d.delay, d.fields) for d in (first, second)]
+    assert capp._enqueue_batch(queues[0], jobs, (queues[1],)) == [1, 1]
+    assert capp._enqueue_batch(queues[0], jobs, (queues[1],)) == [0, 0]
+    produced = [capp.redis.hget(capp.keys.q(q) + "meta", "produced_messages") for q in queues[:2]]
+    assert produced == ["1", "1"]
+
+
 def test_enqueue_many_with_depends_on_across_slots(capp, stack, cluster, queues):
     """enqueue_many's items may name parents in other queues (other slots): earlier items of the
     call (written first) and existing jobs, with callbacks in yet another slot."""

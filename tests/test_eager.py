@@ -281,7 +281,7 @@ def test_a_record_ttl_under_a_second_is_refused_at_start(monkeypatch: pytest.Mon
 
 def test_without_eager_the_same_enqueue_needs_redis() -> None:
     """The check the tests above rely on: this URL really is unreachable."""
-    app = TaskRunner("real")
+    app = TaskRunner("real", enqueue_retry=0)  # at once, not after riding out the outage
     app.task(name="add")(lambda a, b: a + b)
     with pytest.raises(redis.ConnectionError):
         app.enqueue("add", [1, 2])

@@ -123,7 +123,7 @@ def test_lone_enqueue_fast_path_times_out_when_redis_stops_answering(app, own_re
     a poll() before each recv: a Redis that stops answering (SIGSTOP) gives TimeoutError
     after socket_timeout and the client's retries, never a hang; once it answers again, so
     does the next enqueue, on a new connection."""
-    app.configure(redis_url=own_redis.url + "?socket_timeout=0.3")
+    app.configure(redis_url=own_redis.url + "?socket_timeout=0.3", enqueue_retry=0)  # no riding it out
     apps.add.delay(0, 0)
     os.kill(own_redis.proc.pid, signal.SIGSTOP)
     try:
@@ -139,7 +139,7 @@ def test_lone_enqueue_spins_briefly_then_sleeps_when_redis_is_slow(app, own_redi
     """A lone enqueue polls for its answer for enqueue_spin seconds, then sleeps on the
     socket: a Redis that stops answering (SIGSTOP) costs the caller almost no CPU while it
     waits out socket_timeout and the retries, and the answer after SIGCONT is the right one."""
-    app.configure(redis_url=own_redis.url + "?socket_timeout=0.3", enqueue_spin=0.001)
+    app.configure(redis_url=own_redis.url + "?socket_timeout=0.3", enqueue_spin=0.001, enqueue_retry=0)
     apps.add.delay(0, 0)
     assert app._direct.spin == 0.001  # a unix socket: Redis is on this machine
     os.kill(own_redis.proc.pid, signal.SIGSTOP)

@@ -118,9 +118,11 @@ class AsyncClient:
         TaskRunner.enqueue (QueueFull after block_timeout, QueueClosed, NotJSONError...)."""
         fields = flow.fields(task, args, kwargs, priority, unique_for, unique_key, unique_until)
         canvas.refuse_bad_links(fields, delay, depends_on, on_success, on_failure)
-        draft = await self._run(steps.draft(self.app, task, args, kwargs, None, options, delay, job_id, headers,
-                                            fields))
-        created = await self._run(canvas.linked(self.app, draft, depends_on, on_success, on_failure, block_timeout))
+        what = f"enqueueing {task}"
+        draft = await self._run(steps.riding(self.app, steps.draft(self.app, task, args, kwargs, None, options, delay,
+                                                                   job_id, headers, fields), what))
+        created = await self._run(steps.riding(self.app, canvas.linked(self.app, draft, depends_on, on_success,
+                                                                       on_failure, block_timeout), what))
         return created if isinstance(created, str) else draft.id
 
     async def apply(self, workflow: Signature | Chain | Group | Chord) -> str | list[str]:
@@ -130,7 +132,7 @@ class AsyncClient:
         callback, the signature's job; a group's ids, in order."""
         if isinstance(workflow, Signature):
             workflow = Chain(workflow)
-        jobs = await self._run(workflow.enqueued())
+        jobs = await self._run(steps.riding(self.app, workflow.enqueued(), "enqueueing a workflow"))
         return [j.id for j in jobs] if isinstance(workflow, Group) else jobs[-1].id
 
     async def _pop(self, command: str, key: str, timeout: float) -> Any:

@@ -23,7 +23,7 @@ from taskrunner.config import Settings
 from taskrunner.errors import MAX_RETRIES, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.codec import count, seconds
-from taskrunner.protocol.connection import Client, Direct, connect, is_cluster
+from taskrunner.protocol.connection import Backoff, Client, Direct, connect, is_cluster
 from taskrunner.protocol.keys import Keys
 
 TIMEOUT_POLICIES = ("kill", "flag")
@@ -517,7 +517,7 @@ class TaskRunner:
         the settings to send (_fields' `sent`). A task declared here: its spec, all sent.
         Else only the options set are sent, and the queue, unless set, is the one workers
         declared for the task (else "default")."""
-        return steps.run(self, steps.job_spec(self, task, options))
+        return steps.ride(self, steps.job_spec(self, task, options), "enqueueing")
 
     def _spec_of(self, task: str, options: dict[str, Any]) -> tuple[JobSpec, list[str] | None]:
         """_job_spec() once the queue of a task not declared here is known (in options;
@@ -571,14 +571,15 @@ class TaskRunner:
             args = list(args)  # read twice: for the key, then for the job
         flow_fields = flow.fields(task, args, kwargs, priority, unique_for, unique_key, unique_until)
         canvas.refuse_bad_links(flow_fields, delay, depends_on, on_success, on_failure)
-        draft = steps.run(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id, headers,
-                                            flow_fields))
+        what = f"enqueueing {task}"
+        draft = steps.ride(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id, headers,
+                                             flow_fields), what)
         if self.settings.eager:
             canvas.check_callbacks(self, on_success, on_failure)
             steps.hooked(self, [draft])
             ran = eager.enqueue(self, draft.id, draft.fields, eager.parents_of(depends_on))
             return canvas.eager_callbacks(self, ran, on_success, on_failure)
-        created = steps.run(self, canvas.linked(self, draft, depends_on, on_success, on_failure, block_timeout))
+        created = steps.ride(self, canvas.linked(self, draft, depends_on, on_success, on_failure, block_timeout), what)
         if isinstance(created, str):  # a unique job's duplicate: the job that holds its key
             job = Job(self, created, draft.queue)
             job.created = False
@@ -620,38 +621,64 @@ class TaskRunner:
         job given (not its callbacks)."""
         out: list[Job] = []
         pending: list[tuple[str, str, float, list[Any]]] = []
-        # What Redis runs meanwhile: the batch, the jobs by queue, their ids in the order given, the count.
-        sent: tuple[scripts.Batch, dict[str, list[Any]], list[str], int] | None = None
+        # What Redis runs meanwhile: the batch, the jobs by queue, the other queues of their
+        # parents by queue, their ids in the order given, the count.
+        sent: tuple[scripts.Batch, dict[str, list[Any]], dict[str, set[str]], list[str], int] | None = None
         seen: dict[str, Job] = {}  # the jobs of this call by id, for depends_on
         unsent: dict[str, str] = {}  # id -> queue of those in `pending`
         parent_queues: dict[str, set[str]] = {}  # queue -> the other queues its pending jobs' parents are in
         callbacks: set[str] = set()  # ids of callbacks: they are not among the jobs answered
+
+        def batch_of(by_queue: dict[str, list[tuple[str, float, list[Any]]]], others: dict[str, set[str]],
+                     direct: Direct | None) -> scripts.Batch:
+            batch = scripts.Batch(self.redis, direct)
+            for queue, items in by_queue.items():
+                self._queue_enqueue(batch, queue, items, others.get(queue, ()))
+            if is_cluster(self.redis):  # elsewhere the script registers the queue
+                batch.pipe.sadd(self.keys.queues, *by_queue)
+            return batch
 
         def send() -> None:
             nonlocal sent
             by_queue: dict[str, list[tuple[str, float, list[Any]]]] = {}
             for queue, job_id, delay, fields in pending:
                 by_queue.setdefault(queue, []).append((job_id, delay, fields))
-            batch = scripts.Batch(self.redis, self._direct)
-            for queue, items in by_queue.items():
-                self._queue_enqueue(batch, queue, items, parent_queues.get(queue, ()))
-            if is_cluster(self.redis):  # elsewhere the script registers the queue
-                batch.pipe.sadd(self.keys.queues, *by_queue)
-            batch.send()
+            others = dict(parent_queues)
+            batch = batch_of(by_queue, others, self._direct)
+            try:
+                batch.send()
+            except steps.REDIS_ERRORS:
+                batch = batch_of(by_queue, others, None)  # settle() sends it, riding out the outage
             order = [job_id for _, job_id, _, _ in pending]
-            sent = batch, by_queue, order, len(pending) - len(callbacks & unsent.keys())
+            sent = batch, by_queue, others, order, len(pending) - len(callbacks & unsent.keys())
             pending.clear()
             unsent.clear()
             parent_queues.clear()
+
+        def answered(batch: scripts.Batch, by_queue: dict[str, list[tuple[str, float, list[Any]]]],
+                     others: dict[str, set[str]]) -> list[Any]:
+            """The chunk's answers, the chunk sent again while Redis is out (steps.riding
+            says why that is safe), up to enqueue_retry seconds."""
+            backoff = Backoff("enqueue_many", time.monotonic() + self.settings.enqueue_retry)
+            while True:
+                try:
+                    answers = batch.execute()
+                    backoff.ok()
+                    return answers
+                except steps.REDIS_ERRORS as e:
+                    if not self.settings.enqueue_retry or isinstance(e, steps.LASTING):
+                        raise
+                    time.sleep(backoff.after(e))
+                batch = batch_of(by_queue, others, None)  # a pipeline is spent once executed
 
         def settle() -> None:
             """Read the answers of the chunk sent: a refused job raises before another is sent."""
             nonlocal sent
             if sent is None:
                 return
-            batch, by_queue, order, count = sent
+            batch, by_queue, others, order, count = sent
             sent = None
-            results = iter(batch.execute())
+            results = iter(answered(batch, by_queue, others))
             answers = {q: next(results) for q in by_queue}
             refused = []
             made: dict[str, Job] = {}
@@ -685,7 +712,7 @@ class TaskRunner:
                 if pending:
                     send()
                     settle()
-                [created, *_] = steps.run(self, canvas.written(group, "job", tuple(sorted(queues))))
+                [created, *_] = steps.ride(self, canvas.written(group, "job", tuple(sorted(queues))), "enqueueing")
                 job = Job(self, draft.id, draft.queue)
                 job.created = created == 1
                 out.append(job)
@@ -713,7 +740,7 @@ class TaskRunner:
                         raise ValueError(canvas.NO_DELAY)
                     fields += ["parents", " ".join(f"{q} {i}" for q, i in links[0])]
                 group = steps.hooked(self, [draft] if links is None or self.settings.eager else [
-                    draft, *steps.run(self, canvas.callbacks(self, draft, links[1], links[2]))])
+                    draft, *steps.ride(self, canvas.callbacks(self, draft, links[1], links[2]), "enqueueing")])
             except (TaskRunnerError, ValueError, TypeError) as e:
                 settle()  # those sent are enqueued; say so: a run again would enqueue them twice
                 raise type(e)(f"job {n}: {e} ({len(out)} of the {n - 1} before it enqueued, none after)") from None
@@ -759,7 +786,7 @@ class TaskRunner:
         args = spec.get("args") or []
         extra = flow.fields(task, args, spec.get("kwargs"), spec.get("priority"), spec.get("unique_for"),
                             spec.get("unique_key"), spec.get("unique_until"))
-        job = job.merged(queue=steps.run(self, steps.placed(self, task, job, extra, spec.get("id"))))
+        job = job.merged(queue=steps.ride(self, steps.placed(self, task, job, extra, spec.get("id")), "enqueueing"))
         fields, unhooked = self._checked(task, args, spec.get("kwargs"), job, sent, spec.get("headers"),
                                          job_id=job_id)
         return steps.Draft(job_id, job.queue, delay, fields + extra, unhooked)
@@ -781,7 +808,7 @@ class TaskRunner:
             if self.settings.eager:
                 parents = [(j.queue, j.id) for j in eager.parents_of(here) or ()]
             else:
-                parents = steps.run(self, steps.parents(self, here))
+                parents = steps.ride(self, steps.parents(self, here), "enqueueing")
         return parents, self.callback_of(on_success, "on_success"), self.callback_of(on_failure, "on_failure")
 
     def callback_of(self, value: Any, what: str) -> Signature | None:

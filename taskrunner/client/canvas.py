@@ -116,7 +116,7 @@ class Chain:
         if app.settings.eager:
             drafts = steps.run(app, make_drafts(app, self.steps, 1))
             return eager.chain(app, [(d.id, d.fields) for d in drafts], [s.immutable for s in self.steps])
-        return steps.run(app, self.enqueued())[-1]
+        return steps.ride(app, self.enqueued(), "enqueueing a chain")[-1]
 
     def enqueued(self) -> steps.Steps[list[Job]]:
         """Enqueue every step, as an operation (steps.py: apply_async runs it, and so does
@@ -155,7 +155,7 @@ class Group:
         if app.settings.eager:
             drafts = steps.run(app, make_drafts(app, self.members))
             return GroupJob([eager.enqueue(app, d.id, d.fields) for d in drafts])
-        return GroupJob(steps.run(app, self.enqueued()))
+        return GroupJob(steps.ride(app, self.enqueued(), "enqueueing a group"))
 
     def enqueued(self) -> steps.Steps[list[Job]]:
         """Enqueue every member, as an operation (as Chain.enqueued); their Jobs, in order."""
@@ -210,7 +210,7 @@ class Chord:
             done: list[Job] = [eager.enqueue(app, d.id, d.fields) for d in members]
             return eager.chord(app, (callback.id, callback.fields), done, self.body.immutable,
                                self.on_member_failure == "continue")
-        return steps.run(app, self.enqueued())[-1]
+        return steps.ride(app, self.enqueued(), "enqueueing a chord")[-1]
 
     def enqueued(self) -> steps.Steps[list[Job]]:
         """Enqueue the members and the callback, as an operation (as Chain.enqueued); their
@@ -363,7 +363,9 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
     drafts = []
     for job_id, delay, fields in jobs:
         named = dict(zip(fields[0::2], fields[1::2]))
-        drafts.append(steps.Draft(job_id, str(named.get("queue", queue)), delay, fields))
+        # A copy: the fields added below must not reach the caller's, which sends them again
+        # when this call fails midway (steps.riding: a Redis outage) and runs it again.
+        drafts.append(steps.Draft(job_id, str(named.get("queue", queue)), delay, list(fields)))
     mine = {(d.queue, d.id) for d in drafts}
     level: dict[tuple[str, str], int] = {}
     cross: dict[tuple[str, str], list[str]] = {}  # parent -> its children in other queues, "<queue> <id> <takes>"

@@ -30,6 +30,9 @@ T = TypeVar("T")
 #: Errors of Redis (down, failing over, a cluster without a node for a slot): thrown into
 #: the operation, which backs off and goes on where that is safe.
 REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+#: Errors redis-py counts as connection errors that a wait does not end (a wrong or missing
+#: password): a producer's enqueue raises them at once rather than riding them out (riding).
+LASTING = (redis.AuthenticationError,)
 
 #: Seconds between a waiter's looks at the job's state while no notification came: one
 #: lost with a Redis restart or failover would otherwise leave it waiting forever.
@@ -115,6 +118,48 @@ def run(app: TaskRunner, steps: Steps[T]) -> T:
             answer, error = _answer(app, request), None
         except Exception as e:
             answer, error = None, e
+
+
+def riding(app: TaskRunner, operation: Steps[T], what: str) -> Steps[T]:
+    """A producer's operation (an enqueue of a job, a batch, a workflow) that rides out a
+    Redis outage (connection.transient(): down, restarting, failing over): a request
+    that met such an error is sent again, backing off (connection.Backoff), until
+    enqueue_retry seconds after the outage's first error; then, or at once for any
+    other error (LASTING ones too), the error goes to the operation as run() would give it. Sending again is
+    safe: the job ids were made before (draft), reads change nothing, and enqueue.lua
+    adds nothing for an id that exists, answering 0, so a try whose answer was lost
+    after it ran adds no second job (the Job's .created is then False). `what` names
+    the operation in the warning logged once per outage."""
+    bound = app.settings.enqueue_retry
+    answer: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            request = operation.send(answer) if error is None else operation.throw(error)
+        except StopIteration as done:
+            return done.value
+        backoff = None
+        while True:
+            try:
+                answer, error = (yield request), None
+                if backoff is not None:
+                    backoff.ok()
+                break
+            except Exception as e:
+                answer, error = None, e
+                if not (bound and isinstance(e, REDIS_ERRORS)) or isinstance(e, LASTING):
+                    break
+                backoff = backoff or Backoff(what, time.monotonic() + bound)
+                try:
+                    pause = backoff.after(e)  # raises e where it is not to be ridden out
+                except REDIS_ERRORS:
+                    break
+            yield Sleep(pause)
+
+
+def ride(app: TaskRunner, operation: Steps[T], what: str) -> T:
+    """run() a producer's operation, riding out a Redis outage (riding())."""
+    return run(app, riding(app, operation, what))
 
 
 def _answer(app: TaskRunner, r: Request) -> Any:

@@ -880,7 +880,8 @@ class Backoff:
         if self.deadline is not None and time.monotonic() + self.pause >= self.deadline:
             raise error
         if self.pause == 0.1:
-            log.warning("%s: Redis unavailable (%s); trying again until it answers", self.what, error)
+            bound = "" if self.deadline is None else f" (for {round(self.deadline - time.monotonic(), 1):g}s at most)"
+            log.warning("%s: Redis unavailable (%s); trying again until it answers%s", self.what, error, bound)
         return self.pause
 
     def ok(self) -> None:

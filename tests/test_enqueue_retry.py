@@ -1,0 +1,329 @@
+"""A producer's enqueue rides out a Redis outage for enqueue_retry seconds (steps.riding):
+a job, a batch, a workflow issued while Redis is down lands once Redis is back, exactly
+once, even when a try ran but its answer was lost; past the bound, or with it 0, the
+Redis error is raised as before."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import select
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from taskrunner.client import canvas
+from taskrunner.client.aio import AsyncClient
+from taskrunner.errors import BadArguments, QueueClosed
+from taskrunner.ops.redis_server import RedisServer
+from tests import apps
+from tests.conftest import ROOT, Stack, kill_groups, wait_for
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    server = RedisServer(tmp_path, appendonly=True, appendfsync="always").start()
+    yield server
+    server.stop()
+
+
+class Warnings(logging.Handler):
+    """The taskrunner logger's warnings, as they come."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def outages(self) -> int:
+        return sum("Redis unavailable" in line for line in self.lines)
+
+
+@pytest.fixture
+def warnings() -> Iterator[Warnings]:
+    log = logging.getLogger("taskrunner")
+    handler, level = Warnings(), log.level
+    log.addHandler(handler)
+    log.setLevel(min(level or logging.WARNING, logging.WARNING))
+    yield handler
+    log.removeHandler(handler)
+    log.setLevel(level)
+
+
+class Background:
+    """fn() in a thread: its value or its error, once it returned."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.value = fn()
+        except BaseException as e:
+            self.error = e
+
+    def result(self, timeout: float = 60) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "still running"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def during_outage(server: RedisServer, warnings: Warnings, fn: Callable[[], Any]) -> Any:
+    """fn()'s value, fn called while `server` is stopped and the server started again once
+    fn said (its one warning) that it waits for Redis."""
+    server.stop()
+    call = Background(fn)
+    wait_for(lambda: warnings.outages() or not call.thread.is_alive(), what="the enqueue to wait for Redis")
+    server.start()
+    value = call.result()
+    assert warnings.outages() == 1  # one warning per outage
+    return value
+
+
+def produced(app: Any, queue: str = "default") -> int:
+    return int(app.redis.hget(app.keys.q(queue) + "meta", "produced_messages") or 0)
+
+
+def test_an_enqueue_while_redis_is_down_lands_once_it_is_back_and_runs(app, own_redis, warnings):
+    app.configure(redis_url=own_redis.url, enqueue_retry=60)
+    assert apps.add.delay(1, 1).created  # the client and its fast path connected already
+    job = during_outage(own_redis, warnings, lambda: apps.add.delay(2, 3))
+    assert job.created and produced(app) == 2
+    stack = Stack(app, own_redis.url)
+    try:
+        stack.worker()
+        assert job.wait(30) == 5
+    finally:
+        stack.stop()
+    assert produced(app) == 2  # exactly once
+
+
+def test_enqueue_many_and_a_chain_ride_out_a_restart(app, own_redis, warnings):
+    app.configure(redis_url=own_redis.url, enqueue_retry=60)
+    apps.add.delay(0, 0)
+    jobs = during_outage(own_redis, warnings,
+                         lambda: app.enqueue_many({"task": "tests.apps.add", "args": [i, 1]} for i in range(5)))
+    assert [j.created for j in jobs] == [True] * 5
+    warnings.lines.clear()
+    last = during_outage(own_redis, warnings, lambda: (apps.add.s(1, 2) | apps.add.s(10)).delay())
+    assert produced(app) == 1 + 5 + 2
+    stack = Stack(app, own_redis.url)
+    try:
+        stack.worker()
+        assert [j.wait(30) for j in jobs] == [1, 2, 3, 4, 5]
+        assert last.wait(30) == 13
+    finally:
+        stack.stop()
+
+
+def test_the_asyncio_client_rides_out_a_restart(app, own_redis, warnings):
+    app.configure(redis_url=own_redis.url, enqueue_retry=60)
+
+    async def enqueue() -> str:
+        client = AsyncClient(app)
+        try:
+            return await client.enqueue("tests.apps.add", [4, 4])
+        finally:
+            await client.close()
+
+    job_id = during_outage(own_redis, warnings, lambda: asyncio.run(enqueue()))
+    assert app.job(job_id).to_dict()["args"] == [4, 4] and produced(app) == 1
+
+
+@pytest.mark.parametrize("bound", [0, 0.5])
+def test_past_the_bound_the_redis_error_is_raised(app, own_redis, warnings, bound):
+    """With the bound 0 at once, with no warning; else once the bound passed (Redis stays
+    down), after one warning. The error is redis-py's, as it was before retries."""
+    app.configure(redis_url=own_redis.url, enqueue_retry=bound)
+    apps.add.delay(0, 0)
+    own_redis.stop()
+    with pytest.raises(redis.ConnectionError):
+        apps.add.delay(1, 1)
+    with pytest.raises(redis.ConnectionError):
+        app.enqueue_many([{"task": "tests.apps.add", "args": [1, 1]}])
+    assert warnings.outages() == (0 if bound == 0 else 2)
+
+
+def test_other_errors_are_raised_at_once(app, own_redis, warnings):
+    """Only Redis's passing errors are ridden out: a closed queue, or arguments refused
+    while Redis is down (the queue's shard count cached by the enqueue before), raise at
+    once, with no warning."""
+    app.configure(redis_url=own_redis.url, enqueue_retry=60)
+    app.redis.hset(app.keys.q("shut") + "meta", "closed", "1")
+    with pytest.raises(QueueClosed):
+        apps.add.apply_async([1, 1], queue="shut")
+    apps.add.delay(0, 0)
+    own_redis.stop()
+    with pytest.raises(BadArguments):
+        apps.add.delay(1, 2, 3)
+    assert warnings.outages() == 0
+
+
+def test_a_wrong_password_is_raised_at_once(app, own_redis, warnings):
+    """redis-py counts it a connection error, but waiting does not end it."""
+    with redis.Redis(unix_socket_path=str(own_redis.socket)) as admin:
+        admin.config_set("requirepass", "sesame")
+    app.configure(redis_url=f"{own_redis.url}?password=wrong", enqueue_retry=60)
+    with pytest.raises(redis.AuthenticationError):
+        apps.add.delay(1, 1)
+    with pytest.raises(redis.AuthenticationError):
+        app.enqueue_many([{"task": "tests.apps.add", "args": [1, 1]}])
+    assert warnings.outages() == 0
+
+
+class LossyProxy:
+    """A TCP proxy to a Redis unix socket that, once armed, forwards the next script call
+    (FCALL, EVALSHA) and then drops its connection instead of forwarding the answer: the
+    script ran, the client never hears. It then drops every other connection and refuses
+    new ones until heal(), so that redis-py's own quick retries fail too."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.armed = False
+        self.dropped = threading.Event()
+        self.refusing = False
+        self.stopping = False
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def heal(self) -> None:
+        self.refusing = False
+
+    def _accept(self) -> None:
+        while not self.stopping:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.refusing:
+                client.close()
+                continue
+            t = threading.Thread(target=self._pump, args=(client,), daemon=True)
+            self.threads.append(t)
+            t.start()
+
+    def _pump(self, client: socket.socket) -> None:
+        server = socket.socket(socket.AF_UNIX)
+        server.connect(self.target)
+        owed = False  # a script call went through: drop its answer
+        try:
+            while not self.stopping:
+                ready, _, _ = select.select([client, server], [], [], 0.2)
+                for s in ready:
+                    if self.refusing and not owed:  # Redis "went away": every connection drops
+                        return
+                    data = s.recv(65536)
+                    if not data:
+                        return
+                    if s is client:
+                        if self.armed and (b"FCALL" in data.upper() or b"EVALSHA" in data.upper()):
+                            self.armed, owed, self.refusing = False, True, True
+                        server.sendall(data)
+                    elif owed:
+                        self.dropped.set()
+                        return
+                    else:
+                        client.sendall(data)
+        finally:
+            client.close()
+            server.close()
+
+    def close(self) -> None:
+        self.stopping = True
+        self.listener.close()
+        for t in self.threads:
+            t.join(5)
+
+
+@pytest.fixture
+def proxy(own_redis) -> Iterator[LossyProxy]:
+    p = LossyProxy(str(own_redis.socket))
+    yield p
+    p.close()
+
+
+def lost_answer(proxy: LossyProxy, warnings: Warnings, fn: Callable[[], Any]) -> Any:
+    """fn()'s value, its first script call run but its answer lost, and Redis unreachable
+    until fn said it waits for it."""
+    proxy.armed = True
+    call = Background(fn)
+    wait_for(lambda: warnings.outages() or not call.thread.is_alive(), what="the enqueue to wait for Redis")
+    assert proxy.dropped.is_set()
+    proxy.heal()
+    return call.result()
+
+
+@pytest.mark.parametrize("how", ["job", "unique job", "batch", "chain", "callbacks"])
+def test_a_retry_after_a_try_that_landed_adds_nothing(app, own_redis, proxy, warnings, how):
+    """The answer of a try that ran is lost (the connection dropped after the script ran):
+    the retry finds the job(s) there, adds none, refuses nothing, and returns the same ids;
+    produced_messages counts each job once, a unique job counts no duplicate."""
+    app.configure(redis_url=proxy.url, enqueue_retry=60)
+    apps.add.delay(0, 0)  # connected
+    before = produced(app)
+    if how == "job":
+        jobs = [lost_answer(proxy, warnings, lambda: apps.add.apply_async([1, 2], job_id="j1"))]
+    elif how == "unique job":
+        jobs = [lost_answer(proxy, warnings, lambda: apps.add.apply_async([1, 2], job_id="u1", unique_key="k"))]
+        assert app.redis.hget(app.keys.q("default") + "meta", "duplicates|tests.apps.add") is None
+    elif how == "batch":
+        jobs = lost_answer(proxy, warnings, lambda: app.enqueue_many(
+            {"task": "tests.apps.add", "args": [i, 1], "id": f"b{i}"} for i in range(3)))
+    elif how == "chain":
+        sigs = [apps.add.s(1, 2).set(job_id="c1"), apps.add.s(10).set(job_id="c2")]
+        last = lost_answer(proxy, warnings, lambda: canvas.Chain(*sigs).apply_async())
+        jobs = [app.job("c1"), last]
+    else:
+        jobs = [lost_answer(proxy, warnings, lambda: apps.add.apply_async(
+            [1, 2], job_id="p1", on_success=apps.add.s(5).set(job_id="p2")))]
+    ids = {"job": ["j1"], "unique job": ["u1"], "batch": ["b0", "b1", "b2"], "chain": ["c1", "c2"],
+           "callbacks": ["p1"]}[how]
+    assert [j.id for j in jobs] == ids
+    expected = {"job": 1, "unique job": 1, "batch": 3, "chain": 2, "callbacks": 2}[how]
+    assert produced(app) == before + expected  # each job once
+    pending = app.redis.lrange(app.keys.q("default") + "pending", 0, -1)
+    assert len(pending) == len(set(pending))
+
+
+def test_the_cli_rides_out_a_restart_and_past_the_bound_fails_in_one_line(app, own_redis):
+    """`taskrunner enqueue` started while Redis is down prints the id once Redis is back;
+    with Redis down past TASKRUNNER_ENQUEUE_RETRY it ends with one error line, exit 1."""
+    app.configure(redis_url=own_redis.url)
+    env = {**Stack(app, own_redis.url).env, "TASKRUNNER_ENQUEUE_RETRY": "60"}
+    command = [sys.executable, "-m", "taskrunner", "enqueue", "tests.apps.add", "-A", "tests.apps", "--args", "[1, 2]"]
+    own_redis.stop()
+    p = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        warning = p.stderr.readline()  # once it waits (or "" had it exited)
+        assert "Redis unavailable" in warning and "60s at most" in warning, warning
+        own_redis.start()
+        out, err = p.communicate(timeout=60)
+    finally:
+        kill_groups([p])
+    assert p.returncode == 0 and err == "", err
+    assert app.job(out.strip()).to_dict()["args"] == [1, 2] and produced(app) == 1
+    own_redis.stop()
+    r = subprocess.run(command, cwd=ROOT, env={**env, "TASKRUNNER_ENQUEUE_RETRY": "0.3"}, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == "", r
+    assert r.stderr.splitlines()[-1].startswith("Error: cannot reach Redis at unix://"), r.stderr
+    assert [line.startswith("Error:") for line in r.stderr.splitlines()] == [False, True], r.stderr  # the warning
