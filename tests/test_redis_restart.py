@@ -221,3 +221,37 @@ def test_batch_sent_ahead_is_sent_again_when_its_answers_are_lost(app):
     assert batch.execute() == [[1] * 50]  # sent again: every job created once, by this call
     assert _pending(app) == set(ids)
     assert apps.add.delay(1, 2).id in _pending(app)  # the fast path reconnects
+
+
+def _read_until(p: subprocess.Popen, lines: list[str], cond, what: str) -> None:
+    """Read the process's output into `lines` until cond(lines) holds."""
+    wait_for(lambda: lines.append(p.stdout.readline()) or cond(lines), what=what)
+
+
+def test_an_outage_is_one_warning_and_one_line_when_redis_is_back(app, own_redis):
+    """Each process says once that Redis is unavailable and once that it answers again; the
+    tries between are debug lines. A worker logged a warning at every try (every heartbeat),
+    a dispatcher every 5 s, for as long as Redis was down, and neither said it was back."""
+    app.configure(redis_url=own_redis.url)
+    stack = Stack(app, own_redis.url)
+    try:
+        procs = {"worker": stack.spawn("worker", "-A", "tests.apps", "-c", "1", "--log-level", "debug"),
+                 "dispatcher": stack.spawn("dispatcher", "-A", "tests.apps", "--log-level", "debug")}
+        seen: dict[str, list[str]] = {name: [] for name in procs}
+        for name, p in procs.items():
+            _read_until(p, seen[name], lambda lines, name=name: f"INFO {name}" in lines[-1], f"the {name} started")
+        own_redis.stop()
+        for name, p in procs.items():
+            lines = seen[name] = []
+            _read_until(p, lines, lambda lines: sum("unavailable" in line for line in lines) >= 4,
+                        f"the {name} to try Redis 4 times")
+            warned = [line for line in lines if " WARNING " in line and "unavailable" in line]
+            assert len(warned) == 1, warned
+        own_redis.start()
+        for name, p in procs.items():
+            lines = seen[name] = []
+            _read_until(p, lines, lambda lines: "Redis answers again" in lines[-1], f"the {name} to see Redis back")
+            assert not [line for line in lines if " WARNING " in line], lines
+        assert apps.add.apply_async([1, 1], delay=0.2).wait(30) == 2  # both at work again
+    finally:
+        stack.stop()

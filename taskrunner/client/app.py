@@ -23,7 +23,7 @@ from taskrunner.config import Settings
 from taskrunner.errors import MAX_RETRIES, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.codec import count, seconds
-from taskrunner.protocol.connection import Backoff, Client, Direct, connect, is_cluster
+from taskrunner.protocol.connection import Backoff, Client, Direct, Outage, connect, is_cluster
 from taskrunner.protocol.keys import Keys
 
 TIMEOUT_POLICIES = ("kill", "flag")
@@ -313,13 +313,15 @@ class TaskRunner:
         """The client, once it can be made: a Redis Cluster client asks a node for the
         slots layout at once, and a worker or dispatcher started before its Redis (a host
         booting) must wait for it, not exit. Backs off up to 5 s between tries."""
-        pause = 0.0
+        pause, outage = 0.0, Outage(who)
         while True:
             try:
-                return self.redis
+                client = self.redis
+                outage.ok()
+                return client
             except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
                 pause = min(max(pause * 2, 0.2), 5.0)
-                log.warning("%s: Redis unavailable (%s); retrying in %.1fs", who, e, pause)
+                outage.failed(e, pause)
                 time.sleep(pause)
 
     def configure(self, **overrides: Any) -> None:

@@ -27,7 +27,7 @@ from taskrunner.ops import compact, schedules
 from taskrunner.ops.history import CAP, WARN_BACKLOG, Archiver, backlog, cap
 from taskrunner.ops.listing import DISPATCHER_FORGET
 from taskrunner.protocol import codec, joins, scripts
-from taskrunner.protocol.connection import server_time
+from taskrunner.protocol.connection import Outage, server_time
 from taskrunner.protocol.holders import (
     Held,
     Holding,
@@ -81,6 +81,7 @@ class Dispatcher:
         log.info("dispatcher %s: every %.2fs, %d schedules", self.name, self.s.dispatch_interval,
                  len(self.app.schedules))
         backoff = 0.0
+        outage = Outage(f"dispatcher {self.name}", log)
         published = False  # Redis may be down or still loading its AOF: wait for it, as later on
         while not self.stop_event.is_set():
             started = self.looped_at = time.monotonic()
@@ -90,10 +91,11 @@ class Dispatcher:
                     published = True
                 self.run_once()
                 backoff = 0.0
+                outage.ok()
             except _REDIS_ERRORS as e:
                 self.heard_since = None
                 backoff = min(max(backoff * 2, 0.2), 5.0)
-                log.warning("dispatcher %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, backoff)
+                outage.failed(e, backoff)
             except Exception:  # a record no check foresaw must not stop requeueing for every queue
                 backoff = min(max(backoff * 2, 0.2), 5.0)
                 log.exception("dispatcher %s: pass failed; retrying in %.1fs", self.name, backoff)

@@ -861,15 +861,42 @@ def transient(e: BaseException) -> bool:
                                       and str(e).startswith(("UNBLOCKED", "MASTERDOWN", "BUSY ")))
 
 
+class Outage:
+    """How a process that rides out a Redis outage says so: one warning when Redis stops
+    answering, the tries after it at debug level, and one line when it answers again. A
+    line per try filled a worker's log with one every heartbeat for as long as Redis was
+    down, and hid when it came back."""
+
+    def __init__(self, what: str, logger: logging.Logger = log) -> None:
+        self.what, self.log = what, logger
+        self.since: float | None = None  # when this outage began (monotonic); None: Redis answers
+
+    def failed(self, error: BaseException, pause: float, bound: str = "") -> None:
+        """A try failed with `error`; the next comes in `pause` seconds (`bound`: how long
+        the tries go on, said in the warning)."""
+        if self.since is None:
+            self.since = time.monotonic()
+            self.log.warning("%s: Redis unavailable (%s); trying again until it answers%s", self.what, error, bound)
+        else:
+            self.log.debug("%s: Redis still unavailable (%s); retrying in %.1fs", self.what, error, pause)
+
+    def ok(self) -> None:
+        """A try went through."""
+        if self.since is not None:
+            self.log.info("%s: Redis answers again (unavailable for %.1fs)", self.what, time.monotonic() - self.since)
+            self.since = None
+
+
 class Backoff:
     """The pauses of a waiter whose Redis failed (transient()): 0.1 s doubling up to 2 s,
     so that a restart is noticed soon after it ends, without hammering a Redis that is
-    down; one warning per outage. A wait with a deadline gives up (raises the error)
+    down; one warning per outage (Outage). A wait with a deadline gives up (raises the error)
     when the next try would come after it: the job's state is then unknown."""
 
     def __init__(self, what: str, deadline: float | None) -> None:
         self.what, self.deadline = what, deadline
         self.pause = 0.0
+        self.outage = Outage(what)
 
     def after(self, error: BaseException) -> float:
         """Seconds to pause before the next try; raises `error` where that is not for
@@ -879,14 +906,12 @@ class Backoff:
         self.pause = min(max(self.pause * 2, 0.1), 2.0)
         if self.deadline is not None and time.monotonic() + self.pause >= self.deadline:
             raise error
-        if self.pause == 0.1:
-            bound = "" if self.deadline is None else f" (for {round(self.deadline - time.monotonic(), 1):g}s at most)"
-            log.warning("%s: Redis unavailable (%s); trying again until it answers%s", self.what, error, bound)
+        bound = "" if self.deadline is None else f" (for {round(self.deadline - time.monotonic(), 1):g}s at most)"
+        self.outage.failed(error, self.pause, bound)
         return self.pause
 
     def ok(self) -> None:
-        if self.pause:
-            log.info("%s: Redis answers again", self.what)
+        self.outage.ok()
         self.pause = 0.0
 
 

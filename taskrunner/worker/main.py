@@ -39,6 +39,7 @@ from taskrunner.protocol.connection import (
     Blocker,
     Channel,
     ClusterChannel,
+    Outage,
     blockers_on,
     give_back_in,
     is_cluster,
@@ -134,6 +135,7 @@ class Worker:
         self.next_declare = 0.0  # when to put back declarations that went missing
         self.redis_ok_at = 0.0  # after a Redis error, talk to it again from this time
         self.backoff = 0.0
+        self.outage = Outage(f"worker {self.name}", log)
         self.wakes: list[Blocker] = []
         self.gifts: list[str] = []  # wake lists owed a token back, by the next sync (_give_back)
         self._served(self.served.counts)
@@ -171,8 +173,9 @@ class Worker:
                 break
             except _REDIS_ERRORS as e:
                 backoff = min(max(backoff * 2, 0.2), 5.0)
-                log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, backoff)
+                self.outage.failed(e, backoff)
                 time.sleep(backoff)
+        self.outage.ok()
         # Signals interrupt our select through this socket (select itself is restarted).
         self._wakeup, wakeup_w = socket.socketpair()
         for s in (self._wakeup, wakeup_w):
@@ -301,6 +304,7 @@ class Worker:
                     self._sync()
                 self._arm()
                 self.backoff = 0.0
+                self.outage.ok()
             except _REDIS_ERRORS as e:
                 self._redis_failed(e)
         quiet = self._quiet()  # as things stand now
@@ -334,7 +338,7 @@ class Worker:
             self.outbox.failed()
         for b in (self.ctl, *self.wakes):
             b.reset()
-        log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", self.name, e, self.backoff)
+        self.outage.failed(e, self.backoff)
 
     def _quiet(self) -> list[Child]:
         return policy.quiet(self.crew.children, self.crew.runtime, self._depth(), self.stopping)
