@@ -195,9 +195,9 @@ def _undeclared(app: TaskRunner, app_spec: str | None, tasks: list[str]) -> list
                                 if steps.ride(app, steps.declared(app, t), f"enqueueing {t}") is None]
 
 
-def _warn_undeclared(task: str, queues: list[str]) -> None:
+def _warn_undeclared(task: str, queues: list[str], done: str = "enqueued into") -> None:
     click.echo(f"warning: no worker has declared task {task!r} (a typo, or none of its workers started yet): "
-               f"enqueued into {', '.join(sorted(set(queues)))} with default settings", err=True)
+               f"{done} {', '.join(sorted(set(queues)))} with default settings", err=True)
 
 
 @main.command()
@@ -691,7 +691,8 @@ def schedule() -> None:
               "daylight-saving change fires once, shifted by the gap; one in a repeated hour fires once.")
 @click.option("--args", "args_json", metavar="JSON", help="JSON array of arguments.")
 @click.option("--kwargs", "kwargs_json", metavar="JSON", help="JSON object of keyword arguments.")
-@click.option("-q", "--queue", "queue_name", default="default", show_default=True)
+@click.option("-q", "--queue", "queue_name", help="Queue of its jobs (default: the task's, from -A APP, else as its "
+              "workers declared it, else 'default').")
 @click.option("--jitter", type=Finite(0, 86400, max_open=True), default=0.0, show_default=True,
               help="Delay each tick's job by up to this many seconds (spreads load; the same on every dispatcher).")
 @click.option("--overlap", type=click.Choice(["allow", "skip"]), default="allow", show_default=True,
@@ -700,16 +701,22 @@ def schedule() -> None:
               help="After a time without dispatchers: once fires the latest missed tick, skip none.")
 @common
 def schedule_add(name: str, task: str, cron: str | None, every: str | None, tz: str | None, args_json: str | None,
-                 kwargs_json: str | None, queue_name: str, jitter: float, overlap: str, missed: str,
+                 kwargs_json: str | None, queue_name: str | None, jitter: float, overlap: str, missed: str,
                  app_spec: str | None, redis_url: str | None) -> None:
-    """Add schedule NAME, enqueueing TASK at each tick (or replace the one of that name)."""
+    """Add schedule NAME, enqueueing TASK at each tick (or replace the one of that name).
+    With -A, a task APP does not declare is an error (exit 2); without, a name no worker
+    declared is added with a warning on stderr, as `enqueue` does."""
     from taskrunner.ops import schedules
 
-    s = schedules.add(_app(app_spec, redis_url), name, task, cron=cron, every=every, tz=tz,
+    app = _app(app_spec, redis_url)
+    undeclared = _undeclared(app, app_spec, [task])
+    s = schedules.add(app, name, task, cron=cron, every=every, tz=tz,
                       args=_json_arg(args_json, list, "--args"), kwargs=_json_arg(kwargs_json, dict, "--kwargs"),
                       queue=queue_name, jitter=jitter, overlap=overlap, missed=missed)
     when = f"every {s.every} s" if s.every else f"cron {s.cron!r} ({s.tz or 'UTC'})"
-    click.echo(f"schedule {name}: {task} on queue {queue_name}, {when}")
+    click.echo(f"schedule {name}: {task} on queue {s.queue}, {when}")
+    if undeclared:
+        _warn_undeclared(task, [s.queue], "its jobs go to")
 
 
 @schedule.command("list")

@@ -13,6 +13,7 @@ import pytest
 
 from dashboard import create_app
 from taskrunner import TaskRunner
+from taskrunner.client import declarations
 from taskrunner.client.app import Schedule
 from taskrunner.ops import queue, schedules
 from taskrunner.ops.dispatcher import Dispatcher
@@ -221,6 +222,26 @@ def test_bad_schedules_are_refused_in_one_line(app, stack, args, error):
     errors = [line for line in r.stderr.splitlines() if line.startswith("Error")]
     assert r.returncode == 2 and len(errors) == 1 and error in errors[0] and "Traceback" not in r.stderr, r.stderr
     assert app.redis.hlen(app.keys.g + "schedules:defs") == 0
+
+
+def test_a_runtime_schedule_fires_into_its_tasks_queue_unless_told(app, stack):
+    """`schedule add` without -q filed every schedule under queue default, whatever its
+    task's queue: the ticks of a task of queue high, whose workers serve high alone, were
+    never run (enqueue, run-now and a code schedule go by the task's queue). Like enqueue,
+    it takes the queue from -A, else from the workers' declarations, and warns of a task no
+    worker declared."""
+    r = stack.cli("schedule", "add", "a", "tests.apps.high", "--every", "60s", "--args", '["k"]', "-A", "tests.apps")
+    assert r.returncode == 0 and "on queue high" in r.stdout, r.stdout + r.stderr
+    declarations.publish(app, ["default"], "w1", 0.0)  # what a worker of tests.apps publishes
+    r = stack.cli("schedule", "add", "b", "tests.apps.high", "--every", "60s", "--args", '["k"]')
+    assert r.returncode == 0 and "on queue high" in r.stdout and not r.stderr, r.stdout + r.stderr
+    r = stack.cli("schedule", "add", "c", "tests.apps.high", "--every", "60s", "--args", '["k"]', "-q", "other")
+    assert r.returncode == 0 and "on queue other" in r.stdout, r.stdout + r.stderr
+    r = stack.cli("schedule", "add", "d", "tests.apps.nobody", "--every", "60s")
+    assert r.returncode == 0 and "on queue default" in r.stdout and "no worker has declared task" in r.stderr
+    listed = json.loads(stack.cli("schedule", "list", "--json", check=True).stdout)
+    assert {s["name"]: s["queue"] for s in listed} == {"a": "high", "b": "high", "c": "other", "d": "default"}
+    assert app.job(stack.cli("schedule", "run-now", "b", check=True).stdout.strip()).queue == "high"
 
 
 def test_unknown_and_code_schedules(app, stack):

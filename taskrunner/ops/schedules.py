@@ -124,12 +124,14 @@ def effective(app: TaskRunner) -> tuple[list[Schedule], set[str]]:
 
 
 def add(app: TaskRunner, name: str, task: str, *, cron: str | None = None, every: str | int | None = None,
-        tz: str | None = None, args: list | None = None, kwargs: dict | None = None, queue: str = "default",
+        tz: str | None = None, args: list | None = None, kwargs: dict | None = None, queue: str | None = None,
         jitter: float = 0.0, overlap: str = "allow", missed: str = "once") -> Schedule:
-    """Add (or replace) a runtime schedule; checked here, so the dispatcher never meets a bad one."""
+    """Add (or replace) a runtime schedule; checked here, so the dispatcher never meets a bad one.
+    `queue` None: the task's, as an enqueue without one takes it (declared here, else by its
+    workers, else "default"), looked up now: the schedule keeps it."""
     codec.check_name("schedule", name)
     codec.check_name("task", task)
-    codec.check_name("queue", queue)
+    queue = codec.check_name("queue", queue) if queue is not None else app._job_spec(task, {})[0].queue
     codec.check_id(cron_job_id(name, 2**40))
     if cron is None and every is None:
         raise ValueError("give a schedule a cron expression or an interval (every): it has neither")
