@@ -231,7 +231,8 @@ def _read_until(p: subprocess.Popen, lines: list[str], cond, what: str) -> None:
 def test_an_outage_is_one_warning_and_one_line_when_redis_is_back(app, own_redis):
     """Each process says once that Redis is unavailable and once that it answers again; the
     tries between are debug lines. A worker logged a warning at every try (every heartbeat),
-    a dispatcher every 5 s, for as long as Redis was down, and neither said it was back."""
+    a dispatcher every 5 s, for as long as Redis was down, and neither said it was back; then
+    the worker's first sync after it warned again, on its own connection from before."""
     app.configure(redis_url=own_redis.url)
     stack = Stack(app, own_redis.url)
     try:
@@ -240,6 +241,7 @@ def test_an_outage_is_one_warning_and_one_line_when_redis_is_back(app, own_redis
         seen: dict[str, list[str]] = {name: [] for name in procs}
         for name, p in procs.items():
             _read_until(p, seen[name], lambda lines, name=name: f"INFO {name}" in lines[-1], f"the {name} started")
+        assert apps.add.delay(1, 1).wait(30) == 2  # the worker's connections are open
         own_redis.stop()
         for name, p in procs.items():
             lines = seen[name] = []
@@ -251,7 +253,11 @@ def test_an_outage_is_one_warning_and_one_line_when_redis_is_back(app, own_redis
         for name, p in procs.items():
             lines = seen[name] = []
             _read_until(p, lines, lambda lines: "Redis answers again" in lines[-1], f"the {name} to see Redis back")
-            assert not [line for line in lines if " WARNING " in line], lines
         assert apps.add.apply_async([1, 1], delay=0.2).wait(30) == 2  # both at work again
+        for name, p in procs.items():  # without another warning: a connection left from before the outage
+            p.send_signal(signal.SIGTERM)  # failed at its first use (the worker's syncs), and said so
+            assert p.wait(60) == 0
+            rest = seen[name] + p.stdout.readlines()
+            assert not [line for line in rest if " WARNING " in line], rest
     finally:
         stack.stop()

@@ -329,9 +329,9 @@ class Worker:
         self.backoff = min(max(self.backoff * 2, 0.1), 5.0, self.s.heartbeat)
         self.redis_ok_at = time.monotonic() + self.backoff
         self.reconcile = True
+        if self.channel is not None:  # idle or not: a connection from before an outage fails at its next use
+            self.channel.close()
         if self.flights:
-            if self.channel is not None:
-                self.channel.close()
             for f in self.flights:  # given back or not: again (a list holds one token at most)
                 self.gifts += [w for w in f.gifts if w not in self.gifts]
             self.flights.clear()
