@@ -325,6 +325,7 @@ def status(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | No
                           else "")
     rows = [("id", d["id"]), ("task", d.get("task")), ("queue", d["queue"]), ("state", state),
             ("attempts", d["attempts"]), ("enqueued", _ts(d.get("enqueued_at"))),
+            *([("due", _ts(d.get("due_at")))] if d["state"] == "delayed" else []),
             ("started", _ts(d.get("started_at"))), ("finished", _ts(d.get("finished_at"))),
             ("worker", d.get("worker") or "-"), ("host", d.get("host") or "-"), ("pid", d.get("pid") or "-")]
     if isinstance(d.get("progress"), float):

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -30,6 +31,16 @@ def test_enqueue_status_wait(app, stack):
     assert (r.returncode, r.stdout.strip()) == (0, "3")
     text = stack.cli("status", job_id, check=True).stdout
     assert "completed" in text and "result  3" in text
+
+
+def test_status_says_when_a_delayed_job_is_due(app, stack):
+    """A delayed job (delay=, a retry's backoff, Retry(delay=)) said neither when it runs nor
+    that it waits for a time: its status showed enqueued, and dashes (--json has due_at)."""
+    job = apps.add.apply_async([1, 2], delay=3600)
+    due = json.loads(stack.cli("status", job.id, "--json", check=True).stdout)["due_at"]
+    text = stack.cli("status", job.id, check=True).stdout
+    stamp = datetime.fromtimestamp(due, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    assert re.search(rf"^ +due  {stamp}$", text, re.M), text
 
 
 def test_enqueue_options_and_failure_exit_code(app, stack):
