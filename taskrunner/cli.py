@@ -383,8 +383,9 @@ def wait(job_id: str, timeout: float | None, app_spec: str | None, redis_url: st
     (it connects again and looks again).
 
     \b
-    Exit 0 completed, 1 failed or killed, 2 still not ended after --timeout,
-    3 Redis unreachable (at the start, or still at the end of --timeout): state unknown."""
+    Exit 0 completed, 1 failed, killed or canceled (a workflow step whose parent did not
+    complete), or no such job, 2 still not ended after --timeout, 3 Redis unreachable
+    (at the start, or still at the end of --timeout): state unknown."""
     try:
         job = _app(app_spec, redis_url).job(job_id)
         result = job.wait(timeout)

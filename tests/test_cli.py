@@ -43,6 +43,19 @@ def test_status_says_when_a_delayed_job_is_due(app, stack):
     assert re.search(rf"^ +due  {stamp}$", text, re.M), text
 
 
+def test_wait_says_all_that_its_exit_1_means(app, stack):
+    """wait exits 1 for a workflow step canceled by its parent's failure, and for no such
+    job, as for a failed or killed one: its help and README said "1 failed or killed"."""
+    handle = (apps.boom.si("bad") | apps.add.s(1)).delay()
+    stack.worker()
+    r = stack.cli("wait", handle.id, "--timeout", "30")
+    assert r.returncode == 1 and r.stderr.startswith("canceled: Canceled: step"), r.stderr
+    r = stack.cli("wait", "no-such-job")
+    assert r.returncode == 1 and "no job no-such-job" in r.stderr, r.stderr
+    said = " ".join(stack.cli("wait", "--help", check=True).stdout.split())
+    assert "1 failed, killed or canceled" in said and "or no such job" in said, said
+
+
 def test_enqueue_options_and_failure_exit_code(app, stack):
     r = stack.cli("enqueue", "tests.apps.boom", "--kwargs", '{"message": "bad"}', "-q", "q2", "--delay", "0",
                   "--max-duration", "5", "--retries", "0", "--id", "cli-1", check=True)
