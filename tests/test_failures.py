@@ -233,6 +233,7 @@ def test_sigterm_lets_running_job_finish(app, stack):
 
 
 def test_sigterm_requeues_what_outlives_the_grace(app, stack):
+    """And says so, naming the job: the worker's log said "stopped after 0 jobs" alone."""
     w = stack.worker(concurrency=1, env={"TASKRUNNER_SHUTDOWN_GRACE": "0.5"})
     job = apps.hold.delay("g2", 30)
     started_pid(app, "g2")
@@ -240,6 +241,8 @@ def test_sigterm_requeues_what_outlives_the_grace(app, stack):
     assert w.wait(30) == 0
     d = job.refresh().to_dict()
     assert d["state"] == "pending" and d["requeues"] == 1 and d.get("lost", 0) == 0
+    said = [line for line in w.stdout.read().splitlines() if job.id in line]
+    assert len(said) == 1 and " WARNING " in said[0] and "back in line" in said[0], said
     stack.worker(concurrency=1)
     release(app, "g2")
     assert job.wait(30) == "released"

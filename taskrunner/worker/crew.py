@@ -236,6 +236,12 @@ class Crew:
                 continue
             head = c.jobs[0]
             if stopping and now >= stop_at:
+                if c.kill_reason is None:  # said once per child: kill() acts once
+                    for d in policy.running(c):
+                        if d.began is not None:
+                            log.warning("worker %s: job %s still running when the shutdown grace ended: stopping it; "
+                                        "it goes back in line (a requeue, not a failure)", self.name, d.id,
+                                        extra=job_fields(d, self.name))
                 c.kill(head, "shutdown", self.kill_grace)
             for d in policy.running(c):
                 if d.began is None:
