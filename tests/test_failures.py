@@ -12,6 +12,7 @@ import pytest
 
 from taskrunner import JobFailed
 from taskrunner.ops import listing
+from taskrunner.ops.dispatcher import Dispatcher
 from taskrunner.protocol.connection import server_time
 from tests import apps
 from tests.conftest import wait_for
@@ -178,6 +179,33 @@ def test_dispatcher_flags_stuck_and_asks_worker_when_worker_hangs_in_a_child(app
     job = app.enqueue("tests.apps.hold", ["f1", 3], max_duration=0.3, timeout_policy="flag")
     wait_for(lambda: job.refresh().data.get("stuck") == "1", what="stuck flag")
     assert job.wait(30) == "timeout"  # flagged, never stopped
+
+
+def test_a_job_left_running_past_its_time_is_logged_once(app, stack):
+    """policy "flag": the worker flagged the job without a word, and the dispatcher, which
+    looks at it again every stuck_recheck, counted each look: its log said "stuck=1" every
+    10 s for as long as the job ran (`make demo`'s overdue job: 3 minutes of them), as if
+    another job had got stuck each time, and nothing said which job."""
+    w = stack.worker(concurrency=1)
+    job = app.enqueue("tests.apps.hold", ["f2", 60], max_duration=0.3, timeout_policy="flag")
+    d = Dispatcher(app)
+    counted, buckets = [], set()
+
+    def looked_again() -> bool:
+        counted.append(d.run_once()["stuck"])
+        bucket = job.refresh().data.get("bucket")
+        if job.data.get("stuck") == "1" and bucket:
+            buckets.add(bucket)  # each look moves the job to the bucket of its next
+        return len(buckets) >= 4
+
+    wait_for(looked_again, what="the dispatcher to look at the stuck job 3 times")
+    assert sum(counted) <= 1, counted  # 1: the dispatcher's pass came before the worker's flag
+    release(app, "f2")
+    assert job.wait(30) == "released"
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(30) == 0
+    said = [line for line in w.stdout.read().splitlines() if job.id in line]
+    assert len(said) == 1 and " WARNING " in said[0] and "max duration" in said[0], said
 
 
 def test_dispatcher_killed_and_restarted_mid_run(app, stack):

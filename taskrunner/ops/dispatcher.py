@@ -321,7 +321,7 @@ class Dispatcher:
         if not res:
             return
         worker, policy, first = res
-        stats["stuck"] += 1
+        stats["stuck"] += first  # flagged now; a job left running is looked at again every stuck_recheck
         if first:
             log.warning("dispatcher: job %s in %s passed its max duration on %s", job_id, queue, worker,
                         extra=self._fields([(queue, job_id, attempt, worker)])[0])

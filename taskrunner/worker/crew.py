@@ -253,6 +253,9 @@ class Crew:
                         log.warning("worker %s: job %s passed its max duration; stopping it", self.name, d.id,
                                     extra=job_fields(d, self.name))
                         self.stop(c, d, "timeout")
+                    else:
+                        log.warning("worker %s: job %s passed its max duration; flagged stuck and left running "
+                                    "(timeout_policy flag)", self.name, d.id, extra=job_fields(d, self.name))
                 if d.stop_at is not None and now >= d.stop_at:
                     log.warning("worker %s: job %s did not stop within kill_grace; stopping child %d", self.name,
                                 d.id, c.pid, extra=job_fields(d, self.name))
