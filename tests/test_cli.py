@@ -424,3 +424,39 @@ def test_tables_stay_aligned_with_long_ids_and_queue_names(app, stack):
     head, *rows = stack.cli("inspect", "-q", "a-rather-long-queue-name", check=True).stdout.splitlines()
     at = head.index("DELIVERIES")  # right-aligned, 10 wide
     assert len(rows) == 1 and rows[0][at:at + 10] == " " * 9 + "0", (head, rows)
+
+
+def _commands_in_docs() -> list[tuple[str, str]]:
+    """(file, command line) of every `taskrunner ...` in README.md, docs/ and the Node
+    client's README: in backticks, and the lines of code blocks that run it (a Procfile's
+    included)."""
+    found = []
+    for f in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "clients/node/README.md"]:
+        text = f.read_text()
+        found += [(f.name, m.group(1)) for m in re.finditer(r"`(taskrunner [^`]*)`", text)]
+        for block in re.findall(r"(?ms)^```[a-z]*\n(.*?)^```", text):
+            found += [(f.name, m.group(1).strip()) for m in re.finditer(r"(?m)^(?:\w+: )?(taskrunner [^#\n]*)", block)]
+    return found
+
+
+def test_every_command_and_option_the_docs_name_exists():
+    """docs/PROTOCOL.md said a full Redis is emptied with `taskrunner queue purge`, which
+    is no command (`taskrunner purge -q Q` is): each command the docs name is looked up in
+    the CLI, and each of its options in that command's."""
+    import click
+
+    from taskrunner.cli import main
+
+    wrong = []
+    for name, line in _commands_in_docs():
+        words = re.sub(r"[\[\]()]", " ", line.replace("\\|", " ")).split()[1:]
+        command: Any = main
+        while isinstance(command, click.Group) and words and not words[0].startswith("-") and not words[0].isupper():
+            command = command.commands.get(words.pop(0))
+        if command is None:
+            wrong.append(f"{name}: {line}: no such command")
+            continue
+        options = {o for p in (*main.params, *command.params) for o in (*p.opts, *p.secondary_opts)} | {"--help", "--"}
+        wrong += [f"{name}: {line}: no option {o}" for w in words if w.startswith("-")
+                  for o in (part.split("=")[0].rstrip(".,;:") for part in w.split("/")) if o and o not in options]
+    assert len(_commands_in_docs()) > 50 and not wrong, wrong
