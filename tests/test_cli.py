@@ -56,6 +56,18 @@ def test_wait_says_all_that_its_exit_1_means(app, stack):
     assert "1 failed, killed or canceled" in said and "or no such job" in said, said
 
 
+def test_retry_of_a_canceled_step_names_the_step_to_retry(app, stack):
+    """A canceled workflow step cannot be retried; the step whose end canceled it can, and
+    brings it back: `retry` said only "only failed or killed jobs can be retried"."""
+    handle = (apps.boom.si("bad") | apps.add.s(1)).delay()
+    stack.worker()
+    assert stack.cli("wait", handle.id, "--timeout", "30").returncode == 1
+    failed = app.job(handle.id).data["canceled_by"].split()[1]
+    r = stack.cli("retry", handle.id)
+    assert r.returncode == 1 and f"retry {failed}" in r.stderr, r.stderr
+    assert stack.cli("retry", failed, check=True).stdout.strip() == f"{failed}: queued again"
+
+
 def test_enqueue_options_and_failure_exit_code(app, stack):
     r = stack.cli("enqueue", "tests.apps.boom", "--kwargs", '{"message": "bad"}', "-q", "q2", "--delay", "0",
                   "--max-duration", "5", "--retries", "0", "--id", "cli-1", check=True)
