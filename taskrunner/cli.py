@@ -304,7 +304,8 @@ def _enqueue_file(app: TaskRunner, app_spec: str | None, f: Any) -> None:
         jobs = app.enqueue_many(specs, progress=bar.update)
     for task in undeclared:
         _warn_undeclared(task, [j.queue for j, t in zip(jobs, tasks) if t == task])
-    click.echo("\n".join(j.id for j in jobs))
+    if jobs:  # none: nothing, not an empty line (an empty id to a script reading them)
+        click.echo("\n".join(j.id for j in jobs))
 
 
 #: Parents (or children) `status` names; `workflow` (and --json) shows them all.

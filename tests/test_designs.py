@@ -197,6 +197,9 @@ def test_enqueue_many_and_from_file(app, stack, tmp_path):
     assert r.returncode == 2 and "line 2" in r.stderr
     with pytest.raises(ValueError, match="job 1: unknown fields"):
         app.enqueue_many([{"task": "tests.apps.add", "urgency": 1}])
+    path.write_text("\n\n")  # nothing to enqueue: nothing printed (it printed an empty line, an empty id to read)
+    r = stack.cli("enqueue", "--from-file", str(path), check=True)
+    assert r.stdout == "", repr(r.stdout)
 
 
 def test_claim_count_from_several_queues_with_block(app):
