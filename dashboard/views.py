@@ -105,7 +105,7 @@ def act(job: Job, action: str, who: str) -> tuple[bool, str]:
     elif action == "retry":
         try:
             done = job.retry(who)
-            message = "queued again" if done else "only failed or killed jobs can be retried"
+            message = "queued again" if done else job.why_not_retried()
         except TaskRunnerError as e:  # a step that could never run
             done, message = False, str(e)
     elif action == "requeue":

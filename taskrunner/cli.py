@@ -424,11 +424,7 @@ def retry(job_id: str, app_spec: str | None, redis_url: str | None) -> None:
     state."""
     job = _app(app_spec, redis_url).job(job_id)
     if not job.retry():
-        d = job.refresh().data
-        by = (d.get("canceled_by") or "").split()
-        hint = (f"; the step whose end canceled it can be (taskrunner retry {by[1]}; queue {by[0]}), which brings "
-                "back the steps it canceled" if d.get("state") == "canceled" and len(by) == 2 else "")
-        click.echo(f"{job_id}: {d.get('state')}: only failed or killed jobs can be retried{hint}", err=True)
+        click.echo(f"{job_id}: {job.why_not_retried()}", err=True)
         sys.exit(1)
     waits = job.refresh().state == "waiting"  # killed while it waited: it waits for its parents again
     click.echo(f"{job_id}: {'waiting for its parents again' if waits else 'queued again'}")

@@ -129,6 +129,18 @@ def test_actions_need_login_and_csrf(app, web):
     assert web.post(f"/jobs/{job.id}/kill", data={"csrf_token": token}).status_code == 401
 
 
+def test_retrying_a_canceled_step_names_the_step_to_retry(app, web):
+    """A canceled workflow step is not retried; the step whose end canceled it can be, and
+    brings it back: the answer said only "only failed or killed jobs can be retried"."""
+    handle = (apps.add.s(1, 2) | apps.add.s(1)).delay()
+    first = app.job(handle.id).data["parents"].split()[1]
+    assert app.job(first).kill() == "killed"
+    r = web.post(f"/api/jobs/{handle.id}/retry", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 409 and f"taskrunner retry {first}" in r.get_json()["message"], r.get_json()
+    r = web.post(f"/api/jobs/{first}/retry", headers={"Authorization": "Bearer tok"})
+    assert r.status_code == 200 and app.job(handle.id).state == "waiting"
+
+
 def test_api_actions_need_the_bearer_token(app, web):
     job = apps.add.delay(1, 2)
     assert web.post(f"/api/jobs/{job.id}/kill").status_code == 401

@@ -131,6 +131,16 @@ class Job:
             raise
         return before in ("failed", "killed")
 
+    def why_not_retried(self) -> str:
+        """Why retry() refused the job, read from its record now: its state, and for a
+        canceled workflow step the step whose end canceled it, which can be retried and
+        brings it back."""
+        d = self.refresh().data
+        by = (d.get("canceled_by") or "").split()
+        hint = (f"; the step whose end canceled it can be (taskrunner retry {by[1]}; queue {by[0]}), which brings "
+                "back the steps it canceled" if d.get("state") == "canceled" and len(by) == 2 else "")
+        return f"{d.get('state')}: only failed or killed jobs can be retried{hint}"
+
     def requeue(self, who: str | None = None) -> bool:
         """Put a delayed or running job back in line now; False in another state."""
         return self._act(scripts.REQUEUE, who) in ("delayed", "running")
