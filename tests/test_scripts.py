@@ -410,6 +410,23 @@ def test_sweep_promotes_due_and_reports_due_deadlines(app):
     assert scripts.SWEEP(app.redis, [p], [100, 10, 3600, 3600])[1:] == []  # moved to a later bucket
 
 
+def test_a_sweep_told_not_to_trim_leaves_the_finished_sets_to_a_later_one(app):
+    """sweep.lua's ARGV[5] "0" (the dispatcher's passes between its tidy ones) promotes and
+    reads deadlines but trims nothing; without it (an older dispatcher) or with "1", it trims."""
+    p = app.keys.q("default")
+    app.redis.zadd(p + "completed", {"old": 1.0})
+    app.redis.zadd(p + "failed", {"old": 1.0})
+    due = apps.add.apply_async([1, 1], delay=0.001)
+    wait_for(lambda: scripts.SWEEP(app.redis, [p], [100, 10, 3600, 3600, "0"])[0] == 1, what="the promotion")
+    assert app.job(due.id).data["state"] == "pending"
+    assert app.redis.zscore(p + "completed", "old") == 1.0 and app.redis.zscore(p + "failed", "old") == 1.0
+    scripts.SWEEP(app.redis, [p], [100, 10, 3600, 3600, "1"])
+    assert app.redis.zscore(p + "completed", "old") is None and app.redis.zscore(p + "failed", "old") is None
+    app.redis.zadd(p + "completed", {"old": 1.0})
+    scripts.SWEEP(app.redis, [p], [100, 10, 3600, 3600])
+    assert app.redis.zscore(p + "completed", "old") is None
+
+
 #: redis-server options that take FCALL and FUNCTION away: they answer "unknown command", as
 #: on Redis < 7.0.
 NO_FUNCTIONS = ("--rename-command", "FCALL", "", "--rename-command", "FUNCTION", "")

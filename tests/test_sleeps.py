@@ -118,3 +118,27 @@ def test_worker_sleeps_while_a_busy_child_cannot_take_more(app, stack):
     time.sleep(3)  # the measurement window
     rate = (p.num_ctx_switches().voluntary - before) / (time.monotonic() - started)
     assert rate < 50, f"{rate:.0f} wake-ups a second"  # heartbeats (5/s here) and their answers
+
+
+def test_an_idle_dispatchers_passes_between_tidy_passes_only_promote_and_read_deadlines(app):
+    """An idle queue cost the dispatcher's every pass (every 0.5 s) four ZREMRANGEBYSCOREs,
+    an HMGET of its meta and an XRANGE of its outbox: ~90% of an idle dispatcher's Redis
+    work, for trims that nothing needs each half second. A tidy pass (the first, then every
+    TIDY_EVERY seconds) trims and reads the outboxes; the passes between call each queue's
+    sweep for its promotions and deadlines alone."""
+    from taskrunner.ops import queue
+    from taskrunner.ops.dispatcher import Dispatcher
+
+    for name in ("a", "b", "c"):
+        queue.create(app, name)
+    queues = len(app.redis.smembers(app.keys.queues))
+    d = Dispatcher(app)
+    app.redis.config_resetstat()
+    d.run_once()  # the first pass tidies
+    tidy = app.redis.info("commandstats")
+    app.redis.config_resetstat()
+    d.run_once()
+    between = app.redis.info("commandstats")
+    assert tidy["cmdstat_zremrangebyscore"]["calls"] == 4 * queues and tidy["cmdstat_xrange"]["calls"] == queues
+    assert "cmdstat_zremrangebyscore" not in between and "cmdstat_xrange" not in between
+    assert between["cmdstat_fcall"]["calls"] == queues  # its sweep, each pass

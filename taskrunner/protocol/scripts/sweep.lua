@@ -4,6 +4,8 @@
 -- ARGV[1]  most delayed jobs to promote   ARGV[2] most deadline buckets to read
 -- ARGV[3]  result TTL (s): entries of `completed` older than this are trimmed
 -- ARGV[4]  failed TTL (s): the same for `failed`, `killed` (the dead letters) and `canceled`
+-- ARGV[5]  "0": promote and read deadlines only, no trim (the dispatcher trims every 10 s,
+--          not every pass); absent or anything else: trim too
 -- A TTL of meta longest_result_ttl / longest_failed_ttl (a task's own, see finalize()) wins
 -- when it is longer: its jobs stay listed as long as their records live.
 -- Returns {promoted count, id, holding entry, id, holding entry, ...} for every job in a
@@ -44,6 +46,9 @@ for _, b in ipairs(redis.call('ZRANGEBYSCORE', p .. 'buckets', '-inf', t, 'LIMIT
   if redis.call('SCARD', bk) == 0 then
     redis.call('ZREM', p .. 'buckets', b)
   end
+end
+if ARGV[5] == '0' then
+  return out
 end
 local longest = redis.call('HMGET', p .. 'meta', 'longest_result_ttl', 'longest_failed_ttl')
 local result_ttl = math.max(tonumber(ARGV[3]), tonumber(longest[1]) or 0)
