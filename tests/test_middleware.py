@@ -16,6 +16,7 @@ from taskrunner import (
     JobFailed,
     JobNotFound,
     PayloadTooLarge,
+    QueueClosed,
     Retry,
     TaskRunner,
     chain,
@@ -240,6 +241,49 @@ def test_a_workflow_runs_its_before_enqueue_hooks_once_every_step_is_checked(app
     assert [app.job(i).to_dict()["headers"] for i in ids] == [stamp] * len(ids)
 
 
+def test_a_hook_that_raises_in_enqueue_many_leaves_the_producers_link_in_step(app):
+    """enqueue_many sends a chunk and builds the next while Redis runs it; a hook raising
+    an exception of its own there (not one enqueue_many reports, with how many went) left
+    the chunk's answers unread on the thread's link: each lone enqueue after it read the
+    answer before its own — a job written reported refused, one refused reported written."""
+    from taskrunner.ops import queue
+
+    producer = TaskRunner("hooks-many", redis_url=app.settings.redis_url, prefix=app.settings.prefix)
+
+    class Refuse:
+        def before_enqueue(self, job):
+            if job.args == [1200]:
+                raise RuntimeError("refused by a hook")
+
+    producer.add_middleware(Refuse())
+    queue.create(producer, "shut")
+    queue.close(producer, "shut")
+    with pytest.raises(RuntimeError, match="refused by a hook"):
+        producer.enqueue_many([{"task": "hooks.noop", "args": [i]} for i in range(1500)])
+    a = producer.enqueue("hooks.noop", args=[-1])
+    assert a.created and a.refresh().state == "pending"
+    with pytest.raises(QueueClosed):
+        producer.enqueue("hooks.noop", args=[-2], queue="shut")
+    b = producer.enqueue("hooks.noop", args=[-3])
+    assert b.created and b.refresh().state == "pending"
+    assert producer.redis.llen(producer.keys.q("default") + "pending") == 1002  # the first chunk, a and b
+
+
+def test_a_hooks_exception_that_takes_other_arguments_reaches_enqueue_many_s_caller(app):
+    """enqueue_many says which job failed by making the exception again with a message;
+    one whose type takes other arguments (json.JSONDecodeError, from a hook) is raised as
+    it was, not replaced by a TypeError about its constructor."""
+    producer = TaskRunner("hooks-json", redis_url=app.settings.redis_url, prefix=app.settings.prefix)
+
+    class Parse:
+        def before_enqueue(self, job):
+            json.loads("{")
+
+    producer.add_middleware(Parse())
+    with pytest.raises(json.JSONDecodeError):
+        producer.enqueue_many([{"task": "hooks.noop"}])
+
+
 def test_eager_mode_calls_the_same_hooks_in_process():
     eager = TaskRunner("eager-hooks", eager=True)
     calls = []
@@ -286,6 +330,8 @@ def test_eager_mode_calls_the_same_hooks_in_process():
                     lambda: flaky.apply_async(on_success=asks.s())):
         with pytest.raises(BadArguments):
             refused()
+    with pytest.raises(TypeError, match="depends_on"):  # ids, where eager mode takes Job objects
+        flaky.apply_async(depends_on=["some-id"])
     assert calls == []  # a workflow refused for a step's arguments runs no hook, in eager mode too
     with pytest.raises(TypeError, match="defines none of the middleware hooks"):
         eager.add_middleware(object())

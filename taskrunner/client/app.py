@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -578,8 +579,9 @@ class TaskRunner:
                                              flow_fields), what)
         if self.settings.eager:
             canvas.check_callbacks(self, on_success, on_failure)
+            parents = eager.parents_of(depends_on)  # refused before any hook ran, as the job's own checks
             steps.hooked(self, [draft])
-            ran = eager.enqueue(self, draft.id, draft.fields, eager.parents_of(depends_on))
+            ran = eager.enqueue(self, draft.id, draft.fields, parents)
             return canvas.eager_callbacks(self, ran, on_success, on_failure)
         created = steps.ride(self, canvas.linked(self, draft, depends_on, on_success, on_failure, block_timeout), what)
         if isinstance(created, str):  # a unique job's duplicate: the job that holds its key
@@ -730,45 +732,55 @@ class TaskRunner:
             callbacks.update(d.id for d in group[1:])
             parent_queues.setdefault(draft.queue, set()).update(queues)
 
-        for n, spec_ in enumerate(jobs, 1):
-            try:
-                draft = self._job_of(spec_)
-                queue, job_id, delay, fields = draft.queue, draft.id, draft.delay, draft.fields
-                links = self._links_of(spec_, seen)
-                if links is not None and self.settings.eager:
-                    canvas.check_callbacks(self, links[1], links[2])
-                if links is not None and links[0]:
-                    if delay:
-                        raise ValueError(canvas.NO_DELAY)
-                    fields += ["parents", " ".join(f"{q} {i}" for q, i in links[0])]
-                group = steps.hooked(self, [draft] if links is None or self.settings.eager else [
-                    draft, *steps.ride(self, canvas.callbacks(self, draft, links[1], links[2]), "enqueueing")])
-            except (TaskRunnerError, ValueError, TypeError) as e:
-                settle()  # those sent are enqueued; say so: a run again would enqueue them twice
-                raise type(e)(f"job {n}: {e} ({len(out)} of the {n - 1} before it enqueued, none after)") from None
-            if self.settings.eager:
-                parents = None if links is None or not links[0] else [seen[i] for _, i in links[0]]
-                ran: Job = eager.enqueue(self, job_id, fields, parents)
-                if links is not None:
-                    ran = canvas.eager_callbacks(self, ran, links[1], links[2])
-                out.append(ran)
-                seen[job_id] = ran
-                if progress:
-                    progress(1)
-                continue
-            seen[job_id] = Job(self, job_id, queue)
-            if links is None:
-                pending.append((queue, job_id, delay, fields))
-                unsent[job_id] = queue
-            else:
-                linked(draft, links, group)
-            if len(pending) >= chunk:
-                settle()
-                send()
-        settle()
-        if pending:
-            send()
+        try:
+            for n, spec_ in enumerate(jobs, 1):
+                try:
+                    draft = self._job_of(spec_)
+                    queue, job_id, delay, fields = draft.queue, draft.id, draft.delay, draft.fields
+                    links = self._links_of(spec_, seen)
+                    if links is not None and self.settings.eager:
+                        canvas.check_callbacks(self, links[1], links[2])
+                    if links is not None and links[0]:
+                        if delay:
+                            raise ValueError(canvas.NO_DELAY)
+                        fields += ["parents", " ".join(f"{q} {i}" for q, i in links[0])]
+                    group = steps.hooked(self, [draft] if links is None or self.settings.eager else [
+                        draft, *steps.ride(self, canvas.callbacks(self, draft, links[1], links[2]), "enqueueing")])
+                except (TaskRunnerError, ValueError, TypeError) as e:
+                    settle()  # those sent are enqueued; say so: a run again would enqueue them twice
+                    try:
+                        said = type(e)(f"job {n}: {e} ({len(out)} of the {n - 1} before it enqueued, none after)")
+                    except Exception:  # a hook's exception whose type takes other arguments: as it was raised
+                        raise e from None
+                    raise said from None
+                if self.settings.eager:
+                    parents = None if links is None or not links[0] else [seen[i] for _, i in links[0]]
+                    ran: Job = eager.enqueue(self, job_id, fields, parents)
+                    if links is not None:
+                        ran = canvas.eager_callbacks(self, ran, links[1], links[2])
+                    out.append(ran)
+                    seen[job_id] = ran
+                    if progress:
+                        progress(1)
+                    continue
+                seen[job_id] = Job(self, job_id, queue)
+                if links is None:
+                    pending.append((queue, job_id, delay, fields))
+                    unsent[job_id] = queue
+                else:
+                    linked(draft, links, group)
+                if len(pending) >= chunk:
+                    settle()
+                    send()
             settle()
+            if pending:
+                send()
+                settle()
+        except BaseException:
+            if sent is not None:  # a chunk's answers still on this thread's link: read them, or its next
+                with contextlib.suppress(Exception):  # lone enqueue would take one of them for its own
+                    sent[0].execute()
+            raise
         return out
 
     def _job_of(self, spec: Any) -> steps.Draft:
