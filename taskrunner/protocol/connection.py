@@ -890,8 +890,10 @@ class Outage:
 class Backoff:
     """The pauses of a waiter whose Redis failed (transient()): 0.1 s doubling up to 2 s,
     so that a restart is noticed soon after it ends, without hammering a Redis that is
-    down; one warning per outage (Outage). A wait with a deadline gives up (raises the error)
-    when the next try would come after it: the job's state is then unknown."""
+    down; one warning per outage (Outage). A wait with a deadline makes its last try at the
+    deadline (the pause before it cut short), then gives up (raises the error): the job's
+    state is then unknown. (It gave up when the next pause would pass the deadline: a 15 s
+    bound tried last ~2 s before it, missing a failover that ended just inside it.)"""
 
     def __init__(self, what: str, deadline: float | None) -> None:
         self.what, self.deadline = what, deadline
@@ -904,11 +906,14 @@ class Backoff:
         if not transient(error):
             raise error
         self.pause = min(max(self.pause * 2, 0.1), 2.0)
-        if self.deadline is not None and time.monotonic() + self.pause >= self.deadline:
+        if self.deadline is None:
+            self.outage.failed(error, self.pause)
+            return self.pause
+        left = self.deadline - time.monotonic()
+        if left <= 0:
             raise error
-        bound = "" if self.deadline is None else f" (for {round(self.deadline - time.monotonic(), 1):g}s at most)"
-        self.outage.failed(error, self.pause, bound)
-        return self.pause
+        self.outage.failed(error, min(self.pause, left), f" (for {round(left, 1):g}s at most)")
+        return min(self.pause, left)
 
     def ok(self) -> None:
         self.outage.ok()

@@ -7,7 +7,8 @@
 -- ARGV[4..] the parents' ids (at least one)
 -- Every parent is checked before any is changed; the call is refused (ERR taskrunner:
 -- BadValue: ..., nothing changed) when one does not exist, or ended failed, killed or
--- canceled (the child would never run). Then per parent:
+-- canceled (the child would never run) without listing the child already (a call sent
+-- again, its answer lost: the parent's end dealt with the child). Then per parent:
 --   it lists the child in `children` already (this call ran before): nothing; answer 1, or
 --     2 when it has completed
 --   it has not completed: `children` += "<queue> <id>", `cross_children` += "<queue> <id>
@@ -33,15 +34,16 @@ elseif takes ~= 'result' and takes ~= 'results' and takes ~= 'error' and takes ~
   return refuse('BadValue', 'takes must be result, results, error or -')
 end
 local pair = cq .. ' ' .. cid
-local found, seen = {}, {}
+local found, listed, seen = {}, {}, {}
 for k = 4, #ARGV do
   local f = redis.call('HMGET', p .. 'job:' .. ARGV[k], 'state', 'children', 'task', 'result')
+  listed[k] = f[2] and string.find(' ' .. f[2] .. ' ', ' ' .. pair .. ' ', 1, true)
   if seen[ARGV[k]] then
     return refuse('BadValue', 'parent ' .. ARGV[k] .. ' listed twice')
   elseif not f[1] then
     return refuse('BadValue', 'parent ' .. ARGV[k] .. ' not found in queue ' .. here
       .. ' (never enqueued, or expired)')
-  elseif f[1] == 'failed' or f[1] == 'killed' or f[1] == 'canceled' then
+  elseif (f[1] == 'failed' or f[1] == 'killed' or f[1] == 'canceled') and not listed[k] then
     return refuse('BadValue', 'parent ' .. ARGV[k] .. ' (queue ' .. here .. ') ended ' .. f[1]
       .. ': the job would never run')
   end
@@ -51,8 +53,7 @@ local out = {}
 for k = 4, #ARGV do
   local id, f = ARGV[k], found[k]
   local job = p .. 'job:' .. id
-  local listed = f[2] and string.find(' ' .. f[2] .. ' ', ' ' .. pair .. ' ', 1, true)
-  if not listed then
+  if not listed[k] then
     redis.call('HSET', job, 'children', f[2] and f[2] .. ' ' .. pair or pair)
     if f[1] == 'completed' then
       emit(p, cq, cid, {queue = here, id = id, task = f[3] or '?', state = 'completed'},

@@ -49,7 +49,9 @@
 -- five knows the task: the last seven it did not send are left out of the record (their
 -- defaults apply; no soft limit, no flow control),
 -- and no declaration is read. Numbers not in plain decimal notation are written back in it.
--- Returns one value per job: 1 added, 0 an id that already exists (nothing changed),
+-- Returns one value per job: 1 added, 0 an id that already exists (nothing changed, and
+-- nothing checked of its parents or its queue's state: a call sent again after its answer
+-- was lost finds its jobs so, whatever happened since),
 -- -1 the queue is full (its bound is reached; delayed jobs and jobs with parents do not
 -- count), -2 it is closed; a job whose parent in this call was refused gets its answer;
 -- a unique job whose key is held: the holder's id (text), counted in meta
@@ -250,7 +252,7 @@ end
 -- a parent may have ended otherwise than completed (on_parent_failure continue or only: it
 -- is settled as its end says; with cancel it would never run).
 local FINAL = {completed = true, failed = true, killed = true, canceled = true}
-local function parents_of(text, jq, id, here, cross, ended)
+local function parents_of(text, jq, id, here, cross, ended, known)
   local list, seen = {}, {}
   local rest = string.gsub(text, '(%S+)%s+(%S+)', function(q, pid)
     list[#list + 1] = {q, pid}
@@ -274,8 +276,10 @@ local function parents_of(text, jq, id, here, cross, ended)
       return nil, 'parent ' .. q .. ' ' .. pid .. ' listed twice, or the job itself'
     end
     seen[key] = true
-    local state = not e[3] and redis.call('HGET', prefixes[q] .. 'job:' .. pid, 'state')
-    if not e[3] and (not here[key] or state) then  -- an existing job (one of this call may be one: answer 0)
+    -- a job that exists (`known`: a producer's call sent again, its answer lost) is answered 0
+    -- in pass 2 whatever its parents became since
+    local state = not e[3] and not known and redis.call('HGET', prefixes[q] .. 'job:' .. pid, 'state')
+    if not e[3] and not known and (not here[key] or state) then  -- an existing job (one of this call may be one: answer 0)
       if not state then
         return nil, 'parent ' .. pid .. ' not found in queue ' .. q .. ' (never enqueued, expired, or not before it '
           .. 'in this call)'
@@ -418,7 +422,8 @@ for n = 1, n_jobs do
       here = {}
       for k = 1, n - 1 do here[(queues_of[k] or p) .. plan[4 * k - 3]] = true end
     end
-    local list, bad = parents_of(parents, jq, id, here, cross, opf == 'continue' or opf == 'only')
+    local list, bad = parents_of(parents, jq, id, here, cross, opf == 'continue' or opf == 'only',
+      redis.call('EXISTS', jp .. 'job:' .. id) == 1)
     if not list then return refuse('BadValue', 'job ' .. id .. ': ' .. bad) end
     for _, e in ipairs(list) do
       if uniques and uniques[prefixes[e[1]] .. e[2]] then
@@ -619,11 +624,14 @@ for n = 1, n_jobs do
     end
   end
   local fl = marks and marks[n]  -- {priority, unique_key, unique_until, unique_for, task}
-  local holder = fl and fl[2] and not qs.closed and held(jp, fl[2], id)
-  if qs.closed then
-    out[n] = -2
-  elseif redis.call('EXISTS', job) == 1 then
+  -- an id that exists first: a call sent again (its answer lost) finds its jobs whatever
+  -- happened since (the queue closed, say)
+  local exists = redis.call('EXISTS', job) == 1
+  local holder = not exists and fl and fl[2] and not qs.closed and held(jp, fl[2], id)
+  if exists then
     out[n] = 0
+  elseif qs.closed then
+    out[n] = -2
   elseif holder then
     out[n] = holder
     redis.call('HINCRBY', jp .. 'meta', 'duplicates|' .. fl[5], 1)
