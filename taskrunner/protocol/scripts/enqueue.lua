@@ -252,7 +252,7 @@ end
 -- a parent may have ended otherwise than completed (on_parent_failure continue or only: it
 -- is settled as its end says; with cancel it would never run).
 local FINAL = {completed = true, failed = true, killed = true, canceled = true}
-local function parents_of(text, jq, id, here, cross, ended, known)
+local function parents_of(text, jq, id, here, cross, ended)
   local list, seen = {}, {}
   local rest = string.gsub(text, '(%S+)%s+(%S+)', function(q, pid)
     list[#list + 1] = {q, pid}
@@ -276,16 +276,20 @@ local function parents_of(text, jq, id, here, cross, ended, known)
       return nil, 'parent ' .. q .. ' ' .. pid .. ' listed twice, or the job itself'
     end
     seen[key] = true
-    -- a job that exists (`known`: a producer's call sent again, its answer lost) is answered 0
-    -- in pass 2 whatever its parents became since
-    local state = not e[3] and not known and redis.call('HGET', prefixes[q] .. 'job:' .. pid, 'state')
-    if not e[3] and not known and (not here[key] or state) then  -- an existing job (one of this call may be one: answer 0)
+    local state = not e[3] and redis.call('HGET', prefixes[q] .. 'job:' .. pid, 'state')
+    local bad
+    if not e[3] and (not here[key] or state) then  -- an existing job (one of this call may be one: answer 0)
       if not state then
-        return nil, 'parent ' .. pid .. ' not found in queue ' .. q .. ' (never enqueued, expired, or not before it '
-          .. 'in this call)'
+        bad = 'parent ' .. pid .. ' not found in queue ' .. q .. ' (never enqueued, expired, or not before it in '
+          .. 'this call)'
       elseif FINAL[state] and state ~= 'completed' and not ended then
-        return nil, 'parent ' .. pid .. ' (queue ' .. q .. ') ended ' .. state .. ': the job would never run'
+        bad = 'parent ' .. pid .. ' (queue ' .. q .. ') ended ' .. state .. ': the job would never run'
       end
+    end
+    -- unless the job exists: a producer's call sent again, its answer lost, is answered 0 in
+    -- pass 2 whatever its parents became since (read only here: a step that passes costs nothing)
+    if bad and redis.call('EXISTS', prefixes[jq] .. 'job:' .. id) == 0 then
+      return nil, bad
     end
   end
   return list
@@ -422,8 +426,7 @@ for n = 1, n_jobs do
       here = {}
       for k = 1, n - 1 do here[(queues_of[k] or p) .. plan[4 * k - 3]] = true end
     end
-    local list, bad = parents_of(parents, jq, id, here, cross, opf == 'continue' or opf == 'only',
-      redis.call('EXISTS', jp .. 'job:' .. id) == 1)
+    local list, bad = parents_of(parents, jq, id, here, cross, opf == 'continue' or opf == 'only')
     if not list then return refuse('BadValue', 'job ' .. id .. ': ' .. bad) end
     for _, e in ipairs(list) do
       if uniques and uniques[prefixes[e[1]] .. e[2]] then
