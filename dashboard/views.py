@@ -99,9 +99,10 @@ def act(job: Job, action: str, who: str) -> tuple[bool, str]:
     if action not in ACTIONS:
         abort(404, f"no action {action!r}")
     if action == "kill":
-        state = job.kill(who)
+        state = job.kill(who)  # "already <state>": it had ended, nothing done (audited as refused)
         done, message = state in ("killed", "running"), {
-            "killed": "killed", "running": "kill requested: its worker is stopping it"}.get(state, f"already {state}")
+            "killed": "killed", "running": "kill requested: its worker is stopping it"}.get(
+            state, f"already ended: {state.removeprefix('already ')}")
     elif action == "retry":
         try:
             done = job.retry(who)

@@ -176,7 +176,7 @@ def main(app_spec: str | None, redis_url: str | None) -> None:
                                                 taskrunner wait $id
 
     Exit codes: 0 done, 1 an error (Redis unreachable, no such job, ...), 2 a mistake in the
-    arguments, the Redis URL or the app; `wait` and `consume` say what else theirs mean.
+    arguments, the Redis URL or the app; `wait`, `consume` and `kill` say what else theirs mean.
     """
 
 
@@ -406,11 +406,17 @@ def wait(job_id: str, timeout: float | None, app_spec: str | None, redis_url: st
 @click.argument("job_id")
 @common
 def kill(job_id: str, app_spec: str | None, redis_url: str | None) -> None:
-    """Kill a job: pending/delayed at once; running ones are stopped by their worker."""
+    """Kill a job: pending/delayed/waiting at once; running ones are stopped by their worker.
+
+    \b
+    Exit 0 killed or kill requested, 1 an error (no such job, Redis unreachable, ...),
+    3 the job had already ended (killed, completed, failed or canceled): nothing done."""
     job = _app(app_spec, redis_url).job(job_id)
     state = job.kill()
-    msg = {"killed": "killed", "running": "kill requested; its worker stops it now"}.get(state, f"already {state}")
-    click.echo(f"{job_id}: {msg}")
+    if state.startswith("already "):
+        click.echo(f"job {job_id} already ended: {state.removeprefix('already ')}", err=True)
+        sys.exit(3)
+    click.echo(f"{job_id}: {'killed' if state == 'killed' else 'kill requested; its worker stops it now'}")
 
 
 @main.command()

@@ -172,6 +172,21 @@ class Stack:
             raise AssertionError(f"taskrunner {' '.join(args)} exited {r.returncode}: {r.stderr}")
         return r
 
+    def ended_jobs(self) -> dict[str, Any]:
+        """A job of each end a kill can find — killed (while pending), completed, failed —
+        the last two run by a worker of this stack: {state: Job}."""
+        from taskrunner.errors import JobFailed
+        from tests import apps
+
+        killed = apps.add.delay(1, 2)
+        assert killed.kill("tests") == "killed"
+        self.worker(concurrency=1)
+        completed, failed = apps.add.delay(2, 3), apps.boom.delay("on purpose")
+        assert completed.wait(30) == 5
+        with pytest.raises(JobFailed):
+            failed.wait(30)
+        return {"killed": killed, "completed": completed, "failed": failed}
+
     def children_of(self, p: subprocess.Popen) -> list[int]:
         import psutil
 

@@ -114,6 +114,19 @@ def test_kill_jobs_queues_workers(app, stack):
     assert "no job" in stack.cli("kill", "nope").stderr
 
 
+def test_a_kill_of_an_ended_job_says_it_had_ended(app, stack):
+    """`kill` of a job that had already ended says so on stderr, exit 3, and changes nothing:
+    for a killed job it printed "killed", exit 0, as if it had just killed it (found by the
+    newcomer sweep)."""
+    pending = apps.add.delay(1, 2)
+    r = stack.cli("kill", pending.id)
+    assert (r.returncode, r.stdout) == (0, f"{pending.id}: killed\n"), r.stderr
+    for state, job in stack.ended_jobs().items():
+        r = stack.cli("kill", job.id)
+        assert (r.returncode, r.stdout, r.stderr) == (3, "", f"job {job.id} already ended: {state}\n")
+        assert job.refresh().state == state
+
+
 def test_unknown_job_and_bad_url(app, stack):
     r = stack.cli("status", "nope")
     assert r.returncode == 1 and "no job nope" in r.stderr

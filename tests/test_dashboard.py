@@ -141,6 +141,24 @@ def test_retrying_a_canceled_step_names_the_step_to_retry(app, web):
     assert r.status_code == 200 and app.job(handle.id).state == "waiting"
 
 
+def test_a_kill_of_an_ended_job_says_it_had_ended_and_is_audited_as_refused(app, stack, web):
+    """The Kill action (page and API) on a job that had already ended says so, 409, and
+    audits a refused kill: for a killed job it said "killed" and audited it as done (found by
+    the newcomer sweep)."""
+    token = login(web)
+    jobs = stack.ended_jobs()
+    for state, job in jobs.items():
+        r = web.post(f"/jobs/{job.id}/kill", data={"csrf_token": token}, follow_redirects=True)
+        assert f"{job.id}: already ended: {state}" in r.get_data(as_text=True)
+        r = web.post(f"/api/jobs/{job.id}/kill", headers={"Authorization": "Bearer tok"})
+        assert (r.status_code, r.get_json()) == (
+            409, {"id": job.id, "action": "kill", "done": False, "message": f"already ended: {state}"})
+        assert job.refresh().state == state
+    audit = [json.loads(a) for a in app.redis.lrange(app.keys.g + "audit", 0, -1)]
+    assert sorted((a["what"], a["done"]) for a in audit) == sorted(
+        (f"kill {job.id} (default)", False) for job in jobs.values() for _ in ("page", "api"))
+
+
 def test_api_actions_need_the_bearer_token(app, web):
     job = apps.add.delay(1, 2)
     assert web.post(f"/api/jobs/{job.id}/kill").status_code == 401

@@ -244,7 +244,7 @@ def test_enqueue_many_links_in_eager_mode() -> None:
 def test_kill_requeue_delete_of_an_ended_job() -> None:
     app, _ = make_app()
     job = app.tasks["add"].delay(1, 1)
-    assert job.kill() == "completed" and job.requeue() is False
+    assert job.kill() == "already completed" and job.requeue() is False
     assert job.delete() is True
     with pytest.raises(JobNotFound):
         job.refresh()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from taskrunner import JobFailed
+from taskrunner.client.aio import AsyncClient
 from taskrunner.ops import listing
 from taskrunner.ops.dispatcher import Dispatcher
 from taskrunner.protocol.connection import server_time
@@ -133,6 +135,24 @@ def test_kill_running_job(app, stack):
     assert d["attempts"] == 1 and d["killed_by"]
     assert w.poll() is None and apps.add.delay(2, 2).wait(30) == 4  # alive, takes jobs
     assert ledger(app, "s1") == 1  # never retried
+
+
+def test_a_kill_of_an_ended_job_answers_already_and_its_state(app, stack):
+    """Job.kill and AsyncClient.kill of a job that had already ended answer "already <state>"
+    and write nothing: for a killed job they answered "killed", as for a job killed by the
+    call (found by the newcomer sweep)."""
+    async def aio_kill(job_id: str) -> str:
+        client = AsyncClient(app)
+        try:
+            return await client.kill(job_id)
+        finally:
+            await client.close()
+
+    for state, job in stack.ended_jobs().items():
+        before = job.refresh().data
+        assert job.kill("tester") == f"already {state}"
+        assert asyncio.run(aio_kill(job.id)) == f"already {state}"
+        assert job.refresh().data == before
 
 
 def test_kill_reaches_worker_through_heartbeat_when_message_lost(app, stack):

@@ -180,6 +180,19 @@ def node_script(stack: Stack, source: str) -> dict:
     return json.loads(r.stdout)
 
 
+def test_a_node_kill_of_an_ended_job_answers_already_and_its_state(app, stack):
+    """The Node client's kill answers as Python's Job.kill: "killed" for a job it killed,
+    "already <state>" for one that had already ended (it answered "killed" for a killed
+    job, as for one it killed)."""
+    jobs = stack.ended_jobs()
+    later = app.enqueue("tests.apps.add", [1, 1], delay=100)  # not claimed: the worker runs meanwhile
+    ids = [later.id, *(job.id for job in jobs.values())]
+    got = node_script(stack, f"const out = []; for (const id of {json.dumps(ids)}) "
+                             "out.push(await tr.kill(id, 'default', 'node')); console.log(JSON.stringify(out));")
+    assert got == ["killed", *(f"already {state}" for state in jobs)]
+    assert [app.job(i).state for i in ids] == ["killed", *jobs]
+
+
 def test_workflows_enqueued_from_node_run_on_python_workers(app, stack):
     """A chain, a group, a chord and depends_on with callbacks, written by the Node client with
     the fields Python writes (docs/PROTOCOL.md, Workflows), run by a Python worker."""

@@ -518,9 +518,13 @@ class TaskRunner {
   }
 
   // Kill: a job not running ends killed at once; a running one's worker is told on its
-  // control list. Answers the state after the call.
+  // control list. Answers, as Python's Job.kill: 'killed' (by this call), 'running' (its
+  // worker acts on the request), or 'already <state>' for a job that had already ended
+  // ('already killed', 'already completed', ...): nothing done; '' for no such job.
   async kill(id, queue, who) {
-    const [state, worker, attempt] = await this.scripts.call('kill', [this.q(queue)], [id, who, this.failedTtl]);
+    const answer = await this.scripts.call('kill', [this.q(queue)], [id, who, this.failedTtl]);
+    const [state, worker, attempt] = answer;
+    if (state === 'ended') return `already ${answer[1]}`;
     if (state === 'running' && worker) {
       const control = this.g + 'control:' + worker;
       await this.redis.lpush(control, JSON.stringify({ kill: id, attempt: Number(attempt), reason: 'killed' }));

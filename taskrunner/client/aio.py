@@ -167,6 +167,8 @@ class AsyncClient:
         raise job._failure()
 
     async def kill(self, job_id: str, who: str = "aio") -> str:
+        """Kill the job; answers as Job.kill: "killed", "running" (its worker stops it), or
+        "already <state>" for a job that had already ended (nothing done)."""
         queue, _ = await self._run(steps.find(self.app, job_id))
         return await self._run(steps.kill(self.app, job_id, queue, who))
 

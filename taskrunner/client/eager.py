@@ -54,8 +54,9 @@ class EagerJob(Job):
         raise self._failure()
 
     def kill(self, who: str | None = None) -> str:
-        """Nothing to kill: the job ended already (as a kill of an ended job does)."""
-        return self.state
+        """Nothing to kill: the job ended already; "already <state>", as Job.kill answers
+        for an ended job."""
+        return f"already {self.state}"
 
     def retry(self, who: str | None = None) -> bool:
         """Run a failed or killed job again, here and now."""

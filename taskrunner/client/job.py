@@ -75,9 +75,12 @@ class Job:
         raise self._failure()
 
     def kill(self, who: str | None = None) -> str:
-        """Kill the job: pending or delayed ones at once; a running one is stopped by the
-        worker that holds it (SIGTERM, then SIGKILL). Returns the state after the call
-        ("running" while the worker acts on the request)."""
+        """Kill the job: pending, delayed or waiting ones at once; a running one is stopped
+        by the worker that holds it (SIGTERM, then SIGKILL). Returns "killed" (killed by
+        this call), "running" (the worker acts on the request), or, for a job that had
+        already ended, "already " + its state ("already killed", "already completed",
+        "already failed", "already canceled"): nothing was done, which a bare state could
+        not tell from a kill now. JobNotFound when there is no such job."""
         return steps.run(self.app, steps.kill(self.app, self.id, self.queue, who or _me()))
 
     def timeline(self) -> list[dict[str, Any]]:

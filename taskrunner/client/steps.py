@@ -377,12 +377,16 @@ def wait(app: TaskRunner, job_id: str, queue: str, timeout: float | None) -> Ste
 
 
 def kill(app: TaskRunner, job_id: str, queue: str, who: str) -> Steps[str]:
-    """Kill the job: pending or delayed ones at once; a running one is stopped by the
-    worker that holds it, told on its control list. The state after the call ("running"
-    while the worker acts on the request)."""
+    """Kill the job: pending, delayed or waiting ones at once; a running one is stopped by
+    the worker that holds it, told on its control list. Answers "killed" (by this call),
+    "running" (the worker acts on the request), or "already <state>" for a job that had
+    ended before (e.g. "already killed"): then nothing was done, and a caller must not
+    report it killed now."""
     state, *rest = yield Script(scripts.KILL, [app.keys.q(queue)], [job_id, who, app.settings.failed_ttl])
     if not state:
         raise JobNotFound(f"no job {job_id} in queue {queue}")
+    if state == "ended":
+        return f"already {rest[0]}"
     if state == "running" and rest[0]:
         yield from send_control(app, rest[0], {"kill": job_id, "attempt": int(rest[1]), "reason": "killed"})
     return state

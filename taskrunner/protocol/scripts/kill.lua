@@ -6,7 +6,10 @@
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  id   ARGV[2] who asked   ARGV[3] failed TTL (s): how long a killed job is kept
 --          (the setting; the record's own failed_ttl wins)
--- Returns {state after, worker, attempt}; state "" when there is no such job.
+-- Returns {"killed"} (killed by this call); {"running", worker, attempts} (kill requested:
+-- "", "0" when the record lacks them); {"ended", state} for any other state, a job that had
+-- ended (completed, failed, killed, canceled): nothing done (before 2026-11-27 {state}, which
+-- for a killed job read as a kill by this call); {""} when there is no such job.
 local p = KEYS[1]
 local id = ARGV[1]
 local job = p .. 'job:' .. id
@@ -31,4 +34,4 @@ if state == 'running' then
   local f = redis.call('HMGET', job, 'worker', 'attempts')
   return {'running', f[1] or '', f[2] or '0'}
 end
-return {state}
+return {'ended', state}
