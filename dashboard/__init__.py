@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from datetime import datetime, timezone
 from typing import Any
 
 import redis
-from flask import Flask, jsonify, render_template, request
+from flask import Flask, g, jsonify, render_template, request
 from jinja2 import Undefined
 from werkzeug.exceptions import HTTPException, ServiceUnavailable
 from werkzeug.middleware.proxy_fix import ProxyFix
@@ -22,6 +23,7 @@ from taskrunner import TaskRunner
 from taskrunner.client.loader import load_app
 from taskrunner.errors import AppNotFound
 from taskrunner.ops.diagnose import explain
+from taskrunner.protocol.connection import Outage
 
 from . import charts, security, watch
 from .views import api, pages
@@ -83,6 +85,10 @@ def create_app(runner: TaskRunner | None = None, password: str | None = None, to
             return jsonify(error=e.description, status=e.code), e.code
         return render_template("error.html", error=e), e.code
 
+    # An outage is logged once per process (one warning, one line when Redis is back), as
+    # workers do: a warning per request added a line every 2 s for each open live page.
+    outage, outage_lock = Outage("dashboard", log), threading.Lock()
+
     @web.errorhandler(redis.RedisError)
     @web.errorhandler(redis.exceptions.RedisClusterException)
     def redis_error(e: Exception) -> Any:
@@ -90,9 +96,24 @@ def create_app(runner: TaskRunner | None = None, password: str | None = None, to
         problem = explain(e, runner.settings.redis_url)
         if problem is None:
             raise e
-        log.warning("dashboard: %s", problem.message)
+        g.redis_failed = True
+        with outage_lock:
+            outage.failed(problem.message, None, " (at each request)")
         return error(ServiceUnavailable(problem.message + (". This page works again once Redis answers."
                                                            if not problem.lasting else "")))
+
+    @web.after_request
+    def redis_back(response: Any) -> Any:
+        """During an outage, a request that met no Redis error asks Redis whether it is back
+        (one PING: the request may not have used Redis, as a static file does not)."""
+        if outage.since is not None and not g.get("redis_failed"):
+            try:
+                runner.redis.ping()
+            except (redis.RedisError, redis.exceptions.RedisClusterException):
+                return response
+            with outage_lock:
+                outage.ok()
+        return response
 
     return web
 

@@ -5,6 +5,7 @@ CSRF, brute force, headers, binding) are in test_security.py."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -298,12 +299,19 @@ def test_overview_tells_the_truth(app, stack, web):
              what="the warning gone once a worker consumes the queue")
 
 
-def test_pages_say_when_redis_is_down(tmp_path):
+def test_pages_say_when_redis_is_down(tmp_path, caplog):
     """Redis stopped: every page answers 503 with one line saying so (not a bare 500), the
-    dashboard starts anyway, and it serves again, logins included, once Redis is back."""
+    dashboard starts anyway, and it serves again, logins included, once Redis is back. Its
+    log says so once per outage (it said it at every request: a line every 2 s for each
+    open live page), and once when Redis is back."""
     from taskrunner import TaskRunner
     from taskrunner.ops.redis_server import RedisServer
 
+    def said(level: int) -> list[str]:  # about Redis (a login is logged too)
+        return [r.getMessage() for r in caplog.records
+                if r.name == "taskrunner.dashboard" and r.levelno == level and "Redis" in r.getMessage()]
+
+    caplog.set_level(logging.INFO, logger="taskrunner.dashboard")
     server = RedisServer(tmp_path, appendonly=False)
     runner = TaskRunner("down", redis_url=server.url)
     try:
@@ -314,12 +322,20 @@ def test_pages_say_when_redis_is_down(tmp_path):
             assert r.status_code == 503 and "cannot reach Redis at unix://" in r.get_data(as_text=True), path
         r = web.get("/api/overview")
         assert r.status_code == 503 and "cannot reach Redis" in r.get_json()["error"]
+        [warning] = said(logging.WARNING)
+        assert warning.startswith("dashboard: Redis unavailable (cannot reach Redis at unix://") and \
+            warning.endswith("); trying again until it answers (at each request)"), warning
+        assert web.get("/static/live.js").status_code == 200 and not said(logging.INFO)  # Redis still down
         server.start()
         assert web.get("/").status_code == 200
+        [back] = said(logging.INFO)
+        assert back.startswith("dashboard: Redis answers again (unavailable for "), back
         login(web)
         server.stop()
         r = web.get("/running")
         assert r.status_code == 503 and "works again once Redis answers" in r.get_data(as_text=True)
+        assert web.get("/api/overview").status_code == 503
+        assert len(said(logging.WARNING)) == 2 and len(said(logging.INFO)) == 1  # the second outage's warning
     finally:
         server.stop()
 

@@ -871,12 +871,15 @@ class Outage:
         self.what, self.log = what, logger
         self.since: float | None = None  # when this outage began (monotonic); None: Redis answers
 
-    def failed(self, error: BaseException, pause: float, bound: str = "") -> None:
-        """A try failed with `error`; the next comes in `pause` seconds (`bound`: how long
-        the tries go on, said in the warning)."""
+    def failed(self, error: BaseException | str, pause: float | None, bound: str = "") -> None:
+        """A try failed with `error` (or what it means); the next comes in `pause` seconds
+        (None: when asked, as the dashboard's next request; `bound`: how long or when the
+        tries go on, said in the warning)."""
         if self.since is None:
             self.since = time.monotonic()
             self.log.warning("%s: Redis unavailable (%s); trying again until it answers%s", self.what, error, bound)
+        elif pause is None:
+            self.log.debug("%s: Redis still unavailable (%s)", self.what, error)
         else:
             self.log.debug("%s: Redis still unavailable (%s); retrying in %.1fs", self.what, error, pause)
 
