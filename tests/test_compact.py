@@ -4,6 +4,7 @@ every record exactly once for a reader and for the next compaction whatever step
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -155,7 +156,10 @@ def test_late_files_and_an_unfinished_batch_are_left_alone(app, archive):
     assert {f.base_name for f in live_files(*open_dir(str(folder)))} == set(names)
 
 
-def test_dispatchers_compact_once_a_day(app, archive, monkeypatch):
+def test_dispatchers_compact_once_a_day(app, archive, monkeypatch, caplog):
+    """...and log what they did: the last day compacted is yesterday (today is left to
+    tomorrow's run), not today."""
+    caplog.set_level(logging.INFO, logger="taskrunner.dispatcher")
     monkeypatch.setenv("TASKRUNNER_HISTORY_DIR", str(archive))
     before = read(archive)
     first, second = Dispatcher(app, "d1"), Dispatcher(app, "d2")
@@ -166,10 +170,14 @@ def test_dispatchers_compact_once_a_day(app, archive, monkeypatch):
     first.compact_history(NOW).join(30)
     assert app.redis.get(app.keys.g + "history:compacted") == day(1)
     assert len(files(archive)) == 6 + 40  # one file a past partition; today's as they were
+    assert f"dispatcher d1: history compacted up to {day(1)} (days compacted: 3 days, {day(3)} to {day(1)}): " \
+           "partitions=6 merged=120 written=6" in caplog.text
     assert second.compact_history(NOW) is None and first.compact_history(NOW) is None  # done for today
     tomorrow = Dispatcher(app, "d3").compact_history(NOW + DAY)  # yesterday again (late batches), then today
     tomorrow.join(30)
     assert app.redis.get(app.keys.g + "history:compacted") == day(0) and len(files(archive)) == 8
+    assert f"dispatcher d3: history compacted up to {day(0)} (days compacted: 2 days, {day(1)} to {day(0)})" \
+        in caplog.text
     assert read(archive) == before and on_disk(archive) == [r["stream_id"] for r in before]
 
 

@@ -150,28 +150,30 @@ class Compactor:
             raise TaskRunnerError(f"compaction lost its lock {self.lock}; stopped (another may run)")
 
 
-def daily(app: TaskRunner, today: str, directory: str | None = None) -> dict[str, int] | None:
+def daily(app: TaskRunner, today: str, directory: str | None = None) -> tuple[list[str], dict[str, int]] | None:
     """The dispatcher's daily run on `today` (UTC): compact the days from the last one done
     (again: a late batch may have landed in it) to yesterday, then record yesterday as done,
-    so that every dispatcher skips it until tomorrow. None: done already today, or another
-    compaction holds the lock."""
+    so that every dispatcher skips it until tomorrow. Returns the days compacted (those of
+    the archive in that span; yesterday is recorded even when it has none) and the counts.
+    None: done already today, or another compaction holds the lock."""
     last = app.redis.get(app.keys.g + "history:compacted")
     if done(last, today):
         return None
     c = Compactor(app, directory)
+    days = [d for d in dates(c.fs, c.root) if (last is None or d >= last) and d < today]
     try:
-        stats = c.run([d for d in dates(c.fs, c.root) if (last is None or d >= last) and d < today], today)
+        stats = c.run(days, today)
     except TaskRunnerError as e:
         log.info("compaction skipped: %s", e)
         return None
-    app.redis.set(app.keys.g + "history:compacted", _yesterday(today))
-    return stats
+    app.redis.set(app.keys.g + "history:compacted", yesterday(today))
+    return days, stats
 
 
 def done(last: str | None, today: str) -> bool:
     """Is `last`, the last day compacted (`g history:compacted`), yesterday or later?"""
-    return last is not None and last >= _yesterday(today)
+    return last is not None and last >= yesterday(today)
 
 
-def _yesterday(today: str) -> str:
+def yesterday(today: str) -> str:
     return (datetime.strptime(today, "%Y-%m-%d") - timedelta(days=1)).strftime("%Y-%m-%d")

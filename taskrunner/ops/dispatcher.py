@@ -277,16 +277,18 @@ class Dispatcher:
 
     def _compact(self, today: str) -> None:
         try:
-            stats = compact.daily(self.app, today)
+            done = compact.daily(self.app, today)
         except MissingExtra:  # archive_history says so, once
             self.next_compact = float("inf")
             return
         except Exception:  # a disk or Redis error: logged, and tried again in a minute
             log.exception("dispatcher: compacting the job history failed")
             return
-        if stats:
-            log.info("dispatcher %s: history compacted up to %s: %s", self.name, today,
-                     " ".join(f"{k}={v}" for k, v in stats.items()))
+        if done:
+            days, stats = done
+            span = f"{len(days)} days, {days[0]} to {days[-1]}" if len(days) > 1 else days[0] if days else "none"
+            log.info("dispatcher %s: history compacted up to %s (days compacted: %s): %s", self.name,
+                     compact.yesterday(today), span, " ".join(f"{k}={v}" for k, v in stats.items()))
 
     def liveness(self, now: float) -> tuple[set[str], set[str]]:
         """Workers whose heartbeat is fresh, and the others. A worker on this machine (same
