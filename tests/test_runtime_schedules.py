@@ -268,6 +268,12 @@ def test_unknown_and_code_schedules(app, stack):
     assert not app.redis.sismember(app.keys.g + "schedules:paused", "tests.cron_app.every_second")
     r = stack.cli("schedule", "run-now", "tests.cron_app.every_second")
     assert r.returncode == 1 and "with -A" in r.stderr
+    # Deleting it without -A says what it is and how to stop it (it said "no runtime schedule").
+    r = stack.cli("schedule", "delete", "tests.cron_app.every_second")
+    assert r.returncode == 2 and r.stderr.strip().endswith(
+        "tests.cron_app.every_second is declared in the app's code and cannot be deleted here: pause it "
+        "(`taskrunner schedule pause tests.cron_app.every_second`), or remove it from the code"), r.stderr
+    assert app.redis.hexists(app.keys.schedules, "tests.cron_app.every_second")
 
 
 def test_dashboard_schedule_actions(app):

@@ -169,8 +169,11 @@ def delete(app: TaskRunner, name: str) -> str:
         app.redis.srem(_paused_key(app), name)
         app.redis.hdel(app.keys.schedules, name)
         return f"{name}: deleted"
-    if name in app.schedules:
-        raise ValueError(f"{name} is declared in the app's code: pause it (`taskrunner schedule pause {name}`)")
+    # Without -A the app declares nothing; a name the dispatchers published that has no
+    # runtime definition is one of their app's code (as pause() finds it).
+    if name in app.schedules or app.redis.hexists(app.keys.schedules, name):
+        raise ValueError(f"{name} is declared in the app's code and cannot be deleted here: pause it "
+                         f"(`taskrunner schedule pause {name}`), or remove it from the code")
     raise ScheduleNotFound(f"no runtime schedule {name!r} (see `taskrunner schedule list`)")
 
 
