@@ -16,6 +16,7 @@ from taskrunner.client.aio import AsyncClient
 from taskrunner.ops import listing
 from taskrunner.ops.dispatcher import Dispatcher
 from taskrunner.protocol.connection import server_time
+from taskrunner.worker.crew import ended_by
 from tests import apps
 from tests.conftest import wait_for
 
@@ -190,6 +191,24 @@ def test_job_over_max_duration_is_stuck_then_failed(app, stack):
     assert e.value.error_type == "TimeLimitExceeded"
     d = job.refresh().to_dict()
     assert d["stuck"] and d["stuck_at"]
+
+
+def test_a_job_stopped_at_its_max_duration_names_the_signal(app, stack):
+    """Its child ends with 143 (128 + SIGTERM: its finally blocks ran): the error said
+    "stopped by exit code 143"."""
+    stack.worker(concurrency=1)
+    job = apps.too_slow.delay("limit")
+    with pytest.raises(JobFailed) as e:
+        job.wait(30)
+    assert (e.value.error_type, e.value.message) == ("TimeLimitExceeded",
+                                                     "ran past its max duration; stopped by signal SIGTERM")
+
+
+@pytest.mark.parametrize("code, said", [(-9, "signal SIGKILL"), (143, "signal SIGTERM"), (137, "signal SIGKILL"),
+                                        (1, "exit code 1"), (0, "exit code 0"), (128, "exit code 128"),
+                                        (255, "exit code 255"), (None, "exit code None")])
+def test_what_ended_a_child_names_its_signal(code, said):
+    assert ended_by(code) == said
 
 
 def test_dispatcher_flags_stuck_and_asks_worker_when_worker_hangs_in_a_child(app, stack):

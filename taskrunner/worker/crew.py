@@ -199,7 +199,7 @@ class Crew:
             pass  # it forked may hold its end of the pipe open)
         c.proc.join()
         code = c.proc.exitcode
-        why = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
+        why = ended_by(code)
         began = c.state[0]  # it is gone: no lock needed
         report = self.outbox.report
         for d in c.jobs:
@@ -302,6 +302,19 @@ class Crew:
     def _is_async(self, d: Delivery) -> bool:
         task = self.app.tasks.get(d.task)
         return task is not None and inspect.iscoroutinefunction(task.fn)
+
+
+def ended_by(code: int | None) -> str:
+    """What ended a child of exit status `code`, for a job's error and the log: the signal
+    that killed it (a negative code), or that it died of as a shell would say (128 + N: a
+    child stopped by the worker exits 143 after its SIGTERM's finally blocks ran); else the
+    exit code. "exit code 143" hid that a SIGTERM stopped it."""
+    if code is not None and (code < 0 or 128 < code < 128 + signal.NSIG):
+        try:
+            return f"signal {signal.Signals(abs(code) if code < 0 else code - 128).name}"
+        except ValueError:  # no signal of that number here
+            pass
+    return f"exit code {code}"
 
 
 def _stopped(reason: str, how: str) -> Outcome | None:
