@@ -440,3 +440,12 @@ def test_a_bounded_sharded_queue_bounds_each_shard(app, stack):
     queue.resume(app, "bq")
     assert [j.wait(30) for j in first] == [0, 1]
     assert apps.add.apply_async([3, 0], queue="bq", block_timeout=5).wait(30) == 3
+
+
+def test_a_queue_named_twice_is_served_once_where_first_named(app, stack):
+    """`-Q hi,lo,hi`: hi then lo (strict priority: a second place adds nothing). The list
+    was kept as given, so every claim and heartbeat named hi twice."""
+    assert shards.Served(["hi", "lo", "hi"]).queues == ["hi", "lo"]
+    stack.worker("-Q", "hi,lo,hi", concurrency=1)
+    assert wait_for(lambda: json.loads(stack.cli("workers", "--json", check=True).stdout),
+                    what="the worker's heartbeat")[0]["queues"] == ["hi", "lo"]

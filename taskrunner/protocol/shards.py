@@ -130,10 +130,12 @@ class Served:
     physical queues of its shards. `order()` is the claim order of one claim: queue by
     queue as given, each sharded queue's shards from a turn that moves at each claim (so
     that every shard is claimed from first in turn: FIFO holds per shard, not across), or
-    from the shard whose wake token woke the claimer."""
+    from the shard whose wake token woke the claimer. A queue named twice (`-Q a,b,a`) is
+    served once, where first named: a second place in a strict priority order adds
+    nothing but its keys again in every claim and heartbeat."""
 
     def __init__(self, queues: list[str]) -> None:
-        self.queues = queues
+        self.queues = list(dict.fromkeys(queues))
         self.counts = [1] * len(queues)
         self._turn = 0
 
