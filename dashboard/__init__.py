@@ -104,9 +104,11 @@ def create_app(runner: TaskRunner | None = None, password: str | None = None, to
 
     @web.after_request
     def redis_back(response: Any) -> Any:
-        """During an outage, a request that met no Redis error asks Redis whether it is back
-        (one PING: the request may not have used Redis, as a static file does not)."""
-        if outage.since is not None and not g.get("redis_failed"):
+        """During an outage, a page that met no Redis error asks Redis whether it is back
+        (one PING: it may not have used Redis). Not a static file's request: against a Redis
+        that hangs (SIGSTOP, a partition) its PING waited out the socket timeout, 5 s for each
+        stylesheet and script of the page that says Redis is down."""
+        if outage.since is not None and not g.get("redis_failed") and request.endpoint != "static":
             try:
                 runner.redis.ping()
             except (redis.RedisError, redis.exceptions.RedisClusterException):

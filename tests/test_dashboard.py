@@ -327,6 +327,7 @@ def test_pages_say_when_redis_is_down(tmp_path, caplog):
             warning.endswith("); trying again until it answers (at each request)"), warning
         assert web.get("/static/live.js").status_code == 200 and not said(logging.INFO)  # Redis still down
         server.start()
+        assert web.get("/static/live.js").status_code == 200 and not said(logging.INFO)  # a static file asks not
         assert web.get("/").status_code == 200
         [back] = said(logging.INFO)
         assert back.startswith("dashboard: Redis answers again (unavailable for "), back

@@ -208,7 +208,11 @@ def test_a_job_stopped_at_its_max_duration_names_the_signal(app, stack):
                                         (1, "exit code 1"), (0, "exit code 0"), (128, "exit code 128"),
                                         (255, "exit code 255"), (None, "exit code None")])
 def test_what_ended_a_child_names_its_signal(code, said):
-    assert ended_by(code) == said
+    """A child the worker stopped: 128 + N is the signal N. One it did not stop: only a
+    negative code is a signal; its own exit status 137 is an exit code, not a SIGKILL (found
+    by review: an os._exit(137) in a task read as the OOM killer's)."""
+    assert ended_by(code, stopped=True) == said
+    assert ended_by(code) == (said if code is None or code <= 128 or code == 255 else f"exit code {code}")
 
 
 def test_dispatcher_flags_stuck_and_asks_worker_when_worker_hangs_in_a_child(app, stack):

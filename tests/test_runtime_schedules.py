@@ -271,8 +271,9 @@ def test_unknown_and_code_schedules(app, stack):
     # Deleting it without -A says what it is and how to stop it (it said "no runtime schedule").
     r = stack.cli("schedule", "delete", "tests.cron_app.every_second")
     assert r.returncode == 2 and r.stderr.strip().endswith(
-        "tests.cron_app.every_second is declared in the app's code and cannot be deleted here: pause it "
-        "(`taskrunner schedule pause tests.cron_app.every_second`), or remove it from the code"), r.stderr
+        "tests.cron_app.every_second was published by a dispatcher from its app's code and cannot be deleted "
+        "here: pause it (`taskrunner schedule pause tests.cron_app.every_second`), or remove it from the code (a "
+        "dispatcher whose code declares it no more leaves it listed)"), r.stderr
     assert app.redis.hexists(app.keys.schedules, "tests.cron_app.every_second")
 
 

@@ -445,7 +445,8 @@ def test_a_bounded_sharded_queue_bounds_each_shard(app, stack):
 def test_a_queue_named_twice_is_served_once_where_first_named(app, stack):
     """`-Q hi,lo,hi`: hi then lo (strict priority: a second place adds nothing). The list
     was kept as given, so every claim and heartbeat named hi twice."""
-    assert shards.Served(["hi", "lo", "hi"]).queues == ["hi", "lo"]
+    served = shards.Served(["hi", "lo", "hi"])
+    assert served.queues == ["hi", "lo"] and served.counts == [1, 1] and not served.update([1, 1])
     stack.worker("-Q", "hi,lo,hi", concurrency=1)
     assert wait_for(lambda: json.loads(stack.cli("workers", "--json", check=True).stdout),
                     what="the worker's heartbeat")[0]["queues"] == ["hi", "lo"]

@@ -777,8 +777,10 @@ class TaskRunner:
                 send()
                 settle()
         except BaseException:
-            if sent is not None:  # a chunk's answers still on this thread's link: read them, or its next
-                with contextlib.suppress(Exception):  # lone enqueue would take one of them for its own
+            # A chunk's answers still on this thread's link: read them, or its next lone enqueue
+            # would take one of them for its own. A chunk not sent (no such link) is not sent now.
+            if sent is not None and sent[0].sent:
+                with contextlib.suppress(Exception):
                     sent[0].execute()
             raise
         return out

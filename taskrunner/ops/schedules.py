@@ -169,11 +169,16 @@ def delete(app: TaskRunner, name: str) -> str:
         app.redis.srem(_paused_key(app), name)
         app.redis.hdel(app.keys.schedules, name)
         return f"{name}: deleted"
-    # Without -A the app declares nothing; a name the dispatchers published that has no
-    # runtime definition is one of their app's code (as pause() finds it).
-    if name in app.schedules or app.redis.hexists(app.keys.schedules, name):
+    if name in app.schedules:
         raise ValueError(f"{name} is declared in the app's code and cannot be deleted here: pause it "
                          f"(`taskrunner schedule pause {name}`), or remove it from the code")
+    # Without -A the app declares nothing; a name the dispatchers published that has no
+    # runtime definition is one of their app's code (as pause() finds it), or was: they
+    # publish, and never take back, what their code declares.
+    if app.redis.hexists(app.keys.schedules, name):
+        raise ValueError(f"{name} was published by a dispatcher from its app's code and cannot be deleted here: "
+                         f"pause it (`taskrunner schedule pause {name}`), or remove it from the code (a "
+                         "dispatcher whose code declares it no more leaves it listed)")
     raise ScheduleNotFound(f"no runtime schedule {name!r} (see `taskrunner schedule list`)")
 
 

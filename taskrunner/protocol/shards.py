@@ -136,7 +136,7 @@ class Served:
 
     def __init__(self, queues: list[str]) -> None:
         self.queues = list(dict.fromkeys(queues))
-        self.counts = [1] * len(queues)
+        self.counts = [1] * len(self.queues)
         self._turn = 0
 
     @property

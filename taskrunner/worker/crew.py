@@ -199,7 +199,7 @@ class Crew:
             pass  # it forked may hold its end of the pipe open)
         c.proc.join()
         code = c.proc.exitcode
-        why = ended_by(code)
+        why = ended_by(code, c.kill_reason is not None or any(d.stop_reason is not None for d in c.jobs))
         began = c.state[0]  # it is gone: no lock needed
         report = self.outbox.report
         for d in c.jobs:
@@ -304,12 +304,13 @@ class Crew:
         return task is not None and inspect.iscoroutinefunction(task.fn)
 
 
-def ended_by(code: int | None) -> str:
+def ended_by(code: int | None, stopped: bool = False) -> str:
     """What ended a child of exit status `code`, for a job's error and the log: the signal
-    that killed it (a negative code), or that it died of as a shell would say (128 + N: a
-    child stopped by the worker exits 143 after its SIGTERM's finally blocks ran); else the
-    exit code. "exit code 143" hid that a SIGTERM stopped it."""
-    if code is not None and (code < 0 or 128 < code < 128 + signal.NSIG):
+    that killed it (a negative code); for a child the worker `stopped`, the signal 128 + N
+    names (it exits 143 after its SIGTERM's finally blocks ran: "exit code 143" hid that a
+    SIGTERM stopped it); else the exit code — a child's own os._exit(137) is not a SIGKILL
+    (the OOM killer's, as it read)."""
+    if code is not None and (code < 0 or stopped and 128 < code < 128 + signal.NSIG):
         try:
             return f"signal {signal.Signals(abs(code) if code < 0 else code - 128).name}"
         except ValueError:  # no signal of that number here
