@@ -55,6 +55,14 @@ async def async_span(seconds: float) -> list[float]:
 
 
 @app.task(max_duration=60)
+def thread_nap(key: str, seconds: float) -> str:
+    """A job for a thread: marks that it began, then sleeps `seconds`."""
+    mark(key)
+    time.sleep(seconds)
+    return key
+
+
+@app.task(max_duration=60)
 def thread_span(seconds: float) -> list[float]:
     t0 = time.time()
     time.sleep(seconds)
