@@ -275,6 +275,12 @@ def test_unknown_and_code_schedules(app, stack):
         "here: pause it (`taskrunner schedule pause tests.cron_app.every_second`), or remove it from the code (a "
         "dispatcher whose code declares it no more leaves it listed)"), r.stderr
     assert app.redis.hexists(app.keys.schedules, "tests.cron_app.every_second")
+    # What a dispatcher's pass wrote back for a runtime schedule deleted meanwhile (its state,
+    # source runtime, no definition) is deleted, not taken for a code schedule (found by review).
+    app.redis.hset(app.keys.schedules, "left-over", json.dumps({"name": "left-over", "source": "runtime"}))
+    r = stack.cli("schedule", "delete", "left-over")
+    assert r.returncode == 0 and r.stdout.strip() == "schedule left-over: deleted", r.stderr
+    assert not app.redis.hexists(app.keys.schedules, "left-over")
 
 
 def test_dashboard_schedule_actions(app):

@@ -662,16 +662,19 @@ class TaskRunner:
         def answered(batch: scripts.Batch, by_queue: dict[str, list[tuple[str, float, list[Any]]]],
                      others: dict[str, set[str]]) -> list[Any]:
             """The chunk's answers, the chunk sent again while Redis is out (steps.riding
-            says why that is safe), up to enqueue_retry seconds."""
-            backoff = Backoff("enqueue_many", time.monotonic() + self.settings.enqueue_retry)
+            says why that is safe), up to enqueue_retry seconds from the first error (as
+            riding(): a first try that waited out a hung Redis's socket timeout took none of it)."""
+            backoff: Backoff | None = None
             while True:
                 try:
                     answers = batch.execute()
-                    backoff.ok()
+                    if backoff is not None:
+                        backoff.ok()
                     return answers
                 except steps.REDIS_ERRORS as e:
                     if not self.settings.enqueue_retry or isinstance(e, steps.LASTING):
                         raise
+                    backoff = backoff or Backoff("enqueue_many", time.monotonic() + self.settings.enqueue_retry)
                     time.sleep(backoff.after(e))
                 batch = batch_of(by_queue, others, None)  # a pipeline is spent once executed
 

@@ -66,8 +66,8 @@ class Job:
                          d.get("error", ""), d.get("traceback", ""))
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Block until the job ends; return its result, or raise JobFailed (failed or
-        killed) or Timeout. Blocks in Redis, no polling, and rides out a Redis restart or
+        """Block until the job ends; return its result, or raise JobFailed (failed, killed,
+        or a workflow step canceled) or Timeout. Blocks in Redis, no polling, and rides out a Redis restart or
         failover (steps.wait says how)."""
         self.data = steps.run(self.app, steps.wait(self.app, self.id, self.queue, timeout))
         if self.data.get("state") == "completed":

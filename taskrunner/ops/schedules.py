@@ -174,12 +174,27 @@ def delete(app: TaskRunner, name: str) -> str:
                          f"(`taskrunner schedule pause {name}`), or remove it from the code")
     # Without -A the app declares nothing; a name the dispatchers published that has no
     # runtime definition is one of their app's code (as pause() finds it), or was: they
-    # publish, and never take back, what their code declares.
-    if app.redis.hexists(app.keys.schedules, name):
+    # publish, and never take back, what their code declares. One a dispatcher wrote back
+    # for a runtime schedule deleted during its pass (its `source`) is what is left of it.
+    published = app.redis.hget(app.keys.schedules, name)
+    if published is not None and _source(published) == "runtime":
+        app.redis.srem(_paused_key(app), name)
+        app.redis.hdel(app.keys.schedules, name)
+        return f"{name}: deleted"
+    if published is not None:
         raise ValueError(f"{name} was published by a dispatcher from its app's code and cannot be deleted here: "
                          f"pause it (`taskrunner schedule pause {name}`), or remove it from the code (a "
                          "dispatcher whose code declares it no more leaves it listed)")
     raise ScheduleNotFound(f"no runtime schedule {name!r} (see `taskrunner schedule list`)")
+
+
+def _source(published: str) -> Any:
+    """The `source` of a schedule's published state (None: not a JSON object)."""
+    try:
+        state = codec.loads(published)
+    except ValueError:
+        return None
+    return state.get("source") if isinstance(state, dict) else None
 
 
 def pause(app: TaskRunner, name: str, paused: bool = True) -> None:

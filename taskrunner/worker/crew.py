@@ -199,7 +199,7 @@ class Crew:
             pass  # it forked may hold its end of the pipe open)
         c.proc.join()
         code = c.proc.exitcode
-        why = ended_by(code, c.kill_reason is not None or any(d.stop_reason is not None for d in c.jobs))
+        why = ended_by(code, c.kill_reason is not None)  # signalled by the worker (a loop child's cancel is a message)
         began = c.state[0]  # it is gone: no lock needed
         report = self.outbox.report
         for d in c.jobs:
