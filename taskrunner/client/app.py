@@ -672,10 +672,8 @@ class TaskRunner:
                         backoff.ok()
                     return answers
                 except steps.REDIS_ERRORS as e:
-                    if not self.settings.enqueue_retry or isinstance(e, steps.LASTING):
-                        raise
-                    backoff = backoff or Backoff("enqueue_many", time.monotonic() + self.settings.enqueue_retry)
-                    time.sleep(backoff.after(e))
+                    backoff, pause = steps.ride_out(self, e, backoff, "enqueue_many")  # raises e when not
+                    time.sleep(pause)
                 batch = batch_of(by_queue, others, None)  # a pipeline is spent once executed
 
         def settle() -> None:

@@ -130,7 +130,6 @@ def riding(app: TaskRunner, operation: Steps[T], what: str) -> Steps[T]:
     adds nothing for an id that exists, answering 0, so a try whose answer was lost
     after it ran adds no second job (the Job's .created is then False). `what` names
     the operation in the warning logged once per outage."""
-    bound = app.settings.enqueue_retry
     answer: Any = None
     error: BaseException | None = None
     while True:
@@ -147,14 +146,23 @@ def riding(app: TaskRunner, operation: Steps[T], what: str) -> Steps[T]:
                 break
             except Exception as e:
                 answer, error = None, e
-                if not (bound and isinstance(e, REDIS_ERRORS)) or isinstance(e, LASTING):
-                    break
-                backoff = backoff or Backoff(what, time.monotonic() + bound)
                 try:
-                    pause = backoff.after(e)  # raises e where it is not to be ridden out
-                except REDIS_ERRORS:
+                    backoff, pause = ride_out(app, e, backoff, what)
+                except Exception:  # e: the operation gets it
                     break
             yield Sleep(pause)
+
+
+def ride_out(app: TaskRunner, error: BaseException, backoff: Backoff | None, what: str) -> tuple[Backoff, float]:
+    """The backoff (made at the outage's first error, `backoff` None) and the pause before a
+    producer's request that met `error` is sent again; raises `error` where it is not to be
+    ridden out: enqueue_retry 0, not a Redis error, a LASTING one, one that does not pass
+    by itself (connection.transient()), or the bound passed. riding() and enqueue_many's
+    chunks (sent past the steps) decide so alike."""
+    if not (app.settings.enqueue_retry and isinstance(error, REDIS_ERRORS)) or isinstance(error, LASTING):
+        raise error
+    backoff = backoff or Backoff(what, time.monotonic() + app.settings.enqueue_retry)
+    return backoff, backoff.after(error)
 
 
 def ride(app: TaskRunner, operation: Steps[T], what: str) -> T:
