@@ -23,7 +23,7 @@ from typing import Any
 from taskrunner.client.app import TaskRunner
 from taskrunner.config import Settings
 from taskrunner.protocol import codec
-from taskrunner.protocol.connection import default_url
+from taskrunner.protocol.urls import default_url
 
 #: Spark types whose values a job's arguments (JSON) take as they are.
 _JSON_TYPES = {"string", "integer", "long", "short", "byte", "float", "double", "boolean", "void", "null"}

@@ -23,7 +23,8 @@ from taskrunner.errors import QueueClosed, Timeout
 from taskrunner.ops import listing
 from taskrunner.ops import queue as queue_ops
 from taskrunner.protocol import joins, scripts, shards
-from taskrunner.protocol.connection import ClusterChannel, ClusterURL, connect, connect_async
+from taskrunner.protocol.connection import ClusterURL, connect, connect_async
+from taskrunner.protocol.links import ClusterChannel
 from taskrunner.protocol.outcome import Ended, Outcome, finish_args
 from tests import apps
 from tests.conftest import Stack, wait_for
@@ -899,7 +900,7 @@ def incr_each(r, counters: list[str]) -> scripts.Batch:
 
 
 def test_a_lean_sync_to_a_slot_that_moved_fails_and_the_next_goes_to_its_new_owner(capp, cluster, queues):
-    """A worker's syncs on a cluster go past redis-py (connection.ClusterChannel: each
+    """A worker's syncs on a cluster go past redis-py (links.ClusterChannel: each
     command to the primary of its slot, on a connection of our own) by redis-py's slot map.
     A slot that moved since answers MOVED: the command did not run there, and Batch.settle
     fails the sync as a lost connection (the worker reconciles; a command run again through

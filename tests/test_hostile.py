@@ -340,7 +340,7 @@ def test_nan_backoff_in_a_record_written_by_another_client_still_retries(app):
     ("redis+cluster://h1:1,h2/0", "a cluster has no path"),
     ("redis+cluster://:secret@h1:70000", "'h1:70000' is not host[:port]"),
     ("redis+cluster://h1?db=1", "unknown option 'db'"),
-    # Multi-host URLs, split by hand (connection._split; the good ones in tests/test_urls.py):
+    # Multi-host URLs, split by hand (urls._split; the good ones in tests/test_urls.py):
     ("redis+cluster://", "no host given"),
     ("redis+cluster:///", "no host given"),
     ("redis+cluster://:secret@/", "no host given"),

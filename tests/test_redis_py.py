@@ -1,6 +1,6 @@
 """The redis-py range of setup.cfg. CI runs the whole suite with its lowest and its newest
 version (.ci/debian-root.sh, `make test`); these tests say which one ran, that the fast path
-(connection.Direct and Channel, which use redis-py's connections' sockets themselves) is
+(links.Direct and Channel, which use redis-py's connections' sockets themselves) is
 taken on it, and that where redis-py or hiredis differ from what it needs, everything takes
 redis-py's public path instead."""
 
@@ -14,7 +14,7 @@ from importlib.metadata import version
 
 from packaging.requirements import Requirement
 
-from taskrunner.protocol import connection
+from taskrunner.protocol import links
 from tests import apps
 from tests.conftest import ROOT
 
@@ -26,8 +26,8 @@ def test_this_redis_py_is_in_the_range_and_takes_the_fast_path(app):
     assert req.specifier.contains(version("redis")), (version("redis"), str(req.specifier))
     print(f"redis-py {version('redis')}, hiredis {version('hiredis')}, in {req.specifier}")
     assert apps.add.delay(1, 2).id and app._direct is not None  # redis-py 5.0 has no pool.cache: not a reason
-    assert connection.FAST_PATH
-    assert connection.Channel.of(app.redis) is not None
+    assert links.FAST_PATH
+    assert links.Channel.of(app.redis) is not None
 
 
 def test_where_the_internals_differ_jobs_take_redis_pys_public_path(app, stack, tmp_path):
@@ -38,10 +38,10 @@ def test_where_the_internals_differ_jobs_take_redis_pys_public_path(app, stack, 
     (tmp_path / "sitecustomize.py").write_text(hide)
     env = {"PYTHONPATH": f"{tmp_path}:{ROOT}"}
     stack.worker(env=env)
-    code = ("from taskrunner.protocol import connection\nfrom tests import apps\n"
-            "assert not connection.FAST_PATH\n"
+    code = ("from taskrunner.protocol import links\nfrom tests import apps\n"
+            "assert not links.FAST_PATH\n"
             "job = apps.add.delay(2, 3)\n"
-            "assert apps.app._direct is None and connection.Channel.of(apps.app.redis) is None\n"
+            "assert apps.app._direct is None and links.Channel.of(apps.app.redis) is None\n"
             "print(job.wait(30))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**stack.env, **env}, capture_output=True,
                          text=True, timeout=60)

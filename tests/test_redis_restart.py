@@ -160,7 +160,8 @@ def test_lone_enqueue_spins_briefly_then_sleeps_when_redis_is_slow(app, own_redi
                                         ("redis://redis.example:6399", False)])
 def test_enqueue_spins_only_for_a_redis_on_this_machine(url, spins):
     """No spin for a remote Redis (its answer takes the network's round trip) or on one CPU."""
-    code = ("import os, sys; from taskrunner.protocol.connection import Direct, connect\n"
+    code = ("import os, sys\nfrom taskrunner.protocol.connection import connect\n"
+            "from taskrunner.protocol.links import Direct\n"
             "if sys.argv[2] == 'one': os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
             "print(Direct.of(connect(sys.argv[1]), 0.0001).spin)")
     for cpus, expected in (("all", 0.0001 if spins else 0.0), ("one", 0.0)):

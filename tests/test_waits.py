@@ -223,7 +223,7 @@ def test_consume_reports_a_command_that_ended_while_redis_was_down(app, own_redi
 def test_a_cancellable_blocker_asks_its_client_id_again_on_a_new_socket(app):
     """redis-py reconnects a connection an error closed: CLIENT UNBLOCK must then name the
     new connection, not the one before (whose id may be another client's after a restart)."""
-    from taskrunner.protocol.connection import Blocker
+    from taskrunner.protocol.blocking import Blocker
 
     key = app.keys.q("default") + "wake"
     b = Blocker(app.redis, [key], cancellable=True)

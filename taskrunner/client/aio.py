@@ -22,7 +22,8 @@ from taskrunner.client.app import TaskRunner, _enqueue_args
 from taskrunner.client.canvas import Chain, Chord, Group, Signature
 from taskrunner.client.job import Job
 from taskrunner.protocol import connection, scripts
-from taskrunner.protocol.connection import close_async, connect_async, is_cluster, slack
+from taskrunner.protocol.blocking import slack
+from taskrunner.protocol.connection import close_async, connect_async, is_cluster
 
 T = TypeVar("T")
 

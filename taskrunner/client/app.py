@@ -24,8 +24,9 @@ from taskrunner.config import Settings
 from taskrunner.errors import MAX_RETRIES, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
 from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.codec import count, seconds
-from taskrunner.protocol.connection import Backoff, Client, Direct, Outage, connect, is_cluster
+from taskrunner.protocol.connection import Backoff, Client, Outage, connect, is_cluster
 from taskrunner.protocol.keys import Keys
+from taskrunner.protocol.links import Direct
 
 TIMEOUT_POLICIES = ("kill", "flag")
 log = logging.getLogger("taskrunner")

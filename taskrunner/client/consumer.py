@@ -17,8 +17,9 @@ from taskrunner.client import steps
 from taskrunner.client.app import TaskRunner
 from taskrunner.client.steps import REDIS_ERRORS
 from taskrunner.protocol import codec, joins, scripts, shards
+from taskrunner.protocol.blocking import Blocker, blockers_on, give_back, pop_any, slack
 from taskrunner.protocol.claims import Delivery, claim_args, claim_keys, claim_rest
-from taskrunner.protocol.connection import Blocker, blockers_on, give_back, is_cluster, pop_any, slack
+from taskrunner.protocol.connection import is_cluster
 from taskrunner.protocol.holders import held, identity
 from taskrunner.protocol.outcome import Ended, Outcome, finish_args
 

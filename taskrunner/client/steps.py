@@ -20,7 +20,8 @@ import redis
 from taskrunner.client import declarations
 from taskrunner.errors import JobNotFound, QueueClosed, QueueFull, Timeout
 from taskrunner.protocol import codec, joins, scripts, shards
-from taskrunner.protocol.connection import Backoff, pop_any
+from taskrunner.protocol.blocking import pop_any
+from taskrunner.protocol.connection import Backoff
 
 if TYPE_CHECKING:
     from taskrunner.client.app import JobSpec, TaskRunner

@@ -19,7 +19,8 @@ import redis
 import redis.cluster
 import redis.sentinel
 
-from taskrunner.protocol.connection import SENTINEL_SCHEME, SentinelURL, default_url, redact
+from taskrunner.protocol.connection import SentinelURL
+from taskrunner.protocol.urls import SENTINEL_SCHEME, default_url, redact
 
 _PROBE_TIMEOUT = 2.0  # seconds for each look at a server while explaining an error
 

@@ -20,7 +20,7 @@ from taskrunner.client.loader import load_app
 from taskrunner.client.steps import FINAL
 from taskrunner.errors import Misconfigured
 from taskrunner.ops.redis_server import RedisServer, RedisServerError, SocketInUse
-from taskrunner.protocol.connection import EMBEDDED_DIR
+from taskrunner.protocol.urls import EMBEDDED_DIR
 from taskrunner.worker.child import dies_with_us
 
 

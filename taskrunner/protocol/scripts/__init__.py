@@ -199,13 +199,13 @@ class Batch:
     primary of its keys' slot). A script the server did not know (a restart, a promoted
     replica, a node new to the cluster) did not run, so the scripts are loaded (load()) and
     it is run again alone; any other error is raised after the whole batch ran. A MOVED or
-    ASK answer (a batch sent past redis-py, connection.ClusterChannel, to a slot that has
+    ASK answer (a batch sent past redis-py, links.ClusterChannel, to a slot that has
     moved or is moving) fails the whole batch as a lost connection does, before anything is
     run again (see settle())."""
 
     def __init__(self, client: Any, direct: Any = None) -> None:
         self.client = client
-        self.direct = direct  # a connection.Direct for send()
+        self.direct = direct  # a links.Direct for send()
         self.sent = 0  # commands sent by send() whose answers are still to be read
         self.pipe = client.pipeline(transaction=False)
         self._scripts: list[tuple[int, Script, list[str], list[Any]]] = []

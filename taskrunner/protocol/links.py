@@ -1,0 +1,458 @@
+"""Our own connections for the hot paths, past redis-py's per-command work: Direct (a lone
+enqueue's one command), Channel (a worker's batches in flight on one server) and
+ClusterChannel (the same over a Redis Cluster's primaries). Each packs commands with hiredis
+and parses replies itself on a connection redis-py opened with the client's settings; where
+this redis-py lacks what they need (FAST_PATH), or the client is not a plain one (TLS,
+Sentinel), of() gives None and callers take redis-py's public path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import hiredis
+import redis
+import redis.cluster
+import redis.crc
+
+PENDING = object()  # a reply not (all) come yet
+
+
+class _Link:
+    """One thread's connection. redis-py opens it (AUTH, SELECT, HELLO: the pool's settings);
+    then we write packed commands to its socket and parse the replies with hiredis. The
+    socket blocks, its timeout kept by the kernel (SO_RCVTIMEO, SO_SNDTIMEO): Python polls
+    before every send and every recv on a socket that has a timeout of its own. With `spin`,
+    a reply is polled for that many seconds before we sleep on the socket."""
+
+    def __init__(self, pool: redis.ConnectionPool, spin: float = 0.0) -> None:
+        self.conn = pool.connection_class(**pool.connection_kwargs)
+        self.sock: socket.socket | None = None
+        self.reader: Any = None
+        self.spin = spin
+
+    def _open(self) -> socket.socket:
+        conn = self.conn
+        conn.connect()
+        sock = conn._sock  # redis-py's own attribute; test_redis_restart would catch a change
+        sock.settimeout(None)
+        if conn.socket_timeout:
+            t = float(conn.socket_timeout)
+            timeval = struct.pack("ll", int(t), int(t % 1 * 1e6))
+            for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+                sock.setsockopt(socket.SOL_SOCKET, option, timeval)
+        enc = conn.encoder
+        decoding = {"encoding": enc.encoding, "errors": enc.encoding_errors} if enc.decode_responses else {}
+        assert _PARSE_ERROR is not None  # FAST_PATH: only then is this class used
+        self.reader = hiredis.Reader(protocolError=redis.exceptions.InvalidResponse,
+                                     replyError=_PARSE_ERROR, **decoding)
+        self.sock = sock
+        return sock
+
+    def close(self) -> None:
+        self.sock = self.reader = None
+        self.conn.disconnect()
+
+    def write(self, data: bytes) -> None:
+        try:
+            (self.sock or self._open()).sendall(data)
+        except BlockingIOError:
+            raise redis.TimeoutError("Timeout writing to socket") from None
+        except OSError as e:
+            raise redis.ConnectionError(f"Error while writing to socket: {e}") from None
+
+    def ask(self, packed: bytes) -> Any:
+        """Send one packed command and return its reply (an error reply too, not raised)."""
+        self.write(packed)
+        return self.reply()
+
+    def call(self, packed: bytes) -> Any:
+        """ask(), and again on a connection error: a connection that Redis dropped while
+        idle (a restart, CLIENT KILL) fails here first, so connect again and retry, as the
+        pool's check at checkout would; then the client's retry policy."""
+        try:
+            return self.ask(packed)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.close()
+            return self.conn.retry.call_with_retry(lambda: self.ask(packed), lambda error: self.close())
+
+    def reply(self, block: bool = True) -> Any:
+        """The next reply; an error reply is returned (a ResponseError), not raised. Without
+        block, PENDING when it has not all come yet."""
+        if self.reader is None or self.sock is None:
+            raise redis.ConnectionError("Connection closed before its replies were read.")
+        spin_until = time.perf_counter() + self.spin if block and self.spin else 0.0
+        while (r := self.reader.gets()) is False:
+            polling = not block or (spin_until and time.perf_counter() < spin_until)
+            try:
+                data = self.sock.recv(65536, socket.MSG_DONTWAIT if polling else 0)
+            except BlockingIOError:
+                if not block:
+                    return PENDING
+                if polling:
+                    continue
+                raise redis.TimeoutError("Timeout reading from socket") from None
+            except OSError as e:
+                raise redis.ConnectionError(f"Error while reading from socket: {e}") from None
+            if not data:
+                raise redis.ConnectionError("Connection closed by server.")
+            self.reader.feed(data)
+        return r
+
+
+def _internals() -> Callable[[str], Exception] | None:
+    """What _Link takes from redis-py beyond its public API, or None where this redis-py
+    differs: its parser's mapping of an error reply to an exception (redis._parsers.base,
+    since 5.0), and a connection's _sock (the socket once connected), encoder, retry and
+    socket_timeout. Checked once, at import: with None, Direct.of() and Channel.of() give
+    None and every command takes redis-py's public path (slower, the same results)."""
+    try:
+        from redis._parsers.base import BaseParser
+
+        conn = redis.Connection()  # not connected: only its attributes are looked at
+        parse_error = BaseParser.parse_error
+    except (ImportError, AttributeError, TypeError):
+        return None
+    if not (all(hasattr(conn, a) for a in ("_sock", "encoder", "retry", "socket_timeout"))
+            and hasattr(hiredis, "pack_command") and callable(parse_error)):
+        return None
+    return parse_error
+
+
+_PARSE_ERROR = _internals()
+FAST_PATH = _PARSE_ERROR is not None  # this redis-py has what Direct and Channel need
+
+
+def _plain(client: Any) -> bool:
+    """A client whose pool opens plain TCP or unix-socket connections to one server (not
+    TLS, Sentinel or Cluster, no client-side cache: redis-py 5.1+'s `cache`, which must see
+    every read) and a redis-py whose internals we know (FAST_PATH): we can use their
+    sockets ourselves."""
+    return _plain_pool(getattr(client, "connection_pool", None))
+
+
+def _plain_pool(pool: Any) -> bool:
+    """A pool of plain TCP or unix-socket connections, as _plain() says."""
+    return (FAST_PATH and type(pool) is redis.ConnectionPool and getattr(pool, "cache", None) is None
+            and pool.connection_class in (redis.Connection, redis.UnixDomainSocketConnection))
+
+
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _on_this_machine(pool: redis.ConnectionPool) -> bool:
+    """Does the pool connect to a unix socket or a loopback address?"""
+    if pool.connection_class is redis.UnixDomainSocketConnection:
+        return True
+    host = str(pool.connection_kwargs.get("host", "localhost"))
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Direct:
+    """A connection per thread, used directly, for the one hot single-command path (a lone
+    enqueue): redis-py spends more CPU on a command than Redis does, taking a connection
+    from the pool and giving it back (with a poll() to check it), in event and metrics
+    hooks, and in a poll() before each send and recv. Same connection settings and retry
+    policy as the client's own; a connection that failed mid-command is closed, never
+    reused with a reply half read. Only for a plain pool of TCP or unix-socket connections
+    (not TLS, Sentinel or Cluster): of() gives None otherwise. Its connections are not the
+    pool's: each goes with its thread.
+
+    `spin`: seconds to poll for a reply before sleeping on the socket (Settings.enqueue_spin)
+    when Redis is on this machine and we have more than one CPU: a caller that waits for the
+    answer anyway is then awake when it comes, where waking a sleeping process can take
+    longer than Redis's work. A remote Redis's answer takes the network's round trip: no spin."""
+
+    def __init__(self, client: redis.Redis, spin: float = 0.0) -> None:
+        self.client = client
+        self.pool = client.connection_pool
+        self.local = threading.local()
+        self.spin = spin if _cpus() > 1 and _on_this_machine(self.pool) else 0.0
+
+    @classmethod
+    def of(cls, client: Any, spin: float = 0.0) -> Direct | None:
+        return cls(client, spin) if _plain(client) else None
+
+    def _on_link(self, work: Callable[..., Any], *args: Any) -> Any:
+        """work(this thread's link, *args); a link that failed mid-command is closed (error
+        replies are returned by the link, not raised: they leave it fine)."""
+        link = getattr(self.local, "link", None)
+        if link is None:
+            link = self.local.link = _Link(self.pool, self.spin)
+        try:
+            return work(link, *args)
+        except BaseException:
+            link.close()
+            raise
+
+    def execute_command(self, *args: Any) -> Any:
+        r = self._on_link(_Link.call, hiredis.pack_command(args))
+        if isinstance(r, redis.ResponseError):
+            raise r
+        return r
+
+    def send(self, commands: list[tuple[Any, ...]]) -> int:
+        """Send commands and return without their answers (read() them): the caller works
+        meanwhile. No retry: a caller whose read() fails does it all again another way."""
+        self._on_link(_Link.write, b"".join(hiredis.pack_command(c) for c in commands))
+        return len(commands)
+
+    def read(self, n: int) -> list[Any]:
+        """The answers to the last n commands sent; an error reply is returned, not raised."""
+        return self._on_link(lambda link: [link.reply() for _ in range(n)])
+
+
+class Channel:
+    """A connection of its own on which batches of commands stay in flight: send() returns
+    at once, select() on fileno() tells when answers come, and take() gives each batch's
+    answers once they have all come. The worker's syncs: Redis runs one while the worker
+    reads its children, instead of each waiting on the other. Nothing is ever sent again:
+    a batch whose answers were lost may have run, and the caller reconciles. The client's
+    socket_timeout bounds the wait for an answer (deadline()). Plain pools only, as
+    Direct: of() gives None otherwise."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.link = _Link(client.connection_pool)
+        self.sizes: deque[int] = deque()  # commands per batch in flight, oldest first
+        self.got: list[Any] = []  # the oldest batch's answers come so far
+        self.heard = 0.0  # monotonic; the last answer, or the send that ended a silence
+
+    @classmethod
+    def of(cls, client: Any) -> Channel | None:
+        return cls(client) if _plain(client) else None
+
+    def send(self, commands: list[tuple[Any, ...]]) -> None:
+        try:
+            self.link.write(b"".join(hiredis.pack_command(c) for c in commands))
+        except BaseException:
+            self.close()
+            raise
+        if not self.sizes:
+            self.heard = time.monotonic()
+        self.sizes.append(len(commands))
+
+    def deadline(self) -> float:
+        """When what is in flight counts as lost, if no answer comes before (monotonic)."""
+        timeout = self.link.conn.socket_timeout
+        return self.heard + float(timeout) if timeout and self.sizes else float("inf")
+
+    def fileno(self) -> int:
+        return self.link.sock.fileno()  # type: ignore[union-attr]  # open while batches are in flight
+
+    def take(self, block: bool = False) -> list[list[Any]]:
+        """The batches answered whole since the last call, oldest first (block: wait for
+        every one in flight); an error reply is returned, not raised."""
+        done = []
+        try:
+            while self.sizes:
+                r = self.link.reply(block)
+                if r is PENDING:
+                    break
+                self.heard = time.monotonic()
+                self.got.append(r)
+                if len(self.got) == self.sizes[0]:
+                    done.append(self.got)
+                    self.got = []
+                    self.sizes.popleft()
+        except BaseException:
+            self.close()
+            raise
+        return done
+
+    def close(self) -> None:
+        """Forget what is in flight (the caller reconciles) and the connection."""
+        self.link.close()
+        self.sizes.clear()
+        self.got = []
+
+
+class _NodeLink(_Link):
+    """A ClusterChannel's connection to one primary: what it owes, in the order sent."""
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        super().__init__(pool)
+        self.owed: deque[tuple[_Spread, int]] = deque()  # (batch, index in it) per command sent
+        self.fd = -1  # registered with the channel's epoll while open
+        self.heard = 0.0  # monotonic; its last answer, or the send that ended its silence
+
+
+class _Spread:
+    """A batch a ClusterChannel has in flight: its answers, each in its command's place."""
+
+    __slots__ = ("answers", "left")
+
+    def __init__(self, n: int) -> None:
+        self.answers: list[Any] = [None] * n
+        self.left = n
+
+
+#: Script calls, whose first key is their 4th word (FCALL/EVALSHA <name> <numkeys> <key>...).
+_CALLS = ("FCALL", "EVALSHA")
+
+
+class ClusterChannel:
+    """Channel for a Redis Cluster: a batch's commands go each to the primary that owns its
+    first key's slot (redis-py's slot map), packed with hiredis and written on a connection
+    of our own to each primary; one epoll over those connections is what select() waits
+    on, and a batch is taken once every primary has answered its share. What redis-py's
+    ClusterPipeline spends per command (command objects, a connection from a pool for each
+    node and back, response callbacks, a blocking read of every node in turn) took half a
+    busy worker's main-process CPU on a queue of 12 shards, the worker waiting meanwhile.
+    As Channel, nothing is ever sent again: a batch whose answers were lost may have run
+    (the caller reconciles), and after close() the next send() reads the cluster's layout
+    anew (a failover, a node gone). A MOVED or ASK answer is taken as any answer, and
+    scripts.Batch.settle fails the batch on it (a resharding or a failover: the caller
+    reconciles, then closes us). Each primary's silence is timed apart: one that stopped
+    answering is found within socket_timeout of its own last answer, whatever the others
+    answer. Plain connections only (not TLS), and where select.epoll is (Linux): of()
+    gives None otherwise."""
+
+    def __init__(self, client: redis.cluster.RedisCluster) -> None:
+        self.client = client
+        timeout = client.nodes_manager.connection_kwargs.get("socket_timeout")
+        self.timeout = float(timeout) if timeout else None
+        self.links: dict[str, _NodeLink] = {}  # node name -> link
+        self.by_fd: dict[int, _NodeLink] = {}
+        self.poller = select.epoll()
+        self.spreads: deque[_Spread] = deque()  # oldest first
+        self.stale = False  # read the layout before the next send
+
+    @classmethod
+    def of(cls, client: Any) -> ClusterChannel | None:
+        if not (isinstance(client, redis.cluster.RedisCluster) and hasattr(select, "epoll")):
+            return None
+        pool = client.get_redis_connection(client.get_default_node()).connection_pool
+        return cls(client) if _plain_pool(pool) else None
+
+    def _link(self, command: tuple[Any, ...]) -> _NodeLink:
+        """The link to the primary of the command's (first) key's slot."""
+        if command[0] in _CALLS and int(command[2]):
+            slot = redis.crc.key_slot(self.client.encoder.encode(command[3]))
+        else:
+            found = self.client.determine_slot(*command)
+            if found is None:  # a command to every node: not in a batch
+                raise redis.exceptions.RedisClusterException(f"{command[0]} has no key to route it by")
+            slot = found
+        node = self.client.nodes_manager.get_node_from_slot(slot)
+        link = self.links.get(node.name)
+        if link is None:
+            link = self.links[node.name] = _NodeLink(self.client.get_redis_connection(node).connection_pool)
+        return link
+
+    def send(self, commands: list[tuple[Any, ...]]) -> None:
+        try:
+            if self.stale:
+                self.client.nodes_manager.initialize()
+                self.stale = False
+            self._drop_closed()
+            spread = _Spread(len(commands))
+            shares: dict[_NodeLink, list[bytes]] = {}
+            for i, command in enumerate(commands):
+                link = self._link(command)
+                link.owed.append((spread, i))
+                shares.setdefault(link, []).append(hiredis.pack_command(command))
+            now = time.monotonic()
+            for link, packed in shares.items():
+                if len(link.owed) == len(packed):  # it owed nothing before: its silence starts now
+                    link.heard = now
+                link.write(b"".join(packed))
+                if link.fd < 0:
+                    fd = link.sock.fileno()  # type: ignore[union-attr]  # open once written
+                    self.poller.register(fd, select.EPOLLIN)
+                    link.fd = fd
+                    self.by_fd[fd] = link
+        except BaseException:
+            self.close()
+            raise
+        self.spreads.append(spread)
+
+    def _drop_closed(self) -> None:
+        """Drop the links that are readable while owing nothing: their node closed them while
+        idle (its `timeout` setting, a restart). Written to, they would fail the next batch,
+        and nothing was sent on them yet, so a new connection is safe."""
+        for fd, _ in self.poller.poll(0):
+            link = self.by_fd.get(fd)
+            if link is not None and not link.owed:
+                self._drop(link)
+
+    def deadline(self) -> float:
+        """When what is in flight counts as lost, if no answer comes before (monotonic): the
+        earliest of the primaries owing answers, each timed from its own last answer."""
+        if not self.timeout:
+            return float("inf")
+        return min((link.heard + self.timeout for link in self.links.values() if link.owed), default=float("inf"))
+
+    def fileno(self) -> int:
+        return self.poller.fileno()
+
+    def take(self, block: bool = False) -> list[list[Any]]:
+        """The batches answered whole since the last call, oldest first (block: wait for
+        every one in flight, until deadline() at most: then TimeoutError); an error reply
+        is returned, not raised."""
+        try:
+            while True:
+                for fd, _ in self.poller.poll(0):
+                    link = self.by_fd.get(fd)
+                    if link is None:
+                        continue
+                    if not link.owed:  # readable while owing nothing: the node closed it
+                        self._drop(link)
+                        continue
+                    while link.owed:
+                        r = link.reply(block=False)
+                        if r is PENDING:
+                            break
+                        spread, i = link.owed.popleft()
+                        spread.answers[i] = r
+                        spread.left -= 1
+                        link.heard = time.monotonic()
+                if not (block and self.spreads and self.spreads[-1].left):
+                    break
+                wait = self.deadline() - time.monotonic()
+                if wait <= 0:
+                    raise redis.TimeoutError("no answer from a Redis Cluster primary within socket_timeout")
+                self.poller.poll(-1 if wait == float("inf") else wait)  # one that answers, or the deadline
+        except BaseException:
+            self.close()
+            raise
+        done = []
+        while self.spreads and not self.spreads[0].left:
+            done.append(self.spreads.popleft().answers)
+        return done
+
+    def _drop(self, link: _NodeLink) -> None:
+        if link.fd >= 0:
+            # Unregistered by hand: forked children hold the socket too, and epoll forgets
+            # a socket only once every process has closed it.
+            with contextlib.suppress(OSError):  # closed already: nothing to forget
+                self.poller.unregister(link.fd)
+            del self.by_fd[link.fd]
+            link.fd = -1
+        link.owed.clear()
+        link.close()
+        self.links = {name: x for name, x in self.links.items() if x is not link}
+
+    def close(self) -> None:
+        """Forget what is in flight (the caller reconciles) and the connections; the next
+        send() reads the cluster's layout first."""
+        for link in list(self.links.values()):
+            self._drop(link)
+        self.spreads.clear()
+        self.stale = True
+
+
