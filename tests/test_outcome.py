@@ -38,3 +38,10 @@ def test_finish_values_are_eight_per_job_with_began_as_seconds_ago():
     values = finish_values([Ended("a", "1", Outcome.completed("1"), 10.0), Ended("b", "2", Outcome.lost("x"))], 12.5)
     assert values == ["a", "1", "completed", "2.500000", "1", "", "", "",
                       "b", "2", "lost", "", "x", "", "", ""]
+
+
+def test_began_is_the_runtime_up_to_the_end_not_up_to_the_report():
+    """A result that waited before its finish (to go with others, or for a slow Redis):
+    finish.lua takes its own time as the end, so `began` is the runtime, not the time since."""
+    values = finish_values([Ended("a", "1", Outcome.completed("1"), 10.0, "t", 10.25)], 14.0)
+    assert values[3] == "0.250000"

@@ -110,14 +110,16 @@ class Outcome(NamedTuple):
 
 class Ended(NamedTuple):
     """A delivery's outcome waiting to be reported: `began` is when it began to run
-    (time.monotonic()), None when unknown (finish.lua keeps the claim's start); `task`
-    names the job in the worker's log (when its result is discarded)."""
+    (time.monotonic()), None when unknown (finish.lua keeps the claim's start); `ended`
+    when it ended (None: at the report, as a kill's or a loss's); `task` names the job in
+    the worker's log (when its result is discarded)."""
 
     id: str
     attempt: str
     outcome: Outcome
     began: float | None = None
     task: str = ""
+    ended: float | None = None
 
 
 def finish_args(settings: Settings, ended: list[Ended], now: float) -> list[Any]:
@@ -127,10 +129,14 @@ def finish_args(settings: Settings, ended: list[Ended], now: float) -> list[Any]
 
 
 def finish_values(ended: list[Ended], now: float) -> list[str]:
-    """The 8 values per job that finish.lua takes, `now` being time.monotonic()."""
+    """The 8 values per job that finish.lua takes, `now` being time.monotonic(). A job's
+    `began` is its runtime, counted up to when it ended, not up to now: finish.lua takes its
+    own time for the end (finished_at) and sets started_at that much before it, so a result
+    that waited to go with others (policy.FLUSH_AFTER) or for a slow Redis keeps its
+    runtime exact, the wait moving both its start and end later (its queue wait counts it)."""
     values: list[str] = []
     for e in ended:
         o = e.outcome
-        began = "" if e.began is None else f"{max(0.0, now - e.began):.6f}"
+        began = "" if e.began is None else f"{max(0.0, (now if e.ended is None else e.ended) - e.began):.6f}"
         values += [e.id, e.attempt, o.kind, began, o.v1, o.v2, o.v3, o.v4]
     return values

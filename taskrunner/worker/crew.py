@@ -141,7 +141,7 @@ class Crew:
             if outcome.kind in ("failed", "error"):
                 self._raised(d, outcome)
             self.runtime = runtime if self.runtime is None else 0.8 * self.runtime + 0.2 * runtime
-            self.outbox.report(d, outcome, now - runtime)
+            self.outbox.report(d, outcome, now - runtime, now)
             self.processed += 1
             c.done += 1
             if c.jobs and c.jobs[0].began is None and not c.concurrent:

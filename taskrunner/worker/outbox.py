@@ -34,10 +34,11 @@ class Outbox:
         self.on_the_way: list[Load] = []  # loaded into syncs not answered yet, oldest first
         self.to_carry: list[joins.Entry] = []  # outbox entries our finishes left, for the worker to carry
 
-    def report(self, d: Delivery, outcome: Outcome, began: float | None = None) -> None:
+    def report(self, d: Delivery, outcome: Outcome, began: float | None = None, ended: float | None = None) -> None:
+        """How a delivery ended; `began` and `ended` (time.monotonic()) as Ended has them."""
         if not self.load.ended:
             self.since = time.monotonic()
-        self.load.ended.setdefault(d.queue, []).append(Ended(d.id, d.attempt, outcome, began, d.task))
+        self.load.ended.setdefault(d.queue, []).append(Ended(d.id, d.attempt, outcome, began, d.task, ended))
 
     def mark_stuck(self, d: Delivery) -> None:
         self.load.marks.append((d.queue, d.id, d.attempt))
