@@ -32,6 +32,7 @@ from taskrunner.errors import (
     NameInUse,
     TaskRunnerError,
     Timeout,
+    Unreachable,
     require_extra,
 )
 from taskrunner.ops import listing
@@ -139,12 +140,22 @@ def _confirm(question: str, yes: bool) -> None:
     click.confirm(question, abort=True)
 
 
+#: The exit codes every command keeps to (README, CLI: *Exit codes*): a script tells a
+#: refusal from a mistake in its own command line from a Redis it could not reach.
+EXIT_REFUSED = 1  # ran, and the answer is no: no such job, a state that refuses the action, a job that failed
+EXIT_USAGE = 2  # a mistake in what the command was given (click's usage errors too); nothing done
+EXIT_UNREACHABLE = 3  # Redis could not be reached: what was done is unknown, try again
+#: `wait --timeout` ran out, `consume` found no job: 2, as documented before the scheme (scripts test it).
+EXIT_NOT_YET = EXIT_USAGE
+
+
 class Main(click.Group):
     """Turns taskrunner and Redis errors into one clear line: exit 2 for a mistake in what
     the command was given (a value taskrunner refuses: an invalid name, a negative delay,
     arguments that are not JSON or too large; a bad URL, wrong database, TLS or Sentinel
-    mismatch, refused password, an app that cannot be imported), 1 for the rest (Redis
-    down, no such job or queue, a full or closed queue, ...)."""
+    mismatch, refused password, an app that cannot be imported), 3 for a Redis that could
+    not be reached (down, restarting, failing over), 1 for the rest (no such job or queue,
+    a full or closed queue, an error Redis answered with, ...)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -159,7 +170,7 @@ class Main(click.Group):
             problem = explain(e, ctx.meta.get("taskrunner.url"))
             if problem is None:
                 raise click.ClickException(f"Redis answered with an error: {e}") from None
-            raise (Misconfigured if problem.lasting else click.ClickException)(problem.message) from None
+            raise (Misconfigured if problem.lasting else Unreachable)(problem.message) from None
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -175,8 +186,9 @@ def main(app_spec: str | None, redis_url: str | None) -> None:
     Enqueue and wait from the shell:            id=$(taskrunner enqueue myapp.add --args '[1,2]')
                                                 taskrunner wait $id
 
-    Exit codes: 0 done, 1 an error (Redis unreachable, no such job, ...), 2 a mistake in the
-    arguments, the Redis URL or the app; `wait`, `consume` and `kill` say what else theirs mean.
+    Exit codes: 0 done; 1 refused or failed (no such job, a state that refuses the action,
+    `wait`: the job failed); 2 a mistake in the arguments, the Redis URL or the app (and
+    `wait --timeout` ran out, `consume` found no job); 3 Redis unreachable: try again.
     """
 
 
@@ -190,7 +202,7 @@ def _undeclared(app: TaskRunner, app_spec: str | None, tasks: list[str]) -> list
         if app_spec and task not in app.tasks:
             click.echo(f"Error: task {task!r} is not declared by app {app_spec} (its tasks: "
                        f"{', '.join(sorted(app.tasks)) or 'none'})", err=True)
-            sys.exit(2)
+            sys.exit(EXIT_USAGE)
     return [] if app_spec else [t for t in dict.fromkeys(tasks)
                                 if steps.ride(app, steps.declared(app, t), f"enqueueing {t}") is None]
 
@@ -392,13 +404,16 @@ def wait(job_id: str, timeout: float | None, app_spec: str | None, redis_url: st
         result = job.wait(timeout)
     except JobFailed as e:
         click.echo(f"{e.state}: {e.error_type}: {e.message}", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_REFUSED)
     except Timeout as e:
         click.echo(str(e), err=True)
-        sys.exit(2)
+        sys.exit(EXIT_NOT_YET)
     except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+        problem = explain(e, click.get_current_context().meta.get("taskrunner.url"))
+        if problem is None or problem.lasting:  # an answer, or a mistake in the URL: as every command says it
+            raise
         click.echo(f"Error: cannot reach Redis, the job's state is unknown: {e}", err=True)
-        sys.exit(3)
+        sys.exit(EXIT_UNREACHABLE)
     click.echo(json.dumps(result))
 
 
@@ -409,13 +424,13 @@ def kill(job_id: str, app_spec: str | None, redis_url: str | None) -> None:
     """Kill a job: pending/delayed/waiting at once; running ones are stopped by their worker.
 
     \b
-    Exit 0 killed or kill requested, 1 an error (no such job, Redis unreachable, ...),
-    3 the job had already ended (killed, completed, failed or canceled): nothing done."""
+    Exit 0 killed or kill requested, 1 refused: the job had already ended (killed,
+    completed, failed or canceled; nothing done), or no such job, 3 Redis unreachable."""
     job = _app(app_spec, redis_url).job(job_id)
     state = job.kill()
     if state.startswith("already "):
         click.echo(f"job {job_id} already ended: {state.removeprefix('already ')}", err=True)
-        sys.exit(3)
+        sys.exit(EXIT_REFUSED)
     click.echo(f"{job_id}: {'killed' if state == 'killed' else 'kill requested; its worker stops it now'}")
 
 
@@ -427,11 +442,11 @@ def retry(job_id: str, app_spec: str | None, redis_url: str | None) -> None:
     to the back of its queue with its counts of failures and Retry requests back to 0. A
     workflow step brings back the steps its end canceled: they wait for it again, and the
     rest of the chain or chord runs once it completes. Exit 1 when the job is in another
-    state."""
+    state (refused, as `kill` of a job that ended)."""
     job = _app(app_spec, redis_url).job(job_id)
     if not job.retry():
         click.echo(f"{job_id}: {job.why_not_retried()}", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_REFUSED)
     waits = job.refresh().state == "waiting"  # killed while it waited: it waits for its parents again
     click.echo(f"{job_id}: {'waiting for its parents again' if waits else 'queued again'}")
 
@@ -959,7 +974,7 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
     if delivery is None:
         c.close()  # else listed among the workers, then as a dead one for an hour
         click.echo("no job", err=True)
-        sys.exit(2)
+        sys.exit(EXIT_NOT_YET)
     payload = json.dumps(delivery.to_dict())
 
     def report(call: Callable[[], Any], deadline: float | None = None) -> Any:

@@ -18,6 +18,14 @@ class Misconfigured(click.ClickException):
     exit_code = 2
 
 
+class Unreachable(click.ClickException):
+    """Redis could not be reached (down, restarting, failing over): exit 3, so that a
+    script can tell "try again later" (what the command did is unknown) from a refusal (1)
+    or a mistake in what it was given (2)."""
+
+    exit_code = 3
+
+
 class NotJSONError(TaskRunnerError, TypeError):
     """Arguments or a result that JSON cannot carry (taskrunner never pickles)."""
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests import apps
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT, free_port, wait_for
 
 
 def test_enqueue_status_wait(app, stack):
@@ -115,16 +115,40 @@ def test_kill_jobs_queues_workers(app, stack):
 
 
 def test_a_kill_of_an_ended_job_says_it_had_ended(app, stack):
-    """`kill` of a job that had already ended says so on stderr, exit 3, and changes nothing:
-    for a killed job it printed "killed", exit 0, as if it had just killed it (found by the
-    newcomer sweep)."""
+    """`kill` of a job that had already ended says so on stderr, exit 1 (refused, as `retry`
+    of a job in the wrong state), and changes nothing: for a killed job it printed "killed",
+    exit 0, as if it had just killed it (found by the newcomer sweep)."""
     pending = apps.add.delay(1, 2)
     r = stack.cli("kill", pending.id)
     assert (r.returncode, r.stdout) == (0, f"{pending.id}: killed\n"), r.stderr
     for state, job in stack.ended_jobs().items():
         r = stack.cli("kill", job.id)
-        assert (r.returncode, r.stdout, r.stderr) == (3, "", f"job {job.id} already ended: {state}\n")
+        assert (r.returncode, r.stdout, r.stderr) == (1, "", f"job {job.id} already ended: {state}\n")
         assert job.refresh().state == state
+
+
+def test_exit_codes_follow_one_scheme(app, stack):
+    """One scheme a script can rely on (README, *Exit codes*): 1 refused because of a state
+    (`retry` of a pending job, `kill` of an ended one), 2 a mistake in what was given, 3
+    Redis unreachable, whichever the command. `kill` of an ended job exited 3 (what `wait`
+    says of an unreachable Redis), any other command 1 with Redis unreachable (as a refusal),
+    and `wait` 3 for a URL naming a database the server lacks (a mistake: 2)."""
+    pending = apps.add.delay(1, 2)
+    r = stack.cli("retry", pending.id)
+    assert (r.returncode, r.stdout) == (1, ""), r
+    assert pending.kill("tests") == "killed"
+    assert stack.cli("kill", pending.id).returncode == 1
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    for args in (["status", pending.id], ["kill", pending.id], ["retry", pending.id], ["queues"], ["jobs"],
+                 ["wait", pending.id, "--timeout", "0.5"]):
+        r = stack.cli(*args, "--redis-url", down)
+        assert r.returncode == 3 and one_line_error(r).startswith("Error: cannot reach Redis"), (args, r)
+    wrong_db = stack.url.rsplit("/", 1)[0] + "/99" if stack.url.startswith("redis://") else None
+    if wrong_db:
+        r = stack.cli("wait", pending.id, "--redis-url", wrong_db)
+        assert r.returncode == 2 and "has no such database" in one_line_error(r), r
+    r = stack.cli("kill")
+    assert r.returncode == 2 and "Missing argument" in r.stderr
 
 
 def test_unknown_job_and_bad_url(app, stack):
@@ -133,7 +157,7 @@ def test_unknown_job_and_bad_url(app, stack):
     r = stack.cli("status", "x", "--redis-url", "nonsense")
     assert r.returncode == 2 and "bad Redis URL" in r.stderr
     r = stack.cli("queues", "--redis-url", "redis://127.0.0.1:1/0")
-    assert r.returncode == 1 and "cannot reach Redis" in r.stderr
+    assert r.returncode == 3 and "cannot reach Redis" in r.stderr
 
 
 def test_help_teaches(stack):
@@ -242,10 +266,10 @@ def test_redis_url_mistakes_are_one_line_and_exit_2(app, stack, tmp_path):
         for command in (["worker", "-A", "tests.apps"], ["dispatcher"]):
             r = stack.cli(*command, "--redis-url", f"redis+sentinel://127.0.0.1:{plain.port}/mymaster")
             assert r.returncode == 2 and "is not a sentinel" in one_line_error(r)
-    r = stack.cli("jobs", "--redis-url", f"redis://127.0.0.1:{plain.port}/0")  # an outage: exit 1
-    assert r.returncode == 1 and "cannot reach Redis at redis://127.0.0.1:" in one_line_error(r)
+    r = stack.cli("jobs", "--redis-url", f"redis://127.0.0.1:{plain.port}/0")  # an outage: exit 3
+    assert r.returncode == 3 and "cannot reach Redis at redis://127.0.0.1:" in one_line_error(r)
     r = stack.cli("jobs", "--redis-url", f"redis+sentinel://127.0.0.1:{sentinel.port}/mymaster")
-    assert r.returncode == 1 and "is unreachable" in one_line_error(r)
+    assert r.returncode == 3 and "is unreachable" in one_line_error(r)
 
 
 def test_an_app_that_cannot_be_imported_is_one_line_and_exit_2(stack):

@@ -289,7 +289,7 @@ def test_worker_and_dispatcher_wait_for_an_unreachable_cluster(app):
 
 def test_cli_says_when_no_cluster_node_answers(app):
     r = Stack(app, "redis+cluster://127.0.0.1:1").cli("queues")
-    assert r.returncode == 1 and "cannot reach Redis" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 3 and "cannot reach Redis" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_declared_settings_and_queue_registration_on_a_cluster(capp, stack, cluster, queues):

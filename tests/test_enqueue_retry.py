@@ -325,7 +325,7 @@ def test_the_cli_rides_out_a_restart_and_past_the_bound_fails_in_one_line(app, o
     own_redis.stop()
     r = subprocess.run(command, cwd=ROOT, env={**env, "TASKRUNNER_ENQUEUE_RETRY": "0.3"}, capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode == 1 and r.stdout == "", r
+    assert r.returncode == 3 and r.stdout == "", r
     assert r.stderr.splitlines()[-1].startswith("Error: cannot reach Redis at unix://"), r.stderr
     assert [line.startswith("Error:") for line in r.stderr.splitlines()] == [False, True], r.stderr  # the warning
 

@@ -82,7 +82,7 @@ def test_history_status_counts_the_records_of_batch_entries(app, stack):
 
 def test_history_status_says_so_when_there_is_nothing_to_show_or_no_redis(app, stack):
     """No queue: one line, not a blank output (`--json`: an empty object); a queue whose
-    stream is empty: its row; Redis down: one line, exit 1."""
+    stream is empty: its row; Redis down: one line, exit 3."""
     r = stack.cli("history", "status", check=True)
     assert (r.stdout, r.stderr) == ("no queues: no job history to archive\n", "")
     assert json.loads(stack.cli("history", "status", "--json", check=True).stdout) == {}
@@ -90,7 +90,7 @@ def test_history_status_says_so_when_there_is_nothing_to_show_or_no_redis(app, s
     assert stack.cli("history", "status", check=True).stdout.split() == ["quiet", "0", "waiting"]
     for how in ([], ["--json"]):
         r = stack.cli("history", "status", *how, "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
-        assert r.returncode == 1 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+        assert r.returncode == 3 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
         assert r.stderr.startswith("Error: cannot reach Redis at redis://127.0.0.1:"), r.stderr
 
 
