@@ -503,13 +503,22 @@ def queues(as_json: bool, by_shard: bool, app_spec: str | None, redis_url: str |
             "produced_messages", "consumed_messages")
     click.echo(f"{'QUEUE':20}" + "".join(f"{c.split('_')[0].upper():>11}" for c in cols) + "  SETTINGS")
     for s in stats:
-        flags = " ".join(f for f, on in (("bound=" + str(s["bound"]), s["bound"]), ("closed", s["closed"]),
+        flags = " ".join(f for f, on in ((_bound(s), s["bound"]), ("closed", s["closed"]),
                                          ("exclusive", s["exclusive"]), ("paused", s["paused"]),
                                          ("priorities=" + ",".join(map(str, s["priorities"])), s["priorities"]),
                                          (f"rate={s['rate']} used={s['rate_used']}", s["rate"]),
                                          (f"shards={s['shards']}", s["shards"] > 1),
                                          (f"primary={s.get('primary')}", "primary" in s)) if on)
         click.echo(f"{s['name']:20}" + "".join(f"{s[c]:>11}" for c in cols) + f"  {flags}")
+
+
+def _bound(s: dict[str, Any]) -> str:
+    """A queue's bound as `queues` shows it: of a sharded queue (its total row) also what each
+    shard enforces, ⌈B/N⌉, and so the most it holds, N × ⌈B/N⌉ (10 over 3 shards: 12)."""
+    each = s.get("bound_each")
+    if not each or s["shards"] < 2:
+        return f"bound={s['bound']}"
+    return f"bound={s['bound']} ({each} per shard: at most {each * s['shards']})"
 
 
 @main.command()

@@ -405,6 +405,32 @@ def test_a_sharded_queue_shows_the_bound_it_was_given_everywhere(app, stack):
     assert shown() == dict.fromkeys(places, 12)
 
 
+def test_each_shard_shows_its_own_rate_and_a_sharded_bound_what_it_holds(app, stack):
+    """`queues --shards` showed the queue's rate (50/s) on shard 0's row and each other
+    shard's part (1000/m) on theirs: each row has its shard's own now (the queue's rate on
+    its total row, and as shard 0's `rate_total` in --json). The dashboard's bound badge
+    said "at most 10 pending jobs" of a bound of 10 over 3 shards, which holds 12 (each
+    shard enforces ⌈10/3⌉ = 4): it says so, as does `queues`."""
+    queue.create(app, "rs", bound=10, rate="50/s", shards=3)
+    rows = [q for q in json.loads(stack.cli("queues", "--shards", "--json", check=True).stdout)
+            if q["name"].startswith("rs")]
+    assert [(q["name"], q["rate"], q["bound"]) for q in rows] == [(n, "1000/m", 4) for n in ("rs", "rs~1", "rs~2")]
+    assert rows[0]["rate_total"] == "50/s" and "rate_each" not in rows[0]
+    lines = [line for line in stack.cli("queues", "--shards", check=True).stdout.splitlines() if line.startswith("rs")]
+    assert len(lines) == 3 and all("rate=1000/m " in line and "50/s" not in line for line in lines), lines
+    [total] = [line for line in stack.cli("queues", check=True).stdout.splitlines() if line.startswith("rs ")]
+    assert "bound=10 (4 per shard: at most 12)" in total and "rate=50/s " in total, total
+    [listed] = [q for q in json.loads(stack.cli("queues", "--json", check=True).stdout) if q["name"] == "rs"]
+    assert (listed["bound"], listed["bound_each"], listed["shards"], listed["rate"]) == (10, 4, 3, "50/s")
+    web = create_app(app).test_client()
+    said = "bound 10 over 3 shards: each shard holds at most 4 pending jobs, so the queue at most 12"
+    for page in ("/queues/rs", "/"):
+        html = web.get(page).get_data(as_text=True)
+        assert f'title="{said}">bound 10<' in html and "at most 10 pending" not in html, page
+    queue.create(app, "one", bound=10)  # not sharded: its bound is what it holds
+    assert 'title="at most 10 pending jobs">bound 10<' in web.get("/queues/one").get_data(as_text=True)
+
+
 def test_harvest_and_recover_reach_every_shard(app, stack):
     queue.create(app, "hv", shards=2)
     assert stack.cli("harvest").returncode == 0  # every queue, shards included: a shard's name is no typo

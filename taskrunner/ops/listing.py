@@ -23,9 +23,14 @@ LIST_STATES = ("waiting", "pending", "delayed", "running", "stuck", "completed",
 
 def queue_stats(app: TaskRunner, shards: bool = False) -> list[dict[str, Any]]:
     """Counts, counters and settings per queue: a sharded queue once, its shards' figures
-    summed (queue.combined), unless `shards`: then each physical queue, shards included."""
+    summed (queue.combined), unless `shards`: then each physical queue, shards included,
+    each with its own figures: shard 0's `rate` is its part, as the other shards' are (the
+    queue's is its `rate_total`), where queue.settings() gives it the queue's."""
     rows = _physical_stats(app)
     if shards:
+        for row in rows:
+            if "rate_each" in row:
+                row["rate_total"], row["rate"] = row["rate"], row.pop("rate_each")
         return rows
     by_queue: dict[str, list[dict[str, Any]]] = {}
     for row in rows:  # sorted by name: shard 0 ("Q") before "Q~1"

@@ -379,10 +379,13 @@ def combined(rows: list[dict[str, Any]]) -> dict[str, Any]:
     listing.queue_stats() give them): counts, counters and rate use summed; its settings
     (paused, closed, rate) are shard 0's, as every shard has them. Its bound is the one it
     was given (`bound_total`), not the sum of the shards' rounded-up parts (10 over 3
-    shards: 4 each); a queue sharded before bound_total was kept: that sum."""
+    shards: 4 each); a queue sharded before bound_total was kept: that sum. `bound_each` is
+    each shard's part, which each shard enforces: the queue holds at most shards ×
+    bound_each pending jobs (12 for a bound of 10 over 3 shards)."""
     if len(rows) == 1:
         return rows[0]
     out = dict(rows[0])
+    out["bound_each"] = rows[0]["bound"]
     for k, v in rows[0].items():
         if isinstance(v, int) and not isinstance(v, bool) and k not in ("shards", "bound_total"):
             out[k] = sum(r.get(k, 0) for r in rows)
