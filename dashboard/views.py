@@ -169,7 +169,7 @@ def schedule_act(name: str, action: str, who: str) -> dict[str, Any]:
             out = {"message": schedules.delete(runner(), name).split(": ", 1)[1]}
     except schedules.ScheduleNotFound as e:
         abort(404, str(e))
-    except ValueError as e:  # deleting one the app declares
+    except (schedules.ScheduleInCode, ValueError) as e:  # deleting one that code declares, ...
         abort(409, str(e))
     audit(f"{action} schedule {name}", who, True)
     return out

@@ -797,7 +797,10 @@ def _schedule_action(how: str, doc: str) -> None:
 _schedule_action("pause", "Stop firing schedule NAME (its ticks pass unfired) until resumed.")
 _schedule_action("resume", "Fire schedule NAME again, from its next tick (missed ones are not fired).")
 _schedule_action("run-now", "Enqueue schedule NAME's job once, now (paused or not); prints the job id.")
-_schedule_action("delete", "Delete a schedule added at runtime (the app's own of that name applies again).")
+_schedule_action("delete", "Delete a schedule added at runtime (the app's own of that name applies again), or "
+                 "one removed from the code that a dispatcher published and no live dispatcher declares any more "
+                 "(dispatchers also drop those within a minute once none declares them). One that code declares: "
+                 "exit 1 (pause it).")
 
 
 @main.group()

@@ -18,7 +18,8 @@ from taskrunner.client.app import Schedule
 from taskrunner.ops import queue, schedules
 from taskrunner.ops.dispatcher import Dispatcher
 from taskrunner.protocol import shards
-from tests.conftest import wait_for
+from taskrunner.protocol.connection import server_time
+from tests.conftest import Stack, wait_for
 from tests.test_dashboard import csrf, login
 
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -248,7 +249,7 @@ def test_unknown_and_code_schedules(app, stack):
     r = stack.cli("schedule", "pause", "nope")
     assert r.returncode == 1 and "no schedule 'nope'" in r.stderr
     r = stack.cli("schedule", "delete", "tests.cron_app.every_second", "-A", "tests.cron_app")
-    assert r.returncode == 2 and "pause it" in r.stderr
+    assert r.returncode == 1 and "pause it" in r.stderr  # refused: README, *Exit codes*
     # A runtime schedule of a code schedule's name replaces it; deleting it brings the code's back.
     from tests import cron_app
 
@@ -268,12 +269,14 @@ def test_unknown_and_code_schedules(app, stack):
     assert not app.redis.sismember(app.keys.g + "schedules:paused", "tests.cron_app.every_second")
     r = stack.cli("schedule", "run-now", "tests.cron_app.every_second")
     assert r.returncode == 1 and "with -A" in r.stderr
-    # Deleting it without -A says what it is and how to stop it (it said "no runtime schedule").
+    # Deleting it without -A, while the dispatcher that declares it lives, says what it is
+    # and how to stop it (it said "no runtime schedule").
     r = stack.cli("schedule", "delete", "tests.cron_app.every_second")
-    assert r.returncode == 2 and r.stderr.strip().endswith(
-        "tests.cron_app.every_second was published by a dispatcher from its app's code and cannot be deleted "
-        "here: pause it (`taskrunner schedule pause tests.cron_app.every_second`), or remove it from the code (a "
-        "dispatcher whose code declares it no more leaves it listed)"), r.stderr
+    name = json.loads(app.redis.hget(app.keys.dispatchers, next(iter(app.redis.hkeys(app.keys.dispatchers)))))["name"]
+    assert r.returncode == 1 and r.stderr.strip().endswith(
+        f"tests.cron_app.every_second is declared in the code of dispatcher {name} (alive), which fires it and "
+        "would publish it again: pause it (`taskrunner schedule pause tests.cron_app.every_second`), or remove it "
+        "from that code and restart it (then it goes by itself)"), r.stderr
     assert app.redis.hexists(app.keys.schedules, "tests.cron_app.every_second")
     # What a dispatcher's pass wrote back for a runtime schedule deleted meanwhile (its state,
     # source runtime, no definition) is deleted, not taken for a code schedule (found by review).
@@ -281,6 +284,65 @@ def test_unknown_and_code_schedules(app, stack):
     r = stack.cli("schedule", "delete", "left-over")
     assert r.returncode == 0 and r.stdout.strip() == "schedule left-over: deleted", r.stderr
     assert not app.redis.hexists(app.keys.schedules, "left-over")
+
+
+def test_a_schedule_removed_from_the_code_goes_once_no_dispatcher_declares_it(app, stack):
+    """Dispatchers published their code's schedules and never took one back: removed from
+    the code it stayed listed for good (fired by none running the new code), and `schedule
+    delete` refused it. A dispatcher now drops a published schedule no listed dispatcher
+    declares (and no runtime definition names), so that during a rolling deploy the new
+    code's dispatchers leave it to the old one's until it stops (they never take turns
+    dropping and publishing it); `schedule delete` deletes one no live dispatcher declares."""
+    prefix = app.settings.prefix + "rm"
+
+    def code(version: str, *names: str) -> TaskRunner:
+        t = TaskRunner(version, redis_url=app.settings.redis_url, prefix=prefix)
+        t.task(lambda: None, name="shop.job")
+        for n in names:
+            t.periodic("0 3 * * *", name=n)(t.tasks["shop.job"])
+        return t
+
+    v1, v2 = code("v1", "kept", "gone"), code("v2", "kept")
+    cli = Stack(v1, stack.url).cli
+    old, new = Dispatcher(v1, "old"), Dispatcher(v2, "new")
+    old.publish_schedules()
+    new.publish_schedules()
+    for _ in range(3):  # both run, the old code's still declaring "gone"
+        old.run_once()
+        new.next_forget = 0.0  # each pass drops what it may: none is
+        new.run_once()
+    assert sorted(v2.redis.hkeys(v2.keys.schedules)) == ["gone", "kept"]
+    assert [s.name for s in schedules.effective(v2)[0]] == ["kept"]  # the new code never fires it
+    cli("schedule", "pause", "gone", check=True)
+    r = cli("schedule", "delete", "gone")
+    assert r.returncode == 1 and "declared in the code of dispatcher old (alive)" in r.stderr, r.stderr
+    v2.redis.hdel(v2.keys.dispatchers, "old")  # the old one stops (its run() takes its entry off)
+    new.next_forget = 0.0
+    new.run_once()
+    assert v2.redis.hkeys(v2.keys.schedules) == ["kept"] and not v2.redis.smembers(prefix_paused(v2))
+    assert "gone" not in cli("schedule", "list", check=True).stdout
+    # A listed dispatcher that does not say what it declares (an older taskrunner) may
+    # declare any: nothing is dropped while it is listed; `delete` refuses while it lives.
+    old.publish_schedules()
+    now = server_time(v2.redis)
+    v2.redis.hset(v2.keys.dispatchers, "old", json.dumps({"name": "old", "last_pass": now}))
+    new.drop_undeclared()
+    assert sorted(v2.redis.hkeys(v2.keys.schedules)) == ["gone", "kept"]
+    assert "may be declared in the code of dispatcher old (alive; an older" in cli("schedule", "delete", "gone").stderr
+    # Its dispatcher gone (no pass for a minute; listed until forgotten, and so still kept by
+    # the dispatchers), it is deleted by hand, with a word of what it was.
+    v2.redis.hset(v2.keys.dispatchers, "old", json.dumps({"name": "old", "last_pass": now - 120}))
+    new.drop_undeclared()
+    assert sorted(v2.redis.hkeys(v2.keys.schedules)) == ["gone", "kept"]
+    r = cli("schedule", "delete", "gone")
+    assert (r.returncode, r.stdout) == (0, "schedule gone: deleted (removed from the code: no live dispatcher "
+                                           "declares it)\n"), r.stderr
+    assert v2.redis.hkeys(v2.keys.schedules) == ["kept"]
+    assert cli("schedule", "delete", "kept").returncode == 1  # declared by "new", alive
+
+
+def prefix_paused(t: TaskRunner) -> str:
+    return t.keys.g + "schedules:paused"
 
 
 def test_dashboard_schedule_actions(app):

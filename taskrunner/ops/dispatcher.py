@@ -114,12 +114,33 @@ class Dispatcher:
         return 0
 
     def publish_schedules(self) -> None:
-        """Let the dashboard and CLI see the schedules this dispatcher fires."""
+        """Let the dashboard and CLI see the schedules this dispatcher fires. Its entry, which
+        lists them, goes first: a dispatcher dropping the schedules none declares
+        (drop_undeclared) then never takes one just published for stale."""
+        self.announce(server_time(self.app.redis))
         pipe = self.redis.pipeline(transaction=False)
         for s in self.app.schedules.values():
             pipe.sadd(self.keys.queues, s.queue)
             pipe.hsetnx(self.keys.schedules, s.name, "{}")
         pipe.execute()
+
+    def announce(self, now: float) -> None:
+        """This dispatcher's entry in `g dispatchers` (the dashboard's, /readyz's): its last
+        pass, and the schedules its code declares (schedules.declarers())."""
+        self.redis.hset(self.keys.dispatchers, self.name, codec.dumps({
+            "name": self.name, "host": self.host, "pid": os.getpid(), "last_pass": now,
+            "lag": round(time.time() - now, 3), "passes": self.passes,
+            "history_backlog": {q: n for q, n in self.history_backlog.items() if n >= WARN_BACKLOG},
+            "schedules": sorted(self.app.schedules)}))
+
+    def drop_undeclared(self) -> None:
+        """Drop the published schedules that nothing fires any more (removed from the code
+        of every dispatcher: schedules.undeclared()), as `schedule delete` would."""
+        gone = schedules.undeclared(self.app)
+        if gone:
+            schedules.forget(self.app, gone)
+            log.info("dispatcher %s: dropped schedule %s: no dispatcher declares it any more, none added it at "
+                     "runtime", self.name, ", ".join(gone))
 
     def run_once(self) -> dict[str, int]:
         """One pass; returns what it did (for logs and tests)."""
@@ -180,12 +201,10 @@ class Dispatcher:
         if self.s.history_interval and time.monotonic() >= self.next_compact:
             self.compact_history(now)
         self.passes += 1
-        self.redis.hset(self.keys.dispatchers, self.name, codec.dumps({
-            "name": self.name, "host": self.host, "pid": os.getpid(), "last_pass": now,
-            "lag": round(time.time() - now, 3), "passes": self.passes,
-            "history_backlog": {q: n for q, n in self.history_backlog.items() if n >= WARN_BACKLOG}}))
+        self.announce(now)
         if time.monotonic() >= self.next_forget:
             self.forget_gone(now)
+            self.drop_undeclared()
         if any(stats.values()):
             log.info("dispatcher %s: %s", self.name, " ".join(f"{k}={v}" for k, v in stats.items() if v))
         return stats

@@ -5,6 +5,17 @@ Code-declared schedules (`@app.periodic`) are the defaults; a runtime schedule w
 name replaces one while it exists (deleting it brings the code's back). The dispatcher reads
 the runtime ones at each pass (one HGETALL), so a change takes effect within a pass.
 
+A dispatcher publishes its code's schedules (`g schedules`, for `schedule list` without -A)
+and lists their names in its entry (`g dispatchers`). A schedule removed from the code is
+fired by no dispatcher that runs the new code, and its published entry goes once no
+dispatcher declares it: a dispatcher drops (once a minute) each published schedule that has
+no runtime definition and that no listed dispatcher declares, and `schedule delete` deletes
+one that no live dispatcher declares. During a rolling deploy a dispatcher still running the
+old code is listed with it, so the new ones leave it alone until it stops (a clean stop
+takes its entry off at once; a killed one is forgotten after DISPATCHER_FORGET): the two
+versions never take turns deleting and publishing it. A listed dispatcher whose entry names
+no schedules (a taskrunner before the list) may declare any: nothing is dropped meanwhile.
+
 Ticks, each fired at most once however many dispatchers run (its job id names the tick):
 - cron, in UTC or in a time zone (`tz`, IANA name). A cron matches wall-clock times; around
   daylight-saving changes each wall time that matches fires once: a time in the hour that is
@@ -32,6 +43,7 @@ from taskrunner.client import arguments
 from taskrunner.client.app import Schedule, check_cron, check_schedule_options, cron_job_id
 from taskrunner.errors import TaskRunnerError
 from taskrunner.protocol import codec
+from taskrunner.protocol.connection import server_time
 
 if TYPE_CHECKING:
     from taskrunner.client.app import TaskRunner
@@ -40,6 +52,11 @@ if TYPE_CHECKING:
 
 class ScheduleNotFound(TaskRunnerError):
     """No schedule of that name (neither in code nor added at runtime)."""
+
+
+class ScheduleInCode(TaskRunnerError):
+    """A schedule that code declares (the app's, or a live dispatcher's), which cannot be
+    deleted: a dispatcher that declares it publishes it again and fires it."""
 
 
 def _defs_key(app: TaskRunner) -> str:
@@ -162,30 +179,80 @@ def _must_exist(app: TaskRunner, name: str) -> Schedule:
 
 
 def delete(app: TaskRunner, name: str) -> str:
-    """Delete a runtime schedule; answers what happened (a code one cannot be deleted: pause it)."""
+    """Delete a runtime schedule, or what a dispatcher published of one that no live
+    dispatcher declares any more (removed from the code); answers what happened. One that
+    code declares cannot be deleted (ScheduleInCode: pause it, or remove it from the code)."""
     if app.redis.hdel(_defs_key(app), name):
         if name in app.schedules:
             return f"{name}: deleted; the app's own schedule of that name applies again"
-        app.redis.srem(_paused_key(app), name)
-        app.redis.hdel(app.keys.schedules, name)
+        forget(app, [name])
         return f"{name}: deleted"
     if name in app.schedules:
-        raise ValueError(f"{name} is declared in the app's code and cannot be deleted here: pause it "
-                         f"(`taskrunner schedule pause {name}`), or remove it from the code")
+        raise ScheduleInCode(f"{name} is declared in the app's code and cannot be deleted here: pause it "
+                             f"(`taskrunner schedule pause {name}`), or remove it from the code")
     # Without -A the app declares nothing; a name the dispatchers published that has no
-    # runtime definition is one of their app's code (as pause() finds it), or was: they
-    # publish, and never take back, what their code declares. One a dispatcher wrote back
-    # for a runtime schedule deleted during its pass (its `source`) is what is left of it.
+    # runtime definition is one of their code's, or was. One a dispatcher wrote back for a
+    # runtime schedule deleted during its pass (its `source`) is what is left of it.
     published = app.redis.hget(app.keys.schedules, name)
-    if published is not None and _source(published) == "runtime":
-        app.redis.srem(_paused_key(app), name)
-        app.redis.hdel(app.keys.schedules, name)
+    if published is None:
+        raise ScheduleNotFound(f"no runtime schedule {name!r} (see `taskrunner schedule list`)")
+    if _source(published) == "runtime":
+        forget(app, [name])
         return f"{name}: deleted"
-    if published is not None:
-        raise ValueError(f"{name} was published by a dispatcher from its app's code and cannot be deleted here: "
-                         f"pause it (`taskrunner schedule pause {name}`), or remove it from the code (a "
-                         "dispatcher whose code declares it no more leaves it listed)")
-    raise ScheduleNotFound(f"no runtime schedule {name!r} (see `taskrunner schedule list`)")
+    declared, silent = declarers(app, alive=True)
+    if declared.get(name) or silent:
+        who = (f"is declared in the code of dispatcher {', '.join(sorted(declared[name]))} (alive), which fires it"
+               if declared.get(name) else f"may be declared in the code of dispatcher {', '.join(sorted(silent))} "
+               "(alive; an older taskrunner, which does not list what it declares), which would fire it")
+        raise ScheduleInCode(f"{name} {who} and would publish it again: pause it (`taskrunner schedule pause "
+                             f"{name}`), or remove it from that code and restart it (then it goes by itself)")
+    forget(app, [name])
+    return f"{name}: deleted (removed from the code: no live dispatcher declares it)"
+
+
+def declarers(app: TaskRunner, alive: bool) -> tuple[dict[str, list[str]], list[str]]:
+    """({schedule name: the dispatchers whose code declares it}, the dispatchers that do not
+    say: a taskrunner before their entries listed it, which may declare any), read from
+    the dispatchers' entries: every one listed, or with `alive` those not gone (a pass in
+    the last DISPATCHER_GONE seconds)."""
+    from taskrunner.ops.listing import dispatchers
+
+    declared: dict[str, list[str]] = {}
+    silent = []
+    for d in dispatchers(app, server_time(app.redis)):
+        if alive and d["health"] == "gone":
+            continue
+        names = d.get("schedules")
+        if not isinstance(names, list):
+            silent.append(str(d.get("name")))
+            continue
+        for n in names:
+            declared.setdefault(str(n), []).append(str(d.get("name")))
+    return declared, silent
+
+
+def undeclared(app: TaskRunner) -> list[str]:
+    """The published schedules nothing fires any more, for a dispatcher to drop: no runtime
+    definition, declared neither by this app's code nor by any listed dispatcher's (none
+    while a listed dispatcher does not say what it declares). See the module's docstring.
+    Read in the order they are written, so that nothing just published is taken for stale:
+    the published names first, then the definitions (add() writes one before any dispatcher
+    publishes it), then the declarations (a dispatcher lists its own before it publishes)."""
+    pipe = app.redis.pipeline(transaction=False)
+    pipe.hkeys(app.keys.schedules).hkeys(_defs_key(app))
+    published, defined = pipe.execute()
+    declared, silent = declarers(app, alive=False)
+    if silent:
+        return []
+    keep = {*declared, *defined, *app.schedules}
+    return sorted(n for n in published if n not in keep)
+
+
+def forget(app: TaskRunner, names: list[str]) -> None:
+    """A schedule gone: its published state and its pause."""
+    pipe = app.redis.pipeline(transaction=False)
+    pipe.srem(_paused_key(app), *names).hdel(app.keys.schedules, *names)
+    pipe.execute()
 
 
 def _source(published: str) -> Any:
