@@ -669,8 +669,7 @@ class TaskRunner:
             while True:
                 try:
                     answers = batch.execute()
-                    if backoff is not None:
-                        backoff.ok()
+                    steps.went_through(self, "enqueue_many")
                     return answers
                 except steps.REDIS_ERRORS as e:
                     backoff, pause = steps.ride_out(self, e, backoff, "enqueue_many")  # raises e when not

@@ -10,6 +10,7 @@ cannot drift apart between the two (sans-I/O, as in h11 or hyper-h2)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from taskrunner.client import declarations
 from taskrunner.errors import JobNotFound, QueueClosed, QueueFull, Timeout
 from taskrunner.protocol import codec, joins, scripts, shards
 from taskrunner.protocol.blocking import pop_any
-from taskrunner.protocol.connection import Backoff
+from taskrunner.protocol.connection import Backoff, Outage
 
 if TYPE_CHECKING:
     from taskrunner.client.app import JobSpec, TaskRunner
@@ -130,7 +131,7 @@ def riding(app: TaskRunner, operation: Steps[T], what: str) -> Steps[T]:
     safe: the job ids were made before (draft), reads change nothing, and enqueue.lua
     adds nothing for an id that exists, answering 0, so a try whose answer was lost
     after it ran adds no second job (the Job's .created is then False). `what` names
-    the operation in the warning logged once per outage."""
+    the operation in what it logs: the process's one warning per outage (outage_of())."""
     answer: Any = None
     error: BaseException | None = None
     while True:
@@ -142,8 +143,7 @@ def riding(app: TaskRunner, operation: Steps[T], what: str) -> Steps[T]:
         while True:
             try:
                 answer, error = (yield request), None
-                if backoff is not None:
-                    backoff.ok()
+                went_through(app, what)
                 break
             except Exception as e:
                 answer, error = None, e
@@ -154,15 +154,38 @@ def riding(app: TaskRunner, operation: Steps[T], what: str) -> Steps[T]:
             yield Sleep(pause)
 
 
+#: Per Redis URL, the outage its producers in this process are riding out (Outage.since
+#: None: none now): shared by their threads, so that one outage is one warning, and one
+#: "answers again", however many requests meet it. A forked child starts with none.
+_OUTAGES: dict[str | None, Outage] = {}
+os.register_at_fork(after_in_child=_OUTAGES.clear)
+
+
+def outage_of(app: TaskRunner) -> Outage:
+    """The outage of the app's Redis that this process's producers share (_OUTAGES)."""
+    outage = _OUTAGES.get(app.settings.redis_url)
+    if outage is None:  # setdefault: two threads that come at once get the same one
+        outage = _OUTAGES.setdefault(app.settings.redis_url, Outage("enqueueing"))
+    return outage
+
+
+def went_through(app: TaskRunner, what: str) -> None:
+    """A producer's request went through: if its Redis was out, it answers again (said once)."""
+    outage = _OUTAGES.get(app.settings.redis_url)
+    if outage is not None and outage.since is not None:
+        outage.ok(what)
+
+
 def ride_out(app: TaskRunner, error: BaseException, backoff: Backoff | None, what: str) -> tuple[Backoff, float]:
-    """The backoff (made at the outage's first error, `backoff` None) and the pause before a
+    """The backoff (made at the request's first error, `backoff` None) and the pause before a
     producer's request that met `error` is sent again; raises `error` where it is not to be
-    ridden out: enqueue_retry 0, not a Redis error, a LASTING one, one that does not pass
-    by itself (connection.transient()), or the bound passed. riding() and enqueue_many's
-    chunks (sent past the steps) decide so alike."""
+    ridden out: enqueue_retry 0, not a Redis error, a LASTING one, one that does not pass by
+    itself (connection.transient()), or the bound passed. riding() and enqueue_many's chunks (sent
+    past the steps) decide so alike, and log in the process's shared outage (outage_of()): a
+    request that fails while others wait logs at debug level."""
     if not (app.settings.enqueue_retry and isinstance(error, REDIS_ERRORS)) or isinstance(error, LASTING):
         raise error
-    backoff = backoff or Backoff(what, time.monotonic() + app.settings.enqueue_retry)
+    backoff = backoff or Backoff(what, time.monotonic() + app.settings.enqueue_retry, outage_of(app))
     return backoff, backoff.after(error)
 
 

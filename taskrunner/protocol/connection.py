@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -313,43 +314,55 @@ class Outage:
     """How a process that rides out a Redis outage says so: one warning when Redis stops
     answering, the tries after it at debug level, and one line when it answers again. A
     line per try filled a worker's log with one every heartbeat for as long as Redis was
-    down, and hid when it came back."""
+    down, and hid when it came back. One may be shared by the threads of a process (a
+    producer's requests, steps.outage_of()): each try names what it was for (`what`; by
+    default the outage's own), and whichever thread fails first warns, and only it."""
 
     def __init__(self, what: str, logger: logging.Logger = log) -> None:
         self.what, self.log = what, logger
         self.since: float | None = None  # when this outage began (monotonic); None: Redis answers
+        self._lock = threading.Lock()  # since's check and change, for threads that share it
 
-    def failed(self, error: BaseException | str, pause: float | None, bound: str = "") -> None:
+    def failed(self, error: BaseException | str, pause: float | None, bound: str = "", what: str | None = None) -> None:
         """A try failed with `error` (or what it means); the next comes in `pause` seconds
         (None: when asked, as the dashboard's next request; `bound`: how long or when the
         tries go on, said in the warning)."""
-        if self.since is None:
-            self.since = time.monotonic()
-            self.log.warning("%s: Redis unavailable (%s); trying again until it answers%s", self.what, error, bound)
+        what = what or self.what
+        with self._lock:
+            first = self.since is None
+            if first:
+                self.since = time.monotonic()
+        if first:
+            self.log.warning("%s: Redis unavailable (%s); trying again until it answers%s", what, error, bound)
         elif pause is None:
-            self.log.debug("%s: Redis still unavailable (%s)", self.what, error)
+            self.log.debug("%s: Redis still unavailable (%s)", what, error)
         else:
-            self.log.debug("%s: Redis still unavailable (%s); retrying in %.1fs", self.what, error, pause)
+            self.log.debug("%s: Redis still unavailable (%s); retrying in %.1fs", what, error, pause)
 
-    def ok(self) -> None:
+    def ok(self, what: str | None = None) -> None:
         """A try went through."""
-        if self.since is not None:
-            self.log.info("%s: Redis answers again (unavailable for %.1fs)", self.what, time.monotonic() - self.since)
-            self.since = None
+        if self.since is None:
+            return
+        with self._lock:
+            since, self.since = self.since, None
+        if since is not None:
+            self.log.info("%s: Redis answers again (unavailable for %.1fs)", what or self.what,
+                          time.monotonic() - since)
 
 
 class Backoff:
     """The pauses of a waiter whose Redis failed (transient()): 0.1 s doubling up to 2 s,
     so that a restart is noticed soon after it ends, without hammering a Redis that is
-    down; one warning per outage (Outage). A wait with a deadline makes its last try at the
+    down; one warning per outage (Outage: its own, or `outage`, one shared with others that
+    wait for the same Redis). A wait with a deadline makes its last try at the
     deadline (the pause before it cut short), then gives up (raises the error): the job's
     state is then unknown. (It gave up when the next pause would pass the deadline: a 15 s
     bound tried last ~2 s before it, missing a failover that ended just inside it.)"""
 
-    def __init__(self, what: str, deadline: float | None) -> None:
+    def __init__(self, what: str, deadline: float | None, outage: Outage | None = None) -> None:
         self.what, self.deadline = what, deadline
         self.pause = 0.0
-        self.outage = Outage(what)
+        self.outage = outage or Outage(what)
 
     def after(self, error: BaseException) -> float:
         """Seconds to pause before the next try; raises `error` where that is not for
@@ -358,14 +371,14 @@ class Backoff:
             raise error
         self.pause = min(max(self.pause * 2, 0.1), 2.0)
         if self.deadline is None:
-            self.outage.failed(error, self.pause)
+            self.outage.failed(error, self.pause, what=self.what)
             return self.pause
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise error
-        self.outage.failed(error, min(self.pause, left), f" (for {round(left, 1):g}s at most)")
+        self.outage.failed(error, min(self.pause, left), f" (for {round(left, 1):g}s at most)", self.what)
         return min(self.pause, left)
 
     def ok(self) -> None:
-        self.outage.ok()
+        self.outage.ok(self.what)
         self.pause = 0.0
