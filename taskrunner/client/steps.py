@@ -179,11 +179,13 @@ def went_through(app: TaskRunner, what: str) -> None:
 def ride_out(app: TaskRunner, error: BaseException, backoff: Backoff | None, what: str) -> tuple[Backoff, float]:
     """The backoff (made at the request's first error, `backoff` None) and the pause before a
     producer's request that met `error` is sent again; raises `error` where it is not to be
-    ridden out: enqueue_retry 0, not a Redis error, a LASTING one, one that does not pass by
-    itself (connection.transient()), or the bound passed. riding() and enqueue_many's chunks (sent
+    ridden out: enqueue_retry 0, not a Redis error, a LASTING one (or one raised from it: a
+    cluster client that reached no node), one that does not pass by itself
+    (connection.transient()), or the bound passed. riding() and enqueue_many's chunks (sent
     past the steps) decide so alike, and log in the process's shared outage (outage_of()): a
     request that fails while others wait logs at debug level."""
-    if not (app.settings.enqueue_retry and isinstance(error, REDIS_ERRORS)) or isinstance(error, LASTING):
+    if not (app.settings.enqueue_retry and isinstance(error, REDIS_ERRORS)) \
+            or isinstance(error, LASTING) or isinstance(error.__cause__, LASTING):
         raise error
     backoff = backoff or Backoff(what, time.monotonic() + app.settings.enqueue_retry, outage_of(app))
     return backoff, backoff.after(error)

@@ -298,16 +298,32 @@ async def close_async(client: AsyncClient) -> None:
         await client.aclose()
 
 
+#: How redis-py's cluster client begins a RedisClusterException that passes: it found no
+#: node of the startup list or saw slots without a primary while it read the layout (a
+#: failover, an election). Its other ones are our mistakes, which no wait ends: a command whose
+#: keys span slots ("... all keys must map to the same key slot"), one without a key to route
+#: it by, a node not in cluster mode.
+_PASSING_LAYOUT = ("All slots are not covered", "startup_nodes could not agree")
+
+
 def transient(e: BaseException) -> bool:
     """A Redis error that passes by itself, after which a waiter connects again and looks
     again: Redis down or restarting (connection errors, LOADING), unreachable for a while
     (timeouts), failing over (READONLY, a blocked command UNBLOCKED, MASTERDOWN), a cluster
-    resharding or electing (MOVED, ASK, TRYAGAIN, CLUSTERDOWN) or with no node reachable."""
+    resharding or electing (MOVED, ASK, TRYAGAIN, CLUSTERDOWN, a slot without a primary) or
+    with no node reachable (redis-py's RedisClusterException "cannot be connected", raised
+    from the last node's error: it passes when that does). Not any other
+    RedisClusterException: redis-py raises that class for a command across slots too, a
+    mistake that retrying would only hide for the whole bound."""
     passing = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError,
                redis.exceptions.ClusterError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
-               redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.RedisClusterException)
-    return isinstance(e, passing) or (isinstance(e, redis.ResponseError)
-                                      and str(e).startswith(("UNBLOCKED", "MASTERDOWN", "BUSY ")))
+               redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.SlotNotCoveredError)
+    if isinstance(e, passing):
+        return True
+    if isinstance(e, redis.exceptions.RedisClusterException):
+        cause = e.__cause__
+        return str(e).startswith(_PASSING_LAYOUT) or (cause is not None and cause is not e and transient(cause))
+    return isinstance(e, redis.ResponseError) and str(e).startswith(("UNBLOCKED", "MASTERDOWN", "BUSY "))
 
 
 class Outage:
