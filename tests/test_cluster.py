@@ -334,6 +334,21 @@ def test_a_producer_rides_out_an_unreachable_cluster_not_a_command_across_slots(
     assert warnings.outages() == 1, warnings.lines
 
 
+def test_a_wrong_password_to_a_cluster_is_raised_at_once(app, tmp_path, warnings):  # noqa: F811
+    """redis-py's cluster client that reached no node raises RedisClusterException from
+    the last node's error, here AuthenticationError: a producer raises it at once, as it does
+    a wrong password to one Redis (it was ridden out for the whole bound)."""
+    with Topology(tmp_path) as topology:
+        node = topology.start()
+        with node.client() as admin:
+            admin.config_set("requirepass", "sesame")
+        app.configure(redis_url=f"redis+cluster://:wrong@127.0.0.1:{node.port}", enqueue_retry=1)
+        with pytest.raises(redis.exceptions.RedisClusterException, match="cannot be connected") as raised:
+            apps.add.delay(1, 1)
+    assert isinstance(raised.value.__cause__, redis.AuthenticationError)
+    assert warnings.outages() == 0, warnings.lines
+
+
 def test_declared_settings_and_queue_registration_on_a_cluster(capp, stack, cluster, queues):
     """Declarations live in each queue's slot, where enqueue.lua reads them; the global
     queue set is in another slot, so there the producer registers the queue (a script
