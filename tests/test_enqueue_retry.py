@@ -407,3 +407,42 @@ def test_a_bounded_backoff_makes_its_last_try_at_its_deadline():
             time.sleep(pause)
             last = time.monotonic()  # a try, failing again
     assert last >= deadline
+
+
+@pytest.mark.parametrize("where", ["a chunk", "a job's lookup"])
+def test_enqueue_many_past_the_bound_says_how_many_it_enqueued(app, own_redis, warnings, where):
+    """Redis gone for good midway: the error said nothing of the jobs enqueued before it
+    (found by review), and a caller that ran the call again enqueued them twice. It says
+    how many, and carries their Jobs (`enqueued`, the first ones given) and those of the
+    chunk sent whose answer did not come (`unsure`); going on from the first job not
+    enqueued, those given their ids again, enqueues each job once. Redis stops once the
+    first chunk ran; the call fails at the next chunk's answer, or at the declaration of a
+    task no worker declared (read before the job is sent)."""
+    app.configure(redis_url=own_redis.url, enqueue_retry=0.3)
+    apps.add.delay(0, 0)
+    given = [{"task": "tests.apps.add", "args": [i, 0]} for i in range(6)]
+    if where == "a job's lookup":
+        given[2] = {"task": "tests.nobody.task", "args": [2, 0]}
+
+    def jobs() -> Iterator[dict[str, Any]]:
+        for i, job in enumerate(given):
+            if i == 2:  # the first chunk (jobs 0 and 1) was sent: once it ran, Redis goes
+                wait_for(lambda: produced(app) == 3, what="the first chunk to run")
+                own_redis.stop()
+            yield job
+
+    with pytest.raises(redis.ConnectionError) as stopped:
+        app.enqueue_many(jobs(), chunk=2)
+    e = stopped.value
+    k, m = len(e.enqueued), len(e.unsure)
+    assert f"{k} of the first " in str(e) and "none after" in str(e), str(e)
+    if where == "a job's lookup":  # the first chunk's answer was never read
+        assert (k, m) == (0, 2) and "0 of the first 3 jobs given enqueued, the 2 after them sent" in str(e)
+    else:  # the first chunk's answer read (it came before Redis stopped) or not; the second sent
+        assert k + m in (2, 4), str(e)
+    own_redis.start()
+    assert [app.job(j.id).to_dict()["args"] for j in e.enqueued] == [g["args"] for g in given[:k]]
+    again = [{**g, "id": j.id} for g, j in zip(given[k:k + m], e.unsure)] + given[k + m:]
+    rest = app.enqueue_many(again)
+    assert [app.job(j.id).to_dict()["args"] for j in e.enqueued + rest] == [g["args"] for g in given]
+    assert produced(app) == 1 + 6  # each once

@@ -108,6 +108,19 @@ def _enqueue_args(jobs: list[tuple[str, float, list[Any]]], limit: int | None = 
     return args if limit is None else [*args, limit]
 
 
+def _stopped(e: BaseException, message: str, enqueued: list[Job], unsure: list[Job]) -> BaseException:
+    """The error that stopped enqueue_many, said with `message` (how many jobs it enqueued),
+    carrying `enqueued` and `unsure` (TaskRunner.enqueue_many says what they are): one of the
+    same type, or `e` itself for a type whose constructor takes other arguments than a message
+    (a hook's own exception, redis-py's MovedError)."""
+    try:
+        said = type(e)(message)
+    except Exception:
+        said = e
+    said.enqueued, said.unsure = list(enqueued), list(unsure)  # type: ignore[attr-defined]
+    return said
+
+
 @dataclass
 class Schedule:
     """A schedule that enqueues a task at each tick: a cron (in UTC, or in `tz`) or an
@@ -616,7 +629,13 @@ class TaskRunner:
         one holding its key), and the links of TaskRunner.enqueue: `depends_on` (ids, of this
         call's earlier jobs or of existing ones, or Job objects), `on_success`, `on_failure`
         (signatures, or objects as callback_of() reads them). Never blocks: jobs refused by a full or closed queue raise
-        QueueFull/QueueClosed after the chunk (the jobs before them are enqueued). While Redis
+        QueueFull/QueueClosed after the chunk (the jobs before them are enqueued). A job refused
+        before it is sent (its arguments, a hook) raises its error, and Redis unavailable past
+        the enqueue_retry bound its Redis error, saying how many of the jobs given before were
+        enqueued; either carries `enqueued`, their Jobs (the first ones given, in order), and
+        `unsure`, the Jobs sent whose answer did not come (each may be enqueued): a caller goes
+        on from the first job not in `enqueued`, giving those of `unsure` their ids again (an id
+        that exists adds nothing), so that none is enqueued twice. While Redis
         runs a chunk, the next one is built; it is sent once the answers came. A job whose
         parent is in this chunk in another queue goes in the next chunk (its parent is written
         first); one whose callbacks are in another queue than its own is written with them by
@@ -633,6 +652,7 @@ class TaskRunner:
         unsent: dict[str, str] = {}  # id -> queue of those in `pending`
         parent_queues: dict[str, set[str]] = {}  # queue -> the other queues its pending jobs' parents are in
         callbacks: set[str] = set()  # ids of callbacks: they are not among the jobs answered
+        alone: list[Job] = []  # a job linked() writes by a call of its own, until its answer came
 
         def batch_of(by_queue: dict[str, list[tuple[str, float, list[Any]]]], others: dict[str, set[str]],
                      direct: Direct | None) -> scripts.Batch:
@@ -682,8 +702,8 @@ class TaskRunner:
             if sent is None:
                 return
             batch, by_queue, others, order, count = sent
-            sent = None
             results = iter(answered(batch, by_queue, others))
+            sent = None
             answers = {q: next(results) for q in by_queue}
             refused = []
             made: dict[str, Job] = {}
@@ -717,8 +737,10 @@ class TaskRunner:
                 if pending:
                     send()
                     settle()
-                [created, *_] = steps.ride(self, canvas.written(group, "job", tuple(sorted(queues))), "enqueueing")
                 job = Job(self, draft.id, draft.queue)
+                alone.append(job)
+                [created, *_] = steps.ride(self, canvas.written(group, "job", tuple(sorted(queues))), "enqueueing")
+                alone.clear()
                 job.created = created == 1
                 out.append(job)
                 if progress:
@@ -733,6 +755,7 @@ class TaskRunner:
             callbacks.update(d.id for d in group[1:])
             parent_queues.setdefault(draft.queue, set()).update(queues)
 
+        n = 0  # the job given that the call is at
         try:
             for n, spec_ in enumerate(jobs, 1):
                 try:
@@ -749,11 +772,8 @@ class TaskRunner:
                         draft, *steps.ride(self, canvas.callbacks(self, draft, links[1], links[2]), "enqueueing")])
                 except (TaskRunnerError, ValueError, TypeError) as e:
                     settle()  # those sent are enqueued; say so: a run again would enqueue them twice
-                    try:
-                        said = type(e)(f"job {n}: {e} ({len(out)} of the {n - 1} before it enqueued, none after)")
-                    except Exception:  # a hook's exception whose type takes other arguments: as it was raised
-                        raise e from None
-                    raise said from None
+                    raise _stopped(e, f"job {n}: {e} ({len(out)} of the {n - 1} before it enqueued, none after)",
+                                   out, []) from None
                 if self.settings.eager:
                     parents = None if links is None or not links[0] else [seen[i] for _, i in links[0]]
                     ran: Job = eager.enqueue(self, job_id, fields, parents)
@@ -777,13 +797,22 @@ class TaskRunner:
             if pending:
                 send()
                 settle()
-        except BaseException:
-            # A chunk's answers still on this thread's link: read them, or its next lone enqueue
-            # would take one of them for its own. A chunk not sent (no such link) is not sent now.
-            if sent is not None and sent[0].sent:
-                with contextlib.suppress(Exception):
-                    sent[0].execute()
-            raise
+        except BaseException as e:
+            unsure = list(alone)
+            if sent is not None:  # a chunk whose answers did not come: each of its jobs may be enqueued
+                queue_of = {i: q for q, items in sent[1].items() for i, _, _ in items}
+                unsure += [Job(self, i, queue_of[i]) for i in sent[3] if i not in callbacks]
+                # Its answers still on this thread's link: read them, or its next lone enqueue
+                # would take one of them for its own. A chunk not sent (no such link) is not sent now.
+                if sent[0].sent:
+                    with contextlib.suppress(Exception):
+                        sent[0].execute()
+            if not isinstance(e, steps.REDIS_ERRORS):
+                raise
+            said = _stopped(e, f"{e} (enqueue_many: {len(out)} of the first {n} jobs given enqueued"
+                            + (f", the {len(unsure)} after them sent with no answer (maybe enqueued)" if unsure else "")
+                            + ", none after)", out, unsure)
+            raise said from (None if said is e else e)
         return out
 
     def _job_of(self, spec: Any) -> steps.Draft:
