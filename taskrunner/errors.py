@@ -11,6 +11,16 @@ class TaskRunnerError(Exception):
     """Base of every taskrunner error."""
 
 
+def restated(e: BaseException, message: str) -> BaseException:
+    """`e` said with `message` (what the caller must know besides: what was enqueued): one of
+    the same type, or `e` itself for a type whose constructor takes other arguments than a
+    message (a hook's own exception, redis-py's MovedError)."""
+    try:
+        return type(e)(message)
+    except Exception:
+        return e
+
+
 class Misconfigured(click.ClickException):
     """A command-line error in what the command was given (a Redis URL, an app, a taken
     port): exit 2, as click's own usage errors."""

@@ -421,9 +421,8 @@ def test_a_chord_over_slots_writes_members_of_its_callbacks_queue_in_the_callbac
     handle = chord([far, near], apps.echo.s().set(queue=queues[2]), on_member_failure="continue").delay()
     parents = capp.redis.hget(capp.keys.q(queues[2]) + f"job:{handle.id}", "parents").split()
     far_id, near_id = parents[1], parents[3]
-    # the workflow as asked for (one Enqueue of all three), then across()'s calls, level by level
-    assert calls == [(queues[0], [far_id, near_id, handle.id]), (queues[0], [far_id]),
-                     (queues[2], [near_id, handle.id])]
+    # across()'s calls, level by level
+    assert calls == [(queues[0], [far_id]), (queues[2], [near_id, handle.id])]
 
 
 def test_a_chord_over_slots_gives_its_callback_every_result_in_order(capp, stack, cluster, queues):
@@ -602,6 +601,31 @@ def test_a_workflow_a_later_slot_refuses_is_killed_where_it_was_written(capp, cl
         assert killed_by.startswith("taskrunner: its workflow was refused")
 
 
+def test_a_workflow_a_later_slot_fails_for_good_is_killed_where_it_was_written(capp, cluster, queues):
+    """Across slots a workflow takes several calls: a call after others that fails for
+    good with a Redis error (here the primary of its slot refuses writes, out of memory: no
+    retry ends that) left the jobs written before enqueued, to run without the rest (only
+    a queue's refusal killed them, found by review). They are killed, and the error says so.
+    The primary refusing is not the one of the global keys, where the first call registers
+    its queue, and the scripts are loaded before it refuses."""
+    node = cluster.owner(f"{{{queues[1]}}}")
+    later, first = (queues[1], queues[0]) if node.port != cluster.owner(capp.keys.g).port else (queues[0], queues[1])
+    for q in (first, later):  # the scripts' library loaded on every primary (a load is a write)
+        apps.add.apply_async((0, 0), queue=q)
+    with cluster.owner(f"{{{later}}}").client() as admin:
+        admin.config_set("maxmemory", "1")
+        try:
+            with pytest.raises(redis.exceptions.OutOfMemoryError) as refused:
+                (apps.add.s(1, 2).set(queue=first) | apps.add.s(3).set(queue=later)).delay()
+        finally:
+            admin.config_set("maxmemory", "0")
+    assert "the jobs of it written before were killed: 1" in str(refused.value), str(refused.value)
+    with cluster.owner(f"{{{first}}}").client() as r:
+        [step] = r.zrange(capp.keys.q(first) + "killed", 0, -1)
+        killed = r.hmget(capp.keys.job(first, step), "state", "killed_by")
+    assert killed == ["killed", f"taskrunner: its workflow could not be written to queue {later}"]
+
+
 def test_workflows_over_slots_survive_killed_workers_and_a_restarted_dispatcher(capp, stack, cluster, queues):
     """Chaos: a chord of 40 members in two slots with its callback in a third, and a chain of
     6 steps going round the three slots, while workers are SIGKILLed again and again (between
@@ -680,19 +704,18 @@ def test_asyncio_client_writes_workflows_over_slots(capp, stack, cluster, queues
 
 
 def test_a_workflow_across_slots_sent_again_adds_nothing(capp, queues):
-    """A producer rides out an outage by sending a request again (steps.riding); a workflow
-    across slots is one Enqueue request that canvas.across() writes in several calls, so a
-    failure midway sends it again whole. across() must leave the jobs it was given as they
-    were (it adds cross_slot and cross_children to copies), and the second run finds every
-    job there: it adds none and refuses nothing."""
+    """A workflow across slots given again (its ids the same: a caller that did not hear
+    whether it went through) is written again by canvas.across(), which must leave the jobs
+    it was given as they were (it adds cross_slot and cross_children to copies): the second
+    run finds every job there, adds none and refuses nothing."""
     from taskrunner.client import canvas
 
     sigs = (apps.add.s(1, 2).set(queue=queues[0]) | apps.add.s(3).set(queue=queues[1])).steps
     first, second = steps.run(capp, canvas.make_drafts(capp, sigs, 1))
     second.fields += ["parents", f"{first.queue} {first.id}", "takes", "result"]
     jobs = [(d.id, d.delay, d.fields) for d in (first, second)]
-    assert capp._enqueue_batch(queues[0], jobs, (queues[1],)) == [1, 1]
-    assert capp._enqueue_batch(queues[0], jobs, (queues[1],)) == [0, 0]
+    assert steps.run(capp, canvas.across(capp, jobs, queues[0])) == [1, 1]
+    assert steps.run(capp, canvas.across(capp, jobs, queues[0])) == [0, 0]
     produced = [capp.redis.hget(capp.keys.q(q) + "meta", "produced_messages") for q in queues[:2]]
     assert produced == ["1", "1"]
 

@@ -58,9 +58,9 @@ class AsyncClient:
             return await self._script(r.script, r.keys, r.args)
         if isinstance(r, steps.Scripts):
             return list(await asyncio.gather(*(self._script(c.script, c.keys, c.args) for c in r.calls)))
+        if isinstance(r, steps.Clustered):
+            return is_cluster(self.redis)
         if isinstance(r, steps.Enqueue):
-            if r.others and is_cluster(self.redis):  # a workflow over slots: several calls, parents first
-                return await self._run(canvas.across(self.app, r.jobs, r.queue))
             keys = self.app.enqueue_keys(r.queue, r.others)
             if len(keys) == 1 and r.queue not in self._known_queues:  # a cluster: the script cannot register it
                 await self.redis.sadd(self.keys.queues, r.queue)

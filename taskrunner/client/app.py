@@ -21,7 +21,7 @@ from taskrunner.client.canvas import Signature
 from taskrunner.client.job import Job
 from taskrunner.client.middleware import Enqueued, Middleware
 from taskrunner.config import Settings
-from taskrunner.errors import MAX_RETRIES, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError
+from taskrunner.errors import MAX_RETRIES, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError, restated
 from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.codec import count, seconds
 from taskrunner.protocol.connection import Backoff, Client, Outage, connect, is_cluster
@@ -109,14 +109,10 @@ def _enqueue_args(jobs: list[tuple[str, float, list[Any]]], limit: int | None = 
 
 
 def _stopped(e: BaseException, message: str, enqueued: list[Job], unsure: list[Job]) -> BaseException:
-    """The error that stopped enqueue_many, said with `message` (how many jobs it enqueued),
-    carrying `enqueued` and `unsure` (TaskRunner.enqueue_many says what they are): one of the
-    same type, or `e` itself for a type whose constructor takes other arguments than a message
-    (a hook's own exception, redis-py's MovedError)."""
-    try:
-        said = type(e)(message)
-    except Exception:
-        said = e
+    """The error that stopped enqueue_many, said with `message` (how many jobs it enqueued:
+    errors.restated()), carrying `enqueued` and `unsure` (TaskRunner.enqueue_many says what
+    they are)."""
+    said = restated(e, message)
     said.enqueued, said.unsure = list(enqueued), list(unsure)  # type: ignore[attr-defined]
     return said
 
@@ -739,7 +735,8 @@ class TaskRunner:
                     settle()
                 job = Job(self, draft.id, draft.queue)
                 alone.append(job)
-                [created, *_] = steps.ride(self, canvas.written(group, "job", tuple(sorted(queues))), "enqueueing")
+                [created, *_] = steps.ride(self, canvas.written(self, group, "job", tuple(sorted(queues))),
+                                            "enqueueing")
                 alone.clear()
                 job.created = created == 1
                 out.append(job)
@@ -885,7 +882,7 @@ class TaskRunner:
         """KEYS of enqueue.lua: the queue's prefix, and the global queue set where one script
         may touch both (not on a Redis Cluster: there the producer registers the queue), then
         the prefixes of `others`, the other queues of a workflow (refused on a cluster:
-        one script touches one slot; there _enqueue_batch() writes such a workflow in several
+        one script touches one slot; there canvas.written() writes such a workflow in several
         calls, canvas.across())."""
         q = self.keys.q(queue)
         others = list(others)
@@ -902,11 +899,9 @@ class TaskRunner:
 
     def _enqueue_batch(self, queue: str, jobs: list[tuple[str, float, list[Any]]],
                        others: Iterable[str] = ()) -> list[int]:
-        """enqueue.lua's answers for `jobs` (a workflow's, of `queue` and `others`: one call, or
-        on a Redis Cluster canvas.across()'s several)."""
+        """enqueue.lua's answers for `jobs` (a workflow's, of `queue` and `others`, in one call:
+        not on a Redis Cluster, enqueue_keys())."""
         client = self.redis  # first: a new client (new process or settings) knows no queue yet
-        if others and is_cluster(client):
-            return steps.run(self, canvas.across(self, jobs, queue))
         keys = self.enqueue_keys(queue, others)
         if len(keys) == 1 and queue not in self._known_queues:  # a cluster: once per process and queue
             client.sadd(self.keys.queues, queue)

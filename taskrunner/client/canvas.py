@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from taskrunner.client import arguments, eager, steps
 from taskrunner.client.job import Job
-from taskrunner.errors import QueueClosed, QueueFull
+from taskrunner.errors import QueueClosed, QueueFull, restated
 from taskrunner.protocol import joins, scripts
 
 if TYPE_CHECKING:
@@ -276,9 +276,9 @@ def linked(app: TaskRunner, draft: steps.Draft, depends_on: Any, on_success: Sig
         draft.fields += ["parents", " ".join(f"{q} {i}" for q, i in parents)]
         others = tuple(sorted({q for q, _ in parents} - {draft.queue}))
     drafts = steps.hooked(app, [draft, *(yield from callbacks(app, draft, on_success, on_failure))])
-    if on_success is None and on_failure is None:
+    if on_success is None and on_failure is None and not (others and (yield steps.Clustered())):
         return (yield from steps.enqueue(app, draft, block_timeout, others))
-    return (yield from written(drafts, "job", others))[0]
+    return (yield from written(app, drafts, "job", others))[0]
 
 
 def callbacks(app: TaskRunner, draft: steps.Draft, on_success: Signature | None,
@@ -320,13 +320,18 @@ def eager_callbacks(app: TaskRunner, job: Job, on_success: Signature | None, on_
     return job
 
 
-def written(drafts: list[steps.Draft], what: str, also: tuple[str, ...] = ()) -> steps.Steps[list[int]]:
+def written(app: TaskRunner, drafts: list[steps.Draft], what: str,
+            also: tuple[str, ...] = ()) -> steps.Steps[list[int]]:
     """Enqueue the drafts in one call (the first one's queue; `also`: other queues their
     parents are in); the script's answers. Nothing is written when a queue refuses one
-    (QueueClosed, QueueFull of the first queue)."""
+    (QueueClosed, QueueFull of the first queue). On a Redis Cluster, drafts over several
+    queues in several calls (across())."""
     first = drafts[0].queue
     others = tuple(sorted(({d.queue for d in drafts} | set(also)) - {first}))
-    answers = yield steps.Enqueue(first, [(d.id, d.delay, d.fields) for d in drafts], others)
+    jobs = [(d.id, d.delay, d.fields) for d in drafts]
+    if others and (yield steps.Clustered()):
+        return (yield from across(app, jobs, first))
+    answers = yield steps.Enqueue(first, jobs, others)
     if -2 in answers:
         raise QueueClosed(f"queue {drafts[answers.index(-2)].queue} is closed: the {what} was not enqueued")
     if -1 in answers:
@@ -337,7 +342,7 @@ def written(drafts: list[steps.Draft], what: str, also: tuple[str, ...] = ()) ->
 def _write(app: TaskRunner, drafts: list[steps.Draft], what: str) -> steps.Steps[list[Job]]:
     """Enqueue the drafts in one call (written); their Jobs."""
     jobs = []
-    for d, answer in zip(drafts, (yield from written(drafts, what))):
+    for d, answer in zip(drafts, (yield from written(app, drafts, what))):
         job = Job(app, d.id, d.queue)
         job.created = answer == 1
         jobs.append(job)
@@ -356,15 +361,18 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
     than that of its parents in other queues and as high as that of those in its own, then
     as late as its children allow (_as_late_as_may_be), so a chain over 3 queues is 3
     calls. The jobs are in an order where each one's parents among them come before it (a
-    chain's, a chord's, a job's and its callbacks'). A refusal (QueueClosed, QueueFull)
-    stops there, and the jobs written before it are killed. An operation (steps.py): the
-    synchronous and asyncio drivers run it for an Enqueue request whose jobs span queues on
-    a cluster."""
+    chain's, a chord's, a job's and its callbacks'). Each call is a request of its own (a
+    producer's riding() sends it again through an outage, up to the bound: the calls before
+    it are not sent again). A call that fails for good — a refusal (QueueClosed, QueueFull),
+    a Redis error past the bound or one no wait ends — stops there, and the jobs of the
+    workflow written before it are killed (a worker may have begun one: the kill stops it; one
+    that ended stays as it ended); its error says so, or, when the kill failed too, names them.
+    An operation (steps.py) of written()'s, on a cluster."""
     drafts = []
     for job_id, delay, fields in jobs:
         named = dict(zip(fields[0::2], fields[1::2]))
-        # A copy: the fields added below must not reach the caller's, which sends them again
-        # when this call fails midway (steps.riding: a Redis outage) and runs it again.
+        # A copy: the fields added below must not reach the caller's, which may send the same
+        # jobs again (a workflow given again, its ids the same).
         drafts.append(steps.Draft(job_id, str(named.get("queue", queue)), delay, list(fields)))
     mine = {(d.queue, d.id) for d in drafts}
     level: dict[tuple[str, str], int] = {}
@@ -403,19 +411,36 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
         calls.setdefault((level[(d.queue, d.id)], d.queue), []).append(d)
     answers: dict[tuple[str, str], int] = {}
     for (_, q), part in sorted(calls.items(), key=lambda kv: kv[0][0]):
-        got = yield steps.Enqueue(q, [(d.id, d.delay, d.fields) for d in part])
+        try:
+            got = yield steps.Enqueue(q, [(d.id, d.delay, d.fields) for d in part])
+        except Exception as e:  # for good: riding() gave up, or it is not to be ridden out
+            said = yield from _withdrawn(app, drafts, answers, e, f"could not be written to queue {q}")
+            raise said from (None if said is e else e)
         answers.update(((d.queue, d.id), a) for d, a in zip(part, got))
         if min(got) < 0:
-            written = [d for d in drafts if answers.get((d.queue, d.id)) == 1]
-            for d in written:
-                yield from steps.kill(app, d.id, d.queue, f"taskrunner: its workflow was refused by queue {q}")
-            gone = f" (the jobs of it written before were killed: {len(written)})" if written else ""
-            if -2 in got:
-                raise QueueClosed(f"queue {q} is closed: the workflow was not enqueued{gone}")
-            raise QueueFull(f"queue {q} is full (its bound is reached): the workflow was not enqueued{gone}")
+            refusal = QueueClosed(f"queue {q} is closed: the workflow was not enqueued") if -2 in got else \
+                QueueFull(f"queue {q} is full (its bound is reached): the workflow was not enqueued")
+            raise (yield from _withdrawn(app, drafts, answers, refusal, f"was refused by queue {q}"))
     if news:
         yield from steps.carry(app, news)
     return [answers[(d.queue, d.id)] for d in drafts]
+
+
+def _withdrawn(app: TaskRunner, drafts: list[steps.Draft], answers: dict[tuple[str, str], int],
+               error: BaseException, why: str) -> steps.Steps[BaseException]:
+    """`error`, which stopped across() midway, once the jobs of the workflow written before it
+    (`answers` 1, or 0: there already, written by a try whose answer was lost) are killed,
+    saying so; or, the kill failing too, naming them for the caller to kill."""
+    written = [(d.queue, d.id) for d in drafts if answers.get((d.queue, d.id), -1) in (0, 1)]
+    if not written:
+        return error
+    try:
+        yield from steps.kills(app, written, f"taskrunner: its workflow {why}")
+        said = f"the jobs of it written before were killed: {len(written)}"
+    except Exception as e:
+        said = (f"the jobs of it written before could not be killed ({type(e).__name__}: {e}) and may run: "
+                f"{', '.join(f'{q} {i}' for q, i in written)}; kill them (taskrunner kill ID)")
+    return restated(error, f"{error} ({said})")
 
 
 def _as_late_as_may_be(drafts: list[steps.Draft], level: dict[tuple[str, str], int],

@@ -22,7 +22,7 @@ from taskrunner.client import declarations
 from taskrunner.errors import JobNotFound, QueueClosed, QueueFull, Timeout
 from taskrunner.protocol import codec, joins, scripts, shards
 from taskrunner.protocol.blocking import pop_any
-from taskrunner.protocol.connection import Backoff, Outage
+from taskrunner.protocol.connection import Backoff, Outage, is_cluster
 
 if TYPE_CHECKING:
     from taskrunner.client.app import JobSpec, TaskRunner
@@ -80,12 +80,18 @@ class Enqueue:
     (1 created, 0 exists, -1 full, -2 closed; a unique job's duplicate: the holder's id). The
     queue joins the index of queues (on a cluster a separate command: the script touches the
     queue's slot only). `others`: the other queues a workflow's jobs are in or name as
-    parents: one call, or on a Redis Cluster the several of canvas.across(), which each
-    driver runs as an operation."""
+    parents, written in this one call (not on a Redis Cluster: there canvas.written() writes
+    such a workflow in several, canvas.across())."""
 
     queue: str
     jobs: list[tuple[str, float, list[Any]]]
     others: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Clustered:
+    """Whether the client is a Redis Cluster's (asks Redis nothing): a workflow over several
+    queues is then written in several calls, canvas.across()."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ class Sleep:
     seconds: float
 
 
-Request = Command | Pipeline | Script | Scripts | Enqueue | Pop | Sleep
+Request = Command | Pipeline | Script | Scripts | Enqueue | Clustered | Pop | Sleep
 Steps = Generator[Request, Any, T]
 
 
@@ -208,6 +214,8 @@ def _answer(app: TaskRunner, r: Request) -> Any:
         return batch.execute()
     if isinstance(r, Enqueue):
         return app._enqueue_batch(r.queue, r.jobs, r.others)
+    if isinstance(r, Clustered):
+        return is_cluster(app.redis)
     if isinstance(r, Pipeline):
         pipe = app.redis.pipeline(transaction=False)
         for c in r.commands:
@@ -426,10 +434,32 @@ def kill(app: TaskRunner, job_id: str, queue: str, who: str) -> Steps[str]:
     return state
 
 
+def kills(app: TaskRunner, jobs: list[tuple[str, str]], who: str) -> Steps[list[str]]:
+    """kill() of several jobs ((queue, id) each) in one round trip (on a Redis Cluster each
+    call to its slot's primary), the workers of those running told in one more: each one's
+    answer as kill() gives it, "" for a job that does not exist."""
+    found = yield Scripts(tuple(Script(scripts.KILL, [app.keys.q(q)], [i, who, app.settings.failed_ttl])
+                                for q, i in jobs))
+    out: list[str] = []
+    tell: list[Command] = []
+    for (_, job_id), (state, *rest) in zip(jobs, found):
+        out.append(f"already {rest[0]}" if state == "ended" else state or "")
+        if state == "running" and rest[0]:
+            tell += control(app, rest[0], {"kill": job_id, "attempt": int(rest[1]), "reason": "killed"})
+    if tell:
+        yield Pipeline(tuple(tell))
+    return out
+
+
 def send_control(app: TaskRunner, worker: str, message: dict[str, Any]) -> Steps[None]:
     """Put a message on a worker's control list (it BRPOPs it at once); kept an hour."""
+    yield Pipeline(control(app, worker, message))
+
+
+def control(app: TaskRunner, worker: str, message: dict[str, Any]) -> tuple[Command, Command]:
+    """The commands of send_control()."""
     key = app.keys.control(worker)
-    yield Pipeline((Command("lpush", (key, codec.dumps(message))), Command("expire", (key, 3600))))
+    return Command("lpush", (key, codec.dumps(message))), Command("expire", (key, 3600))
 
 
 def carry(app: TaskRunner, found: list[joins.Entry]) -> Steps[int]:
