@@ -626,6 +626,37 @@ def test_a_workflow_a_later_slot_fails_for_good_is_killed_where_it_was_written(c
     assert killed == ["killed", f"taskrunner: its workflow could not be written to queue {later}"]
 
 
+def test_a_workflow_whose_written_jobs_cannot_be_killed_names_them(capp, cluster, queues, monkeypatch):
+    """As above, and the primary of the first call refuses writes too once that call went
+    through (set as the second call is sent): the kill fails, and the error names the job
+    left, which the caller kills."""
+    node = cluster.owner(f"{{{queues[1]}}}")
+    later, first = (queues[1], queues[0]) if node.port != cluster.owner(capp.keys.g).port else (queues[0], queues[1])
+    for q in (first, later):  # the scripts' library loaded on every primary (a load is a write)
+        apps.add.apply_async((0, 0), queue=q)
+    admins = [cluster.owner(f"{{{q}}}").client() for q in (first, later)]
+    answer = steps._answer
+
+    def full_as_the_second_call_goes(app, r):
+        if isinstance(r, steps.Enqueue) and r.queue == later:
+            for admin in admins:
+                admin.config_set("maxmemory", "1")
+        return answer(app, r)
+
+    monkeypatch.setattr(steps, "_answer", full_as_the_second_call_goes)
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError) as refused:
+            (apps.add.s(1, 2).set(queue=first) | apps.add.s(3).set(queue=later)).delay()
+    finally:
+        for admin in admins:
+            admin.config_set("maxmemory", "0")
+            admin.close()
+    said = str(refused.value)
+    assert "could not be killed (OutOfMemoryError" in said and "kill them (taskrunner kill ID)" in said, said
+    [left] = [i for q, i in (p.split() for p in said.split("may run: ")[1].split(";")[0].split(", ")) if q == first]
+    assert capp.job(left, first).kill() == "killed"
+
+
 def test_workflows_over_slots_survive_killed_workers_and_a_restarted_dispatcher(capp, stack, cluster, queues):
     """Chaos: a chord of 40 members in two slots with its callback in a third, and a chain of
     6 steps going round the three slots, while workers are SIGKILLed again and again (between
