@@ -38,7 +38,6 @@ import redis.asyncio
 import redis.asyncio.cluster
 import redis.asyncio.sentinel
 import redis.cluster
-import redis.crc
 import redis.sentinel
 
 from taskrunner.errors import BadURL
