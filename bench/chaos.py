@@ -93,7 +93,8 @@ from bench.limits import stop_after  # noqa: E402
 from taskrunner.ops import queue as queue_ops  # noqa: E402
 from taskrunner.ops.redis_server import RedisServer  # noqa: E402
 from taskrunner.protocol import codec, shards  # noqa: E402
-from taskrunner.protocol.connection import connect, transient  # noqa: E402
+from taskrunner.protocol.connection import connect  # noqa: E402
+from taskrunner.protocol.outages import transient  # noqa: E402
 
 KINDS = ("worker-kill", "child-kill", "dispatcher-kill", "worker-pause",
          "redis-term", "redis-kill", "redis-powerloss", "client-kill")

@@ -23,7 +23,7 @@ from taskrunner import TaskRunner
 from taskrunner.client.loader import load_app
 from taskrunner.errors import AppNotFound
 from taskrunner.ops.diagnose import explain
-from taskrunner.protocol.connection import Outage
+from taskrunner.protocol.outages import Outage
 
 from . import charts, security, watch
 from .views import api, pages

@@ -972,7 +972,7 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
     import time
 
     from taskrunner.client.consumer import Consumer
-    from taskrunner.protocol.connection import Backoff
+    from taskrunner.protocol.outages import Backoff
 
     logs.configure(log_level, log_format)  # what it logs: waiting out a Redis outage
     app = _app(app_spec, redis_url)

@@ -24,8 +24,9 @@ from taskrunner.errors import QueueClosed, Timeout
 from taskrunner.ops import listing
 from taskrunner.ops import queue as queue_ops
 from taskrunner.protocol import joins, scripts, shards
-from taskrunner.protocol.connection import ClusterURL, connect, connect_async, transient
+from taskrunner.protocol.connection import ClusterURL, connect, connect_async
 from taskrunner.protocol.links import ClusterChannel
+from taskrunner.protocol.outages import transient
 from taskrunner.protocol.outcome import Ended, Outcome, finish_args
 from tests import apps
 from tests.conftest import Stack, wait_for

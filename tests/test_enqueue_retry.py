@@ -395,7 +395,7 @@ def test_a_bounded_backoff_makes_its_last_try_at_its_deadline():
     """Backoff gave up as soon as its next pause would pass the deadline: a 15 s bound made
     its last try ~2 s before it, and a failover that ended just inside the bound was missed
     (found by review). Its last pause is now cut to end at the deadline, the try made there."""
-    from taskrunner.protocol.connection import Backoff
+    from taskrunner.protocol.outages import Backoff
 
     deadline = time.monotonic() + 1.0
     backoff = Backoff("a test", deadline)

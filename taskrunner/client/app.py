@@ -24,9 +24,10 @@ from taskrunner.config import Settings
 from taskrunner.errors import MAX_RETRIES, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError, restated
 from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.codec import count, seconds
-from taskrunner.protocol.connection import Backoff, Client, Outage, connect, is_cluster
+from taskrunner.protocol.connection import Client, connect, is_cluster
 from taskrunner.protocol.keys import Keys
 from taskrunner.protocol.links import Direct
+from taskrunner.protocol.outages import Backoff, Outage
 
 TIMEOUT_POLICIES = ("kill", "flag")
 log = logging.getLogger("taskrunner")

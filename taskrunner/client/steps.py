@@ -22,7 +22,8 @@ from taskrunner.client import declarations
 from taskrunner.errors import JobNotFound, QueueClosed, QueueFull, Timeout
 from taskrunner.protocol import codec, joins, scripts, shards
 from taskrunner.protocol.blocking import pop_any
-from taskrunner.protocol.connection import Backoff, Outage, is_cluster
+from taskrunner.protocol.connection import is_cluster
+from taskrunner.protocol.outages import Backoff, Outage
 
 if TYPE_CHECKING:
     from taskrunner.client.app import JobSpec, TaskRunner
@@ -130,8 +131,8 @@ def run(app: TaskRunner, steps: Steps[T]) -> T:
 
 def riding(app: TaskRunner, operation: Steps[T], what: str) -> Steps[T]:
     """A producer's operation (an enqueue of a job, a batch, a workflow) that rides out a
-    Redis outage (connection.transient(): down, restarting, failing over): a request
-    that met such an error is sent again, backing off (connection.Backoff), until
+    Redis outage (outages.transient(): down, restarting, failing over): a request
+    that met such an error is sent again, backing off (outages.Backoff), until
     enqueue_retry seconds after the outage's first error; then, or at once for any
     other error (LASTING ones too), the error goes to the operation as run() would give it. Sending again is
     safe: the job ids were made before (draft), reads change nothing, and enqueue.lua
@@ -187,7 +188,7 @@ def ride_out(app: TaskRunner, error: BaseException, backoff: Backoff | None, wha
     producer's request that met `error` is sent again; raises `error` where it is not to be
     ridden out: enqueue_retry 0, not a Redis error, a LASTING one (or one raised from it: a
     cluster client that reached no node), one that does not pass by itself
-    (connection.transient()), or the bound passed. riding() and enqueue_many's chunks (sent
+    (outages.transient()), or the bound passed. riding() and enqueue_many's chunks (sent
     past the steps) decide so alike, and log in the process's shared outage (outage_of()): a
     request that fails while others wait logs at debug level."""
     if not (app.settings.enqueue_retry and isinstance(error, REDIS_ERRORS)) \

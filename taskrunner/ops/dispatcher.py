@@ -27,7 +27,7 @@ from taskrunner.ops import compact, schedules
 from taskrunner.ops.history import CAP, WARN_BACKLOG, Archiver, backlog, cap
 from taskrunner.ops.listing import DISPATCHER_FORGET
 from taskrunner.protocol import codec, joins, scripts
-from taskrunner.protocol.connection import Outage, is_cluster, server_time
+from taskrunner.protocol.connection import is_cluster, server_time
 from taskrunner.protocol.holders import (
     Held,
     Holding,
@@ -40,6 +40,7 @@ from taskrunner.protocol.holders import (
     process_gone,
     serial_by_heartbeat,
 )
+from taskrunner.protocol.outages import Outage
 
 log = logging.getLogger("taskrunner.dispatcher")
 # Back off and retry (every action is fenced); on a cluster also when no node is reachable.

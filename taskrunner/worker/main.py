@@ -36,9 +36,10 @@ from taskrunner.logs import Run, job_fields
 from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.blocking import Blocker, blockers_on, give_back_in
 from taskrunner.protocol.claims import claim_args, claim_keys, claim_rest
-from taskrunner.protocol.connection import Outage, is_cluster, server_time
+from taskrunner.protocol.connection import is_cluster, server_time
 from taskrunner.protocol.holders import identity, lose_held
 from taskrunner.protocol.links import Channel, ClusterChannel
+from taskrunner.protocol.outages import Outage
 from taskrunner.worker import policy
 from taskrunner.worker.children import Child, wait_ready
 from taskrunner.worker.crew import Crew
