@@ -186,6 +186,26 @@ def test_threads_that_meet_one_outage_warn_once(app, own_redis, warnings):
     assert (warnings.outages(), warnings.backs()) == (1, 1), warnings.lines
 
 
+def test_waits_that_meet_one_outage_warn_once(app, own_redis, warnings):
+    """Job.wait shares the process's outage with its producers: 3 threads waiting on jobs
+    while Redis restarts give one warning and one line that it answers again (each wait
+    had its own: 3 of each)."""
+    app.configure(redis_url=own_redis.url, enqueue_retry=60)
+    jobs = [apps.add.delay(i, i) for i in range(3)]  # no worker: they stay pending
+    waits = [Background(lambda j=j: j.wait(timeout=120)) for j in jobs]
+    own_redis.stop()
+    wait_for(lambda: all(any(f"waiting for job {j.id}: Redis" in line for line in warnings.lines) for j in jobs),
+             what="every wait to meet the outage")
+    own_redis.start()
+    wait_for(lambda: warnings.backs() >= 1, what="a wait to find Redis again")
+    for j in jobs:
+        assert j.kill("test") in ("killed", "running")
+    for w in waits:
+        w.thread.join(30)
+        assert not w.thread.is_alive() and w.error is not None  # the job was killed
+    assert (warnings.outages(), warnings.backs()) == (1, 1), warnings.lines
+
+
 def test_other_errors_are_raised_at_once(app, own_redis, warnings):
     """Only Redis's passing errors are ridden out: a closed queue, or arguments refused
     while Redis is down (the queue's shard count cached by the enqueue before), raise at

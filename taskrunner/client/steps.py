@@ -161,9 +161,9 @@ def riding(app: TaskRunner, operation: Steps[T], what: str) -> Steps[T]:
             yield Sleep(pause)
 
 
-#: Per Redis URL, the outage its producers in this process are riding out (Outage.since
-#: None: none now): shared by their threads, so that one outage is one warning, and one
-#: "answers again", however many requests meet it. A forked child starts with none.
+#: Per Redis URL, the outage its producers and waiters (Job.wait) in this process are riding
+#: out (Outage.since None: none now): shared by their threads, so that one outage is one
+#: warning, and one "answers again", however many requests and waits meet it. A forked child starts with none.
 _OUTAGES: dict[str | None, Outage] = {}
 os.register_at_fork(after_in_child=_OUTAGES.clear)
 
@@ -395,10 +395,11 @@ def wait(app: TaskRunner, job_id: str, queue: str, timeout: float | None) -> Ste
     raises its failure), or raise Timeout. Blocks in Redis (BLPOP on notify:<id>), no
     polling; it looks again at least every LOOK_AGAIN seconds, in case a notification was
     lost. When Redis fails meanwhile (a restart, a failover) it backs off and looks again:
-    the job went on. With a timeout, a Redis still unreachable at its end raises the Redis
-    error (the job's state is unknown), not Timeout."""
+    the job went on (logged in the process's shared outage, outage_of()). With a timeout,
+    a Redis still unreachable at its end raises the Redis error (the job's state is
+    unknown), not Timeout."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    backoff = Backoff(f"waiting for job {job_id}", deadline)
+    backoff = Backoff(f"waiting for job {job_id}", deadline, outage_of(app))
     prefix = app.keys.q(queue)
     while True:
         try:
