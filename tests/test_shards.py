@@ -427,6 +427,10 @@ def test_each_shard_shows_its_own_rate_and_a_sharded_bound_what_it_holds(app, st
     for page in ("/queues/rs", "/"):
         html = web.get(page).get_data(as_text=True)
         assert f'title="{said}">bound 10<' in html and "at most 10 pending" not in html, page
+    # The overview (the dashboard's / and /api/queues, the metrics) combines the shards: the
+    # queue's rate, not shard 0's part (it showed 1000/m once `queues --shards` got its parts).
+    [seen] = [q for q in listing.overview(app)["queues"] if q["name"] == "rs"]
+    assert seen["rate"] == "50/s" and "rate_total" not in seen, seen
     queue.create(app, "one", bound=10)  # not sharded: its bound is what it holds
     assert 'title="at most 10 pending jobs">bound 10<' in web.get("/queues/one").get_data(as_text=True)
 

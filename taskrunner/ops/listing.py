@@ -343,7 +343,7 @@ DISPATCHER_FORGET = 3600.0
 def overview(app: TaskRunner) -> dict[str, Any]:
     """Per queue counts (and finished in the last 5 minutes), workers, dispatchers."""
     now = server_time(app.redis)
-    physical = queue_stats(app, shards=True)
+    physical = _physical_stats(app)  # as queue.settings() gives them: combined() wants shard 0's rate the queue's
     pipe = app.redis.pipeline(transaction=False)
     for q in physical:
         p = app.keys.q(q["name"])
