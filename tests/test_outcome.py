@@ -43,5 +43,7 @@ def test_finish_values_are_eight_per_job_with_began_as_seconds_ago():
 def test_began_is_the_runtime_up_to_the_end_not_up_to_the_report():
     """A result that waited before its finish (to go with others, or for a slow Redis):
     finish.lua takes its own time as the end, so `began` is the runtime, not the time since."""
-    values = finish_values([Ended("a", "1", Outcome.completed("1"), 10.0, "t", 10.25)], 14.0)
+    values = finish_values([Ended("a", "1", Outcome.completed("1"), 10.0, "t", 10.25)], 10.5)
     assert values[3] == "0.250000"
+    # One that waited longer than HELD (an outage): its start stays exact, not its runtime.
+    assert finish_values([Ended("a", "1", Outcome.completed("1"), 10.0, "t", 10.25)], 14.0)[3] == "4.000000"

@@ -128,15 +128,23 @@ def finish_args(settings: Settings, ended: list[Ended], now: float) -> list[Any]
     return [settings.result_ttl, settings.retry_backoff_max, settings.failed_ttl, *finish_values(ended, now)]
 
 
+#: A result that waited longer than this (seconds) before its finish (an outage, a Redis that
+#: stopped answering) keeps its start exact rather than its runtime: see finish_values().
+HELD = 1.0
+
+
 def finish_values(ended: list[Ended], now: float) -> list[str]:
-    """The 8 values per job that finish.lua takes, `now` being time.monotonic(). A job's
-    `began` is its runtime, counted up to when it ended, not up to now: finish.lua takes its
-    own time for the end (finished_at) and sets started_at that much before it, so a result
-    that waited to go with others (policy.FLUSH_AFTER) or for a slow Redis keeps its
-    runtime exact, the wait moving both its start and end later (its queue wait counts it)."""
+    """The 8 values per job that finish.lua takes, `now` being time.monotonic(). finish.lua
+    takes its own time for a job's end (finished_at) and sets started_at `began` seconds
+    before it. A result that waited a little to go with others (policy.FLUSH_AFTER, ~10 ms)
+    gives its runtime (counted to when it ended, not to now): its runtime is exact, its start
+    and end that much later (its queue wait counts it). One that waited longer than HELD (an
+    outage) gives the time since it began: its start stays exact, its runtime counts the wait
+    (a job's start moved by minutes would read, in its timeline, as having run after the outage)."""
     values: list[str] = []
     for e in ended:
         o = e.outcome
-        began = "" if e.began is None else f"{max(0.0, (now if e.ended is None else e.ended) - e.began):.6f}"
+        end = now if e.ended is None or now - e.ended > HELD else e.ended
+        began = "" if e.began is None else f"{max(0.0, end - e.began):.6f}"
         values += [e.id, e.attempt, o.kind, began, o.v1, o.v2, o.v3, o.v4]
     return values

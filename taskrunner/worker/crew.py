@@ -201,21 +201,21 @@ class Crew:
         code = c.proc.exitcode
         why = ended_by(code, c.kill_reason is not None)  # signalled by the worker (a loop child's cancel is a message)
         began = c.state[0]  # it is gone: no lock needed
-        report = self.outbox.report
+        report, now = self.outbox.report, time.monotonic()  # what ran ended by now
         for d in c.jobs:
             if d.seq > began:
                 report(d, Outcome.returned(f"its process died ({why}) on {self.host}"))
             elif (reason := c.kill_reason if d is c.kill_target else d.stop_reason) is not None:
                 if (stop := _stopped(reason, f"stopped by {why}")) is not None:
-                    report(d, stop, d.began)
+                    report(d, stop, d.began, now)
             elif c.kill_reason is not None:
                 # It ran beside (a loop child) or after the job we stopped: requeued, nothing counted.
                 report(d, Outcome.requeue(front=True, why=f"its process was stopped ({c.kill_reason}) on "
-                                                          f"{self.host}"), d.began)
+                                                          f"{self.host}"), d.began, now)
             else:
                 log.warning("worker %s: child %d died (%s) running job %s", self.name, c.pid, why, d.id,
                             extra=job_fields(d, self.name))
-                report(d, Outcome.lost(f"child process died ({why}) on {self.host}"), d.began)
+                report(d, Outcome.lost(f"child process died ({why}) on {self.host}"), d.began, now)
         c.jobs.clear()
         self.children.remove(c)
         c.conn.close()

@@ -3,8 +3,8 @@
 -- ARGV[1]  result TTL (s)   ARGV[2] retry backoff cap (s)   ARGV[3] failed TTL (s)
 -- (each the setting for a job whose record has no result_ttl, retry_backoff_max, failed_ttl)
 -- then 8 values per job: id, attempt, outcome, began, v1, v2, v3, v4 where `began` is how
--- many seconds the job ran before it ended ("" if unknown: started_at stays the claim's;
--- else started_at = now - began, now the finished_at: its runtime exact), and
+-- many seconds before now the job's start is to be recorded ("" if unknown: started_at stays
+-- the claim's; else started_at = now - began: docs/PROTOCOL.md, finish.lua), and
 --   completed  v1 = result JSON
 --   failed     v1 = error type, v2 = message, v3 = traceback         (final)
 --   error      as failed, v4 = jitter factor: retried with backoff while retries remain
