@@ -151,6 +151,28 @@ def test_exit_codes_follow_one_scheme(app, stack):
     assert r.returncode == 2 and "Missing argument" in r.stderr
 
 
+def test_a_redis_failing_over_exits_3(app, stack, tmp_path):
+    """An error a failover answers with (READONLY from a primary demoted to a replica; also
+    MASTERDOWN, CLUSTERDOWN, TRYAGAIN, BUSY) is Redis unreachable for now, exit 3 ("try
+    again"), as the producer's own retries take it: it exited 1 ("Redis answered with an
+    error"), which the scheme says is a refusal, and `wait` 1, which says the job failed."""
+    import redis
+
+    from taskrunner.ops.redis_server import RedisServer
+
+    server = RedisServer(tmp_path, appendonly=False).start()
+    try:
+        with redis.Redis(unix_socket_path=str(server.socket)) as admin:
+            admin.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # a primary nobody answers for
+        env = {**stack.env, "REDIS_URL": server.url, "TASKRUNNER_ENQUEUE_RETRY": "0.3"}
+        for args in (["enqueue", "tests.apps.add", "--args", "[1, 2]"], ["queue", "create", "fo"]):
+            r = subprocess.run([sys.executable, "-m", "taskrunner", "-A", "tests.apps", *args], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 3 and "READONLY" not in r.stdout and "try again" in r.stderr, (args, r)
+    finally:
+        server.stop()
+
+
 def test_unknown_job_and_bad_url(app, stack):
     r = stack.cli("status", "nope")
     assert r.returncode == 1 and "no job nope" in r.stderr

@@ -20,6 +20,7 @@ import redis.cluster
 import redis.sentinel
 
 from taskrunner.protocol.connection import SentinelURL
+from taskrunner.protocol.outages import transient
 from taskrunner.protocol.urls import SENTINEL_SCHEME, default_url, redact
 
 _PROBE_TIMEOUT = 2.0  # seconds for each look at a server while explaining an error
@@ -48,6 +49,9 @@ def explain(error: BaseException, url: str | None) -> Problem | None:
                                                                      redis.ResponseError)):
         return _sentinels(SentinelURL.parse(url), url)
     if not isinstance(error, (redis.ConnectionError, redis.TimeoutError, redis.cluster.RedisClusterException)):
+        if transient(error):  # an answer a failover, a load or a busy script gives: it passes
+            return Problem(f"Redis at {redact(url)} cannot serve this for now ({text}): failing over, loading or "
+                           "busy; try again", False)
         return None
     if "CERTIFICATE_VERIFY_FAILED" in text:
         return Problem(f"the TLS certificate of {redact(url)} is not trusted: {text} (a self-signed one, as Heroku "
