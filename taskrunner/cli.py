@@ -631,7 +631,7 @@ def worker(queue_list: str | None, concurrency: int, name: str | None, prefetch:
 
 
 @main.command()
-@click.option("-n", "--name", help="Dispatcher name (default host.pid).")
+@click.option("-n", "--name", help="Dispatcher name (default host.pid); must be unique among live dispatchers.")
 @log_options
 @HEALTH_PORT
 @common

@@ -15,6 +15,7 @@ from dashboard import create_app
 from taskrunner import TaskRunner
 from taskrunner.client import declarations
 from taskrunner.client.app import Schedule
+from taskrunner.errors import NameInUse
 from taskrunner.ops import queue, schedules
 from taskrunner.ops.dispatcher import Dispatcher
 from taskrunner.protocol import shards
@@ -319,11 +320,14 @@ def test_a_schedule_removed_from_the_code_goes_once_no_dispatcher_declares_it(ap
     v2.redis.hdel(v2.keys.dispatchers, "old")  # the old one stops (its run() takes its entry off)
     new.next_forget = 0.0
     new.run_once()
-    assert v2.redis.hkeys(v2.keys.schedules) == ["kept"] and not v2.redis.smembers(prefix_paused(v2))
+    # Dropped, it keeps its pause (it was dropped with it): the old code back (a rollback, or
+    # the old dispatcher restarting mid-deploy) publishes it again, paused, not firing it.
+    assert v2.redis.hkeys(v2.keys.schedules) == ["kept"] and v2.redis.smembers(prefix_paused(v2)) == {"gone"}
     assert "gone" not in cli("schedule", "list", check=True).stdout
     # A listed dispatcher that does not say what it declares (an older taskrunner) may
     # declare any: nothing is dropped while it is listed; `delete` refuses while it lives.
     old.publish_schedules()
+    assert "gone" in schedules.effective(v1)[1]
     now = server_time(v2.redis)
     v2.redis.hset(v2.keys.dispatchers, "old", json.dumps({"name": "old", "last_pass": now}))
     new.drop_undeclared()
@@ -339,6 +343,25 @@ def test_a_schedule_removed_from_the_code_goes_once_no_dispatcher_declares_it(ap
                                            "declares it)\n"), r.stderr
     assert v2.redis.hkeys(v2.keys.schedules) == ["kept"]
     assert cli("schedule", "delete", "kept").returncode == 1  # declared by "new", alive
+
+
+def test_a_dispatcher_name_a_live_dispatcher_holds_is_refused(app, stack):
+    """Two dispatchers of one name (-n, e.g. a deploy's old and new code) wrote one entry in
+    turn, each listing its own code's schedules, so that each dropped the other's and
+    published its own again, pause and all, at every pass: a name a live dispatcher holds is
+    refused, as a worker's is; one silent for DISPATCHER_GONE is taken over."""
+    Dispatcher(app, "disp").publish_schedules()  # this process's entry, as its passes write it
+    entry = json.loads(app.redis.hget(app.keys.dispatchers, "disp"))
+    entry["pid"] += 1  # another process's
+    app.redis.hset(app.keys.dispatchers, "disp", json.dumps(entry))
+    with pytest.raises(NameInUse, match="in use by a live dispatcher"):
+        Dispatcher(app, "disp").publish_schedules()
+    r = stack.cli("dispatcher", "-A", "tests.apps", "-n", "disp")
+    assert r.returncode == 2 and "in use by a live dispatcher" in r.stderr and "Traceback" not in r.stderr, r
+    entry["last_pass"] -= 120  # its process died a while ago
+    app.redis.hset(app.keys.dispatchers, "disp", json.dumps(entry))
+    Dispatcher(app, "disp").publish_schedules()
+    assert json.loads(app.redis.hget(app.keys.dispatchers, "disp"))["pid"] == entry["pid"] - 1
 
 
 def prefix_paused(t: TaskRunner) -> str:

@@ -21,11 +21,11 @@ import redis
 
 from taskrunner.client import arguments, steps
 from taskrunner.client.app import Schedule, TaskRunner, cron_job_id
-from taskrunner.errors import MissingExtra, TaskRunnerError
+from taskrunner.errors import MissingExtra, NameInUse, TaskRunnerError
 from taskrunner.logs import Run, job_fields
 from taskrunner.ops import compact, schedules
 from taskrunner.ops.history import CAP, WARN_BACKLOG, Archiver, backlog, cap
-from taskrunner.ops.listing import DISPATCHER_FORGET
+from taskrunner.ops.listing import DISPATCHER_FORGET, DISPATCHER_GONE
 from taskrunner.protocol import codec, joins, scripts
 from taskrunner.protocol.connection import is_cluster, server_time
 from taskrunner.protocol.holders import (
@@ -99,6 +99,8 @@ class Dispatcher:
                 self.run_once()
                 backoff = 0.0
                 outage.ok()
+            except NameInUse:
+                raise
             except _REDIS_ERRORS as e:
                 self.heard_since = None
                 backoff = min(max(backoff * 2, 0.2), 5.0)
@@ -117,8 +119,18 @@ class Dispatcher:
     def publish_schedules(self) -> None:
         """Let the dashboard and CLI see the schedules this dispatcher fires. Its entry, which
         lists them, goes first: a dispatcher dropping the schedules none declares
-        (drop_undeclared) then never takes one just published for stale."""
-        self.announce(server_time(self.app.redis))
+        (drop_undeclared) then never takes one just published for stale. A name a live
+        dispatcher holds is refused (NameInUse), as a worker's: two processes writing one
+        entry would each list their own code's schedules in turn, and the other's would be
+        dropped and published again at each of their passes."""
+        now = server_time(self.app.redis)
+        held = _info(self.redis.hget(self.keys.dispatchers, self.name))
+        last = held.get("last_pass")
+        if (held.get("pid"), held.get("host")) != (os.getpid(), self.host) and isinstance(last, (int, float)) \
+                and now - last < DISPATCHER_GONE:
+            raise NameInUse(f"dispatcher name {self.name!r} is in use by a live dispatcher (pid {held.get('pid')} "
+                            f"on {held.get('host')}, last pass {now - last:.1f}s ago); pick another with -n")
+        self.announce(now)
         pipe = self.redis.pipeline(transaction=False)
         for s in self.app.schedules.values():
             pipe.sadd(self.keys.queues, s.queue)
@@ -139,7 +151,7 @@ class Dispatcher:
         of every dispatcher: schedules.undeclared()), as `schedule delete` would."""
         gone = schedules.undeclared(self.app)
         if gone:
-            schedules.forget(self.app, gone)
+            schedules.forget(self.app, gone, unpause=False)
             log.info("dispatcher %s: dropped schedule %s: no dispatcher declares it any more, none added it at "
                      "runtime", self.name, ", ".join(gone))
 
@@ -464,7 +476,7 @@ class Dispatcher:
 
 
 def _info(raw: str | None) -> dict[str, Any]:
-    """A worker's heartbeat info; {} when there is none or it is not a JSON object."""
+    """A worker's heartbeat info, or a dispatcher's entry; {} when there is none or it is not a JSON object."""
     try:
         info = codec.loads(raw) if raw else {}
     except ValueError:

@@ -206,7 +206,7 @@ def delete(app: TaskRunner, name: str) -> str:
                "(alive; an older taskrunner, which does not list what it declares), which would fire it")
         raise ScheduleInCode(f"{name} {who} and would publish it again: pause it (`taskrunner schedule pause "
                              f"{name}`), or remove it from that code and restart it (then it goes by itself)")
-    forget(app, [name])
+    forget(app, [name], unpause=False)
     return f"{name}: deleted (removed from the code: no live dispatcher declares it)"
 
 
@@ -248,10 +248,16 @@ def undeclared(app: TaskRunner) -> list[str]:
     return sorted(n for n in published if n not in keep)
 
 
-def forget(app: TaskRunner, names: list[str]) -> None:
-    """A schedule gone: its published state and its pause."""
+def forget(app: TaskRunner, names: list[str], unpause: bool = True) -> None:
+    """A schedule gone: its published state and, with `unpause` (a runtime schedule
+    deleted), its pause. A code schedule dropped keeps its pause: the code that declares it
+    may come back (a rollback, an old dispatcher restarting during a deploy) and publish it
+    again, which must not fire what an operator paused. A pause of a name that is not there
+    does nothing (pause() needs the name)."""
     pipe = app.redis.pipeline(transaction=False)
-    pipe.srem(_paused_key(app), *names).hdel(app.keys.schedules, *names)
+    if unpause:
+        pipe.srem(_paused_key(app), *names)
+    pipe.hdel(app.keys.schedules, *names)
     pipe.execute()
 
 
