@@ -160,6 +160,9 @@ class Main(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:  # Ctrl-C: 130, as a shell says it (click's Abort exited 1, a refusal)
+            click.echo("interrupted", err=True)
+            raise click.exceptions.Exit(130) from None
         except UnicodeError as e:  # a ValueError, but from what Redis holds (bytes that are not UTF-8)
             raise click.ClickException(str(e)) from None
         except (BadURL, AppNotFound, NameInUse, ValueError, TypeError) as e:
@@ -188,7 +191,8 @@ def main(app_spec: str | None, redis_url: str | None) -> None:
 
     Exit codes: 0 done; 1 refused or failed (no such job, a state that refuses the action,
     `wait`: the job failed); 2 a mistake in the arguments, the Redis URL or the app (and
-    `wait --timeout` ran out, `consume` found no job); 3 Redis unreachable: try again.
+    `wait --timeout` ran out, `consume` found no job); 3 Redis unreachable: try again; 130
+    interrupted (Ctrl-C).
     """
 
 
@@ -1015,7 +1019,10 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
 
     if not command:
         click.echo(payload)
-        report(lambda: c.ack([delivery]))
+        if not report(lambda: c.ack([delivery])[0]):
+            click.echo(f"job {delivery.id} was requeued or killed meanwhile: it was not acked", err=True)
+            leave()
+            sys.exit(EXIT_REFUSED)
         return leave()
     try:
         proc = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -1086,7 +1093,7 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
     if not acked:
         click.echo(f"job {delivery.id} was requeued or killed meanwhile: this outcome was not recorded", err=True)
     leave()
-    sys.exit(code)
+    sys.exit(EXIT_REFUSED if code == 0 and not acked else code)  # 0 says the job was acked
 
 
 @main.command()

@@ -173,6 +173,20 @@ def test_a_redis_failing_over_exits_3(app, stack, tmp_path):
         server.stop()
 
 
+def test_ctrl_c_exits_130(app, stack):
+    """Ctrl-C on a command (here `wait`, blocked in Redis) exits 130, as a shell says an
+    interrupted command ended: click's "Aborted!" exited 1, which `wait` says of a job that
+    failed."""
+    import signal
+
+    job = apps.add.delay(1, 1)  # no worker: it stays pending
+    p = stack.spawn("wait", job.id)
+    wait_for(lambda: any(c.get("cmd") == "blpop" for c in app.redis.client_list()), what="wait to block in Redis")
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 130 and "interrupted" in out and "Traceback" not in out, (p.returncode, out)
+
+
 def test_unknown_job_and_bad_url(app, stack):
     r = stack.cli("status", "nope")
     assert r.returncode == 1 and "no job nope" in r.stderr

@@ -136,6 +136,18 @@ def test_consume_from_the_shell(app, stack):
     assert stack.cli("consume", "-q", "default", "--timeout", "0.2").returncode == 2
 
 
+def test_consume_whose_outcome_is_not_recorded_exits_1(app, stack):
+    """The job taken back while CMD ran (here CMD itself puts running jobs back in line,
+    `taskrunner recover`): CMD's exit 0 is no longer the job's, so consume exits 1 (refused),
+    not 0, which says the job was acked; it said so on stderr and exited 0."""
+    job = apps.add.delay(2, 2)
+    recover = [sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-m', 'taskrunner', "
+               "'recover', '-q', 'default', '--older-than', '0'], check=True)"]
+    r = stack.cli("consume", "-q", "default", "--", *recover)
+    assert r.returncode == 1 and "this outcome was not recorded" in r.stderr, r
+    assert job.state == "pending"
+
+
 def test_consume_stops_its_command_on_a_kill_and_at_the_max_duration(app, stack):
     """`taskrunner consume -- CMD` honours what docs/PROTOCOL.md asks of every consumer, as
     a worker does: a kill request stops CMD and the job ends killed; a job of policy kill
