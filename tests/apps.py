@@ -43,6 +43,19 @@ def hold(key: str, seconds: float = 30) -> str:
 
 
 @app.task(max_duration=60)
+def hold_first(key: str) -> int:
+    """Its first delivery marks that it began and runs until released (a Redis key) or 60 s
+    pass; a later one marks it and ends at once. Returns its delivery's attempt: which
+    delivery's result the record kept."""
+    attempt = current_job().attempt
+    mark(key)
+    deadline = time.time() + 60
+    while attempt == 1 and time.time() < deadline and not app.redis.get(f"{app.settings.prefix}:release:{key}"):
+        time.sleep(0.02)
+    return attempt
+
+
+@app.task(max_duration=60)
 def stubborn(key: str) -> None:
     """Ignores SIGTERM: only SIGKILL stops it."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

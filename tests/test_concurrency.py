@@ -10,7 +10,9 @@ import signal
 import socket
 import time
 
+from taskrunner.protocol import codec
 from taskrunner.worker.main import Worker
+from tests import apps
 from tests.conftest import wait_for
 from tests.test_prefetch import events
 
@@ -126,6 +128,52 @@ def test_killing_a_thread_job_stops_its_child_and_requeues_its_siblings(app, sta
     d = b.refresh().data
     assert d.get("failures", "0") == "0" and int(d["attempts"]) == 2  # stopped with its child, run again
     assert ledger(app, "b") == 2
+
+
+def test_requeueing_a_thread_job_leaves_its_child_and_siblings_running(app, stack):
+    """An operator's requeue of a job that runs in a thread (dashboard, API, `recover`): at
+    its next beat the worker finds the delivery no longer its own. A thread cannot be
+    stopped; its job runs on, its result not reported, and its slot comes back when it
+    ends; the child and the sibling beside it go on. The worker used to stop the whole
+    child for it, and the sibling ran again."""
+    a = apps.hold.delay("rqa", 60)
+    b = apps.hold.delay("rqb", 60)
+    w = stack.worker("--threads", "2", concurrency=1)
+    wait_for(lambda: ledger(app, "rqa") == 1 and ledger(app, "rqb") == 1, what="both jobs begun in the child's threads")
+    child = stack.children_of(w)
+    assert a.requeue("ops@desk")
+    lines: list[str] = []
+    wait_for(lambda: lines.append(w.stdout.readline()) or "no longer ours" in lines[-1], what="the worker to find out")
+    release(app, "rqb")
+    assert b.wait(30) == "released"
+    assert b.refresh().data["attempts"] == "1" and ledger(app, "rqb") == 1  # never stopped, never run again
+    release(app, "rqa")  # the requeued job ran again in the slot its sibling freed
+    assert a.wait(30) == "released" and a.refresh().data["attempts"] == "2" and ledger(app, "rqa") == 2
+    assert stack.children_of(w) == child
+
+
+def test_a_requeued_thread_job_run_again_beside_its_old_thread_keeps_its_own_result(app, stack):
+    """The requeued job is claimed again for the same child while its first delivery still
+    runs there, in another thread: each answer goes to its own delivery (the child's answers
+    name the attempt). Matched by job id alone, the new delivery's answer went to the old
+    one (not reported), and the old one's result, when it came, was reported as the new
+    one's."""
+    a = apps.hold_first.delay("rf")
+    w = stack.worker("--threads", "2", concurrency=1, name="rf")
+    wait_for(lambda: ledger(app, "rf") == 1, what="the job to begin in a thread")
+    child = stack.children_of(w)
+    assert a.requeue("ops@desk")
+    assert a.wait(30) == 2  # run again beside its first delivery, which still runs
+    assert ledger(app, "rf") == 2 and stack.children_of(w) == child
+    release(app, "rf")
+
+    def running() -> list | None:
+        info = app.redis.get(app.keys.worker("rf"))
+        return codec.loads(info)["running"] if info else None
+
+    wait_for(lambda: running() == [], what="the first delivery's thread to end")
+    assert a.wait(1) == 2 and a.refresh().data["attempts"] == "2"  # its result was not reported
+    assert stack.children_of(w) == child
 
 
 def test_a_job_enqueued_while_a_loop_child_runs_one_begins_at_once(app, stack):

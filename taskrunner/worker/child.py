@@ -5,7 +5,9 @@ Protocol with the worker (one pipe; the worker may send several jobs ahead, its 
 it sends b"seq\\0" + message(...) (id, attempt, task, queue, max_duration, args, kwargs,
 headers, soft limit; args, kwargs, headers: the JSON text stored in Redis; seq counts the
 jobs sent to this child; the rest is what current_job() tells the task); the child answers each job it ran with a
-JSON list [id, runtime, outcome, v1, v2, v3, v4] (outcome, v1..v4 as finish.lua takes them).
+JSON list [id, attempt, runtime, outcome, v1, v2, v3, v4] (outcome, v1..v4 as finish.lua takes them; the
+attempt tells two deliveries of one job apart: a loop child may run a job requeued under it
+again beside its first delivery).
 A job the worker stops (SIGTERM with the kill flag set) ends the child, unless it runs Spark
 jobs: then they are canceled, and the child answers the job "killed" and goes on (the
 worker makes that what it stopped the job for; spark_session.py).
@@ -206,8 +208,9 @@ def begin_child(conn: Any, app: Any, kill_flag: Any, parent: int, inherited: lis
 
 
 def answer(message: bytes, runtime: float, outcome: Outcome) -> bytes:
-    """The answer to the worker for the job `message` (its id comes first)."""
-    return orjson.dumps([message[:message.find(b"\0")].decode(), runtime, *outcome.wire()])
+    """The answer to the worker for the job `message` (its id and attempt come first)."""
+    job_id, attempt = message.split(b"\0", 2)[:2]
+    return orjson.dumps([job_id.decode(), attempt.decode(), runtime, *outcome.wire()])
 
 
 def child_main(conn: Any, app: Any, kill_flag: Any, state: Any, lock: Any, parent: int, inherited: list) -> None:

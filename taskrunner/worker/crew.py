@@ -64,7 +64,9 @@ class Crew:
         return [(c, d) for c in self.children for d in c.jobs]
 
     def job_ids(self) -> set[str]:
-        return {d.id for c in self.children for d in c.jobs}
+        """The jobs we run, for reconciling: not one that runs on here no longer ours (stop()),
+        as a delivery Redis gives us of it since is none of ours unless a child has it."""
+        return {d.id for c in self.children for d in c.jobs if d.stop_reason != "lost"}
 
     def busy(self) -> int:
         """Children with jobs."""
@@ -118,16 +120,27 @@ class Crew:
                 if isinstance(reply, dict):  # a running job's progress or log line
                     self._note(c, reply, now)
                     continue
-                job_id, runtime, outcome = str(reply[0]), float(reply[1]), Outcome.from_wire(reply[2:])
+                job_id, attempt = str(reply[0]), str(reply[1])
+                runtime, outcome = float(reply[2]), Outcome.from_wire(reply[3:])
             except (ValueError, TypeError, IndexError, KeyError):
                 log.warning("worker %s: child %d wrote a malformed answer: %r", self.name, c.pid, raw[:200])
                 continue
-            d = c.jobs[0] if c.jobs and c.jobs[0].id == job_id else next((d for d in c.jobs if d.id == job_id), None)
+            head = c.jobs[0] if c.jobs else None
+            d = head if head is not None and head.id == job_id and head.attempt == attempt else next(
+                (d for d in c.jobs if d.id == job_id and d.attempt == attempt), None)
             if d is None:
                 log.warning("worker %s: child %d answered for a job it was not given: %r", self.name, c.pid,
-                            reply[:3])
+                            reply[:4])
                 continue
             c.jobs.remove(d)
+            if d.stop_reason == "lost":
+                # Requeued while its thread ran (stop()): no longer ours to report (Redis would
+                # refuse it: the fence). Its slot is free again.
+                log.info("worker %s: job %s, no longer ours, ended here; its outcome (%s) was not reported",
+                         self.name, d.id, outcome.kind, extra=job_fields(d, self.name))
+                self.processed += 1
+                c.done += 1
+                continue
             if d is c.kill_target and outcome.kind == "killed" and not c.concurrent:
                 # A job we were stopping canceled its Spark job group and ended (a classic
                 # child says so; spark_session.py): it ends as what we stopped it for, and its
@@ -277,17 +290,26 @@ class Crew:
                     return True
         return False
 
-    def stop(self, c: Child, d: Delivery, reason: str, whole: bool = False) -> None:
+    def stop(self, c: Child, d: Delivery, reason: str, whole: bool = False) -> bool:
         """Stop a job (reason: killed, timeout, or lost: no longer ours). A loop child
         cancels a coroutine, or a job not begun, and goes on; otherwise (a thread, a classic
-        child, or `whole`) the child is stopped, after what it has not begun is handed back."""
+        child, or `whole`) the child is stopped, after what it has not begun is handed back.
+        Except a thread's job that is no longer ours (requeued while it ran): a thread cannot
+        be stopped, and stopping its child for it stopped the jobs running beside it, which
+        then ran again. It runs on, its outcome not reported (read()), and its slot comes back
+        when it ends; at its max duration it is stopped as any thread's job (enforce()).
+        False for that one, left running; True when the job is being stopped."""
         if c.concurrent and not whole and (d.began is None or self._is_async(d)):
             c.cancel(d, reason, self.kill_grace)
-            return
+            return True
+        if c.concurrent and not whole and reason == "lost":
+            d.stop_reason = reason
+            return False
         self._hand_back(c, f"job {d.id} sent with it was " + ("lost" if reason == "lost" else "killed"),
                         killed=None if reason == "lost" else d, lost=d if reason == "lost" else None)
         if d in c.jobs:  # it had begun
             c.kill(d, reason, self.kill_grace)
+        return True
 
     def _hand_back(self, c: Child, why: str, killed: Delivery | None = None, lost: Delivery | None = None) -> None:
         """Take back what the child has not begun: to the queue, next in line (a job to

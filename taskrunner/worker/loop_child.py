@@ -8,9 +8,10 @@ the order sent, each as soon as a slot of its kind is free, and says so with a f
 {"began": seq} (the worker times its max duration from then); the worker may send
 b"c<seq>\\0<reason>" to stop one job: a coroutine is cancelled (the child goes on and
 answers it killed, or TimeLimitExceeded for reason "timeout"); a job that has not begun is
-answered the same way without running. A thread cannot be stopped: the worker stops the
-whole child for it (SIGTERM with the kill flag set ends the process at once), after
-handing back what it can."""
+answered the same way without running. A thread cannot be stopped: for a kill or its max
+duration the worker stops the whole child (SIGTERM with the kill flag set ends the process
+at once), after handing back what it can; one requeued under it runs on, and the worker
+does not report its answer (crew.Crew.stop)."""
 
 from __future__ import annotations
 

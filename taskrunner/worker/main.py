@@ -585,11 +585,12 @@ class Worker:
             lost = attempts != d.attempt or not mine
             if d not in c.jobs or c.kill_reason or d.stop_reason or not (lost or kill_requested):
                 continue
+            stopped = self.crew.stop(c, d, "lost" if lost else "killed")
             if lost:  # how the record says the delivery ended ("<time> requeued by ops@host"), if it does
                 why = ended.partition(" ")[2] if ended else "its record is gone" if attempts is None else "requeued"
-                log.warning("worker %s: job %s is no longer ours (%s); stopping it", self.name, d.id, why,
-                            extra=job_fields(d, self.name))
-            self.crew.stop(c, d, "lost" if lost else "killed")
+                log.warning("worker %s: job %s is no longer ours (%s); %s", self.name, d.id, why,
+                            "stopping it" if stopped else f"its thread, which cannot be stopped, runs on in child "
+                            f"{c.pid} beside the others, its outcome not reported", extra=job_fields(d, self.name))
 
     def info(self) -> dict[str, Any]:
         rss, cpu, child_rss = self.crew.usage()
