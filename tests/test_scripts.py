@@ -125,6 +125,27 @@ def test_an_unbatched_claim_drops_killed_and_held_ids_and_wakes_while_jobs_are_l
     assert [g[1] for g in claim(app)] == fresh[1:] and not app.redis.exists(p + "wake")
 
 
+def test_a_claim_that_finds_no_job_left_removes_the_stale_wake_token(app):
+    """A wake token left while no worker listened (an enqueue's, or a claim's for the jobs
+    it left) is stale once a claim finds no job left in the queue: it woke the next idle
+    worker, or the claimer itself once it went idle, for one more claim that found nothing
+    (the end of every drain: two claims for nothing instead of one). A job that comes later
+    leaves its own token."""
+    p = app.keys.q("default")
+    [apps.add.delay(i, 0) for i in range(4)]
+    assert app.redis.llen(p + "wake") == 1  # the enqueues'
+    assert len(claim(app)) == 1 and app.redis.llen(p + "wake") == 1  # jobs are left: it stays
+    assert len(claim(app, pids=(1, 2))) == 2 and app.redis.llen(p + "wake") == 1  # one is left
+    assert len(claim(app, pids=(1, 2))) == 1 and not app.redis.exists(p + "wake")  # found none left
+    apps.add.delay(9, 0)
+    app.redis.delete(p + "wake")  # as if an idle worker had taken it
+    app.redis.lpush(p + "wake", 1)  # and given it back (it woke while woken already)
+    assert len(claim(app)) == 1 and app.redis.llen(p + "wake") == 1  # the last job: none looked for beyond it
+    assert claim(app) == [] and not app.redis.exists(p + "wake")  # the claim that finds nothing removes it
+    apps.add.delay(5, 0)
+    assert app.redis.llen(p + "wake") == 1  # a new job, a new token
+
+
 def test_claim_fails_corrupt_records(app):
     p = app.keys.q("default")
     app.redis.sadd(p + "items", "ghost")

@@ -25,7 +25,8 @@
 -- claim reads (headers, soft_limit, unique_key when its lock ends at the start): most have
 -- none, and reading an absent field costs Redis a scan of the whole record. A record
 -- without `opt` (enqueued by an older version) has all four read.
--- Counts meta consumed_messages/consumed_bytes; a bounded queue signals room (notfull).
+-- Counts meta consumed_messages/consumed_bytes; a bounded queue signals room (notfull). A
+-- queue found with no job left (not a flow-controlled one) loses its wake token: it is stale.
 -- Returns {queue index, id, attempt, task, args, kwargs, max_duration, timeout_policy,
 -- headers, soft limit}* (headers: the record's JSON object text, "" when it has none;
 -- soft limit: the record's soft_limit, "" if none).
@@ -285,6 +286,10 @@ for qi = 1, #KEYS do
       end
       if #ids == 0 then
         more = false
+        -- No job left in the queue: a wake token there is stale (left while no one listened;
+        -- a job that comes after this call leaves its own), and would only wake an idle worker
+        -- for a claim that finds nothing.
+        redis.call('DEL', p .. 'wake')
         break
       end
       local lo = 1  -- ids[lo..] are taken off the list
