@@ -13,7 +13,7 @@ import time
 from taskrunner.protocol import codec
 from taskrunner.worker.main import Worker
 from tests import apps
-from tests.conftest import wait_for
+from tests.conftest import until_logged, wait_for
 from tests.test_prefetch import events
 
 A = "tests.async_apps"
@@ -165,15 +165,36 @@ def test_a_requeued_thread_job_run_again_beside_its_old_thread_keeps_its_own_res
     assert a.requeue("ops@desk")
     assert a.wait(30) == 2  # run again beside its first delivery, which still runs
     assert ledger(app, "rf") == 2 and stack.children_of(w) == child
+    until_logged(w, "no longer ours")  # the first delivery runs on, not held: not among the worker's jobs
+    wait_for(lambda: codec.loads(app.redis.get(app.keys.worker("rf")))["running"] == [], what="a beat since")
     release(app, "rf")
-
-    def running() -> list | None:
-        info = app.redis.get(app.keys.worker("rf"))
-        return codec.loads(info)["running"] if info else None
-
-    wait_for(lambda: running() == [], what="the first delivery's thread to end")
-    assert a.wait(1) == 2 and a.refresh().data["attempts"] == "2"  # its result was not reported
+    until_logged(w, "not reported")  # the first delivery's end
+    assert a.wait(1) == 2 and a.refresh().data["attempts"] == "2"
     assert stack.children_of(w) == child
+
+
+def test_a_requeued_thread_job_that_runs_past_its_max_duration_gets_its_child_stopped(app, stack):
+    """A job requeued while it runs in a thread runs on (above), but not for ever: at its max
+    duration its child is stopped, as for any thread's job, and the sibling beside it goes
+    back to the queue, next in line (requeued, not failed). None of it reaches the job's
+    record: its new delivery is not flagged stuck."""
+    a = apps.hold.apply_async(["ra", 60], max_duration=4)
+    b = apps.hold.delay("rb", 60)
+    w = stack.worker("--threads", "2", concurrency=1)
+    wait_for(lambda: ledger(app, "ra") == 1 and ledger(app, "rb") == 1, what="both jobs begun in the child's threads")
+    child = stack.children_of(w)
+    assert a.requeue("ops@desk")
+    wait_for(lambda: ledger(app, "rb") == 2, what="the sibling run again, its child stopped")
+    assert stack.children_of(w) != child
+    release(app, "rb")
+    release(app, "ra")
+    assert b.wait(30) == "released"
+    d = b.refresh().data
+    assert d.get("failures", "0") == "0" and int(d["requeues"]) == 1
+    assert a.wait(30) == "released" and a.refresh().data.get("stuck", "0") == "0"
+    stack.stop()
+    log = w.stdout.read()
+    assert f"job {a.id} passed its max duration; stopping it" in log, log  # not at the requeue
 
 
 def test_a_job_enqueued_while_a_loop_child_runs_one_begins_at_once(app, stack):

@@ -608,4 +608,5 @@ class Worker:
                 "busy": self.crew.busy(),
                 "processed": self.crew.processed, "rss": rss, "cpu": round(cpu, 1), "started_at": self.started_at,
                 # the deliveries it holds: its dashboard page reads these jobs, not every running one
-                "running": [[d.queue, d.id] for _, d in self.crew.held()]}
+                # (nor one that runs on here no longer ours: Crew.stop)
+                "running": [[d.queue, d.id] for _, d in self.crew.held() if d.stop_reason != "lost"]}
