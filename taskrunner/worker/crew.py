@@ -134,8 +134,8 @@ class Crew:
                 continue
             c.jobs.remove(d)
             if d.stop_reason == "lost":
-                # Requeued while its thread ran (stop()): no longer ours to report (Redis would
-                # refuse it: the fence). Its slot is free again.
+                # Requeued while it ran (stop(): a thread that ran on, a coroutine cancelled):
+                # not ours to report (Redis would refuse it: the fence). Its slot is free again.
                 log.info("worker %s: job %s, no longer ours, ended here; its outcome (%s) was not reported",
                          self.name, d.id, outcome.kind, extra=job_fields(d, self.name))
                 self.processed += 1
