@@ -206,8 +206,8 @@ class Crew:
 
     def exited(self, c: Child, replace: bool) -> None:
         """A child is gone: report each of its jobs as what it was (not begun: returned; one
-        we stopped: as why we did; a sibling of it: requeued; else lost), and put a new
-        child in its place unless the worker stops."""
+        we stopped: as why we did; a sibling of it: requeued; one no longer ours: nothing;
+        else lost), and put a new child in its place unless the worker stops."""
         while not c.conn.closed and c.conn.poll() and self.read(c):  # what it wrote before it died (poll: a process
             pass  # it forked may hold its end of the pipe open)
         c.proc.join()
@@ -216,6 +216,8 @@ class Crew:
         began = c.state[0]  # it is gone: no lock needed
         report, now = self.outbox.report, time.monotonic()  # what ran ended by now
         for d in c.jobs:
+            if d.stop_reason == "lost":
+                continue  # no longer ours (stop()): not ours to report, whatever stopped it
             if d.seq > began:
                 report(d, Outcome.returned(f"its process died ({why}) on {self.host}"))
             elif (reason := c.kill_reason if d is c.kill_target else d.stop_reason) is not None:
