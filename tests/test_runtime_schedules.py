@@ -317,6 +317,7 @@ def test_a_schedule_removed_from_the_code_goes_once_no_dispatcher_declares_it(ap
     cli("schedule", "pause", "gone", check=True)
     r = cli("schedule", "delete", "gone")
     assert r.returncode == 1 and "declared in the code of dispatcher old (alive)" in r.stderr, r.stderr
+    assert [row["deletable"] for row in schedules.rows(v2)] == [False, False]  # gone, kept: declared
     v2.redis.hdel(v2.keys.dispatchers, "old")  # the old one stops (its run() takes its entry off)
     new.next_forget = 0.0
     new.run_once()
@@ -338,6 +339,11 @@ def test_a_schedule_removed_from_the_code_goes_once_no_dispatcher_declares_it(ap
     v2.redis.hset(v2.keys.dispatchers, "old", json.dumps({"name": "old", "last_pass": now - 120}))
     new.drop_undeclared()
     assert sorted(v2.redis.hkeys(v2.keys.schedules)) == ["gone", "kept"]
+    # The dashboard offers its Delete (it offered one for runtime schedules only), not kept's.
+    web = create_app(v2, password="pw", token="tok").test_client()
+    login(web)
+    page = web.get("/schedules").get_data(as_text=True)
+    assert 'action="/schedules/gone/delete"' in page and 'action="/schedules/kept/delete"' not in page
     r = cli("schedule", "delete", "gone")
     assert (r.returncode, r.stdout) == (0, "schedule gone: deleted (removed from the code: no live dispatcher "
                                            "declares it)\n"), r.stderr

@@ -95,8 +95,8 @@ class RedisCollector:
         claimed = CounterMetricFamily("taskrunner_queue_claimed", "Deliveries claimed, ever (the queue's meta hash).",
                                       labels=["queue"])
         closed = GaugeMetricFamily("taskrunner_queue_closed", "1 when the queue refuses new jobs.", labels=["queue"])
-        bound = GaugeMetricFamily("taskrunner_queue_bound", "Most jobs the queue holds pending (0: no bound).",
-                                  labels=["queue"])
+        bound = GaugeMetricFamily("taskrunner_queue_bound", "The queue's bound as given (0: none): the most jobs it "
+                                  "holds pending, or, sharded, each of its N shards ceil(bound/N).", labels=["queue"])
         paused = GaugeMetricFamily("taskrunner_queue_paused", "1 when workers claim nothing from the queue.",
                                    labels=["queue"])
         duplicates = CounterMetricFamily("taskrunner_queue_duplicates", "Unique jobs not added: a job held their key.",

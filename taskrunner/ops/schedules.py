@@ -290,7 +290,9 @@ def run_now(app: TaskRunner, name: str) -> Job:
 
 def rows(app: TaskRunner) -> list[dict[str, Any]]:
     """Every schedule known here (the app's, runtime ones, and those dispatchers published),
-    with its definition, state (last and next tick, last fired) and whether it is paused."""
+    with its definition, state (last and next tick, last fired), whether it is paused, and
+    whether delete() takes it (`deletable`: added at runtime, or published by dispatchers
+    from code that no live one declares any more)."""
     pipe = app.redis.pipeline(transaction=False)
     pipe.hgetall(app.keys.schedules)
     states = pipe.execute()[0]
@@ -304,6 +306,9 @@ def rows(app: TaskRunner) -> list[dict[str, Any]]:
         rows[name] = {**(state if isinstance(state, dict) else {}), "name": name}
     for s in found:
         rows[s.name] = {**rows.get(s.name, {}), **asdict(s)}
+    declared, silent = declarers(app, alive=True)
     for row in rows.values():
         row["paused"] = row["name"] in paused
+        row["deletable"] = row.get("source") == "runtime" or not (
+            row["name"] in app.schedules or declared.get(row["name"]) or silent)
     return [rows[n] for n in sorted(rows)]
