@@ -279,6 +279,16 @@ def test_unknown_and_code_schedules(app, stack):
         "would publish it again: pause it (`taskrunner schedule pause tests.cron_app.every_second`), or remove it "
         "from that code and restart it (then it goes by itself)"), r.stderr
     assert app.redis.hexists(app.keys.schedules, "tests.cron_app.every_second")
+    # A runtime schedule of its name, deleted without -A, brings the code's back as with -A,
+    # its pause kept (without -A the pause and the published entry went, as for a runtime
+    # schedule of its own, and the dispatcher that declares it fired it, unpaused).
+    stack.cli("schedule", "add", "tests.cron_app.every_second", "tests.cron_app.every_second", "--every", "60s",
+              "-A", "tests.cron_app", check=True)
+    stack.cli("schedule", "pause", "tests.cron_app.every_second", check=True)
+    r = stack.cli("schedule", "delete", "tests.cron_app.every_second", check=True)
+    assert "applies again" in r.stdout, r.stdout
+    assert app.redis.sismember(app.keys.g + "schedules:paused", "tests.cron_app.every_second")
+    assert app.redis.hexists(app.keys.schedules, "tests.cron_app.every_second")
     # What a dispatcher's pass wrote back for a runtime schedule deleted meanwhile (its state,
     # source runtime, no definition) is deleted, not taken for a code schedule (found by review).
     app.redis.hset(app.keys.schedules, "left-over", json.dumps({"name": "left-over", "source": "runtime"}))

@@ -183,7 +183,7 @@ def delete(app: TaskRunner, name: str) -> str:
     dispatcher declares any more (removed from the code); answers what happened. One that
     code declares cannot be deleted (ScheduleInCode: pause it, or remove it from the code)."""
     if app.redis.hdel(_defs_key(app), name):
-        if name in app.schedules:
+        if name in app.schedules or declarers(app, alive=False)[0].get(name):  # its code's, from -A or a dispatcher
             return f"{name}: deleted; the app's own schedule of that name applies again"
         forget(app, [name])
         return f"{name}: deleted"
