@@ -204,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
           f"Redis {cpu_job['cluster']:.1f} us/job (all nodes; measured: {measured['cluster']:.1f}, busiest node "
           f"{busiest['cluster']:.2f} cores)  workers {workers_job['cluster']:.1f} us/job  "
           f"{per_call['cluster']:.1f} jobs/script call  {reads['cluster']:.3f} reads/job")
-    print(f"  cluster / one server: {rate['cluster'] / rate['one']:.2f}x jobs/s")
+    # Each repeat's own pair too: where one server's cost per job swings from run to run (a
+    # VM's host, PERFORMANCE.md, *Ninth session*), the ratio of the runs made side by side.
+    pairs = [c["rate"] / o["rate"] for o, c in zip(runs[0::2], runs[1::2])]
+    print(f"  cluster / one server: {rate['cluster'] / rate['one']:.2f}x jobs/s (of the medians); each repeat's: "
+          f"{', '.join(f'{x:.2f}x' for x in pairs)} (median {statistics.median(pairs):.2f}x)")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1))
     return 0

@@ -34,6 +34,7 @@ def test_cluster_bench_runs_and_reports(tmp_path):
         assert len(x["nodes"]) == (3 if x["topology"] == "cluster" else 1)
         assert all(n["calls"] > 0 and n["reads"] > 0 and n["writes"] > 0 for n in x["nodes"])
     assert "cluster of 3, 3 shards" in r.stdout and "cluster / one server:" in r.stdout
+    assert "each repeat's: " in r.stdout
     assert not started_by(mark)  # its workers and redis-servers were stopped
 
 
