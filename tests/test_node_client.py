@@ -526,3 +526,19 @@ def test_the_node_producer_checks_arguments_where_it_read_the_declaration(app, s
     r = produce(stack, "--queue", "ck", "tests.apps.add", "[1]")  # as the Python CLI says it
     assert (r.returncode, r.stdout) == (2, "")
     assert r.stderr == "Error: tests.apps.add(a, b): missing a required argument: 'b'\n"
+
+
+def test_the_node_producer_waits_for_a_job_on_the_shard_it_was_put_on(app, stack):
+    """`producer.js --wait` on a sharded queue waits where the job is, the shard enqueue
+    answered (`Q~i`): it looked in `Q` alone, so a job put on another shard was `no job ...
+    in queue Q` (exit 2) while it ran."""
+    queues.create(app, "nsq", shards=3)
+    stack.worker("-Q", "nsq")
+    put = set()
+    for i in range(4):  # round robin: shards 0, 1, 2, 0
+        r = produce(stack, "--queue", "nsq", "--wait", "30", "tests.apps.add", f"[{i}, 1]")
+        assert r.returncode == 0, r.stderr
+        record = json.loads(r.stdout)
+        assert (record["state"], json.loads(record["result"])) == ("completed", i + 1)
+        put.add(record["queue"])
+    assert put == {"nsq", "nsq~1", "nsq~2"}

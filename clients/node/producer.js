@@ -28,7 +28,7 @@ async function main() {
   if (!task) throw new Error('usage: producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]]');
   const tr = new TaskRunner();
   try {
-    const { id, created, duplicate } = await tr.enqueue(task, JSON.parse(args), JSON.parse(kwargs), {
+    const { id, queue, created, duplicate } = await tr.enqueue(task, JSON.parse(args), JSON.parse(kwargs), {
       queue: o.queue, id: o.id, delay: Number(o.delay || 0), maxDuration: o['max-duration'], retries: o.retries,
       dependsOn: o['depends-on'], priority: count(o.priority), concurrencyKey: o['concurrency-key'],
       uniqueKey: o['unique-key'], uniqueFor: count(o['unique-for']), uniqueUntil: o['unique-until'] });
@@ -38,7 +38,7 @@ async function main() {
       console.log(id);
       return 0;
     }
-    const record = await tr.wait(id, o.queue, Number(o.wait));
+    const record = await tr.wait(id, queue, Number(o.wait));
     console.log(JSON.stringify(record));
     return record.state === 'completed' ? 0 : 1;
   } finally {
