@@ -542,3 +542,29 @@ def test_the_node_producer_waits_for_a_job_on_the_shard_it_was_put_on(app, stack
         assert (record["state"], json.loads(record["result"])) == ("completed", i + 1)
         put.add(record["queue"])
     assert put == {"nsq", "nsq~1", "nsq~2"}
+
+
+def test_a_node_job_given_no_queue_goes_to_the_queue_its_task_declared(app, stack):
+    """As with Python's producer (`app.enqueue("name")`, `taskrunner enqueue` without -A), a
+    job the Node client is given no queue for goes to the task's queue as its workers
+    declared it (read at most once per 10 s per task), else `default`: it always went to
+    `default`, where a worker of the task's queue never looked, with the settings declared
+    for `default`. Its arguments are checked with the declaration read."""
+    stack.worker("-Q", "high", name="high-w")
+    wait_for(lambda: app.redis.hexists(app.keys.tasks, "tests.apps.high"), what="the declarations")
+    r = produce(stack, "--wait", "30", "tests.apps.high", '["from-node"]')
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert (got["queue"], got["state"], got["worker"]) == ("high", "completed", "high-w")
+    got = node_script(stack, """
+      const chained = await tr.chain([{ task: 'tests.apps.high', args: ['step'] },
+        { task: 'tests.apps.add', args: [1] }]);
+      const plain = await tr.enqueue('tests.apps.add', [1, 2]);  // its workers declared no queue: default
+      let refused = '';
+      try { await tr.enqueue('tests.apps.high', []); } catch (e) { refused = `${e.name}: ${e.message}`; }
+      console.log(JSON.stringify({ chained, plain, refused }));""")
+    assert got["plain"]["queue"] == "default"
+    assert got["refused"] == "BadArguments: tests.apps.high(key): missing a required argument: 'key'"
+    first = app.job(got["chained"]["id"], "default").refresh().data["parents"].split()
+    assert first[0] == "high"
+    assert app.job(first[1], "high").wait(30) == 1

@@ -19,7 +19,7 @@ const count = (s) => (s !== undefined && /^-?[0-9]+$/.test(s) ? Number(s) : s);
 async function main() {
   const { values: o, positionals: [task, args = '[]', kwargs = '{}'] } = parseArgs({
     allowPositionals: true,
-    options: { queue: { type: 'string', default: 'default' }, id: { type: 'string' }, delay: { type: 'string' },
+    options: { queue: { type: 'string' }, id: { type: 'string' }, delay: { type: 'string' },
       'max-duration': { type: 'string' }, retries: { type: 'string' }, wait: { type: 'string' },
       'depends-on': { type: 'string', multiple: true }, priority: { type: 'string' },
       'concurrency-key': { type: 'string' }, 'unique-key': { type: 'string' }, 'unique-for': { type: 'string' },

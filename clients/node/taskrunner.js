@@ -272,6 +272,11 @@ function checkArguments(task, params, args, kwargs, fed = false) {
 // Sharded queues (PROTOCOL.md, Sharded queues): shard i >= 1 of queue Q is the queue `Q~i`;
 // a job goes to shard crc32(key) mod N of its key, else round robin.
 const SHARD = /^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}~[1-9][0-9]?$/;
+// Put a draft (TaskRunner.draft) in another queue: its queue and its record's field.
+function move(d, queue) {
+  d.queue = queue;
+  d.fields[d.fields.indexOf('queue') + 1] = queue;
+}
 const KEEP_MS = 10000; // how long a shard count or a declaration read is kept
 const CRC = Array.from({ length: 256 }, (_, n) => {
   let c = n;
@@ -348,18 +353,26 @@ class TaskRunner {
   // Put a draft on its queue's shard, as taskrunner's Python producer does: by the hash of
   // `c:<concurrency key>` (the task's name by default) when its task has max_concurrency,
   // else `r:<task>` when it has a rate limit (as sent, else as declared), else
-  // `u:<unique key>`, else `i:<id>` for an id given; else round robin. Before anything
+  // `u:<unique key>`, else `i:<id>` for an id given; else round robin. A draft given no
+  // queue goes to the task's, as its workers declared it, else `default` (as with Python's
+  // producer: the settings enqueue.lua fills in are that queue's). Before anything
   // names its queue (a parent's edge). The job's arguments are checked against the task's
-  // declared `params` where the declaration is at hand: read for a sharded queue's placement,
-  // or read so less than KEEP_MS ago; never read for the check alone (a plain queue's job
-  // costs no command more, as with Python's producer, which checks when it looked it up anyway).
+  // declared `params` where the declaration is at hand: read for its queue or a sharded
+  // queue's placement, or read so less than KEEP_MS ago; never read for the check alone (a
+  // plain queue's job costs no command more, as with Python's producer, which checks when it
+  // looked it up anyway).
   async place(d, opts = {}) {
     const { task, args, kwargs, fed } = d.call;
-    const n = SHARD.test(d.queue) ? 1
-      : Number(await this.keep(`shards ${d.queue}`, () => this.redis.hget(this.q(d.queue) + 'meta', 'shards')));
-    const declared = !(n > 1) ? this.recalled(`task ${task}`) : await this.keep(`task ${task}`, async () => {
+    const read = () => this.keep(`task ${task}`, async () => {
       try { return JSON.parse(await this.redis.hget(this.g + 'tasks', task)) || {}; } catch { return {}; }
     });
+    if (d.unnamed) {
+      const { queue } = await read();
+      move(d, typeof queue === 'string' && NAME.test(queue) ? queue : 'default');
+    }
+    const n = SHARD.test(d.queue) ? 1
+      : Number(await this.keep(`shards ${d.queue}`, () => this.redis.hget(this.q(d.queue) + 'meta', 'shards')));
+    const declared = !(n > 1) ? this.recalled(`task ${task}`) : await read();
     checkArguments(task, (declared || {}).params, args, kwargs, fed);
     if (!(n > 1)) return d;
     const f = {};
@@ -370,14 +383,12 @@ class TaskRunner {
     else if (f.unique_key !== undefined) key = `u:${f.unique_key}`;
     else if (opts.id) key = `i:${opts.id}`;
     const i = key === null ? (this.turn++) % n : crc32(key) % n;
-    if (i > 0) {
-      d.queue = `${d.queue}~${i}`;
-      d.fields[d.fields.indexOf('queue') + 1] = d.queue;
-    }
+    if (i > 0) move(d, `${d.queue}~${i}`);
     return d;
   }
 
-  // A job as enqueue.lua takes it (Enqueue): {id, queue, delay, fields}. `opts`: queue, id,
+  // A job as enqueue.lua takes it (Enqueue): {id, queue, delay, fields}, `unnamed` when given
+  // no queue (place() puts it in the task's). `opts`: queue, id,
   // delay, maxDuration, retries, retryBackoff, timeoutPolicy, maxLost, headers, and flow
   // control (flow()): priority, concurrencyKey, and with `unique` (a job alone, not part of
   // a workflow) uniqueKey, uniqueFor, uniqueUntil. `fed`: the job is given its parent's result
@@ -393,7 +404,7 @@ class TaskRunner {
     for (const [k, field] of Object.entries(optional)) if (opts[k] !== undefined) fields.push(field, String(opts[k]));
     if (opts.headers && Object.keys(opts.headers).length) fields.push('headers', JSON.stringify(opts.headers));
     fields.push(...flow(task, args, kwargs, opts, unique));
-    return { id, queue, delay: opts.delay || 0, fields, call: { task, args, kwargs, fed } };
+    return { id, queue, delay: opts.delay || 0, fields, call: { task, args, kwargs, fed }, unnamed: !opts.queue };
   }
 
   // One enqueue.lua call for jobs of `queue` (and of `others`, one Redis server only): its
