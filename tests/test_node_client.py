@@ -568,3 +568,15 @@ def test_a_node_job_given_no_queue_goes_to_the_queue_its_task_declared(app, stac
     first = app.job(got["chained"]["id"], "default").refresh().data["parents"].split()
     assert first[0] == "high"
     assert app.job(first[1], "high").wait(30) == 1
+
+
+@pytest.mark.parametrize("flag,value", [("--delay", "abc"), ("--delay", "-5"), ("--delay", ""), ("--wait", "abc"),
+                                        ("--wait", "-1"), ("--wait", "1e999")])
+def test_the_node_producer_refuses_bad_seconds_before_it_enqueues(app, stack, flag, value):
+    """A --delay or --wait that is not a number of seconds >= 0 is one line (exit 2) and
+    enqueues nothing: `--delay abc` enqueued the job to run at once, and `--wait abc` (or -1)
+    enqueued it and then failed (exit 2), leaving the job behind."""
+    r = produce(stack, f"{flag}={value}", "--queue", "badsec", "tests.apps.add", "[1, 2]")
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == f"Error: {flag} must be a number of seconds >= 0, not {json.dumps(value)}\n"
+    assert not app.redis.sismember(app.keys.queues, "badsec")

@@ -16,6 +16,15 @@ const { TaskRunner } = require('./taskrunner');
 // A whole-number flag: its number, or the text as given (refused, and shown, by enqueue).
 const count = (s) => (s !== undefined && /^-?[0-9]+$/.test(s) ? Number(s) : s);
 
+// A flag of seconds: its number (undefined when not given); else an error, before anything
+// is enqueued (a --wait refused once the job was in would leave it behind).
+function seconds(flag, s) {
+  if (s === undefined) return undefined;
+  const n = s.trim() === '' ? NaN : Number(s);
+  if (!Number.isFinite(n) || n < 0) throw new Error(`--${flag} must be a number of seconds >= 0, not ${JSON.stringify(s)}`);
+  return n;
+}
+
 async function main() {
   const { values: o, positionals: [task, args = '[]', kwargs = '{}'] } = parseArgs({
     allowPositionals: true,
@@ -26,19 +35,21 @@ async function main() {
       'unique-until': { type: 'string' } },
   });
   if (!task) throw new Error('usage: producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]]');
+  const delay = seconds('delay', o.delay) || 0;
+  const wait = seconds('wait', o.wait);
   const tr = new TaskRunner();
   try {
     const { id, queue, created, duplicate } = await tr.enqueue(task, JSON.parse(args), JSON.parse(kwargs), {
-      queue: o.queue, id: o.id, delay: Number(o.delay || 0), maxDuration: o['max-duration'], retries: o.retries,
+      queue: o.queue, id: o.id, delay, maxDuration: o['max-duration'], retries: o.retries,
       dependsOn: o['depends-on'], priority: count(o.priority), concurrencyKey: o['concurrency-key'],
       uniqueKey: o['unique-key'], uniqueFor: count(o['unique-for']), uniqueUntil: o['unique-until'] });
     if (duplicate) console.error(`a job with its unique key exists: ${id} (not enqueued)`);
     else if (!created) console.error(`job ${id} exists already: not enqueued again`);
-    if (o.wait === undefined) {
+    if (wait === undefined) {
       console.log(id);
       return 0;
     }
-    const record = await tr.wait(id, queue, Number(o.wait));
+    const record = await tr.wait(id, queue, wait);
     console.log(JSON.stringify(record));
     return record.state === 'completed' ? 0 : 1;
   } finally {
