@@ -580,3 +580,26 @@ def test_the_node_producer_refuses_bad_seconds_before_it_enqueues(app, stack, fl
     assert (r.returncode, r.stdout) == (2, "")
     assert r.stderr == f"Error: {flag} must be a number of seconds >= 0, not {json.dumps(value)}\n"
     assert not app.redis.sismember(app.keys.queues, "badsec")
+
+
+def test_the_node_scripts_teach_with_help_and_refuse_mistakes_in_one_line(stack, tmp_path):
+    """`--help` prints each script's usage, with an example (it was an "Unknown option"
+    error, and the consumer's a stack trace); the consumer's mistakes (an unknown option, a
+    handlers module that is missing or exports no handlers, an invalid queue or worker name)
+    are one line, exit 2, not a stack trace."""
+    for script in ("producer.js", "consumer.js"):
+        r = subprocess.run(["node", script, "--help"], cwd=NODE_DIR, env=stack.env, capture_output=True, text=True,
+                           timeout=60)
+        assert (r.returncode, r.stderr) == (0, ""), r.stderr
+        assert r.stdout.startswith(f"usage: node {script} ") and "\n  e.g. node " in r.stdout
+    (tmp_path / "five.js").write_text("module.exports = 5;\n")
+    for args, line in (
+            (["--bogus"], "Unknown option '--bogus'"),
+            (["nosuch.js"], "no handlers module nosuch.js"),
+            ([str(tmp_path / "five.js")], "must export an object of task names to handlers, not number"),
+            (["--queues", "a,bad{q}", "examples/handlers.js"], 'invalid queue name "bad{q}"'),
+            (["--name", "a b", "examples/handlers.js"], 'invalid worker name "a b"')):
+        r = subprocess.run(["node", "consumer.js", *args], cwd=NODE_DIR, env=stack.env, capture_output=True, text=True,
+                           timeout=60)
+        assert (r.returncode, r.stdout) == (2, ""), r.stderr
+        assert r.stderr.startswith("Error: ") and line in r.stderr and r.stderr.count("\n") == 1, r.stderr

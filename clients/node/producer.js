@@ -1,17 +1,28 @@
 #!/usr/bin/env node
 'use strict';
 // Enqueue one job, print its id (and with --wait, its record as JSON once it has ended).
-//   node producer.js [--queue Q] [--id ID] [--delay S] [--max-duration S] [--retries N]
-//                    [--priority 0-9] [--concurrency-key K] [--unique-key K] [--unique-for S]
-//                    [--unique-until start|finish] [--depends-on ID]... [--wait SECONDS]
-//                    TASK [ARGS_JSON [KWARGS_JSON]]
-// --depends-on: run once job ID (of any queue) completed; repeat it for several.
-// --unique-for alone: the key is made from TASK, ARGS and KWARGS (as Python makes it). A
-// duplicate prints the id of the job that holds the key (and says so on stderr).
-// Redis and key prefix from REDIS_URL and TASKRUNNER_PREFIX. Exit codes: 0 enqueued (with
-// --wait: completed), 1 the job failed or was killed, 2 bad usage or a refused enqueue.
 const { parseArgs } = require('util');
 const { TaskRunner } = require('./taskrunner');
+
+const USAGE = `usage: node producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]]
+  Enqueue one job of TASK (ARGS_JSON: a JSON array, default []; KWARGS_JSON: a JSON object,
+  default {}); print its id, or with --wait its record as JSON once it has ended.
+  --queue Q                 default: the task's queue as its workers declared it, else default
+  --id ID                   default: a new ULID; an existing id is not enqueued again
+  --delay S                 seconds before it may run (default 0)
+  --max-duration S, --retries N
+  --priority 0-9            higher is claimed first within the queue (default 0)
+  --concurrency-key K       counts against the task's max_concurrency
+  --unique-key K, --unique-for S, --unique-until start|finish
+                            while a job holding the key has not ended, enqueue nothing and
+                            print that job's id; --unique-for alone makes the key from TASK,
+                            ARGS and KWARGS (as Python makes it)
+  --depends-on ID           run once job ID (of any queue) completed; repeat it for several
+  --wait S                  wait up to S seconds for the job to end; print its record
+  -h, --help                this text
+  Redis and key prefix from REDIS_URL and TASKRUNNER_PREFIX. Exit codes: 0 enqueued (with
+  --wait: completed), 1 the job failed or was killed, 2 bad usage or a refused enqueue.
+  e.g. node producer.js --wait 30 shop.add '[40, 2]'`;
 
 // A whole-number flag: its number, or the text as given (refused, and shown, by enqueue).
 const count = (s) => (s !== undefined && /^-?[0-9]+$/.test(s) ? Number(s) : s);
@@ -32,9 +43,13 @@ async function main() {
       'max-duration': { type: 'string' }, retries: { type: 'string' }, wait: { type: 'string' },
       'depends-on': { type: 'string', multiple: true }, priority: { type: 'string' },
       'concurrency-key': { type: 'string' }, 'unique-key': { type: 'string' }, 'unique-for': { type: 'string' },
-      'unique-until': { type: 'string' } },
+      'unique-until': { type: 'string' }, help: { type: 'boolean', short: 'h' } },
   });
-  if (!task) throw new Error('usage: producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]]');
+  if (o.help) {
+    console.log(USAGE);
+    return 0;
+  }
+  if (!task) throw new Error('usage: node producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]] (--help says more)');
   const delay = seconds('delay', o.delay) || 0;
   const wait = seconds('wait', o.wait);
   const tr = new TaskRunner();
