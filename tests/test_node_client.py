@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 
 import orjson
@@ -603,3 +604,18 @@ def test_the_node_scripts_teach_with_help_and_refuse_mistakes_in_one_line(stack,
                            timeout=60)
         assert (r.returncode, r.stdout) == (2, ""), r.stderr
         assert r.stderr.startswith("Error: ") and line in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_the_node_producer_gives_up_on_an_unreachable_redis_in_one_line(stack):
+    """With Redis unreachable the producer tries for TASKRUNNER_ENQUEUE_RETRY seconds, then
+    says so in one line (exit 3), as the Python producer does; it printed ioredis's
+    "Unhandled error event" and a stack at each try for 46 s, then "Reached the max retries
+    per request limit" (exit 2)."""
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**stack.env, "REDIS_URL": f"redis://127.0.0.1:{port}/0", "TASKRUNNER_ENQUEUE_RETRY": "1"}
+    r = subprocess.run(["node", "producer.js", "tests.apps.add", "[1, 2]"], cwd=NODE_DIR, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout) == (3, "")
+    assert r.stderr == f"Error: cannot reach Redis: connect ECONNREFUSED 127.0.0.1:{port} (for 1s; set REDIS_URL)\n"

@@ -21,7 +21,8 @@ const USAGE = `usage: node producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]]
   --wait S                  wait up to S seconds for the job to end; print its record
   -h, --help                this text
   Redis and key prefix from REDIS_URL and TASKRUNNER_PREFIX. Exit codes: 0 enqueued (with
-  --wait: completed), 1 the job failed or was killed, 2 bad usage or a refused enqueue.
+  --wait: completed), 1 the job failed or was killed, 2 bad usage or a refused enqueue, 3
+  Redis unreachable for TASKRUNNER_ENQUEUE_RETRY seconds (default 15; 0: at the first try).
   e.g. node producer.js --wait 30 shop.add '[40, 2]'`;
 
 // A whole-number flag: its number, or the text as given (refused, and shown, by enqueue).
@@ -34,6 +35,23 @@ function seconds(flag, s) {
   const n = s.trim() === '' ? NaN : Number(s);
   if (!Number.isFinite(n) || n < 0) throw new Error(`--${flag} must be a number of seconds >= 0, not ${JSON.stringify(s)}`);
   return n;
+}
+
+// Redis unreachable: ioredis connects again and again, emitting each failure (each was an
+// "[ioredis] Unhandled error event" with its stack, for 46 s, then "Reached the max retries
+// per request limit"); say none of them, and once it has failed for TASKRUNNER_ENQUEUE_RETRY
+// seconds, give up in one line, as taskrunner's Python producer does.
+function giveUpWhenUnreachable(tr) {
+  const setting = Number(process.env.TASKRUNNER_ENQUEUE_RETRY || 15);
+  const limit = (Number.isFinite(setting) && setting >= 0 ? setting : 15) * 1000;
+  let since = null;
+  tr.redis.on('ready', () => { since = null; });
+  tr.redis.on('error', (e) => {
+    since = since === null ? Date.now() : since;
+    if (Date.now() - since < limit) return;
+    console.error(`Error: cannot reach Redis: ${e.message} (for ${limit / 1000}s; set REDIS_URL)`);
+    process.exit(3);
+  });
 }
 
 async function main() {
@@ -53,6 +71,7 @@ async function main() {
   const delay = seconds('delay', o.delay) || 0;
   const wait = seconds('wait', o.wait);
   const tr = new TaskRunner();
+  giveUpWhenUnreachable(tr);
   try {
     const { id, queue, created, duplicate } = await tr.enqueue(task, JSON.parse(args), JSON.parse(kwargs), {
       queue: o.queue, id: o.id, delay, maxDuration: o['max-duration'], retries: o.retries,
