@@ -619,3 +619,18 @@ def test_the_node_producer_gives_up_on_an_unreachable_redis_in_one_line(stack):
                        capture_output=True, text=True, timeout=120)
     assert (r.returncode, r.stdout) == (3, "")
     assert r.stderr == f"Error: cannot reach Redis: connect ECONNREFUSED 127.0.0.1:{port} (for 1s; set REDIS_URL)\n"
+
+
+@pytest.mark.parametrize("given,line", [
+    (["[1,"], "ARGS_JSON is not JSON ("),
+    (["{}"], "ARGS_JSON must be a JSON array, not {}"),
+    (["[1]", "[2]"], "KWARGS_JSON must be a JSON object, not [2]"),
+    (["[1]", "null"], "KWARGS_JSON must be a JSON object, not null")])
+def test_the_node_producer_names_arguments_that_are_not_json_of_their_kind(app, stack, given, line):
+    """ARGS_JSON and KWARGS_JSON are checked before Redis is asked, in one line naming which
+    (JSON.parse's message alone, or the script's "ERR taskrunner: NotJSON: job ...: kwargs
+    is not a JSON object"); nothing is enqueued."""
+    r = produce(stack, "--queue", "notjson", "tests.apps.add", *given)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr.startswith(f"Error: {line}") and r.stderr.count("\n") == 1, r.stderr
+    assert not app.redis.sismember(app.keys.queues, "notjson")

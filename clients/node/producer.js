@@ -54,6 +54,22 @@ function giveUpWhenUnreachable(tr) {
   });
 }
 
+// ARGS_JSON or KWARGS_JSON read: a JSON array or object (`kind`), else an error naming it,
+// before Redis is asked (it answered "ERR taskrunner: NotJSON: ... args is not a JSON array").
+function parsed(name, text, kind) {
+  let value;
+  try {
+    value = JSON.parse(text);
+  } catch (e) {
+    throw new Error(`${name} is not JSON (${e.message}): ${text}`);
+  }
+  const isArray = Array.isArray(value);
+  if (value === null || typeof value !== 'object' || isArray !== (kind === 'array')) {
+    throw new Error(`${name} must be a JSON ${kind}, not ${text}`);
+  }
+  return value;
+}
+
 async function main() {
   const { values: o, positionals: [task, args = '[]', kwargs = '{}'] } = parseArgs({
     allowPositionals: true,
@@ -68,12 +84,14 @@ async function main() {
     return 0;
   }
   if (!task) throw new Error('usage: node producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]] (--help says more)');
+  const jobArgs = parsed('ARGS_JSON', args, 'array');
+  const jobKwargs = parsed('KWARGS_JSON', kwargs, 'object');
   const delay = seconds('delay', o.delay) || 0;
   const wait = seconds('wait', o.wait);
   const tr = new TaskRunner();
   giveUpWhenUnreachable(tr);
   try {
-    const { id, queue, created, duplicate } = await tr.enqueue(task, JSON.parse(args), JSON.parse(kwargs), {
+    const { id, queue, created, duplicate } = await tr.enqueue(task, jobArgs, jobKwargs, {
       queue: o.queue, id: o.id, delay, maxDuration: o['max-duration'], retries: o.retries,
       dependsOn: o['depends-on'], priority: count(o.priority), concurrencyKey: o['concurrency-key'],
       uniqueKey: o['unique-key'], uniqueFor: count(o['unique-for']), uniqueUntil: o['unique-until'] });
