@@ -458,9 +458,11 @@ def retry(job_id: str, app_spec: str | None, redis_url: str | None) -> None:
 @main.command()
 @click.option("-q", "--queue", help="Only this queue.")
 @click.option("--state", type=click.Choice(listing.LIST_STATES), help="Only jobs in this state.")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
-@click.option("--offset", type=click.IntRange(min=0), default=0)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True,
+              help="At most this many jobs of each state and queue listed.")
+@click.option("--offset", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Skip this many of each first (the next page: --offset 50).")
+@click.option("--json", "as_json", is_flag=True, help="Every job's fields as JSON (a list), as `status --json`.")
 @common
 def jobs(queue: str | None, state: str | None, limit: int, offset: int, as_json: bool, app_spec: str | None,
          redis_url: str | None) -> None:
@@ -485,7 +487,8 @@ def jobs(queue: str | None, state: str | None, limit: int, offset: int, as_json:
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Every queue's counts and settings as JSON (a list), with "
+              "`duplicates` per task.")
 @click.option("--shards", "by_shard", is_flag=True, help="A sharded queue's shards each on a line of its own "
               "(NAME~i; shard 0 is NAME), not their totals; on a Redis Cluster, with the primary that serves each.")
 @common
@@ -537,7 +540,8 @@ def metrics(app_spec: str | None, redis_url: str | None) -> None:
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Every worker's record as JSON (a list), with its state "
+              "and heartbeat age.")
 @common
 def workers(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
     """Workers: alive ones with their heartbeat, and those found dead in the last hour. BUSY:
@@ -682,7 +686,8 @@ def dashboard(host: str, port: int, log_level: str, log_format: str, app_spec: s
 
 @main.command()
 @click.option("--demo", is_flag=True, help="Use the demo app and enqueue a demo workload.")
-@click.option("-c", "--concurrency", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("-c", "--concurrency", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Child processes of the worker it starts.")
 @click.option("--port", type=click.IntRange(1, 65535), default=5000, show_default=True, help="Dashboard port.")
 @click.option("--exit", "exit_after", is_flag=True, help="With --demo: stop when the demo workload is done.")
 @click.option("--log-format", type=click.Choice(logs.FORMATS), default="text", show_default=True,
@@ -757,7 +762,8 @@ def schedule_add(name: str, task: str, cron: str | None, every: str | None, tz: 
 
 
 @schedule.command("list")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Every schedule as JSON (a list): cron or every, time zone, "
+              "source, last and next tick, paused.")
 @common
 def schedule_list(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
     """Every schedule: the app's (with -A), those added at runtime, those dispatchers fire;
@@ -920,7 +926,8 @@ def queue_delete(name: str, force: bool, yes: bool, app_spec: str | None, redis_
 
 @queue.command("info")
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Its counts, counters and settings as JSON, as one entry of "
+              "`queues --json`.")
 @common
 def queue_info(name: str, as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
     """Whether queue NAME exists, its length, settings and counters (exit 1 if it does not
@@ -942,7 +949,7 @@ def queue_info(name: str, as_json: bool, app_spec: str | None, redis_url: str | 
 
 
 @main.command()
-@click.option("-q", "--queue", "queue_name", required=True)
+@click.option("-q", "--queue", "queue_name", required=True, help="The queue to empty.")
 @click.option("--yes", is_flag=True, help="Do not ask (needed where nobody can answer: stdin not a terminal).")
 @common
 def purge(queue_name: str, yes: bool, app_spec: str | None, redis_url: str | None) -> None:
@@ -1133,7 +1140,7 @@ class Age(click.ParamType):
 
 
 @main.command()
-@click.option("-q", "--queue", "queue_name", required=True)
+@click.option("-q", "--queue", "queue_name", required=True, help="The queue whose running jobs to look at.")
 @click.option("--older-than", type=Age(), required=True,
               help="Put back jobs delivered longer ago than this (e.g. 60s, 5m).")
 @click.option("--count", type=click.IntRange(min=1), default=1000, show_default=True, help="At most this many.")
@@ -1155,10 +1162,11 @@ def recover(queue_name: str, older_than: float, count: int, app_spec: str | None
 
 
 @main.command()
-@click.option("-q", "--queue", "queue_name", required=True)
+@click.option("-q", "--queue", "queue_name", required=True, help="The queue to look into.")
 @click.option("--running", is_flag=True, help="In-flight jobs instead of waiting ones.")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True,
+              help="At most this many jobs.")
+@click.option("--json", "as_json", is_flag=True, help="The jobs as JSON (a list).")
 @common
 def inspect(queue_name: str, running: bool, limit: int, as_json: bool, app_spec: str | None,
             redis_url: str | None) -> None:
@@ -1212,7 +1220,7 @@ def history_archive(history_dir: str | None, batch: int, app_spec: str | None, r
               "default: every day but today, UTC).")
 @click.option("--target-mb", type=Finite(min=1), default=128, show_default=True,
               help="About how large each merged file is.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="What it did (partitions, files merged and written) as JSON.")
 @common
 def history_compact(history_dir: str | None, day: datetime | None, target_mb: float, as_json: bool,
                     app_spec: str | None, redis_url: str | None) -> None:
@@ -1230,7 +1238,7 @@ def history_compact(history_dir: str | None, day: datetime | None, target_mb: fl
 
 
 @history.command("status")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="The records waiting, per queue, as JSON.")
 @common
 def history_status(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
     """Records waiting to be archived, per queue."""

@@ -205,6 +205,26 @@ def test_help_teaches(stack):
     assert r.returncode == 2 and "needs your app" in r.stderr
 
 
+def test_every_option_of_every_command_says_what_it_does():
+    """`COMMAND --help` explains each option: `jobs --limit`, `--offset`, the `--json` of
+    jobs, queues, workers, schedule list, queue info, inspect and history status/compact,
+    `up -c` and the `-q` of purge, recover and inspect were listed bare."""
+    import click
+
+    from taskrunner.cli import main
+
+    def commands(cmd: click.Command, path: str):
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                yield from commands(sub, f"{path} {name}")
+        else:
+            yield path, cmd
+
+    bare = [f"{path} {p.opts[-1]}" for path, cmd in commands(main, "taskrunner") for p in cmd.params
+            if isinstance(p, click.Option) and not p.help]
+    assert bare == []
+
+
 # -- queue open, and destructive commands that ask (issue 14) ---------------------------
 
 
