@@ -1090,8 +1090,8 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
         click.echo(f"job {delivery.id} stopped: {why[stopped[0]]}", err=True)
         acked = report(lambda: c.stopped(delivery, stopped[0]))
     elif code == 0:
-        try:
-            result = json.loads(out) if out.strip() else None
+        try:  # strict JSON, as taskrunner sends: NaN or Infinity (which json.loads takes) make it text
+            result = codec.loads(out) if out.strip() else None
         except ValueError:
             result = out
         acked = report(lambda: c.ack([delivery], [result])[0])

@@ -148,6 +148,19 @@ def test_consume_whose_outcome_is_not_recorded_exits_1(app, stack):
     assert job.state == "pending"
 
 
+def test_consume_keeps_stdout_that_is_not_strict_json_as_text(app, stack):
+    """CMD's stdout is the result when it is JSON, else its text: `{"a": NaN}` (which
+    Python's json module reads) was taken for JSON, then refused as a result ("Error: result
+    is not JSON", exit 2) with the job left claimed, to be run again once the dispatcher
+    found the consumer dead, and refused again each time."""
+    job = apps.add.delay(1, 2)
+    printer = [sys.executable, "-c", "import sys; sys.stdin.read(); print('{\"a\": NaN}')"]
+    r = stack.cli("consume", "-q", "default", "--", *printer)
+    assert (r.returncode, r.stderr) == (0, ""), r.stderr
+    d = job.refresh().to_dict()
+    assert (d["state"], d["result"]) == ("completed", '{"a": NaN}\n')
+
+
 def test_consume_stops_its_command_on_a_kill_and_at_the_max_duration(app, stack):
     """`taskrunner consume -- CMD` honours what docs/PROTOCOL.md asks of every consumer, as
     a worker does: a kill request stops CMD and the job ends killed; a job of policy kill
