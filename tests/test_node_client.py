@@ -634,3 +634,26 @@ def test_the_node_producer_names_arguments_that_are_not_json_of_their_kind(app, 
     assert (r.returncode, r.stdout) == (2, "")
     assert r.stderr.startswith(f"Error: {line}") and r.stderr.count("\n") == 1, r.stderr
     assert not app.redis.sismember(app.keys.queues, "notjson")
+
+
+def test_the_node_consumer_records_whatever_a_handler_throws_or_returns(app, stack, tmp_path):
+    """A handler that throws something other than an Error fails its job with that value's
+    text (`throw null` broke the consumer's reading of it, leaving the job claimed for good;
+    a thrown string was "Error: undefined"), and one that returns a value JSON has no form
+    for (a function) completes with null, as undefined (its result was left empty, which no
+    reader takes for JSON)."""
+    handlers = tmp_path / "odd.js"
+    handlers.write_text("module.exports = {\n"
+                        "  'odd.null': async () => { throw null; },\n"
+                        "  'odd.text': async () => { throw 'out of paper'; },\n"
+                        "  'odd.object': async () => { throw { code: 7 }; },\n"
+                        "  'odd.fn': async () => () => 1,\n"
+                        "};\n")
+    spawn_node(stack, "consumer.js", "--name", "odd-c", "--queues", "odd", str(handlers))
+    for task, message in (("odd.null", "null"), ("odd.text", "out of paper"), ("odd.object", '{"code":7}')):
+        job = app.enqueue(task, queue="odd")
+        with pytest.raises(JobFailed) as e:
+            job.wait(30)
+        assert (e.value.error_type, e.value.message) == ("Error", message)
+    job = app.enqueue("odd.fn", queue="odd")
+    assert job.wait(30) is None and job.refresh().data["result"] == "null"

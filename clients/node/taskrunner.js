@@ -672,6 +672,18 @@ class Stop extends Error {
 
 const sleep = (s) => new Promise((resolve) => setTimeout(resolve, s * 1000));
 
+// What a handler threw, as a job's error type, message and traceback: an Error's name,
+// message and stack; anything else thrown (a string, null, a plain object) is an `Error` with
+// its text (null's field reads threw in the consumer, leaving the job claimed for good).
+function thrown(e) {
+  if (e instanceof Error) return [e.name || 'Error', String(e.message), String(e.stack || '')];
+  let text;
+  try {
+    text = typeof e === 'string' ? e : JSON.stringify(e);
+  } catch { /* a BigInt, a circular object */ }
+  return ['Error', text === undefined ? String(e) : text, ''];
+}
+
 // A consumer runs one job at a time with `handlers[task](args, kwargs, ctx)`; ctx has the job's
 // id, queue, attempt and headers (an object, {} when none); ctx.signal is an
 // AbortSignal that fires when the job must stop (kill request, max duration, lost, shutdown).
@@ -791,9 +803,10 @@ class Consumer {
       const ctx = { id: d.id, queue: d.queue, attempt: d.attempt, headers: JSON.parse(d.headers),
         signal: d.controller.signal };
       const result = await Promise.race([handler(JSON.parse(d.args), JSON.parse(d.kwargs), ctx), stopped]);
-      outcome = d.controller.signal.aborted ? null : ['completed', JSON.stringify(result === undefined ? null : result)];
+      // A value JSON has no form for (a function, a symbol) is null, as undefined.
+      outcome = d.controller.signal.aborted ? null : ['completed', JSON.stringify(result === undefined ? null : result) ?? 'null'];
     } catch (e) {
-      outcome = ['error', e.name || 'Error', String(e.message), String(e.stack || ''), String(0.5 + Math.random() / 2)];
+      outcome = ['error', ...thrown(e), String(0.5 + Math.random() / 2)];
     } finally {
       clearTimeout(timer);
     }
