@@ -401,11 +401,17 @@ def wait(job_id: str, timeout: float | None, app_spec: str | None, redis_url: st
 
     \b
     Exit 0 completed, 1 failed, killed or canceled (a workflow step whose parent did not
-    complete), or no such job, 2 still not ended after --timeout, 3 Redis unreachable
-    (at the start, or still at the end of --timeout): state unknown."""
+    complete), no such job, or a result that is not JSON, 2 still not ended after --timeout,
+    3 Redis unreachable (at the start, or still at the end of --timeout): state unknown."""
+    job = None
     try:
         job = _app(app_spec, redis_url).job(job_id)
         result = job.wait(timeout)
+    except ValueError as e:  # a record another client wrote wrong: an error, not a mistake in the arguments
+        if job is None or job.data.get("state") != "completed":
+            raise
+        click.echo(f"Error: job {job_id} completed, but its result is not JSON ({e})", err=True)
+        sys.exit(1)
     except JobFailed as e:
         click.echo(f"{e.state}: {e.error_type}: {e.message}", err=True)
         sys.exit(EXIT_REFUSED)

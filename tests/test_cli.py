@@ -53,7 +53,7 @@ def test_wait_says_all_that_its_exit_1_means(app, stack):
     r = stack.cli("wait", "no-such-job")
     assert r.returncode == 1 and "no job no-such-job" in r.stderr, r.stderr
     said = " ".join(stack.cli("wait", "--help", check=True).stdout.split())
-    assert "1 failed, killed or canceled" in said and "or no such job" in said, said
+    assert "1 failed, killed or canceled" in said and "no such job, or a result that is not JSON" in said, said
 
 
 def test_retry_of_a_canceled_step_names_the_step_to_retry(app, stack):
@@ -584,3 +584,15 @@ def test_every_test_the_docs_cite_exists():
         if name not in defined:
             wrong.append(f"{module}::{name}")
     assert len(cited) > 30 and not wrong, wrong
+
+
+def test_wait_on_a_result_that_is_not_json_is_an_error_not_a_timeout(app, stack):
+    """A completed job whose result another client wrote as no JSON (the Node consumer left
+    a function's result empty) makes `wait` exit 1 with a line saying so: it exited 2, which
+    `wait` means as "still not ended after --timeout", with the JSON parser's words alone."""
+    job = apps.add.delay(1, 2)
+    app.redis.hset(app.keys.job(job.queue, job.id), mapping={"state": "completed", "result": ""})
+    r = stack.cli("wait", job.id, "--timeout", "5")
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr.startswith(f"Error: job {job.id} completed, but its result is not JSON (")
+    assert stack.cli("wait", "bad id").returncode == 2  # a mistake in the arguments stays 2
