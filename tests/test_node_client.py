@@ -21,6 +21,7 @@ from taskrunner.client.flow import unique_key_of
 from taskrunner.errors import BadArguments, JobFailed
 from taskrunner.ops import listing
 from taskrunner.ops import queue as queues
+from taskrunner.ops.redis_server import RedisServer
 from tests.conftest import ROOT, Stack, wait_for
 
 NODE_DIR = ROOT / "clients" / "node"
@@ -659,3 +660,36 @@ def test_the_node_consumer_records_whatever_a_handler_throws_or_returns(app, sta
         assert (e.value.error_type, e.value.message) == ("Error", message)
     job = app.enqueue("odd.fn", queue="odd")
     assert job.wait(30) is None and job.refresh().data["result"] == "null"
+
+
+def test_the_node_consumer_tells_a_redis_outage_in_two_lines_and_goes_on(app, tmp_path):
+    """A Redis outage under the Node consumer is one line when Redis stops answering and one
+    when it answers again, as taskrunner's processes say it; ioredis's reconnection errors
+    went unheard, each printed with its stack ("[ioredis] Unhandled error event": about a
+    hundred lines in 8 s)."""
+    server = RedisServer(tmp_path / "redis", appendonly=True, appendfsync="always").start()
+    log = tmp_path / "consumer.log"
+    stack = Stack(app, server.url)
+    try:
+        app.configure(redis_url=server.url)
+        with log.open("w") as out:
+            p = subprocess.Popen(["node", "consumer.js", "--name", "outage-c", "examples/handlers.js"], cwd=NODE_DIR,
+                                 env=stack.env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+        stack.procs.append(p)
+        wait_for(lambda: app.redis.zscore(app.keys.workers, "outage-c"), what="the consumer's first heartbeat")
+        server.stop()
+        wait_for(lambda: "Redis unavailable" in log.read_text() or "Unhandled" in log.read_text(),
+                 what="the consumer to find Redis gone")
+        server.start()
+        assert app.enqueue("node.echo", [1]).wait(30)["args"] == [1]
+        stop(p)
+        lines = log.read_text().splitlines()
+        assert lines[0] == "consumer outage-c: queues default"
+        assert lines[-1] == "consumer outage-c: stopped after 1 jobs"
+        assert lines[1].startswith("outage-c: Redis unavailable (")
+        assert lines[1].endswith("); trying again until it answers")
+        assert lines[2].startswith("outage-c: Redis answers again (unavailable for ")
+        assert not [line for line in lines if "Unhandled" in line or " Redis " in line][2:], lines
+    finally:
+        stack.stop()
+        server.stop()

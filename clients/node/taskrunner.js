@@ -326,6 +326,7 @@ class TaskRunner {
     this.failedTtl = setting('TASKRUNNER_FAILED_TTL', '604800');
     this.registered = new Set(); // queues added to P:{_}:queues by this producer (a cluster)
     this.kept = new Map(); // "shards <queue>" or "task <name>" -> [until (ms), value]: read at most once per KEEP_MS
+    this.outage = null; // {say, since, down}: once tellOutages() was called
     this.turn = crc32(String(Date.now())); // round robin over a sharded queue's shards, from a start of our own
     this.scripts = new Scripts(this.redis, scriptsDir);
     this.g = `${prefix}:{_}:`;
@@ -333,7 +334,39 @@ class TaskRunner {
 
   q(queue) { return `${this.prefix}:{${queue}}:`; }
 
-  connection() { return this.redis.duplicate(); } // for blocking commands (BRPOP)
+  // For blocking commands (BRPOP): watched for outages as this.redis is (tellOutages).
+  connection() {
+    const conn = this.redis.duplicate();
+    if (this.outage) this.watch(conn);
+    return conn;
+  }
+
+  // Say an outage in two lines through `say`: one when Redis stops answering, one when it
+  // answers again, for this.redis and every connection() after. ioredis connects again by
+  // itself, emitting each failure on each connection; unheard, each was printed with its
+  // stack ("[ioredis] Unhandled error event": about a hundred lines in 8 s for a consumer).
+  tellOutages(say) {
+    this.outage = { say, since: null, down: new Set() };
+    this.watch(this.redis);
+  }
+
+  // The outage lasts while any connection that failed has neither connected again nor ended.
+  watch(conn) {
+    const o = this.outage;
+    const up = () => {
+      if (!o.down.delete(conn) || o.down.size) return;
+      o.say(`Redis answers again (unavailable for ${((Date.now() - o.since) / 1000).toFixed(1)}s)`);
+      o.since = null;
+    };
+    conn.on('error', (e) => {
+      o.down.add(conn);
+      if (o.since !== null) return;
+      o.since = Date.now();
+      o.say(`Redis unavailable (${e.message}); trying again until it answers`);
+    });
+    conn.on('ready', up);
+    conn.on('end', up);
+  }
 
   // A value keep() read less than KEEP_MS ago, else undefined (nothing is read).
   recalled(key) {
@@ -710,6 +743,7 @@ class Consumer {
     this.throttled = null; // seconds until a rate limit's token (the last claim's answer), or null
     this.reconnects = 0;
     tr.redis.on('reconnecting', () => { this.reconnects += 1; });
+    tr.tellOutages((line) => console.error(`${this.name}: ${line}`));
     this.processed = 0;
     this.stopping = false;
     this.startedAt = Date.now() / 1000;
