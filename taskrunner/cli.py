@@ -4,13 +4,14 @@ $TASKRUNNER_APP): a module holding one TaskRunner, or module:attribute."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any
 
@@ -128,6 +129,17 @@ def _known(app: TaskRunner, *queues: str) -> None:
 
     for name in queues:
         queue.must_exist(app, name)
+
+
+@contextlib.contextmanager
+def _progress(length: int, label: str) -> Iterator[Callable[[int], Any] | None]:
+    """A progress bar on stderr for a person at a terminal; elsewhere (a pipe, a log) none:
+    click wrote its label alone there, a line before whatever came next (an error's)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    with click.progressbar(length=length, label=label, file=sys.stderr) as bar:
+        yield bar.update
 
 
 def _confirm(question: str, yes: bool) -> None:
@@ -316,8 +328,8 @@ def _enqueue_file(app: TaskRunner, app_spec: str | None, f: Any) -> None:
             raise Misconfigured(f"line {n}: not valid JSON ({e})") from None
     tasks = [s["task"] for s in specs if isinstance(s, dict) and isinstance(s.get("task"), str)]
     undeclared = _undeclared(app, app_spec, tasks)
-    with click.progressbar(length=len(specs), label="enqueueing", file=sys.stderr) as bar:
-        jobs = app.enqueue_many(specs, progress=bar.update)
+    with _progress(len(specs), "enqueueing") as progress:
+        jobs = app.enqueue_many(specs, progress=progress)
     for task in undeclared:
         _warn_undeclared(task, [j.queue for j, t in zip(jobs, tasks) if t == task])
     if jobs:  # none: nothing, not an empty line (an empty id to a script reading them)
@@ -966,8 +978,8 @@ def purge(queue_name: str, yes: bool, app_spec: str | None, redis_url: str | Non
 
     total = backlog(app, queue_name)
     _confirm(f"delete {total} pending jobs of {queue_name}?", yes)
-    with click.progressbar(length=total, label="purging", file=sys.stderr) as bar:
-        n = app.purge(queue_name, progress=bar.update)
+    with _progress(total, "purging") as progress:
+        n = app.purge(queue_name, progress=progress)
     click.echo(f"{n} pending jobs deleted from {queue_name}")
 
 
@@ -1214,8 +1226,8 @@ def history_archive(history_dir: str | None, batch: int, app_spec: str | None, r
     app = _app(app_spec, redis_url)
     archiver = Archiver(app, history_dir, batch)
     waiting = sum(backlog(app).values())
-    with click.progressbar(length=waiting, label="archiving", file=sys.stderr) as bar:
-        n = archiver.archive(progress=bar.update)
+    with _progress(waiting, "archiving") as progress:
+        n = archiver.archive(progress=progress)
     click.echo(f"{n} records archived to {archiver.directory}")
 
 

@@ -266,6 +266,7 @@ def test_destructive_commands_need_yes_when_they_cannot_ask(app, stack):
         assert r.returncode == 2 and app.redis.llen(pending) == 5
     r = run_cli(stack, "purge", "-q", "keep", "--yes", input="")
     assert r.returncode == 0 and "5 pending jobs deleted" in r.stdout and app.redis.llen(pending) == 0
+    assert r.stderr == ""  # a progress bar is for a terminal (its label was written alone here)
     r = run_cli(stack, "queue", "delete", "keep", "--yes", input="")
     assert r.returncode == 0 and "keep" not in app.queue_names()
 

@@ -220,6 +220,11 @@ def test_enqueue_many_and_from_file(app, stack, tmp_path):
     path.write_text(lines[0] + "\n{oops\n")
     r = stack.cli("enqueue", "--from-file", str(path))
     assert r.returncode == 2 and "line 2" in r.stderr
+    # An error is one line on stderr: the progress bar's label is for a terminal (it came first).
+    path.write_text(json.dumps({"task": "tests.apps.add", "urgency": 1}) + "\n")
+    r = stack.cli("enqueue", "--from-file", str(path))
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == "Error: job 1: unknown fields ['urgency'] (0 of the 0 before it enqueued, none after)\n"
     with pytest.raises(ValueError, match="job 1: unknown fields"):
         app.enqueue_many([{"task": "tests.apps.add", "urgency": 1}])
     path.write_text("\n\n")  # nothing to enqueue: nothing printed (it printed an empty line, an empty id to read)
