@@ -693,3 +693,12 @@ def test_the_node_consumer_tells_a_redis_outage_in_two_lines_and_goes_on(app, tm
     finally:
         stack.stop()
         server.stop()
+
+
+def test_the_node_producer_refuses_an_empty_queue_name(app, stack):
+    """`--queue ''` (a variable left empty) is an invalid queue name, as Python's producer
+    says it (exit 2, nothing enqueued); it was taken for no queue, and the job went to
+    default."""
+    r = produce(stack, "--queue", "", "tests.apps.add", "[1, 2]")
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", 'Error: invalid queue name ""\n')
+    assert not app.redis.sismember(app.keys.queues, "default")

@@ -427,7 +427,8 @@ class TaskRunner {
   // a workflow) uniqueKey, uniqueFor, uniqueUntil. `fed`: the job is given its parent's result
   // (or error) first (checkArguments).
   draft(task, args = [], kwargs = {}, opts = {}, { unique = false, fed = false } = {}) {
-    const queue = SHARD.test(opts.queue || '') ? opts.queue : checkName('queue', opts.queue || 'default');
+    const unnamed = opts.queue === undefined || opts.queue === null; // '' is a name, and not a valid one
+    const queue = unnamed ? 'default' : SHARD.test(opts.queue) ? opts.queue : checkName('queue', opts.queue);
     const id = opts.id || ulid();
     if (!ID.test(id)) throw new Error(`invalid job id ${JSON.stringify(id)}`);
     const fields = ['task', checkName('task', task), 'queue', queue, 'args', JSON.stringify(args),
@@ -437,7 +438,7 @@ class TaskRunner {
     for (const [k, field] of Object.entries(optional)) if (opts[k] !== undefined) fields.push(field, String(opts[k]));
     if (opts.headers && Object.keys(opts.headers).length) fields.push('headers', JSON.stringify(opts.headers));
     fields.push(...flow(task, args, kwargs, opts, unique));
-    return { id, queue, delay: opts.delay || 0, fields, call: { task, args, kwargs, fed }, unnamed: !opts.queue };
+    return { id, queue, delay: opts.delay || 0, fields, call: { task, args, kwargs, fed }, unnamed };
   }
 
   // One enqueue.lua call for jobs of `queue` (and of `others`, one Redis server only): its
