@@ -574,8 +574,9 @@ def workers(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
         beat = f"{w['heartbeat_age']:.1f}s" if w.get("heartbeat_age") is not None else "-"
         busy = "-" if w.get("busy") is None else f"{w['busy']}/{w.get('concurrency', '?')}"
         cpu = "-" if w.get("cpu") is None else f"{w['cpu']:.1f}"
+        rss = "-" if w.get("rss") is None else f"{w['rss'] / 1e6:.1f}"  # a consumer (consume, Node) says none
         click.echo(f"{w['name'][:28]:28} {w['state']:6} {str(w.get('host', '-'))[:16]:16} {w.get('ip', '-'):15} "
-                   f"{w.get('pid', '-'):>7} {busy:>6} {beat:>6} {w.get('rss', 0) / 1e6:>7.1f} {cpu:>6}  "
+                   f"{w.get('pid', '-'):>7} {busy:>6} {beat:>6} {rss:>7} {cpu:>6}  "
                    f"{','.join(w.get('queues', []))}")
 
 

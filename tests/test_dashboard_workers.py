@@ -243,3 +243,20 @@ def test_a_worker_page_lists_its_oldest_jobs_first(app, web):
     page = web.get("/workers/w-old").get_data(as_text=True)
     assert page.index(oldest) < page.index(ids[100]) and newest not in page
     assert "the 100 it has held longest of 101, oldest first" in page
+
+
+def test_a_consumer_that_reports_no_memory_nor_cpu_shows_dashes(app, web, stack):
+    """A consumer (`taskrunner consume`, the Node client) sends no RSS nor CPU with its
+    heartbeat: the Workers page, its own page and `taskrunner workers` say "-" for them; they
+    said "0 MB", a bare "%" and "0.0", as if it used no memory."""
+    from taskrunner.client.consumer import Consumer
+
+    c = Consumer(app, ["default"], name="c-bare")
+    c.heartbeat()
+    row = web.get("/workers").get_data(as_text=True).split('href="/workers/c-bare"')[1].split("</tr>")[0]
+    assert "MB" not in row and '<td class="n">-</td><td class="n">-</td>' in row, row
+    page = web.get("/workers/c-bare").get_data(as_text=True)
+    assert "<th>memory (RSS)</th><td>-</td>" in page and "<th>CPU</th><td>-</td>" in page
+    line = next(x for x in stack.cli("workers", check=True).stdout.splitlines() if x.startswith("c-bare "))
+    assert line.split()[-3:] == ["-", "-", "default"], line
+    c.close()
