@@ -6,12 +6,15 @@ runs). Without them the tests are skipped, except under CI (CI=true), where they
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
 import orjson
 import pytest
@@ -662,21 +665,42 @@ def test_the_node_consumer_records_whatever_a_handler_throws_or_returns(app, sta
     assert job.wait(30) is None and job.refresh().data["result"] == "null"
 
 
-def test_the_node_consumer_tells_a_redis_outage_in_two_lines_and_goes_on(app, tmp_path):
-    """A Redis outage under the Node consumer is one line when Redis stops answering and one
-    when it answers again, as taskrunner's processes say it; ioredis's reconnection errors
-    went unheard, each printed with its stack ("[ioredis] Unhandled error event": about a
-    hundred lines in 8 s)."""
+
+def test_the_node_producer_refuses_an_empty_queue_name(app, stack):
+    """`--queue ''` (a variable left empty) is an invalid queue name, as Python's producer
+    says it (exit 2, nothing enqueued); it was taken for no queue, and the job went to
+    default."""
+    r = produce(stack, "--queue", "", "tests.apps.add", "[1, 2]")
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", 'Error: invalid queue name ""\n')
+    assert not app.redis.sismember(app.keys.queues, "default")
+
+
+@contextlib.contextmanager
+def consumer_on_a_redis_of_its_own(app, tmp_path, name: str) -> Iterator[tuple[RedisServer, subprocess.Popen, Path]]:
+    """A Node consumer of `default` on a Redis of its own (to stop and start again), its
+    output in a file (read while it runs): the server, the process, the file."""
     server = RedisServer(tmp_path / "redis", appendonly=True, appendfsync="always").start()
     log = tmp_path / "consumer.log"
     stack = Stack(app, server.url)
     try:
         app.configure(redis_url=server.url)
         with log.open("w") as out:
-            p = subprocess.Popen(["node", "consumer.js", "--name", "outage-c", "examples/handlers.js"], cwd=NODE_DIR,
+            p = subprocess.Popen(["node", "consumer.js", "--name", name, "examples/handlers.js"], cwd=NODE_DIR,
                                  env=stack.env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
         stack.procs.append(p)
-        wait_for(lambda: app.redis.zscore(app.keys.workers, "outage-c"), what="the consumer's first heartbeat")
+        wait_for(lambda: app.redis.zscore(app.keys.workers, name), what="the consumer's first heartbeat")
+        yield server, p, log
+    finally:
+        stack.stop()
+        server.stop()
+
+
+def test_the_node_consumer_tells_a_redis_outage_in_two_lines_and_goes_on(app, tmp_path):
+    """A Redis outage under the Node consumer is one line when Redis stops answering and one
+    when it answers again, as taskrunner's processes say it; ioredis's reconnection errors
+    went unheard, each printed with its stack ("[ioredis] Unhandled error event": about a
+    hundred lines in 8 s)."""
+    with consumer_on_a_redis_of_its_own(app, tmp_path, "outage-c") as (server, p, log):
         server.stop()
         wait_for(lambda: "Redis unavailable" in log.read_text() or "Unhandled" in log.read_text(),
                  what="the consumer to find Redis gone")
@@ -690,15 +714,19 @@ def test_the_node_consumer_tells_a_redis_outage_in_two_lines_and_goes_on(app, tm
         assert lines[1].endswith("); trying again until it answers")
         assert lines[2].startswith("outage-c: Redis answers again (unavailable for ")
         assert not [line for line in lines if "Unhandled" in line or " Redis " in line][2:], lines
-    finally:
-        stack.stop()
+
+
+def test_the_node_consumer_outlives_an_outage_longer_than_ioredis_retries(app, tmp_path):
+    """After about 10 s of outage ioredis fails the requests it holds (its 20 retries per
+    request): the consumer tries again, saying the first such failure, and takes jobs once
+    Redis is back. The wait for kill requests did not catch it: its unawaited promise was
+    rejected, and Node ended the process."""
+    with consumer_on_a_redis_of_its_own(app, tmp_path, "long-c") as (server, p, log):
         server.stop()
-
-
-def test_the_node_producer_refuses_an_empty_queue_name(app, stack):
-    """`--queue ''` (a variable left empty) is an invalid queue name, as Python's producer
-    says it (exit 2, nothing enqueued); it was taken for no queue, and the job went to
-    default."""
-    r = produce(stack, "--queue", "", "tests.apps.add", "[1, 2]")
-    assert (r.returncode, r.stdout, r.stderr) == (2, "", 'Error: invalid queue name ""\n')
-    assert not app.redis.sismember(app.keys.queues, "default")
+        wait_for(lambda: "max retries per request" in log.read_text() or p.poll() is not None, timeout=90,
+                 what="ioredis to give up on the requests it held")
+        server.start()
+        assert app.enqueue("node.echo", [2]).wait(60)["args"] == [2], log.read_text()
+        stop(p)
+        failed = [line for line in log.read_text().splitlines() if "max retries per request" in line]
+        assert len(failed) == 1 and failed[0].endswith("; trying again"), log.read_text()

@@ -346,8 +346,17 @@ class TaskRunner {
   // itself, emitting each failure on each connection; unheard, each was printed with its
   // stack ("[ioredis] Unhandled error event": about a hundred lines in 8 s for a consumer).
   tellOutages(say) {
-    this.outage = { say, since: null, down: new Set() };
+    this.outage = { say, since: null, down: new Set(), failed: false };
     this.watch(this.redis);
+  }
+
+  // A request that failed (`what`: which), said through the outage's `say`; while Redis is
+  // unavailable only the first is, as each try's failure is no news then.
+  failed(what, e) {
+    const o = this.outage;
+    if (o.since !== null && o.failed) return;
+    o.failed = o.since !== null;
+    o.say(`${what}: ${e.message}; trying again`);
   }
 
   // The outage lasts while any connection that failed has neither connected again nor ended.
@@ -357,6 +366,7 @@ class TaskRunner {
       if (!o.down.delete(conn) || o.down.size) return;
       o.say(`Redis answers again (unavailable for ${((Date.now() - o.since) / 1000).toFixed(1)}s)`);
       o.since = null;
+      o.failed = false;
     };
     conn.on('error', (e) => {
       o.down.add(conn);
@@ -801,7 +811,7 @@ class Consumer {
           [this.resultTtl, this.backoffCap, this.failedTtl, d.id, d.attempt, outcome, '', v1, v2, v3, v4]);
         return answer;
       } catch (e) {
-        console.error(`finish ${d.id}: ${e.message}; again in 1s`);
+        this.tr.failed(`finish ${d.id}`, e);
         await sleep(1);
       }
     }
@@ -865,7 +875,14 @@ class Consumer {
     const conn = this.tr.connection();
     try {
       while (!this.stopping) {
-        const got = await conn.brpop(this.tr.g + 'control:' + this.name, 1);
+        let got;
+        try {
+          got = await conn.brpop(this.tr.g + 'control:' + this.name, 1);
+        } catch (e) { // Redis unavailable: no one awaits this loop's promise, so a throw ended the process
+          this.tr.failed('reading kill requests', e);
+          await sleep(1);
+          continue;
+        }
         if (!got) continue;
         let msg;
         try { msg = JSON.parse(got[1]); } catch { continue; }
@@ -886,7 +903,7 @@ class Consumer {
     await this.tr.redis.connect();
     await this.heartbeat();
     await this.tr.redis.sadd(this.tr.g + 'queues', ...this.queues);
-    const beats = setInterval(() => this.heartbeat().catch((e) => console.error(`heartbeat: ${e.message}`)),
+    const beats = setInterval(() => this.heartbeat().catch((e) => this.tr.failed('heartbeat', e)),
       this.beatEvery * 1000);
     const control = this.listen();
     const blocker = this.tr.connection();
@@ -902,7 +919,7 @@ class Consumer {
           else await blocker.brpop(...this.queues.map((q) => this.tr.q(q) + 'wake'),
             this.throttled === null ? this.idleBlock : Math.min(this.idleBlock, this.throttled));
         } catch (e) {
-          console.error(`${this.name}: ${e.message}; again in 1s`);
+          this.tr.failed('claim', e);
           this.orphans = true;
           await sleep(1);
         }
