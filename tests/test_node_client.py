@@ -18,6 +18,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import redis
 
 from taskrunner.client import arguments
 from taskrunner.client.flow import unique_key_of
@@ -25,7 +26,7 @@ from taskrunner.errors import BadArguments, JobFailed
 from taskrunner.ops import listing
 from taskrunner.ops import queue as queues
 from taskrunner.ops.redis_server import RedisServer
-from tests.conftest import ROOT, Stack, wait_for
+from tests.conftest import ROOT, Stack, free_port, wait_for
 
 NODE_DIR = ROOT / "clients" / "node"
 
@@ -676,10 +677,14 @@ def test_the_node_producer_refuses_an_empty_queue_name(app, stack):
 
 
 @contextlib.contextmanager
-def consumer_on_a_redis_of_its_own(app, tmp_path, name: str) -> Iterator[tuple[RedisServer, subprocess.Popen, Path]]:
-    """A Node consumer of `default` on a Redis of its own (to stop and start again), its
-    output in a file (read while it runs): the server, the process, the file."""
-    server = RedisServer(tmp_path / "redis", appendonly=True, appendfsync="always").start()
+def consumer_on_a_redis_of_its_own(app, tmp_path, name: str,
+                                   up: bool = True) -> Iterator[tuple[RedisServer, subprocess.Popen, Path]]:
+    """A Node consumer of `default` on a Redis of its own (to stop and start again; `up`:
+    started before the consumer, which has beaten once), its output in a file (read while
+    it runs): the server, the process, the file."""
+    server = RedisServer(tmp_path / "redis", appendonly=True, appendfsync="always")
+    if up:
+        server.start()
     log = tmp_path / "consumer.log"
     stack = Stack(app, server.url)
     try:
@@ -688,7 +693,8 @@ def consumer_on_a_redis_of_its_own(app, tmp_path, name: str) -> Iterator[tuple[R
             p = subprocess.Popen(["node", "consumer.js", "--name", name, "examples/handlers.js"], cwd=NODE_DIR,
                                  env=stack.env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
         stack.procs.append(p)
-        wait_for(lambda: app.redis.zscore(app.keys.workers, name), what="the consumer's first heartbeat")
+        if up:
+            wait_for(lambda: app.redis.zscore(app.keys.workers, name), what="the consumer's first heartbeat")
         yield server, p, log
     finally:
         stack.stop()
@@ -730,3 +736,32 @@ def test_the_node_consumer_outlives_an_outage_longer_than_ioredis_retries(app, t
         stop(p)
         failed = [line for line in log.read_text().splitlines() if "max retries per request" in line]
         assert len(failed) == 1 and failed[0].endswith("; trying again"), log.read_text()
+
+
+def test_the_node_consumer_started_before_redis_waits_for_it(app, tmp_path):
+    """A consumer started while its Redis is down waits for it, as taskrunner's worker does;
+    it said it would try again, then stopped at once: "Error: Connection is closed." (exit 1)."""
+    with consumer_on_a_redis_of_its_own(app, tmp_path, "early-c", up=False) as (server, p, log):
+        wait_for(lambda: "Redis unavailable" in log.read_text() or p.poll() is not None,
+                 what="the consumer to find no Redis")
+        server.start()
+        assert app.enqueue("node.echo", [3]).wait(60)["args"] == [3], log.read_text()
+        stop(p)
+        lines = log.read_text().splitlines()
+        assert lines[1].startswith("early-c: Redis unavailable (connect ENOENT ") and "Error" not in log.read_text()
+        assert lines[2].startswith("early-c: Redis answers again (unavailable for "), lines
+
+
+def test_the_node_consumer_refused_by_redis_stops_in_one_line(tmp_path):
+    """A Redis that answers but refuses the consumer (a wrong password) is no outage: one line,
+    the refusal, and it stops (exit 1); it said "Connection is closed." alone."""
+    server = RedisServer(tmp_path / "redis", appendonly=False, port=free_port()).start()
+    try:
+        redis.Redis(unix_socket_path=str(server.socket)).config_set("requirepass", "right")
+        env = {**os.environ, "REDIS_URL": f"redis://:wrong@127.0.0.1:{server.port}/0"}
+        r = subprocess.run(["node", "consumer.js", "--name", "refused-c", "examples/handlers.js"], cwd=NODE_DIR,
+                           env=env, capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stderr) == (1, "Error: WRONGPASS invalid username-password pair or user is "
+                                               "disabled.\n"), r.stderr
+    finally:
+        server.stop()

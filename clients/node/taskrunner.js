@@ -359,23 +359,25 @@ class TaskRunner {
     o.say(`${what}: ${e.message}; trying again`);
   }
 
-  // The outage lasts while any connection that failed has neither connected again nor ended.
+  // The outage lasts until a connection is ready while none that failed is still trying
+  // (one that ended, closed on purpose, tries no more).
   watch(conn) {
     const o = this.outage;
-    const up = () => {
-      if (!o.down.delete(conn) || o.down.size) return;
-      o.say(`Redis answers again (unavailable for ${((Date.now() - o.since) / 1000).toFixed(1)}s)`);
-      o.since = null;
-      o.failed = false;
-    };
     conn.on('error', (e) => {
+      if (!e.syscall) return; // not the network's (a refused password): no outage
       o.down.add(conn);
       if (o.since !== null) return;
       o.since = Date.now();
       o.say(`Redis unavailable (${e.message}); trying again until it answers`);
     });
-    conn.on('ready', up);
-    conn.on('end', up);
+    conn.on('ready', () => {
+      o.down.delete(conn);
+      if (o.since === null || o.down.size) return;
+      o.say(`Redis answers again (unavailable for ${((Date.now() - o.since) / 1000).toFixed(1)}s)`);
+      o.since = null;
+      o.failed = false;
+    });
+    conn.on('end', () => o.down.delete(conn));
   }
 
   // A value keep() read less than KEEP_MS ago, else undefined (nothing is read).
@@ -898,9 +900,34 @@ class Consumer {
     }
   }
 
+  // Connect, waiting for a Redis that is down, as taskrunner's worker does (it stopped at
+  // once, "Connection is closed.", having said it would try again); a Redis that answers but
+  // refuses us (a password, ...) is a mistake: its error, at once. False: stopped meanwhile.
+  async connect() {
+    let why = null;
+    const seen = (e) => { why = e; };
+    this.tr.redis.on('error', seen);
+    try {
+      for (;;) {
+        try {
+          await this.tr.redis.connect();
+          return true;
+        } catch (e) {
+          if (!(why || e).syscall) throw why || e; // a network error (connect, read, getaddrinfo) has one
+          this.tr.redis.disconnect();
+          if (this.stopping) return false;
+          await sleep(1);
+          if (this.stopping) return false;
+        }
+      }
+    } finally {
+      this.tr.redis.off('error', seen);
+    }
+  }
+
   // The main loop: claim, run, and when there is nothing, block on the queues' wake lists.
   async start() {
-    await this.tr.redis.connect();
+    if (!(await this.connect())) return;
     await this.heartbeat();
     await this.tr.redis.sadd(this.tr.g + 'queues', ...this.queues);
     const beats = setInterval(() => this.heartbeat().catch((e) => this.tr.failed('heartbeat', e)),
