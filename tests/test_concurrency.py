@@ -11,7 +11,11 @@ import socket
 import time
 
 from taskrunner.protocol import codec
+from taskrunner.protocol.claims import Delivery
+from taskrunner.worker.children import wait_ready
+from taskrunner.worker.crew import Crew
 from taskrunner.worker.main import Worker
+from taskrunner.worker.outbox import Outbox
 from tests import apps
 from tests.conftest import until_logged, wait_for
 from tests.test_prefetch import events
@@ -248,3 +252,96 @@ def test_spare_jobs_behind_long_ones_go_back_and_one_killed_while_it_waited_ends
         w._shutdown()
         w._wakeup.close()
         w._wakeup_w.close()
+
+
+def thread_crew(app) -> Crew:
+    """A crew of one child with 2 threads, driven here step by step (read, enforce) as a
+    worker drives it: the races below are set up, not waited for. Its child is real."""
+    crew = Crew(app, Outbox(app), "crew", "h", concurrency=1, threads=2)
+    crew.kill_grace = 0.5
+    crew.start()
+    return crew
+
+
+def naps(crew: Crew, *seconds: float) -> list[Delivery]:
+    """Thread jobs (tests.apps.nap) sent to the crew's child; each begins at once."""
+    (c,) = crew.children
+    sent = [Delivery("default", f"nap{i}", "1", "tests.apps.nap", f"[{s}]", "{}", 60.0) for i, s in enumerate(seconds)]
+    crew.deliver([(c, 0.0)] * len(sent), sent)
+    return sent
+
+
+def drive(crew: Crew, until) -> None:
+    """Read the child's answers and enforce what is due, as the worker does, until `until()`."""
+    (c,) = crew.children
+
+    def step() -> bool:
+        for _ in wait_ready([c.conn], 0.05):
+            crew.read(c)
+        crew.enforce(time.monotonic(), False, float("inf"))
+        return until()
+
+    wait_for(step, what="the crew to get there")
+
+
+def test_a_thread_job_found_requeued_before_its_begin_was_read_runs_on_beside_its_sibling(app):
+    """The heartbeat finds a delivery no longer ours just as the child begins it in a thread,
+    its {"began"} not read yet: stop() sends a cancel (as for a job not begun), which a
+    thread does not heed. The job runs on, as one found requeued after its begin does; the
+    cancel's grace (kill_grace) used to stop the whole child, the sibling with it."""
+    crew = thread_crew(app)
+    try:
+        (c,) = crew.children
+        sib, lost = naps(crew, 3, 3)
+        wait_for(lambda: c.state[0] >= lost.seq, what="the child to begin both")  # its word unread
+        assert lost.began is None and crew.stop(c, lost, "lost") is True  # a cancel
+        due = lost.stop_at
+        assert due is not None
+        drive(crew, lambda: time.monotonic() > due + 0.5 and lost.began is not None)
+        assert c.kill_reason is None and c.proc.is_alive(), "the child (and its sibling) was stopped"
+        drive(crew, lambda: not c.jobs)
+        assert [e.id for e in crew.outbox.load.ended["default"]] == [sib.id]  # the lost one: nothing
+        assert crew.processed == 1 and c.done == 2  # counted where it ran again; its child ran it
+    finally:
+        crew.close()
+
+
+def test_a_kill_naming_a_thread_job_already_found_requeued_leaves_its_child_running(app):
+    """A kill request for a delivery the heartbeat has found no longer ours (the control
+    message named the old attempt, read after the beat): nothing to stop. It stopped the
+    whole child, its sibling with it."""
+    crew = thread_crew(app)
+    try:
+        (c,) = crew.children
+        sib, lost = naps(crew, 3, 3)
+        drive(crew, lambda: lost.began is not None and sib.began is not None)
+        assert crew.stop(c, lost, "lost") is False  # a begun thread's job: runs on
+        assert crew.kill_request(lost.id, lost.attempt, "killed") is True  # handled: nothing to do
+        assert c.kill_reason is None and c.proc.is_alive() and lost.stop_at is None
+        drive(crew, lambda: not c.jobs)
+        assert [e.id for e in crew.outbox.load.ended["default"]] == [sib.id]
+    finally:
+        crew.close()
+
+
+def test_a_requeued_thread_job_past_its_max_duration_with_policy_flag_is_not_marked_stuck(app, caplog):
+    """A thread's job no longer ours, timeout_policy flag: at its max duration it is not
+    marked stuck (stuck.lua is fenced: the record is its new run's) and runs on, its child
+    untouched; at the shutdown grace's end the log says it goes nowhere (not "back in
+    line": it went back when it was requeued)."""
+    crew = thread_crew(app)
+    try:
+        (c,) = crew.children
+        (lost,) = naps(crew, 30)
+        lost.max_duration, lost.timeout_policy = 2.0, "flag"
+        drive(crew, lambda: lost.began is not None)
+        assert crew.stop(c, lost, "lost") is False
+        drive(crew, lambda: lost.stuck)
+        assert crew.outbox.load.marks == [] and c.kill_reason is None and c.proc.is_alive()
+        with caplog.at_level("WARNING", logger="taskrunner.worker"):
+            crew.enforce(time.monotonic(), True, 0.0)  # the shutdown grace ended
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "no longer ours" in said and "nothing is reported" in said and "goes back in line" not in said, said
+        assert c.kill_reason == "shutdown"
+    finally:
+        crew.close()

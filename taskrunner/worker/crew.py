@@ -37,6 +37,10 @@ class Crew:
         self.kill_grace = app.settings.kill_grace
         self.children: list[Child] = []
         self.runtime: float | None = None  # moving average of job runtimes, s
+        # Jobs that ended here as ours, their outcome reported (the heartbeat's `processed`):
+        # not one that ended here no longer ours (stop()), which counts where it ran again
+        # (counted here too, one job counted twice in the workers' totals). Its child's `done`
+        # counts it: the child ran it (recycling).
         self.processed = 0
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -69,7 +73,10 @@ class Crew:
         return {d.id for c in self.children for d in c.jobs if d.stop_reason != "lost"}
 
     def busy(self) -> int:
-        """Children with jobs."""
+        """Children with jobs, one that runs on here no longer ours (stop()) included: the
+        child is not idle, nor the worker drained (a shutdown waits for it, up to the grace).
+        The heartbeat's `running` lists the deliveries we hold, which leaves that one out:
+        its job's record names where it runs again."""
         return sum(1 for c in self.children if c.jobs)
 
     def usage(self) -> tuple[int, float, dict[int, int]]:
@@ -138,7 +145,6 @@ class Crew:
                 # not ours to report (Redis would refuse it: the fence). Its slot is free again.
                 log.info("worker %s: job %s, no longer ours, ended here; its outcome (%s) was not reported",
                          self.name, d.id, outcome.kind, extra=job_fields(d, self.name))
-                self.processed += 1
                 c.done += 1
                 continue
             if d is c.kill_target and outcome.kind == "killed" and not c.concurrent:
@@ -181,6 +187,11 @@ class Crew:
             d = d if d is not None and d.seq == seq else None
             if d is not None:
                 d.began = c.last_began = now
+                if d.stop_reason == "lost" and not self._is_async(d):
+                    # Found no longer ours before its "began" was read (stop() sent a cancel):
+                    # a thread's job runs on, as stop() leaves one it knew begun; its cancel's
+                    # grace stopped the child, the jobs beside it requeued.
+                    d.stop_at = None
             return
         job_id, attempt = next(iter(message.values()))[:2]
         d = next((d for d in c.jobs if d.id == job_id and d.attempt == attempt), None)
@@ -255,7 +266,9 @@ class Crew:
                     for d in policy.running(c):
                         if d.began is not None:
                             log.warning("worker %s: job %s still running when the shutdown grace ended: stopping it; "
-                                        "it goes back in line (a requeue, not a failure)", self.name, d.id,
+                                        + ("it is no longer ours (requeued while it ran here): nothing "
+                                           "is reported for it" if d.stop_reason == "lost" else
+                                           "it goes back in line (a requeue, not a failure)"), self.name, d.id,
                                         extra=job_fields(d, self.name))
                 c.kill(head, "shutdown", self.kill_grace)
             for d in policy.running(c):
@@ -263,14 +276,19 @@ class Crew:
                     continue
                 if now >= d.deadline and not d.stuck:
                     d.stuck = True
-                    self.outbox.mark_stuck(d)
+                    lost = d.stop_reason == "lost"
+                    if not lost:  # one no longer ours: stuck.lua is fenced, and its record is another run's
+                        self.outbox.mark_stuck(d)
                     if d.timeout_policy == "kill":
                         log.warning("worker %s: job %s passed its max duration; stopping it", self.name, d.id,
                                     extra=job_fields(d, self.name))
                         self.stop(c, d, "timeout")
                     else:
-                        log.warning("worker %s: job %s passed its max duration; flagged stuck and left running "
-                                    "(timeout_policy flag)", self.name, d.id, extra=job_fields(d, self.name))
+                        # One no longer ours too: stopping its child would stop the jobs beside it,
+                        # which count, for one that does not; it holds its thread as it would have.
+                        log.warning("worker %s: job %s passed its max duration; %s left running (timeout_policy "
+                                    "flag)", self.name, d.id, "no longer ours, not flagged:" if lost else
+                                    "flagged stuck and", extra=job_fields(d, self.name))
                 if d.stop_at is not None and now >= d.stop_at:
                     log.warning("worker %s: job %s did not stop within kill_grace; stopping child %d", self.name,
                                 d.id, c.pid, extra=job_fields(d, self.name))
@@ -286,6 +304,13 @@ class Crew:
         for c in self.children:
             for d in list(c.jobs):
                 if d.id == job_id and d.attempt == attempt:
+                    if d.stop_reason == "lost":
+                        # A request naming a delivery the heartbeat found requeued: nothing to
+                        # stop (a thread's job runs on: stop()), and stopping its child for it
+                        # stopped the jobs beside it.
+                        log.info("worker %s: not killing job %s (%s): no longer ours", self.name, job_id, reason,
+                                 extra=job_fields(d, self.name))
+                        return True
                     log.info("worker %s: killing job %s in child %d (%s)", self.name, job_id, c.pid, reason,
                              extra=job_fields(d, self.name))
                     self.stop(c, d, reason)
@@ -300,7 +325,8 @@ class Crew:
         be stopped, and stopping its child for it stopped the jobs running beside it, which
         then ran again. It runs on, its outcome not reported (read()), and its slot comes back
         when it ends; at its max duration it is stopped as any thread's job (enforce()).
-        False for that one, left running; True when the job is being stopped."""
+        False for that one, left running; True when the job is being stopped (or, for one
+        whose "began" we had not read, cancelled: a thread's job runs on all the same, _note())."""
         if c.concurrent and not whole and (d.began is None or self._is_async(d)):
             c.cancel(d, reason, self.kill_grace)
             return True
