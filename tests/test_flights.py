@@ -14,8 +14,10 @@ import pytest
 
 from taskrunner.ops.redis_server import RedisServer
 from taskrunner.worker.main import Worker
+from tests import apps
 from tests.conftest import wait_for
 from tests.test_prefetch import events, ledger
+from tests.test_scripts import claim
 
 
 def start(app) -> Worker:
@@ -92,6 +94,25 @@ def test_a_claim_whose_answers_are_lost_with_its_connection_is_reconciled(app, w
         timeline = " ".join(events(j))
         assert ("worker inflight no longer ran it" in timeline) == (j.id in claimed), timeline
         assert j.refresh().data["attempts"] == ("2" if j.id in claimed else "1")
+
+
+def test_a_lost_claim_of_a_job_whose_earlier_attempt_runs_here_is_reconciled(app, worker):
+    """A job runs here (attempt 1) and is requeued; before the heartbeat notices, our claim
+    takes it again (attempt 2) and its answer is lost. Reconciling matches deliveries by
+    attempt: attempt 2 is none of ours and goes back. Matched by job id, the child's attempt
+    1 made it ours, and it waited for its max duration."""
+    job = apps.hold.delay("again", 60)
+    worker.next_beat = float("inf")  # no heartbeat: it would find attempt 1 lost
+    worker.may_claim = True
+    wait_for(lambda: worker._step() or ledger(app, "again") == 1, what="attempt 1 to begin")
+    assert job.requeue("ops@desk")
+    [row] = claim(app, pids=(os.getpid(),), worker="inflight")  # our claim, its answer lost
+    assert (row[1], row[2]) == (job.id, 2)
+    worker.reconcile, worker.may_claim = True, False  # the next sync reconciles, and claims nothing
+    worker._sync(wait=True)
+    assert "worker inflight no longer ran it" in " ".join(events(job))
+    assert job.refresh().data["state"] == "pending"
+    app.redis.set(f"{app.settings.prefix}:release:again", 1)  # attempt 1 ends; its end is fenced off
 
 
 def test_answers_come_before_the_connection_was_killed_count(app, worker):

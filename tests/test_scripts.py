@@ -346,7 +346,7 @@ def test_a_dead_serial_process_counts_only_its_first_in_line(app):
     app.redis.set(app.keys.worker("loop"), json.dumps({"name": "loop", "serial": False}))
     entries = {i: json.loads(app.redis.hget(p + "running", j.id)) for i, j in enumerate(jobs)}
     assert [entries[i].get("ahead", 0) for i in range(7)] == [0, 300, 600, 0, 0, 300, 600]
-    acted = holders.lose_held(app, ["default"], lambda w, _: True, "worker {} is dead")
+    acted = holders.lose_held(app, ["default"], lambda e: True, "worker {} is dead")
     assert sorted(x.id for x in acted) == sorted(j.id for j in jobs)
     lost = [app.job(j.id).to_dict().get("lost", 0) for j in jobs]
     assert lost == [1, 0, 0, 1, 1, 1, 1]
@@ -366,7 +366,7 @@ def test_a_job_claimed_later_does_not_take_the_running_ones_place(app, pill_md):
     assert finish(app, a.id, "1", "completed", "2") == finish(app, b.id, "1", "completed", "4") == 1
     claim(app, pids=(501,), worker="s", ahead=f"{pill_md - 0.01:.3f}")  # policy.slots: the pill's max duration left
     app.redis.set(app.keys.worker("s"), json.dumps({"name": "s", "serial": True}))
-    holders.lose_held(app, ["default"], lambda w, _: True, "worker {} is dead")
+    holders.lose_held(app, ["default"], lambda e: True, "worker {} is dead")
     assert [app.job(j.id).to_dict().get("lost", 0) for j in (pill, later)] == [1, 0]
 
 

@@ -359,8 +359,8 @@ class Dispatcher:
         (rfq's harvester), without waiting for their deadlines."""
         alive, _ = self.liveness(server_time(self.app.redis))
         stats = {"requeued": 0, "failed": 0, "killed": 0}
-        self._tally(lose_held(self.app, queues, lambda w, _: w not in alive, "harvested: worker {} is not alive"),
-                    stats)
+        self._tally(lose_held(self.app, queues, lambda e: e.holding.worker not in alive,
+                              "harvested: worker {} is not alive"), stats)
         return stats
 
     def _stuck(self, queue: str, job_id: str, attempt: str, stats: dict[str, int]) -> None:
@@ -400,7 +400,7 @@ class Dispatcher:
 
     def _reap(self, queues: list[str], dead: set[str], now: float, stats: dict[str, int]) -> None:
         """Requeue every job the dead workers held, then list them as dead."""
-        self._tally(lose_held(self.app, queues, lambda w, _: w in dead, "worker {} is dead"), stats)
+        self._tally(lose_held(self.app, queues, lambda e: e.holding.worker in dead, "worker {} is dead"), stats)
         pipe = self.redis.pipeline(transaction=False)
         for n in dead:
             log.warning("dispatcher: worker %s is dead", n, extra={"worker": n})

@@ -191,14 +191,16 @@ def serial_by_heartbeat(app: TaskRunner, workers: set[str]) -> Callable[[Holding
     return lambda h: h.worker in out
 
 
-def lose_held(app: TaskRunner, queues: list[str], gone: Callable[[str, str], bool], why: str,
+def lose_held(app: TaskRunner, queues: list[str], gone: Callable[[Held], bool], why: str,
               serial: Callable[[Holding], bool] | None = None) -> list[Lost]:
-    """Lose, fenced by owner and delivery, every running job for which gone(worker, id) is
-    true; `why` is formatted with the worker's name. Only those that may have begun count
+    """Lose, fenced by owner and delivery, every running job for which gone(delivery) is
+    true (its holding entry says who holds which attempt: a worker reconciling tells its
+    own from an attempt of the same job it no longer holds); `why` is formatted with the
+    worker's name. Only those that may have begun count
     towards max_lost (may_have_begun(), by `serial`; default: the holders' heartbeats say).
     Returns those it acted on."""
     seen = holdings(app, queues)
-    losing = [e for e in seen if gone(e.holding.worker, e.id)]
+    losing = [e for e in seen if gone(e)]
     if not losing:
         return []
     if serial is None:

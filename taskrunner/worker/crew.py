@@ -67,10 +67,12 @@ class Crew:
     def held(self) -> list[tuple[Child, Delivery]]:
         return [(c, d) for c in self.children for d in c.jobs]
 
-    def job_ids(self) -> set[str]:
-        """The jobs we run, for reconciling: not one that runs on here no longer ours (stop()),
-        as a delivery Redis gives us of it since is none of ours unless a child has it."""
-        return {d.id for c in self.children for d in c.jobs if d.stop_reason != "lost"}
+    def deliveries(self) -> set[tuple[str, str]]:
+        """The deliveries (id, attempt) we run, for reconciling: not one that runs on here no
+        longer ours (stop()); and by attempt, as a delivery Redis gives us of a job a child
+        runs an earlier attempt of (a claim whose answer never came, before the heartbeat
+        found the earlier one lost) is none of ours."""
+        return {(d.id, d.attempt) for c in self.children for d in c.jobs if d.stop_reason != "lost"}
 
     def busy(self) -> int:
         """Children with jobs, one that runs on here no longer ours (stop()) included: the

@@ -545,11 +545,12 @@ class Worker:
     def _release_orphans(self) -> None:
         """Deliveries the holding lists give to us that no child of ours has (a claim whose
         answer never came, or a previous life under the same name): requeue them."""
-        mine = self.crew.job_ids() | set(self.outbox.waiting_ids())
+        mine = self.crew.deliveries() | self.outbox.waiting()
         # What our children hold is known to be in line; a previous life's processes are not,
         # though their PIDs may be our children's again (a container's): claimed before we began.
         children = {c.pid for c in self.crew.children} if self.serial else set()
-        acted = lose_held(self.app, self.queues, lambda w, job_id: w == self.name and job_id not in mine,
+        acted = lose_held(self.app, self.queues,
+                          lambda e: e.holding.worker == self.name and (e.id, str(e.holding.attempt)) not in mine,
                           "worker {} no longer ran it",
                           lambda h: h.worker == self.name and h.pid in children and h.started_at >= self.born)
         if acted:

@@ -61,8 +61,9 @@ class Outbox:
         return any(e.id == job_id for load in (self.load, *self.on_the_way) for ended in load.ended.values()
                    for e in ended)
 
-    def waiting_ids(self) -> set[str]:
-        return {e.id for ended in self.load.ended.values() for e in ended}
+    def waiting(self) -> set[tuple[str, str]]:
+        """The deliveries (id, attempt) whose outcome waits to be reported."""
+        return {(e.id, e.attempt) for ended in self.load.ended.values() for e in ended}
 
     def put_into(self, batch: scripts.Batch, now: float) -> Load:
         """Load everything waiting into the batch (progress first: a job's last lines are
