@@ -199,28 +199,33 @@ def run_stack(app_spec: str, redis_url: str | None, concurrency: int, port: int,
         click.echo(f"stopping ({signal.Signals(signals.first or signal.SIGTERM).name})...")
         code = 0
     finally:
-        _stop(list(procs.values()), signals)
+        _stop(procs, signals)
         if server:
             server.stop()
             click.echo("redis-server stopped")
     return code
 
 
-def _stop(procs: list[subprocess.Popen], signals: _Signals) -> None:
+def _stop(named: dict[str, subprocess.Popen], signals: _Signals) -> None:
     """Stop the stack's processes (SIGTERM: the terminal's Ctrl-C reached `up` alone) and
     wait for them, Redis kept until they are gone: running jobs have their grace. Meanwhile
     SIGTERM (or SIGHUP) again is ignored, as the worker ignores it, and Ctrl-C again (or
-    Ctrl-\\) stops running jobs now (SIGINT to each process: the worker requeues them).
-    Past 30 s they get SIGINT, past 40 s SIGKILL."""
+    Ctrl-\\) stops running jobs now (SIGINT to the workers: they requeue them). Past 30 s
+    the workers get SIGINT, past 40 s every process SIGKILL. The dashboard and the
+    dispatcher get SIGTERM alone: to gunicorn a SIGINT is a quick stop that sends its
+    workers SIGQUIT, which met one already exiting after the SIGTERM and printed a
+    traceback from its interpreter's shutdown."""
     signals.stopping = True
     caught = signals.caught
+    procs = list(named.values())
+    workers = [p for name, p in named.items() if "worker" in name]
     _send(procs, signal.SIGTERM)
     began, hurried = time.monotonic(), False
     while True:
         while caught:  # also when all are gone already: what the user did is acknowledged
             if caught.pop(0) in (signal.SIGINT, signal.SIGQUIT):
                 click.echo("stopping now: running jobs are stopped and requeued")
-                _send(procs, signal.SIGINT)
+                _send(workers, signal.SIGINT)
             else:
                 click.echo("already stopping (SIGTERM again, ignored): running jobs have their grace; "
                            "Ctrl-C stops them now")
@@ -228,7 +233,7 @@ def _stop(procs: list[subprocess.Popen], signals: _Signals) -> None:
             break
         waited = time.monotonic() - began
         if waited > 30 and not hurried:
-            _send(procs, signal.SIGINT)
+            _send(workers, signal.SIGINT)
             hurried = True
         if waited > 40:
             _send(procs, signal.SIGKILL)
