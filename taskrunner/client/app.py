@@ -683,15 +683,20 @@ class TaskRunner:
             says why that is safe), up to enqueue_retry seconds from the first error (as
             riding(): a first try that waited out a hung Redis's socket timeout took none of it)."""
             backoff: Backoff | None = None
-            while True:
-                try:
-                    answers = batch.execute()
-                    steps.went_through(self, "enqueue_many")
-                    return answers
-                except steps.REDIS_ERRORS as e:
-                    backoff, pause = steps.ride_out(self, e, backoff, "enqueue_many")  # raises e when not
-                    time.sleep(pause)
-                batch = batch_of(by_queue, others, None)  # a pipeline is spent once executed
+            try:
+                while True:
+                    try:
+                        answers = batch.execute()
+                        if backoff is not None:
+                            backoff.ok()
+                        return answers
+                    except steps.REDIS_ERRORS as e:
+                        backoff, pause = steps.ride_out(self, e, backoff, "enqueue_many")  # raises e when not
+                        time.sleep(pause)
+                    batch = batch_of(by_queue, others, None)  # a pipeline is spent once executed
+            finally:  # interrupted in a pause: it leaves the outage it rode
+                if backoff is not None:
+                    backoff.give_up()
 
         def settle() -> None:
             """Read the answers of the chunk sent: a refused job raises before another is sent."""

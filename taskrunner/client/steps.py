@@ -147,23 +147,29 @@ def riding(app: TaskRunner, operation: Steps[T], what: str) -> Steps[T]:
         except StopIteration as done:
             return done.value
         backoff = None
-        while True:
-            try:
-                answer, error = (yield request), None
-                went_through(app, what)
-                break
-            except Exception as e:
-                answer, error = None, e
+        try:
+            while True:
                 try:
-                    backoff, pause = ride_out(app, e, backoff, what)
-                except Exception:  # e: the operation gets it
+                    answer, error = (yield request), None
+                    if backoff is not None:
+                        backoff.ok()  # it rode an outage: it leaves it (over, when no other rides it)
                     break
-            yield Sleep(pause)
+                except Exception as e:
+                    answer, error = None, e
+                    try:
+                        backoff, pause = ride_out(app, e, backoff, what)
+                    except Exception:  # e: the operation gets it
+                        break
+                yield Sleep(pause)
+        finally:  # closed midway (an interrupt in its pause): it leaves the outage it rode
+            if backoff is not None:
+                backoff.give_up()
 
 
 #: Per Redis URL, the outage its producers and waiters (Job.wait) in this process are riding
 #: out (Outage.since None: none now): shared by their threads, so that one outage is one
-#: warning, and one "answers again", however many requests and waits meet it. A forked child starts with none.
+#: warning, and one "answers again", however many requests and waits meet it (each request
+#: that fails rides it, Outage.riders). A forked child starts with none.
 _OUTAGES: dict[str | None, Outage] = {}
 os.register_at_fork(after_in_child=_OUTAGES.clear)
 
@@ -176,23 +182,19 @@ def outage_of(app: TaskRunner) -> Outage:
     return outage
 
 
-def went_through(app: TaskRunner, what: str) -> None:
-    """A producer's request went through: if its Redis was out, it answers again (said once)."""
-    outage = _OUTAGES.get(app.settings.redis_url)
-    if outage is not None and outage.since is not None:
-        outage.ok(what)
-
-
 def ride_out(app: TaskRunner, error: BaseException, backoff: Backoff | None, what: str) -> tuple[Backoff, float]:
     """The backoff (made at the request's first error, `backoff` None) and the pause before a
     producer's request that met `error` is sent again; raises `error` where it is not to be
     ridden out: enqueue_retry 0, not a Redis error, a LASTING one (or one raised from it: a
     cluster client that reached no node), one that does not pass by itself
-    (outages.transient()), or the bound passed. riding() and enqueue_many's chunks (sent
-    past the steps) decide so alike, and log in the process's shared outage (outage_of()): a
-    request that fails while others wait logs at debug level."""
+    (outages.transient()), or the bound passed: the backoff then leaves the outage it rode
+    (Backoff.give_up). riding() and enqueue_many's chunks (sent past the steps) decide so
+    alike, and ride the process's shared outage (outage_of()): a request that fails while
+    others wait logs at debug level; one that goes through leaves it (Backoff.ok)."""
     if not (app.settings.enqueue_retry and isinstance(error, REDIS_ERRORS)) \
             or isinstance(error, LASTING) or isinstance(error.__cause__, LASTING):
+        if backoff is not None:
+            backoff.give_up()
         raise error
     backoff = backoff or Backoff(what, time.monotonic() + app.settings.enqueue_retry, outage_of(app))
     return backoff, backoff.after(error)
@@ -401,23 +403,27 @@ def wait(app: TaskRunner, job_id: str, queue: str, timeout: float | None) -> Ste
     deadline = None if timeout is None else time.monotonic() + timeout
     backoff = Backoff(f"waiting for job {job_id}", deadline, outage_of(app))
     prefix = app.keys.q(queue)
-    while True:
-        try:
-            state = yield Script(scripts.WATCH, [prefix], [job_id])
-            if not state:
-                raise JobNotFound(f"no job {job_id} in queue {queue}")
-            if state in FINAL:
-                data = yield Command("hgetall", (app.keys.job(queue, job_id),))
-                if data:
-                    return data
-                raise JobNotFound(f"no job {job_id} in queue {queue} (expired as it ended)")
-            left = LOOK_AGAIN if deadline is None else min(LOOK_AGAIN, deadline - time.monotonic())
-            if left <= 0:
-                raise Timeout(f"job {job_id} still {state} after {timeout}s")
-            yield Pop("BLPOP", f"{prefix}notify:{job_id}", max(left, 0.01))
-            backoff.ok()
-        except REDIS_ERRORS as e:
-            yield Sleep(backoff.after(e))
+    try:
+        while True:
+            try:
+                state = yield Script(scripts.WATCH, [prefix], [job_id])
+                if not state:
+                    raise JobNotFound(f"no job {job_id} in queue {queue}")
+                if state in FINAL:
+                    data = yield Command("hgetall", (app.keys.job(queue, job_id),))
+                    backoff.ok()
+                    if data:
+                        return data
+                    raise JobNotFound(f"no job {job_id} in queue {queue} (expired as it ended)")
+                left = LOOK_AGAIN if deadline is None else min(LOOK_AGAIN, deadline - time.monotonic())
+                if left <= 0:
+                    raise Timeout(f"job {job_id} still {state} after {timeout}s")
+                yield Pop("BLPOP", f"{prefix}notify:{job_id}", max(left, 0.01))
+                backoff.ok()
+            except REDIS_ERRORS as e:
+                yield Sleep(backoff.after(e))
+    finally:  # ended otherwise than through (JobNotFound, Timeout, closed): it leaves the outage it rode
+        backoff.give_up()
 
 
 def kill(app: TaskRunner, job_id: str, queue: str, who: str) -> Steps[str]:
