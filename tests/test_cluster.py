@@ -658,6 +658,48 @@ def test_a_workflow_whose_written_jobs_cannot_be_killed_names_them(capp, cluster
     assert capp.job(left, first).kill() == "killed"
 
 
+def test_a_workflow_a_later_slot_refuses_kills_only_the_jobs_this_call_wrote(capp, cluster, queues):
+    """A step whose id existed before the call (enqueued before: a workflow given again with
+    its ids, or another's) is answered 0 by its write; when a later slot refused the
+    workflow, that job was killed with the ones this call wrote, with its children (found by
+    review). Only those this call wrote (answered 1) are killed; the error names the other,
+    and says that the workflow goes again with new ids."""
+    old = apps.add.apply_async((1, 2), queue=queues[0], job_id="before-wf")
+    capp.redis.hset(capp.keys.q(queues[1]) + "meta", "closed", "1")
+    with pytest.raises(QueueClosed) as refused:
+        chain(apps.add.s(1, 2).set(queue=queues[0], job_id="before-wf"), apps.add.s(3).set(queue=queues[2]),
+              apps.add.s(4).set(queue=queues[1])).delay()
+    said = str(refused.value)
+    assert "the jobs of it written before were killed: 1; to enqueue it again, give them new ids" in said, said
+    assert ("already existed (this call's earlier try whose answer was lost, or enqueued before): "
+            f"not killed: {queues[0]} before-wf)") in said, said
+    assert old.refresh().state == "pending"
+    with cluster.owner(f"{{{queues[2]}}}").client() as node:
+        [second] = node.zrange(capp.keys.q(queues[2]) + "killed", 0, -1)
+    assert refused.value.withdrawn == [(queues[2], second)]
+
+
+def test_enqueue_many_says_which_jobs_a_lone_call_withdrew(capp, cluster, queues):
+    """enqueue_many writes a job whose callbacks are in another queue (slot) by a call of its
+    own; when the callback's queue refuses, across() kills the job written: it was reported
+    unsure, and given its id again (as .unsure says) it added nothing, never to run (found by
+    review). It is in `.withdrawn`, given again with a new id it runs."""
+    capp.redis.hset(capp.keys.q(queues[1]) + "meta", "closed", "1")
+    given = [{"task": "tests.apps.add", "args": [1, 1], "queue": queues[0]},
+             {"task": "tests.apps.add", "args": [2, 2], "queue": queues[0], "id": "lone",
+              "on_success": {"task": "tests.apps.echo", "queue": queues[1]}}]
+    with pytest.raises(QueueClosed) as refused:
+        capp.enqueue_many(given)
+    e = refused.value
+    assert ([j.id for j in e.withdrawn], e.unsure, e.refused) == (["lone"], [], []), str(e)
+    assert [(j.refresh().state, j.to_dict()["args"]) for j in e.enqueued] == [("pending", [1, 1])]
+    assert "1 withdrawn (killed: enqueue them with new ids)" in str(e), str(e)
+    assert capp.job("lone", queues[0]).state == "killed"
+    capp.redis.hdel(capp.keys.q(queues[1]) + "meta", "closed")
+    [again] = capp.enqueue_many([{**given[1], "id": "lone-2"}])
+    assert again.created and again.refresh().state == "pending"
+
+
 def test_workflows_over_slots_survive_killed_workers_and_a_restarted_dispatcher(capp, stack, cluster, queues):
     """Chaos: a chord of 40 members in two slots with its callback in a third, and a chain of
     6 steps going round the three slots, while workers are SIGKILLed again and again (between

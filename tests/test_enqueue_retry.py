@@ -470,6 +470,71 @@ def test_enqueue_many_past_the_bound_says_how_many_it_enqueued(app, own_redis, w
     assert produced(app) == 1 + 6  # each once
 
 
+def test_enqueue_many_refused_midway_says_which_jobs_redis_took(app):
+    """(Review.) A full queue's refusal raised QueueFull bare: the jobs of the chunks before it
+    and those of other queues in the same chunk, even after the refused ones, were enqueued,
+    and a caller that ran the call again enqueued them twice. Its error carries the jobs Redis
+    took (`.enqueued`, in the order given) and those it refused (`.refused`)."""
+    from taskrunner.errors import QueueFull
+    from taskrunner.ops import queue
+
+    queue.create(app, "qb", bound=1)
+    given = [{"task": "tests.apps.add", "args": [i, 0], "queue": q} for i, q in enumerate("aaabba")]
+    given = [{**g, "queue": "q" + g["queue"]} for g in given]
+    with pytest.raises(QueueFull) as refused:
+        app.enqueue_many(given, chunk=3)
+    e = refused.value
+    assert str(e) == ("1 jobs refused: queue qb is full (enqueue_many: 5 of the first 6 jobs given enqueued, "
+                      "1 refused, none after)")
+    assert [app.job(j.id).to_dict()["args"] for j in e.enqueued] == [[0, 0], [1, 0], [2, 0], [3, 0], [5, 0]]
+    assert [(j.queue, j.created) for j in e.refused] == [("qb", False)] and e.unsure == e.withdrawn == []
+    with pytest.raises(Exception, match="no job"):
+        app.job(e.refused[0].id)
+    assert produced(app, "qa") + produced(app, "qb") == 5
+
+
+def test_enqueue_many_a_script_refuses_says_which_jobs_redis_took(app):
+    """(Review.) A script's refusal of one queue's call (a shard not the queue's) raised its
+    error bare, the chunk's other queues' jobs enqueued: it carries them, and the refused."""
+    from taskrunner.errors import InvalidName
+    from taskrunner.ops import queue
+
+    queue.create(app, "few", shards=2)
+    given = [{"task": "tests.apps.add", "args": [0, 0]}, {"task": "tests.apps.add", "args": [1, 0], "queue": "few~7"},
+             {"task": "tests.apps.add", "args": [2, 0]}]
+    with pytest.raises(InvalidName, match="^1 jobs refused: queue few~7: queue few~7 is not a shard of queue few") as e:
+        app.enqueue_many(given)
+    assert [app.job(j.id).to_dict()["args"] for j in e.value.enqueued] == [[0, 0], [2, 0]]
+    assert [j.queue for j in e.value.refused] == ["few~7"] and e.value.unsure == []
+
+
+def test_enqueue_many_a_hook_refusal_after_a_refused_chunk_says_both(app):
+    """(Review.) A job refused before it is sent reads the chunk sent before it: when that
+    raised QueueFull, the hook's error was lost. The job's error is raised, saying the
+    refusal too (its cause), with the jobs taken and refused."""
+    from taskrunner import TaskRunner
+    from taskrunner.errors import QueueFull
+    from taskrunner.ops import queue
+
+    producer = TaskRunner("hooks-refused", redis_url=app.settings.redis_url, prefix=app.settings.prefix)
+
+    class Refuse:
+        def before_enqueue(self, job):
+            if job.args == ["no"]:
+                raise ValueError("refused by a hook")
+
+    producer.add_middleware(Refuse())
+    queue.create(producer, "one", bound=1)
+    with pytest.raises(ValueError) as refused:
+        producer.enqueue_many([{"task": "hooks.noop", "args": [i], "queue": "one"} for i in range(2)]
+                              + [{"task": "hooks.noop", "args": ["no"]}], chunk=2)
+    e = refused.value
+    assert str(e) == ("job 3: refused by a hook (1 of the 2 before it enqueued, 1 refused, none after; and before it: "
+                      "QueueFull: 1 jobs refused: queue one is full)")
+    assert isinstance(e.__cause__, QueueFull)
+    assert [j.to_dict()["args"] for j in (j.refresh() for j in e.enqueued)] == [[0]] and len(e.refused) == 1
+
+
 def rider(app: Any, what: str) -> Any:
     """A producer's request (a PING) that steps.riding() sends, driven by hand: it meets
     whatever error the test throws in (as one slot's primary failing over would give it)."""
@@ -535,3 +600,21 @@ def test_an_outage_its_last_rider_gave_up_is_over(app, warnings):
     assert warnings.outages() == 3
     goes_through(then)
     assert (warnings.outages(), warnings.backs()) == (3, 1), warnings.lines
+
+
+def test_enqueue_many_a_lone_call_refused_is_among_the_refused(app):
+    """A job whose callback is in another queue is written with it by a call of its own; a
+    closed callback queue refuses both, nothing written: the job is refused, not unsure."""
+    from taskrunner.ops import queue
+
+    queue.create(app, "shut")
+    queue.close(app, "shut")
+    with pytest.raises(QueueClosed) as refused:
+        app.enqueue_many([{"task": "tests.apps.add", "args": [0, 0]},
+                          {"task": "tests.apps.add", "args": [1, 0], "id": "linked",
+                           "on_success": {"task": "tests.apps.echo", "queue": "shut"}},
+                          {"task": "tests.apps.add", "args": [2, 0]}])
+    e = refused.value
+    assert ([j.id for j in e.refused], e.unsure, e.withdrawn) == (["linked"], [], []), str(e)
+    assert [app.job(j.id).to_dict()["args"] for j in e.enqueued] == [[0, 0]]
+    assert "(enqueue_many: 1 of the first 2 jobs given enqueued, 1 refused, none after)" in str(e), str(e)

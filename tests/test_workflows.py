@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+import redis
 
 from taskrunner import JobFailed, TaskRunner, chain
+from taskrunner.client import steps
 from taskrunner.ops import history as hist
 from taskrunner.ops import listing
 from taskrunner.protocol import scripts
@@ -313,3 +317,53 @@ def test_a_step_whose_parents_all_completed_gets_what_the_join_would_give(app, s
     d = app.redis.hgetall(app.keys.job("default", "on-fail"))
     assert (d["state"], d["canceled_by"]) == ("canceled", f"default {a.id}")
     assert "completed (an on_failure callback)" in d["error"]
+
+
+def drive(op: Any, enqueue_answer: Callable[[steps.Enqueue], Any]) -> tuple[list[str], BaseException | None]:
+    """Run a producer's operation by hand as on a Redis Cluster (canvas.across), each write
+    answered by enqueue_answer (an exception: thrown in); the ids it asks to kill, and the
+    error it ends with."""
+    kills: list[str] = []
+    answer: Any = None
+    request = next(op)
+    while True:
+        if isinstance(request, steps.Clustered):
+            answer = True
+        elif isinstance(request, steps.Enqueue):
+            answer = enqueue_answer(request)
+            if isinstance(answer, BaseException):
+                try:
+                    request = op.throw(answer)
+                    continue
+                except Exception as e:
+                    return kills, e
+        elif isinstance(request, steps.Scripts):
+            kills += [call.args[0] for call in request.calls]
+            answer = [["killed"] for _ in request.calls]  # kill.lua: each killed by this call
+        else:
+            answer = None
+        try:
+            request = op.send(answer)
+        except StopIteration:
+            return kills, None
+        except Exception as e:
+            return kills, e
+
+
+def test_a_workflow_that_fails_midway_kills_no_job_that_existed_before_it(app):
+    """(Review.) A step answered 0 existed before the call — enqueued before (a workflow given
+    again with its ids, another's ids) or by a try of this call whose answer was lost: a
+    later level failing for good killed it with those this call wrote, children and all. Only
+    those answered 1 are killed; the others are named."""
+    flow = chain(apps.add.s(1, 2).set(queue="q1", job_id="existing-1"), apps.add.s(3).set(queue="q2", job_id="mine-2"),
+                 apps.add.s(4).set(queue="q3", job_id="mine-3"))
+    answers = {"existing-1": [0], "mine-2": [1]}
+    kills, error = drive(flow.enqueued(), lambda r: answers[r.jobs[0][0]] if r.jobs[0][0] in answers
+                         else redis.ResponseError("OOM command not allowed"))
+    assert isinstance(error, redis.ResponseError)
+    assert kills == ["mine-2"]
+    assert str(error) == ("OOM command not allowed (the jobs of it written before were killed: 1; to enqueue it "
+                          "again, give them new ids (a killed job's id exists: given again, it adds nothing); already "
+                          "existed (this call's earlier try whose answer was lost, or enqueued before): not killed: "
+                          "q1 existing-1)")
+    assert error.withdrawn == [("q2", "mine-2")]

@@ -22,7 +22,7 @@ from taskrunner.client.job import Job
 from taskrunner.client.middleware import Enqueued, Middleware
 from taskrunner.config import Settings
 from taskrunner.errors import MAX_RETRIES, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError, restated
-from taskrunner.protocol import codec, scripts, shards
+from taskrunner.protocol import codec, outages, scripts, shards
 from taskrunner.protocol.codec import count, seconds
 from taskrunner.protocol.connection import Client, connect, is_cluster
 from taskrunner.protocol.keys import Keys
@@ -109,12 +109,14 @@ def _enqueue_args(jobs: list[tuple[str, float, list[Any]]], limit: int | None = 
     return args if limit is None else [*args, limit]
 
 
-def _stopped(e: BaseException, message: str, enqueued: list[Job], unsure: list[Job]) -> BaseException:
+def _stopped(e: BaseException, message: str, enqueued: list[Job], unsure: list[Job],
+             refused: list[Job], withdrawn: list[Job]) -> BaseException:
     """The error that stopped enqueue_many, said with `message` (how many jobs it enqueued:
-    errors.restated()), carrying `enqueued` and `unsure` (TaskRunner.enqueue_many says what
-    they are)."""
-    said = restated(e, message)
+    errors.restated(); an error not an Exception, as KeyboardInterrupt, as it is), carrying
+    `enqueued`, `unsure`, `refused` and `withdrawn` (TaskRunner.enqueue_many says what they are)."""
+    said = restated(e, message) if isinstance(e, Exception) else e
     said.enqueued, said.unsure = list(enqueued), list(unsure)  # type: ignore[attr-defined]
+    said.refused, said.withdrawn = list(refused), list(withdrawn)  # type: ignore[attr-defined]
     return said
 
 
@@ -625,14 +627,21 @@ class TaskRunner:
         priority, unique_key, unique_for, unique_until (a unique job's duplicate: the Job of the
         one holding its key), and the links of TaskRunner.enqueue: `depends_on` (ids, of this
         call's earlier jobs or of existing ones, or Job objects), `on_success`, `on_failure`
-        (signatures, or objects as callback_of() reads them). Never blocks: jobs refused by a full or closed queue raise
-        QueueFull/QueueClosed after the chunk (the jobs before them are enqueued). A job refused
-        before it is sent (its arguments, a hook) raises its error, and Redis unavailable past
-        the enqueue_retry bound its Redis error, saying how many of the jobs given before were
-        enqueued; either carries `enqueued`, their Jobs (the first ones given, in order), and
-        `unsure`, the Jobs sent whose answer did not come (each may be enqueued): a caller goes
-        on from the first job not in `enqueued`, giving those of `unsure` their ids again (an id
-        that exists adds nothing), so that none is enqueued twice. While Redis
+        (signatures, or objects as callback_of() reads them). Never blocks: jobs refused by a
+        full or closed queue raise QueueFull/QueueClosed after their chunk, and those a script
+        refuses (a shard not the queue's: InvalidName) its error; a job refused before it is
+        sent (its arguments, a hook) raises its error, and Redis unavailable past the
+        enqueue_retry bound its Redis error. Any error raised once a job was sent says how many
+        jobs were enqueued, and carries, each in the order given: `enqueued`, the Jobs of those
+        Redis took (created, there already, or a unique duplicate's holder: what the call
+        returns) — after refused ones too, as a chunk may span queues; `refused`, those Redis
+        refused (not enqueued); `unsure`, those sent whose answer did not come (each may be
+        enqueued: give them their ids again, an id that exists adds nothing); and `withdrawn`,
+        those a call of their own wrote and then killed, as a later part of it failed for good
+        (canvas.across: enqueue them again with NEW ids, their own are taken by the killed
+        records). The jobs given up to where it stopped (the job named by a refusal before it was
+        sent excepted) are each in one of these; those after were not sent, so a caller that
+        goes on from there enqueues none twice. While Redis
         runs a chunk, the next one is built; it is sent once the answers came. A job whose
         parent is in this chunk in another queue goes in the next chunk (its parent is written
         first); one whose callbacks are in another queue than its own is written with them by
@@ -650,6 +659,8 @@ class TaskRunner:
         parent_queues: dict[str, set[str]] = {}  # queue -> the other queues its pending jobs' parents are in
         callbacks: set[str] = set()  # ids of callbacks: they are not among the jobs answered
         alone: list[Job] = []  # a job linked() writes by a call of its own, until its answer came
+        refused: list[Job] = []  # the jobs Redis refused (settle() raised)
+        failed: BaseException | None = None  # a job's own check or hook refused it (it was not sent)
 
         def batch_of(by_queue: dict[str, list[tuple[str, float, list[Any]]]], others: dict[str, set[str]],
                      direct: Direct | None) -> scripts.Batch:
@@ -686,7 +697,12 @@ class TaskRunner:
             try:
                 while True:
                     try:
-                        answers = batch.execute()
+                        answers = batch.execute(raise_on_error=False)
+                        # A script's refusal stays in its place (its queue's jobs refused, the others'
+                        # taken); an error that passes, or one of a command, sends the chunk again.
+                        for k, a in enumerate(answers):
+                            if isinstance(a, Exception) and (k >= len(by_queue) or outages.transient(a)):
+                                raise a
                         if backoff is not None:
                             backoff.ok()
                         return answers
@@ -704,28 +720,34 @@ class TaskRunner:
             if sent is None:
                 return
             batch, by_queue, others, order, count = sent
-            results = iter(answered(batch, by_queue, others))
+            answers = answered(batch, by_queue, others)
             sent = None
-            answers = {q: next(results) for q in by_queue}
-            refused = []
             made: dict[str, Job] = {}
-            for queue, items in by_queue.items():
-                for (job_id, _, _), created in zip(items, answers[queue]):
+            no: dict[str, Job] = {}
+            why: list[tuple[str, Any]] = []  # (queue, -1, -2 or the script's refusal) per refused call
+            for (queue, items), answer in zip(by_queue.items(), answers):
+                for k, (job_id, _, _) in enumerate(items):
+                    created = answer if isinstance(answer, Exception) else answer[k]
                     if job_id in callbacks:
                         continue
                     job = Job(self, created if isinstance(created, str) else job_id, queue)
                     job.created = created == 1
-                    made[job_id] = job
-                    if isinstance(created, int) and created < 0:
-                        refused.append((queue, created))
+                    if isinstance(created, str) or (isinstance(created, int) and created >= 0):
+                        made[job_id] = job
+                    else:
+                        no[job_id] = job
+                        why.append((queue, created))
                 self._known_queues.add(queue)
             out.extend(made[job_id] for job_id in order if job_id in made)  # in the order given
+            refused.extend(no[job_id] for job_id in order if job_id in no)
             if progress:
                 progress(count)
-            if refused:
-                kind = QueueClosed if any(c == -2 for _, c in refused) else QueueFull
-                raise kind(f"{len(refused)} jobs refused: queue {refused[0][0]} is "
-                           f"{'closed' if kind is QueueClosed else 'full'}")
+            if why:
+                queue, first = next(((q, w) for q, w in why if isinstance(w, Exception)), why[0])
+                if isinstance(first, Exception):
+                    raise restated(first, f"{len(no)} jobs refused: queue {queue}: {first}")
+                kind = QueueClosed if any(w == -2 for _, w in why) else QueueFull
+                raise kind(f"{len(no)} jobs refused: queue {queue} is {'closed' if kind is QueueClosed else 'full'}")
 
         def linked(draft: steps.Draft, links: tuple[list[tuple[str, str]], Signature | None, Signature | None],
                    group: list[steps.Draft]) -> None:
@@ -760,7 +782,8 @@ class TaskRunner:
 
         n = 0  # the job given that the call is at
         try:
-            for n, spec_ in enumerate(jobs, 1):
+            for spec_ in jobs:
+                n += 1
                 try:
                     draft = self._job_of(spec_)
                     queue, job_id, delay, fields = draft.queue, draft.id, draft.delay, draft.fields
@@ -773,10 +796,12 @@ class TaskRunner:
                         fields += ["parents", " ".join(f"{q} {i}" for q, i in links[0])]
                     group = steps.hooked(self, [draft] if links is None or self.settings.eager else [
                         draft, *steps.ride(self, canvas.callbacks(self, draft, links[1], links[2]), "enqueueing")])
-                except (TaskRunnerError, ValueError, TypeError) as e:
+                except Exception as e:  # its arguments, its links, a hook's own exception
+                    if isinstance(e, steps.REDIS_ERRORS):  # a lookup past the bound: for the call, below
+                        raise
+                    failed = e
                     settle()  # those sent are enqueued; say so: a run again would enqueue them twice
-                    raise _stopped(e, f"job {n}: {e} ({len(out)} of the {n - 1} before it enqueued, none after)",
-                                   out, []) from None
+                    raise
                 if self.settings.eager:
                     parents = None if links is None or not links[0] else [seen[i] for _, i in links[0]]
                     ran: Job = eager.enqueue(self, job_id, fields, parents)
@@ -801,7 +826,14 @@ class TaskRunner:
                 send()
                 settle()
         except BaseException as e:
-            unsure = list(alone)
+            # A lone call's job: killed by its across() (withdrawn: its id is taken by the killed
+            # record, given again it would add nothing), or there (across() kept it), or
+            # refused (a refusal, nothing written: the job is not there), or else unsure.
+            killed, kept = set(getattr(e, "withdrawn", ())), set(getattr(e, "kept", ()))
+            withdrawn = [j for j in alone if (j.queue, j.id) in killed]
+            lost = isinstance(e, steps.REDIS_ERRORS) or not isinstance(e, Exception)
+            refused += [j for j in alone if (j.queue, j.id) not in killed | kept and not lost]
+            unsure = [j for j in alone if (j.queue, j.id) in kept or (j.queue, j.id) not in killed and lost]
             if sent is not None:  # a chunk whose answers did not come: each of its jobs may be enqueued
                 queue_of = {i: q for q, items in sent[1].items() for i, _, _ in items}
                 unsure += [Job(self, i, queue_of[i]) for i in sent[3] if i not in callbacks]
@@ -810,12 +842,18 @@ class TaskRunner:
                 if sent[0].sent:
                     with contextlib.suppress(Exception):
                         sent[0].execute()
-            if not isinstance(e, steps.REDIS_ERRORS):
-                raise
-            said = _stopped(e, f"{e} (enqueue_many: {len(out)} of the first {n} jobs given enqueued"
-                            + (f", the {len(unsure)} after them sent with no answer (maybe enqueued)" if unsure else "")
-                            + ", none after)", out, unsure)
-            raise said from (None if said is e else e)
+            told = "".join((f", {len(refused)} refused" if refused else "",
+                            f", {len(withdrawn)} withdrawn (killed: enqueue them with new ids)" if withdrawn else "",
+                            f", the {len(unsure)} after them sent with no answer (maybe enqueued)" if unsure else ""))
+            if failed is None:
+                said = _stopped(e, f"{e} (enqueue_many: {len(out)} of the first {n} jobs given enqueued{told}, "
+                                "none after)", out, unsure, refused, withdrawn)
+                raise said from (None if said is e else e)
+            # The job's own refusal stopped the call; the chunk before it read then (settle()) may
+            # have failed too: both are said, that one as the cause.
+            also = f"; and before it: {type(e).__name__}: {e}" if e is not failed else ""
+            raise _stopped(failed, f"job {n}: {failed} ({len(out)} of the {n - 1} before it enqueued{told}, "
+                           f"none after{also})", out, unsure, refused, withdrawn) from (None if e is failed else e)
         return out
 
     def _job_of(self, spec: Any) -> steps.Draft:

@@ -365,8 +365,9 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
     producer's riding() sends it again through an outage, up to the bound: the calls before
     it are not sent again). A call that fails for good — a refusal (QueueClosed, QueueFull),
     a Redis error past the bound or one no wait ends — stops there, and the jobs of the
-    workflow written before it are killed (a worker may have begun one: the kill stops it; one
-    that ended stays as it ended); its error says so, or, when the kill failed too, names them.
+    workflow this call wrote before it are killed (a worker may have begun one: the kill stops
+    it; one that ended stays as it ended); its error says so, or, when the kill failed too,
+    names them. Jobs whose id existed already (answered 0) are named, not killed (_withdrawn).
     An operation (steps.py) of written()'s, on a cluster."""
     drafts = []
     for job_id, delay, fields in jobs:
@@ -428,19 +429,38 @@ def across(app: TaskRunner, jobs: list[tuple[str, float, list[Any]]], queue: str
 
 def _withdrawn(app: TaskRunner, drafts: list[steps.Draft], answers: dict[tuple[str, str], int],
                error: BaseException, why: str) -> steps.Steps[BaseException]:
-    """`error`, which stopped across() midway, once the jobs of the workflow written before it
-    (`answers` 1, or 0: there already, written by a try whose answer was lost) are killed,
-    saying so; or, the kill failing too, naming them for the caller to kill."""
-    written = [(d.queue, d.id) for d in drafts if answers.get((d.queue, d.id), -1) in (0, 1)]
-    if not written:
-        return error
-    try:
-        yield from steps.kills(app, written, f"taskrunner: its workflow {why}")
-        said = f"the jobs of it written before were killed: {len(written)}"
-    except Exception as e:
-        said = (f"the jobs of it written before could not be killed ({type(e).__name__}: {e}) and may run: "
-                f"{', '.join(f'{q} {i}' for q, i in written)}; kill them (taskrunner kill ID)")
-    return restated(error, f"{error} ({said})")
+    """`error`, which stopped across() midway, once the jobs of the workflow this call wrote
+    before it (`answers` 1) are killed, saying so, with those the kill stopped (killed, or
+    running: told to stop) as its `withdrawn` ((queue, id) each; enqueue_many reads it, and
+    `kept`: the jobs of the workflow there still, not withdrawn); or, the kill failing too,
+    naming them for the caller to kill. Those answered 0 are named, not
+    killed: the id existed before the call answered — a try of this call whose answer was
+    lost, or a job enqueued before (the same workflow submitted again with its ids, or
+    another's ids), which is not this call's to kill (nor its children to cancel)."""
+    written = [(d.queue, d.id) for d in drafts if answers.get((d.queue, d.id)) == 1]
+    existed = [(d.queue, d.id) for d in drafts if answers.get((d.queue, d.id)) == 0]
+    said: list[str] = []
+    withdrawn: list[tuple[str, str]] = []
+    if written:
+        try:
+            states = yield from steps.kills(app, written, f"taskrunner: its workflow {why}")
+            withdrawn = [j for j, state in zip(written, states) if state in ("killed", "running")]
+            said.append(f"the jobs of it written before were killed: {len(written)}; to enqueue it again, "
+                        "give them new ids (a killed job's id exists: given again, it adds nothing)")
+        except Exception as e:
+            said.append(f"the jobs of it written before could not be killed ({type(e).__name__}: {e}) and may run: "
+                        f"{_named(written)}; kill them (taskrunner kill ID)")
+    if existed:
+        said.append("already existed (this call's earlier try whose answer was lost, or enqueued before): "
+                    f"not killed: {_named(existed)}")
+    stopped = restated(error, f"{error} ({'; '.join(said)})") if said else error
+    stopped.withdrawn = withdrawn  # type: ignore[attr-defined]
+    stopped.kept = [j for j in written + existed if j not in withdrawn]  # type: ignore[attr-defined]
+    return stopped
+
+
+def _named(jobs: list[tuple[str, str]]) -> str:
+    return ", ".join(f"{q} {i}" for q, i in jobs)
 
 
 def _as_late_as_may_be(drafts: list[steps.Draft], level: dict[tuple[str, str], int],

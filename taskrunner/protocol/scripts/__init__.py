@@ -236,7 +236,8 @@ class Batch:
             return commands
         return [args for args, _ in self.pipe.command_stack]
 
-    def execute(self) -> list[Any]:
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        """The batch's results (settle()); `raise_on_error` False: each error in its place."""
         if not len(self.pipe):
             return []
         results = None
@@ -248,9 +249,9 @@ class Batch:
             self.sent = 0
         if results is None:
             results = self.pipe.execute(raise_on_error=False)
-        return self.settle(results)
+        return self.settle(results, raise_on_error)
 
-    def settle(self, results: list[Any]) -> list[Any]:
+    def settle(self, results: list[Any], raise_on_error: bool = True) -> list[Any]:
         """The batch's results from its answers: scripts the server did not know are loaded
         and run again; an error is raised. A redirection (MOVED, ASK) raises ConnectionError
         first: the caller then counts the batch as lost (what else it held may have run: it
@@ -258,7 +259,9 @@ class Batch:
         the cluster's layout anew. Not followed: a command run again through redis-py may be
         sent twice (its retries), and blocks the caller meanwhile; and an ASK (a slot being
         migrated) would run a script on a node that holds only the keys moved so far, since
-        our scripts name their queue's prefix as their key, not the keys they touch."""
+        our scripts name their queue's prefix as their key, not the keys they touch.
+        `raise_on_error` False: each other error is left in its place, a script's refusal as
+        refusal() says it (a caller that must tell which calls of the batch went through)."""
         for r in results:
             if isinstance(r, AskError) or (isinstance(r, ResponseError) and str(r).startswith(("MOVED ", "ASK "))):
                 raise ConnectionError(f"the cluster's layout changed under a sync ({r})")
@@ -266,9 +269,11 @@ class Batch:
             if isinstance(results[index], Exception) and missing(results[index]):
                 results[index] = script(self.client, keys, args)
         self._scripts = []
-        for r in results:
+        for k, r in enumerate(results):
             if isinstance(r, (ResponseError, ConnectionError)):
-                raise refusal(r)
+                if raise_on_error:
+                    raise refusal(r)
+                results[k] = refusal(r)
         return results
 
 
