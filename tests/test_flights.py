@@ -151,3 +151,82 @@ def test_a_sync_unanswered_for_socket_timeout_counts_as_lost(app, tmp_path):
     finally:
         stop(w)
         server.stop()
+
+
+def test_a_heartbeat_unanswered_for_socket_timeout_counts_as_a_redis_failure(app, tmp_path):
+    """The heartbeat goes in flight, not waited for: a Redis that stops answering (SIGSTOP)
+    is still found out by it alone, within socket_timeout (the channel's deadline), and the
+    worker backs off and reconciles as after any Redis failure; once Redis answers, the next
+    heartbeat lands."""
+    server = RedisServer(tmp_path, appendonly=False).start()
+    app.configure(redis_url=server.url + "?socket_timeout=0.5")
+    w = start(app)
+    try:
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            w.next_beat = 0.0
+            w._step()
+            assert [f.beat is not None for f in w.flights] == [True], "the heartbeat did not stay in flight"
+            wait_for(lambda: w._step() or w.reconcile, what="the worker to give up on the heartbeat")
+            assert not w.flights and w.backoff > 0
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        wait_for(lambda: w._step() or (not w.reconcile and w.backoff == 0), what="the worker to find Redis back")
+    finally:
+        stop(w)
+        server.stop()
+
+
+def test_the_loop_reads_children_and_stops_an_over_time_job_while_redis_holds_its_writes(app, tmp_path):
+    """Redis takes no writes for a while (CLIENT PAUSE ... WRITE, as a failover's pause or a
+    stalled primary: reads pass, the heartbeat's script and our syncs wait): the worker's loop
+    goes on meanwhile, its heartbeat in flight as a sync is, so a job that ends is read and
+    the child of one past its max duration is stopped while the pause lasts. The heartbeat
+    used to be a blocking round trip on the loop: until its answer (at most socket_timeout)
+    the worker read no child and stopped no job. Here socket_timeout outlasts the pause, and
+    "while the pause lasts" is a write sent as it began that has not run yet (no clock read):
+    before, the loop sat in the heartbeat until the pause ended. The default fast heartbeat
+    (0.2 s) is due at once."""
+    server = RedisServer(tmp_path, appendonly=False).start()
+    app.configure(redis_url=server.url + "?socket_timeout=120")
+    w = start(app)
+    witness = app.redis.connection_pool.make_connection()
+    unpaused = f"{app.settings.prefix}:unpaused"
+    try:
+        # Both end 3 s after they begin (one completes, one passes its max duration), each in
+        # a child of its own (the worker found the queue empty at start: its claim is a probe,
+        # one job per child): after the pause has begun, whatever the load.
+        quick = apps.hold.apply_async(["quick", 3.0])
+        slow = apps.hold.apply_async(["slow", 60], max_duration=3.0)
+        w.may_claim = True
+        wait_for(lambda: w._step() or ledger(app, "quick") == ledger(app, "slow") == 1, what="both jobs to begin")
+        child = next(c for c in w.crew.children if any(d.id == slow.id for d in c.jobs))
+        app.redis.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+        witness.send_command("SET", unpaused, "1")  # runs once the pause ends
+
+        def acted() -> bool:
+            done = w.outbox.holds(quick.id) and w.outbox.holds(slow.id) and not child.proc.is_alive()
+            assert not app.redis.exists(unpaused), "the pause ended before the worker read both jobs' ends"
+            return done
+
+        wait_for(lambda: w._step() or acted(), timeout=90,
+                 what="the worker to read both jobs' ends and stop the over-time one's child")
+        app.redis.execute_command("CLIENT", "UNPAUSE")
+        wait_for(lambda: w._step() or slow.refresh().state == "failed" and quick.refresh().state == "completed",
+                 what="both ends reported once Redis takes writes again")
+        assert "TimeLimitExceeded" in str(slow.refresh().to_dict())
+    finally:
+        app.redis.execute_command("CLIENT", "UNPAUSE")
+        witness.disconnect()
+        stop(w)
+        server.stop()
+
+
+def test_declarations_that_went_missing_are_put_back_after_a_heartbeat(app, worker):
+    """Every declarations.REFRESH a heartbeat's answer has the worker put back the
+    declarations that went missing (HSETNX), sent in flight as the heartbeat is: the refresh
+    is made due at once here rather than waited for."""
+    app.redis.delete(app.keys.tasks)
+    worker.next_declare = 0.0
+    wait_for(lambda: worker._step() or app.redis.hexists(app.keys.tasks, "tests.apps.add"),
+             what="the worker to put its declarations back")

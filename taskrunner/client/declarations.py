@@ -48,19 +48,26 @@ def declaration(app: TaskRunner, task: Task, worker: str, at: float) -> dict[str
 def publish(app: TaskRunner, queues: list[str], worker: str, at: float, overwrite: bool = True) -> None:
     """Write the declarations of the app's tasks: into the global index and the tasks hash
     of each queue served and of each task's queue. Without `overwrite`, only those missing."""
+    pipe = publish_in(app.redis.pipeline(transaction=False), app, queues, worker, at, overwrite)
+    if len(pipe):
+        pipe.execute()
+
+
+def publish_in(pipe: Any, app: TaskRunner, queues: list[str], worker: str, at: float, overwrite: bool = True) -> Any:
+    """publish()'s commands, added to `pipe` (returned): for a worker that sends them
+    without waiting on the answers (none, with no tasks)."""
     if not app.tasks:
-        return
+        return pipe
     decls = {name: codec.dumps(declaration(app, t, worker, at)) for name, t in app.tasks.items()}
     targets = [app.keys.tasks] + [app.keys.q(q) + "tasks" for q in
                                   dict.fromkeys([*queues, *(t.spec.queue for t in app.tasks.values())])]
-    pipe = app.redis.pipeline(transaction=False)
     for key in targets:
         if overwrite:
             pipe.hset(key, mapping=decls)
         else:
             for name, raw in decls.items():
                 pipe.hsetnx(key, name, raw)
-    pipe.execute()
+    return pipe
 
 
 def parse(name: str, raw: str | None) -> dict[str, Any] | None:

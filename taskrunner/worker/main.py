@@ -3,7 +3,8 @@ long-lived child processes.
 
 The main process never runs a job, so its heartbeats go on whatever a job does. It
 waits on everything at once with one select: the children's pipes and exit sentinels,
-the connection its syncs with Redis (finish, claim: one round trip) are in flight on, and
+the connection its syncs with Redis (finish, claim: one round trip) and its heartbeats are
+in flight on (a slow Redis holds up no child's answer, no time limit, no kill), and
 connections each with a BRPOP outstanding: its control list (kill requests) and, when a
 child is idle and the queues were found empty, the queues' wake lists (one BRPOP on all;
 on a Redis Cluster one per queue, as one command's keys must share a slot). No threads
@@ -23,7 +24,7 @@ import signal
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -35,7 +36,7 @@ from taskrunner.errors import NameInUse
 from taskrunner.logs import Run, job_fields
 from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.blocking import Blocker, blockers_on, give_back_in
-from taskrunner.protocol.claims import claim_args, claim_keys, claim_rest
+from taskrunner.protocol.claims import Delivery, claim_args, claim_keys, claim_rest
 from taskrunner.protocol.connection import is_cluster, server_time
 from taskrunner.protocol.holders import identity, lose_held
 from taskrunner.protocol.links import Channel, ClusterChannel
@@ -54,15 +55,19 @@ _REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 @dataclass
 class Flight:
-    """A sync sent to Redis whose answers have not come yet: what it reports (its load
-    from the outbox), and what it claims for."""
+    """A batch sent to Redis whose answers have not come yet. A sync: what it reports (its
+    load from the outbox), and what it claims for. A heartbeat (`beat`: the deliveries it
+    asks Redis about, with their children). Chores (neither: declarations, a new shard's
+    queue): only their errors count."""
 
     batch: scripts.Batch
-    load: Load
-    slots: list[tuple[Child, float]]
-    claim: list[Any]
-    order: list[str]  # the physical queues claimed from, in the claim's order
-    gifts: list[str]  # the wake lists it gives a token back to (Worker._give_back)
+    load: Load = field(default_factory=Load)
+    slots: list[tuple[Child, float]] = field(default_factory=list)
+    claim: list[Any] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)  # the physical queues claimed from, in the claim's order
+    gifts: list[str] = field(default_factory=list)  # the wake lists it gives a token back to (Worker._give_back)
+    beat: list[tuple[Child, Delivery]] | None = None
+    sync: bool = True
 
 
 def local_ip(client: redis.Redis | redis.cluster.RedisCluster) -> str:
@@ -134,9 +139,9 @@ class Worker:
         self.gifts: list[str] = []  # wake lists owed a token back, by the next sync (_give_back)
         self._served(self.served.counts)
         self.ctl = Blocker(self.redis, [self.keys.control(self.name)])
-        # Syncs go on a connection of our own (on a cluster, one per primary), answered while
-        # we read our children (with TLS or Sentinel through redis-py, one at a time, waiting
-        # for each).
+        # Syncs and heartbeats go on a connection of our own (on a cluster, one per primary),
+        # answered while we read our children (with TLS or Sentinel through redis-py, one at
+        # a time, waiting for each).
         self.channel: Channel | ClusterChannel | None = Channel.of(self.redis) or ClusterChannel.of(self.redis)
         self.flights: deque[Flight] = deque()  # oldest first
         self.proc = psutil.Process()
@@ -292,13 +297,13 @@ class Worker:
             try:
                 if self.flights and self.channel is not None and now >= self.channel.deadline():
                     raise redis.TimeoutError("no answer from Redis within socket_timeout")
-                if now >= self.next_beat:
+                if now >= self._beat_due():
                     self._heartbeat()
                 if now >= self._sync_due(now):
                     self._sync()
                 self._arm()
-                self.backoff = 0.0
-                self.outage.ok()
+                if not self.flights:  # else Redis is fine once they are answered (_landed)
+                    self._redis_answered()
             except _REDIS_ERRORS as e:
                 self._redis_failed(e)
         quiet = self._quiet()  # as things stand now
@@ -339,13 +344,13 @@ class Worker:
 
     def _timeout(self) -> float:
         now = time.monotonic()
-        return policy.wait_timeout(now, self.crew.children, redis_ok_at=self.redis_ok_at, next_beat=self.next_beat,
+        return policy.wait_timeout(now, self.crew.children, redis_ok_at=self.redis_ok_at, next_beat=self._beat_due(),
                                    sync_at=min(self._sync_due(now), self.claim_at or policy.INF),
                                    answer_by=self.channel.deadline() if self.flights and self.channel else None,
                                    stopping=self.stopping, stop_at=self.stop_at, give_up_at=self._give_up_at())
 
     def _sync_due(self, now: float) -> float:
-        return policy.sync_due(now, self.crew.children, self._depth(), flights=len(self.flights),
+        return policy.sync_due(now, self.crew.children, self._depth(), flights=sum(f.sync for f in self.flights),
                                urgent=bool(self.outbox.load.marks or self.gifts) or self.reconcile,
                                outbox_since=self.outbox.outcomes_since, notes_due=self.outbox.notes.due(),
                                can_claim=self._can_claim(),
@@ -458,8 +463,10 @@ class Worker:
     def _sync(self, wait: bool = False) -> None:
         """Report finished jobs, mark stuck ones and, once a child is hungry, claim for every
         child with room (policy.claim_slots): one round trip, whose answers _land() takes
-        when they come. We wait for them (wait) when the channel cannot keep it in flight,
-        and to reconcile: what we hold must be known."""
+        when they come. We wait for them when the channel cannot keep it in flight, to
+        reconcile (what we hold must be known) and with `wait`: for every flight, a
+        heartbeat's too (a goodbye must come after our last heartbeat, or that one would
+        put us back among the live workers)."""
         if self.reconcile:
             self._land(block=True)
         batch = scripts.Batch(self.redis)
@@ -478,25 +485,44 @@ class Worker:
             order, self.woken = self.served.order(self.woken), None
             batch.call(scripts.CLAIM, claim_keys(self.app, [self.keys.q(q) for q in order]), claim)
         if len(batch):
-            self.flights.append(Flight(batch, load, slots, claim, order, gifts))
-            if self.channel is not None:
-                self.channel.send(batch.commands())
-            if wait or self.reconcile or self.channel is None:
-                self._land(block=True)
+            self._send(Flight(batch, load, slots, claim, order, gifts))
+        if wait or self.reconcile:
+            self._land(block=True)
         if self.reconcile:
             self._release_orphans()
 
+    def _send(self, f: Flight) -> None:
+        """Send a flight's batch on the channel: its answers are acted on once they come
+        (_land). Without a channel (TLS, Sentinel), it runs now, the usual way, waiting."""
+        self.flights.append(f)
+        if self.channel is None:
+            self._land(block=True)
+        else:
+            self.channel.send(f.batch.commands())
+
     def _land(self, block: bool = False) -> None:
-        """Act on the answers to the syncs in flight that have come (block: wait for all)."""
-        # Without a channel, each runs now, the usual way.
-        answered = [None] * len(self.flights) if self.channel is None else self.channel.take(block)
-        for answers in answered:
-            f = self.flights[0]
-            results = f.batch.execute() if answers is None else f.batch.settle(answers)
-            self.flights.popleft()
-            self._landed(f, results)
+        """Act on the answers to the flights that have come (block: wait for all). A flight
+        leaves self.flights only once its answers are taken: one that fails is among those
+        _redis_failed() gives up."""
+        if self.channel is None:  # each runs now, the usual way
+            while self.flights:
+                results = self.flights[0].batch.execute()
+                self._landed(self.flights.popleft(), results)
+            return
+        for answers in self.channel.take(block):
+            results = self.flights[0].batch.settle(answers)
+            self._landed(self.flights.popleft(), results)
+
+    def _redis_answered(self) -> None:
+        self.backoff = 0.0
+        self.outage.ok()
 
     def _landed(self, f: Flight, results: list[Any]) -> None:
+        self._redis_answered()
+        if f.beat is not None:
+            self._beaten(f.beat, results)
+        if not f.sync:
+            return
         for q, e, ack in self.outbox.answered(f.load, results):
             if ack == 0:
                 log.warning("worker %s: job %s was requeued and taken by another worker while it ran "
@@ -558,7 +584,25 @@ class Worker:
                         ", ".join(f"{x.id} in {x.queue} -> {x.state}" for x in acted))
         self.reconcile = False
 
+    def _beat_due(self) -> float:
+        """When to send the next heartbeat: one at a time (not while one is in flight)."""
+        return policy.INF if any(f.beat is not None for f in self.flights) else self.next_beat
+
     def _heartbeat(self) -> None:
+        """Say we are alive, with what we run (info()), and ask Redis about the deliveries
+        we hold (still ours? a kill requested?) and the queues' shard counts. It goes in
+        flight as a sync does, its answers acted on when they come (_beaten()), not waited
+        for: while Redis is slow (a CLIENT PAUSE, a stalled primary) the loop still reads
+        what children answer and stops jobs at their max duration or on a kill (a blocking
+        round trip sat out socket_timeout). A Redis that does not answer it within
+        socket_timeout fails it as it fails a sync (the channel's deadline()). The next is
+        due a heartbeat interval after this one goes (and after its answer has come), not
+        held back behind syncs (FLIGHTS counts syncs only)."""
+        if self.flights:
+            # Answers come already count, should this send find the connection closed (a
+            # CLIENT KILL, a restart: it closes the channel, and what came with it); and
+            # what a claim brought is among the deliveries asked about.
+            self._land()
         held = self.crew.held()
         batch = scripts.Batch(self.redis)
         batch.call(scripts.HEARTBEAT, [self.keys.g], [self.name, codec.dumps(self.info()),
@@ -567,20 +611,30 @@ class Worker:
             batch.pipe.hmget(self.keys.job(d.queue, d.id), "attempts", "kill_requested", f"end:{d.attempt}")
             batch.pipe.hexists(self.keys.q(d.queue) + "running", d.id)
         self._shard_counts(batch.pipe)
-        results = batch.execute()
+        self._send(Flight(batch, beat=held, sync=False))
+        self.next_beat = time.monotonic() + self.s.heartbeat
+
+    def _beaten(self, held: list[tuple[Child, Delivery]], results: list[Any]) -> None:
+        """Act on a heartbeat's answers: new shard counts; deliveries no longer ours, or
+        with a kill requested (each still running here: the answers may come late). What
+        it writes then (a new shard's queue, declarations that went missing) goes as chores
+        in flight too."""
+        chores = scripts.Batch(self.redis)
         counts = [shards.count(n) for n in results[len(results) - len(self.served.queues):]]
+        refresh = time.monotonic() + self.s.heartbeat >= self.next_declare
         if counts != self.served.counts:
             log.info("worker %s: shards now %s", self.name, ", ".join(
                 f"{q}: {n}" for q, n in zip(self.served.queues, counts)))
             self._served(counts)
             self.may_claim = True
-            self.redis.sadd(self.keys.queues, *self.queues)
-            # New shards need the declarations enqueue.lua reads in their slots.
-            declarations.publish(self.app, self.queues, self.name, float(results[0]), overwrite=False)
-        self.next_beat = time.monotonic() + self.s.heartbeat
-        if self.next_beat >= self.next_declare:
-            declarations.publish(self.app, self.queues, self.name, float(results[0]), overwrite=False)
-            self.next_declare = self.next_beat + declarations.REFRESH
+            chores.pipe.sadd(self.keys.queues, *self.queues)
+        if refresh or len(chores):  # new shards need the declarations enqueue.lua reads in their slots
+            declarations.publish_in(chores.pipe, self.app, self.queues, self.name, float(results[0]),
+                                    overwrite=False)
+        if refresh:
+            self.next_declare = time.monotonic() + self.s.heartbeat + declarations.REFRESH
+        if len(chores):
+            self._send(Flight(chores, sync=False))
         for i, (c, d) in enumerate(held):
             (attempts, kill_requested, ended), mine = results[1 + 2 * i], results[2 + 2 * i]
             lost = attempts != d.attempt or not mine
