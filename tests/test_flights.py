@@ -153,6 +153,34 @@ def test_a_sync_unanswered_for_socket_timeout_counts_as_lost(app, tmp_path):
         server.stop()
 
 
+class WritePause:
+    """Redis takes no writes (CLIENT PAUSE ... WRITE; reads pass) from start() until end() or
+    the end of the `with` block, `seconds` at most. lasts(): whether the pause still does,
+    told by a write sent as it began that has not run yet (no clock read)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.witness = app.redis.connection_pool.make_connection()
+        self.key = f"{app.settings.prefix}:unpaused"
+
+    def start(self, seconds: float) -> None:
+        self.app.redis.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "WRITE")
+        self.witness.send_command("SET", self.key, "1")  # runs once the pause ends
+
+    def lasts(self) -> bool:
+        return not self.app.redis.exists(self.key)
+
+    def end(self) -> None:
+        self.app.redis.execute_command("CLIENT", "UNPAUSE")
+
+    def __enter__(self) -> WritePause:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+        self.witness.disconnect()
+
+
 def test_a_heartbeat_unanswered_for_socket_timeout_counts_as_a_redis_failure(app, tmp_path):
     """The heartbeat goes in flight, not waited for: a Redis that stops answering (SIGSTOP)
     is still found out by it alone, within socket_timeout (the channel's deadline), and the
@@ -177,6 +205,45 @@ def test_a_heartbeat_unanswered_for_socket_timeout_counts_as_a_redis_failure(app
         server.stop()
 
 
+def test_after_a_failure_the_worker_reconciles_once_redis_answers_not_while_it_takes_no_writes(app, tmp_path):
+    """Redis takes no writes for longer than socket_timeout (CLIENT PAUSE ... WRITE): each
+    heartbeat fails at the channel's deadline, and the sync that reconciles, which waits
+    for its answers (and lose_held's), is not sent until a heartbeat is answered: sent to
+    the paused Redis it held the loop for socket_timeout at each try, reading no child.
+    "While the pause lasts" is a write sent as it began that has not run yet."""
+    server = RedisServer(tmp_path, appendonly=False).start()
+    app.configure(redis_url=server.url + "?socket_timeout=0.5")
+    w = start(app)
+    pause = WritePause(app)
+    waited: list[bool] = []  # for each wait on Redis's answers: whether the pause still lasted
+    failures: list[Exception] = []
+    land, failed = w._land, w._redis_failed
+
+    def spied_land(block: bool = False) -> None:
+        if block:
+            waited.append(pause.lasts())
+        land(block)
+
+    def spied_failed(e: Exception) -> None:
+        failures.append(e)
+        failed(e)
+
+    w._land, w._redis_failed = spied_land, spied_failed
+    try:
+        with pause:
+            pause.start(600)
+            w.next_beat = 0.0
+            wait_for(lambda: w._step() or len(failures) >= 3,
+                     what="three heartbeats to fail while Redis takes no writes")
+            assert pause.lasts(), "the pause ended early"
+            assert True not in waited, "the worker waited on a Redis that took no writes"
+            pause.end()
+            wait_for(lambda: w._step() or not w.reconcile, what="the worker to reconcile once Redis takes writes")
+    finally:
+        stop(w)
+        server.stop()
+
+
 def test_the_loop_reads_children_and_stops_an_over_time_job_while_redis_holds_its_writes(app, tmp_path):
     """Redis takes no writes for a while (CLIENT PAUSE ... WRITE, as a failover's pause or a
     stalled primary: reads pass, the heartbeat's script and our syncs wait): the worker's loop
@@ -190,34 +257,30 @@ def test_the_loop_reads_children_and_stops_an_over_time_job_while_redis_holds_it
     server = RedisServer(tmp_path, appendonly=False).start()
     app.configure(redis_url=server.url + "?socket_timeout=120")
     w = start(app)
-    witness = app.redis.connection_pool.make_connection()
-    unpaused = f"{app.settings.prefix}:unpaused"
     try:
-        # Both end 3 s after they begin (one completes, one passes its max duration), each in
-        # a child of its own (the worker found the queue empty at start: its claim is a probe,
-        # one job per child): after the pause has begun, whatever the load.
-        quick = apps.hold.apply_async(["quick", 3.0])
-        slow = apps.hold.apply_async(["slow", 60], max_duration=3.0)
-        w.may_claim = True
-        wait_for(lambda: w._step() or ledger(app, "quick") == ledger(app, "slow") == 1, what="both jobs to begin")
-        child = next(c for c in w.crew.children if any(d.id == slow.id for d in c.jobs))
-        app.redis.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
-        witness.send_command("SET", unpaused, "1")  # runs once the pause ends
+        with WritePause(app) as pause:
+            # Both end 3 s after they begin (one completes, one passes its max duration), each in
+            # a child of its own (the worker found the queue empty at start: its claim is a probe,
+            # one job per child): after the pause has begun, whatever the load.
+            quick = apps.hold.apply_async(["quick", 3.0])
+            slow = apps.hold.apply_async(["slow", 60], max_duration=3.0)
+            w.may_claim = True
+            wait_for(lambda: w._step() or ledger(app, "quick") == ledger(app, "slow") == 1, what="both jobs to begin")
+            child = next(c for c in w.crew.children if any(d.id == slow.id for d in c.jobs))
+            pause.start(60)
 
-        def acted() -> bool:
-            done = w.outbox.holds(quick.id) and w.outbox.holds(slow.id) and not child.proc.is_alive()
-            assert not app.redis.exists(unpaused), "the pause ended before the worker read both jobs' ends"
-            return done
+            def acted() -> bool:
+                done = w.outbox.holds(quick.id) and w.outbox.holds(slow.id) and not child.proc.is_alive()
+                assert pause.lasts(), "the pause ended before the worker read both jobs' ends"
+                return done
 
-        wait_for(lambda: w._step() or acted(), timeout=90,
-                 what="the worker to read both jobs' ends and stop the over-time one's child")
-        app.redis.execute_command("CLIENT", "UNPAUSE")
-        wait_for(lambda: w._step() or slow.refresh().state == "failed" and quick.refresh().state == "completed",
-                 what="both ends reported once Redis takes writes again")
-        assert "TimeLimitExceeded" in str(slow.refresh().to_dict())
+            wait_for(lambda: w._step() or acted(), timeout=90,
+                     what="the worker to read both jobs' ends and stop the over-time one's child")
+            pause.end()
+            wait_for(lambda: w._step() or slow.refresh().state == "failed" and quick.refresh().state == "completed",
+                     what="both ends reported once Redis takes writes again")
+            assert "TimeLimitExceeded" in str(slow.refresh().to_dict())
     finally:
-        app.redis.execute_command("CLIENT", "UNPAUSE")
-        witness.disconnect()
         stop(w)
         server.stop()
 

@@ -328,6 +328,7 @@ class Worker:
         self.backoff = min(max(self.backoff * 2, 0.1), 5.0, self.s.heartbeat)
         self.redis_ok_at = time.monotonic() + self.backoff
         self.reconcile = True
+        self.next_beat = 0.0  # the first thing to go once we try again: its answer says Redis is back
         if self.channel is not None:  # idle or not: a connection from before an outage fails at its next use
             self.channel.close()
         if self.flights:
@@ -350,6 +351,13 @@ class Worker:
                                    stopping=self.stopping, stop_at=self.stop_at, give_up_at=self._give_up_at())
 
     def _sync_due(self, now: float) -> float:
+        """When to sync (policy.sync_due). After a Redis failure, not before Redis has
+        answered again (our heartbeat, sent first, lands: backoff is 0 again): the sync
+        that reconciles waits for its answers and for lose_held's round trips, which, sent
+        to a Redis that still takes no writes (a CLIENT PAUSE, a stalled primary), held the
+        loop for socket_timeout at each try."""
+        if self.reconcile and self.backoff:
+            return policy.INF
         return policy.sync_due(now, self.crew.children, self._depth(), flights=sum(f.sync for f in self.flights),
                                urgent=bool(self.outbox.load.marks or self.gifts) or self.reconcile,
                                outbox_since=self.outbox.outcomes_since, notes_due=self.outbox.notes.due(),
