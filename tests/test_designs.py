@@ -182,6 +182,23 @@ def test_consume_stops_its_command_on_a_kill_and_at_the_max_duration(app, stack)
     assert [w for w in json.loads(stack.cli("workers", "--json", check=True).stdout) if w["state"] == "alive"] == []
 
 
+def test_consume_whose_command_a_kill_stopped_exits_1_whatever_it_exited(app, stack, tmp_path):
+    """A CMD that exits 0 on the SIGTERM a kill sends: the job ended killed, so consume
+    exits 1, not 0 (which says the job was acked)."""
+    victim = apps.add.apply_async((1, 1), max_duration=120)
+    ready = tmp_path / "ready"
+    polite = [sys.executable, "-c", "import pathlib, signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+              f"pathlib.Path({str(ready)!r}).touch()\n"
+              "for _ in range(2400): time.sleep(0.05)"]
+    p = stack.spawn("consume", "-q", "default", "--", *polite)
+    wait_for(ready.exists, what="the command to be ready for SIGTERM")
+    victim.kill()
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 1 and f"job {victim.id} stopped: killed on request" in out, (p.returncode, out)
+    assert victim.refresh().state == "killed"
+
+
 def test_consume_with_no_job_leaves_no_worker_behind(app, stack):
     """`consume` that finds no job leaves the list of workers as it entered it: it stayed
     there, found dead by the dispatcher, then listed as a dead worker for an hour."""

@@ -123,7 +123,7 @@ def known_queues(app: TaskRunner, *queues: str) -> None:
 
 
 @contextlib.contextmanager
-def _progress(length: int, label: str) -> Iterator[Callable[[int], Any] | None]:
+def progress_bar(length: int, label: str) -> Iterator[Callable[[int], Any] | None]:
     """A progress bar on stderr for a person at a terminal; elsewhere (a pipe, a log) none:
     click wrote its label alone there, a line before whatever came next (an error's)."""
     if not sys.stderr.isatty():
@@ -225,7 +225,7 @@ def warn_undeclared(task: str, queues: list[str], done: str = "enqueued into") -
                f"{done} {', '.join(sorted(set(queues)))} with default settings", err=True)
 
 
-def _bound(s: dict[str, Any]) -> str:
+def bound_text(s: dict[str, Any]) -> str:
     """A queue's bound as `queues` shows it: of a sharded queue (its total row) also what each
     shard enforces, ⌈B/N⌉, and so the most it holds, N × ⌈B/N⌉ (10 over 3 shards: 12)."""
     each = s.get("bound_each")

@@ -150,4 +150,4 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
     if not acked:
         click.echo(f"job {delivery.id} was requeued or killed meanwhile: this outcome was not recorded", err=True)
     leave()
-    sys.exit(EXIT_REFUSED if code == 0 and not acked else code)  # 0 says the job was acked
+    sys.exit(EXIT_REFUSED if code == 0 and (stopped or not acked) else code)  # 0 says the job was acked

@@ -8,7 +8,7 @@ from datetime import datetime
 
 import click
 
-from taskrunner.cli.base import Finite, _progress, app_from, common, emit_json, main
+from taskrunner.cli.base import Finite, app_from, common, emit_json, main, progress_bar
 from taskrunner.errors import (
     TaskRunnerError,
     require_extra,
@@ -32,7 +32,7 @@ def history_archive(history_dir: str | None, batch: int, app_spec: str | None, r
     app = app_from(app_spec, redis_url)
     archiver = Archiver(app, history_dir, batch)
     waiting = sum(backlog(app).values())
-    with _progress(waiting, "archiving") as progress:
+    with progress_bar(waiting, "archiving") as progress:
         n = archiver.archive(progress=progress)
     click.echo(f"{n} records archived to {archiver.directory}")
 

@@ -15,7 +15,6 @@ from taskrunner.cli.base import (
     EXIT_REFUSED,
     EXIT_UNREACHABLE,
     Finite,
-    _progress,
     app_from,
     column_width,
     common,
@@ -23,6 +22,7 @@ from taskrunner.cli.base import (
     json_arg,
     known_queues,
     main,
+    progress_bar,
     timestamp,
     undeclared_tasks,
     warn_undeclared,
@@ -138,7 +138,7 @@ def _enqueue_file(app: TaskRunner, app_spec: str | None, f: Any) -> None:
             raise Misconfigured(f"line {n}: not valid JSON ({e})") from None
     tasks = [s["task"] for s in specs if isinstance(s, dict) and isinstance(s.get("task"), str)]
     undeclared = undeclared_tasks(app, app_spec, tasks)
-    with _progress(len(specs), "enqueueing") as progress:
+    with progress_bar(len(specs), "enqueueing") as progress:
         jobs = app.enqueue_many(specs, progress=progress)
     for task in undeclared:
         warn_undeclared(task, [j.queue for j, t in zip(jobs, tasks) if t == task])

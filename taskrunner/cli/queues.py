@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from taskrunner.cli.base import _progress, app_from, common, confirm_or_stop, emit_json, known_queues, main
+from taskrunner.cli.base import app_from, common, confirm_or_stop, emit_json, known_queues, main, progress_bar
 from taskrunner.ops import listing
 from taskrunner.protocol import codec
 from taskrunner.protocol import shards as sharding
@@ -168,7 +168,7 @@ def purge(queue_name: str, yes: bool, app_spec: str | None, redis_url: str | Non
 
     total = backlog(app, queue_name)
     confirm_or_stop(f"delete {total} pending jobs of {queue_name}?", yes)
-    with _progress(total, "purging") as progress:
+    with progress_bar(total, "purging") as progress:
         n = app.purge(queue_name, progress=progress)
     click.echo(f"{n} pending jobs deleted from {queue_name}")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from taskrunner.cli.base import _bound, app_from, column_width, common, emit_json, known_queues, main, timestamp
+from taskrunner.cli.base import app_from, bound_text, column_width, common, emit_json, known_queues, main, timestamp
 from taskrunner.ops import listing
 from taskrunner.protocol.connection import server_time
 
@@ -34,7 +34,7 @@ def queues(as_json: bool, by_shard: bool, app_spec: str | None, redis_url: str |
             "produced_messages", "consumed_messages")
     click.echo(f"{'QUEUE':20}" + "".join(f"{c.split('_')[0].upper():>11}" for c in cols) + "  SETTINGS")
     for s in stats:
-        flags = " ".join(f for f, on in ((_bound(s), s["bound"]), ("closed", s["closed"]),
+        flags = " ".join(f for f, on in ((bound_text(s), s["bound"]), ("closed", s["closed"]),
                                          ("exclusive", s["exclusive"]), ("paused", s["paused"]),
                                          ("priorities=" + ",".join(map(str, s["priorities"])), s["priorities"]),
                                          (f"rate={s['rate']} used={s['rate_used']}", s["rate"]),

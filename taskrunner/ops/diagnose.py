@@ -51,7 +51,7 @@ def explain(error: BaseException, url: str | None) -> Problem | None:
     if not isinstance(error, (redis.ConnectionError, redis.TimeoutError, redis.cluster.RedisClusterException)):
         if transient(error):  # an answer a failover, a load or a busy script gives: it passes
             return Problem(f"Redis at {redact(url)} cannot serve this for now ({text}): failing over, loading or "
-                           "busy; try again", False)
+                           "busy; try again (a READONLY that lasts: the URL names a replica, not the primary)", False)
         return None
     if "CERTIFICATE_VERIFY_FAILED" in text:
         return Problem(f"the TLS certificate of {redact(url)} is not trusted: {text} (a self-signed one, as Heroku "

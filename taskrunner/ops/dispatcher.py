@@ -25,7 +25,7 @@ from taskrunner.errors import MissingExtra, NameInUse, TaskRunnerError
 from taskrunner.logs import Run, job_fields
 from taskrunner.ops import compact, schedules
 from taskrunner.ops.history import CAP, WARN_BACKLOG, Archiver, backlog, cap
-from taskrunner.ops.listing import DISPATCHER_FORGET, DISPATCHER_GONE
+from taskrunner.ops.listing import DISPATCHER_FORGET
 from taskrunner.protocol import codec, joins, scripts
 from taskrunner.protocol.connection import is_cluster, server_time
 from taskrunner.protocol.holders import (
@@ -122,12 +122,14 @@ class Dispatcher:
         (drop_undeclared) then never takes one just published for stale. A name a live
         dispatcher holds is refused (NameInUse), as a worker's: two processes writing one
         entry would each list their own code's schedules in turn, and the other's would be
-        dropped and published again at each of their passes."""
+        dropped and published again at each of their passes. Live: a pass within dead_after,
+        as a worker's heartbeat (a named dispatcher that crashed is taken over that soon, by
+        its restart under a supervisor)."""
         now = server_time(self.app.redis)
         held = _info(self.redis.hget(self.keys.dispatchers, self.name))
         last = held.get("last_pass")
         if (held.get("pid"), held.get("host")) != (os.getpid(), self.host) and isinstance(last, (int, float)) \
-                and now - last < DISPATCHER_GONE:
+                and now - last < self.s.dead_after:
             raise NameInUse(f"dispatcher name {self.name!r} is in use by a live dispatcher (pid {held.get('pid')} "
                             f"on {held.get('host')}, last pass {now - last:.1f}s ago); pick another with -n")
         self.announce(now)
