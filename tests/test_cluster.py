@@ -1053,6 +1053,26 @@ def incr_each(r, counters: list[str]) -> scripts.Batch:
     return batch
 
 
+def test_a_blocking_take_waits_for_every_batch_in_flight_not_the_last_alone(capp, cluster, queues):
+    """take(block=True) (a worker's reconcile, its goodbye) waits for every batch in flight:
+    it waited for the last one's answers only, which on a cluster may come from another
+    primary first, and returned with an earlier batch (a claim, a heartbeat) unanswered
+    (found by review: a reconcile then requeued jobs whose claim was about to land)."""
+    r = capp.redis
+    channel = ClusterChannel.of(r)
+    assert channel is not None
+    slow, fast = (capp.keys.q(q) + "x" for q in queues[:2])  # on two primaries
+    with cluster.owner(f"{{{queues[0]}}}").client() as node:
+        node.execute_command("CLIENT", "PAUSE", 1500, "WRITE")  # the first's primary holds its writes a while
+        try:
+            channel.send([("SET", slow, "1")])
+            channel.send([("GET", fast)])  # answered at once
+            assert len(channel.take(block=True)) == 2
+        finally:
+            node.execute_command("CLIENT", "UNPAUSE")
+            channel.close()
+
+
 def test_a_lean_sync_to_a_slot_that_moved_fails_and_the_next_goes_to_its_new_owner(capp, cluster, queues):
     """A worker's syncs on a cluster go past redis-py (links.ClusterChannel: each
     command to the primary of its slot, on a connection of our own) by redis-py's slot map.

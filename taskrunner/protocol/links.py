@@ -421,7 +421,7 @@ class ClusterChannel:
                         spread.answers[i] = r
                         spread.left -= 1
                         link.heard = time.monotonic()
-                if not (block and self.spreads and self.spreads[-1].left):
+                if not (block and any(s.left for s in self.spreads)):  # every primary's: they answer in any order
                     break
                 wait = self.deadline() - time.monotonic()
                 if wait <= 0:
