@@ -208,6 +208,30 @@ def test_waits_that_meet_one_outage_warn_once(app, own_redis, warnings):
     assert (warnings.outages(), warnings.backs()) == (1, 1), warnings.lines
 
 
+def test_a_cancelled_async_enqueue_leaves_the_outage_it_rode(app, warnings):
+    """(Review.) An asyncio enqueue cancelled while it rides out an outage (asyncio.wait_for)
+    left its generator suspended, its Backoff still a rider of the process's outage: that
+    outage was never over, and the next ones gave no warning."""
+    from tests.conftest import free_port
+
+    app.configure(redis_url=f"redis://127.0.0.1:{free_port()}/0", enqueue_retry=60)  # nothing listens there
+
+    async def main() -> asyncio.Task:
+        client = AsyncClient(app)
+        task = asyncio.ensure_future(client.enqueue("tests.apps.add", [1, 2], queue="default"))
+        deadline = time.monotonic() + 30
+        while steps.outage_of(app).riders == 0:
+            assert time.monotonic() < deadline, "the enqueue never rode the outage"
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return task  # kept, as a list of tasks keeps it
+
+    kept = asyncio.run(main())
+    assert kept.cancelled() and steps.outage_of(app).riders == 0 and steps.outage_of(app).since is None
+
+
 def test_other_errors_are_raised_at_once(app, own_redis, warnings):
     """Only Redis's passing errors are ridden out: a closed queue, or arguments refused
     while Redis is down (the queue's shard count cached by the enqueue before), raise at
@@ -506,6 +530,21 @@ def test_enqueue_many_a_script_refuses_says_which_jobs_redis_took(app):
         app.enqueue_many(given)
     assert [app.job(j.id).to_dict()["args"] for j in e.value.enqueued] == [[0, 0], [2, 0]]
     assert [j.queue for j in e.value.refused] == ["few~7"] and e.value.unsure == []
+
+
+def test_enqueue_many_a_script_that_failed_midway_says_its_jobs_unsure_not_refused(app):
+    """(Review.) A script's error that is no refusal (WRONGTYPE here: a key of the wrong type
+    met after the job's record was written) may leave what it wrote: its jobs are unsure,
+    not refused (they were said refused while their records were in Redis, and a caller
+    giving them new ids, or the same, would have had them twice, or never run)."""
+    apps.add.apply_async([0, 0], queue="qa")  # qa exists
+    app.redis.set(app.keys.q("qa") + "items", "x")
+    given = [{"task": "tests.apps.add", "args": [i, 0], "queue": q, "id": f"{q}-{i}"} for q in ("qa", "qb")
+             for i in range(2)]
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE") as e:
+        app.enqueue_many(given)
+    assert e.value.refused == [] and {j.id for j in e.value.unsure} >= {"qa-0", "qa-1"}, (e.value.refused,
+                                                                                       e.value.unsure)
 
 
 def test_enqueue_many_a_hook_refusal_after_a_refused_chunk_says_both(app):

@@ -50,6 +50,9 @@ class AsyncClient:
                 answer, error = await self._answer(request), None
             except Exception as e:
                 answer, error = None, e
+            except BaseException:
+                operation.close()  # cancelled: its finally (Backoff.give_up) runs now, not at its collection
+                raise
 
     async def _answer(self, r: steps.Request) -> Any:
         if isinstance(r, steps.Command):

@@ -639,9 +639,10 @@ class TaskRunner:
         enqueued: give them their ids again, an id that exists adds nothing); and `withdrawn`,
         those a call of their own wrote and then killed, as a later part of it failed for good
         (canvas.across: enqueue them again with NEW ids, their own are taken by the killed
-        records). The jobs given up to where it stopped (the job named by a refusal before it was
-        sent excepted) are each in one of these; those after were not sent, so a caller that
-        goes on from there enqueues none twice. While Redis
+        records). A job given before where it stopped that is in none of these was not sent
+        (it waited for the next chunk), nor were those after, so a caller that sends again
+        every job not in `enqueued` or `refused` (those of `unsure` with their ids) enqueues
+        none twice. While Redis
         runs a chunk, the next one is built; it is sent once the answers came. A job whose
         parent is in this chunk in another queue goes in the next chunk (its parent is written
         first); one whose callbacks are in another queue than its own is written with them by
@@ -698,10 +699,13 @@ class TaskRunner:
                 while True:
                     try:
                         answers = batch.execute(raise_on_error=False)
-                        # A script's refusal stays in its place (its queue's jobs refused, the others'
-                        # taken); an error that passes, or one of a command, sends the chunk again.
+                        # A script's refusal of bad input (refusal(): nothing written) stays in its
+                        # place (its queue's jobs refused, the others' taken); an error that passes
+                        # sends the chunk again; any other (one of a command, or a script's that may
+                        # have written part of its call: WRONGTYPE, a Lua error) makes it unsure.
                         for k, a in enumerate(answers):
-                            if isinstance(a, Exception) and (k >= len(by_queue) or outages.transient(a)):
+                            if isinstance(a, Exception) and (k >= len(by_queue) or outages.transient(a)
+                                                             or isinstance(a, redis.RedisError)):
                                 raise a
                         if backoff is not None:
                             backoff.ok()
@@ -845,7 +849,7 @@ class TaskRunner:
             told = "".join((f", {len(refused)} refused" if refused else "",
                             f", {len(withdrawn)} withdrawn (killed: enqueue them with new ids)" if withdrawn else "",
                             f", the {len(unsure)} after them sent with no answer (maybe enqueued)" if unsure else ""))
-            if failed is None:
+            if failed is None or not isinstance(e, Exception):  # an interrupt (Ctrl-C) is the user's: it goes on
                 said = _stopped(e, f"{e} (enqueue_many: {len(out)} of the first {n} jobs given enqueued{told}, "
                                 "none after)", out, unsure, refused, withdrawn)
                 raise said from (None if said is e else e)

@@ -127,6 +127,9 @@ def run(app: TaskRunner, steps: Steps[T]) -> T:
             answer, error = _answer(app, request), None
         except Exception as e:
             answer, error = None, e
+        except BaseException:
+            steps.close()  # interrupted (Ctrl-C in a pause): its finally (Backoff.give_up) runs now
+            raise
 
 
 def riding(app: TaskRunner, operation: Steps[T], what: str) -> Steps[T]:
