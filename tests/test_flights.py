@@ -54,6 +54,21 @@ def claim_in_flight(app, w: Worker) -> set[str]:
     return set(app.redis.hkeys(held))
 
 
+def test_a_worker_stopping_with_a_claim_in_flight_goes_on_until_it_lands(app):
+    """(Review.) The loop ends once stopping and drained, which looked at children and the
+    outbox only: a claim sent just before the stop landed after the children were closed,
+    and the worker said goodbye with its jobs claimed, left running until the dispatcher
+    found them (their attempt spent). A claim in flight keeps the worker's loop going."""
+    w = start(app)
+    jobs = app.enqueue_many([{"task": "tests.apps.record", "args": [f"r{i}"]} for i in range(2)])
+    assert claim_in_flight(app, w)
+    w.stopping = True
+    assert not w._drained()
+    wait_for(lambda: w._step() or w._drained(), what="the claim to land and its jobs to end")
+    stop(w)
+    assert not app.redis.hkeys(app.keys.q("default") + "running") and all(j.state == "completed" for j in jobs)
+
+
 def run_until_done(w: Worker, jobs: list) -> None:
     wait_for(lambda: w._step() or all(j.state == "completed" for j in jobs), what="every job to complete")
 

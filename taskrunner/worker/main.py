@@ -247,7 +247,10 @@ class Worker:
             pass
 
     def _drained(self) -> bool:
-        return not self.crew.busy() and self.outbox.empty()
+        """Nothing left to run or report, and no claim in flight: one sent just before the
+        stop must land while the children still run (it would land after they were closed,
+        the jobs left claimed by a worker that said goodbye)."""
+        return not self.crew.busy() and self.outbox.empty() and not any(f.claim for f in self.flights)
 
     def _shutdown(self) -> None:
         signal.set_wakeup_fd(-1)
