@@ -614,18 +614,84 @@ def test_the_node_scripts_teach_with_help_and_refuse_mistakes_in_one_line(stack,
 
 
 def test_the_node_producer_gives_up_on_an_unreachable_redis_in_one_line(stack):
-    """With Redis unreachable the producer tries for TASKRUNNER_ENQUEUE_RETRY seconds, then
-    says so in one line (exit 3), as the Python producer does; it printed ioredis's
-    "Unhandled error event" and a stack at each try for 46 s, then "Reached the max retries
-    per request limit" (exit 2)."""
+    """With Redis unreachable the producer tries for TASKRUNNER_ENQUEUE_RETRY seconds (15 by
+    default), then says so in one line (exit 3), as the Python producer does. It printed
+    ioredis's "Unhandled error event" and a stack at each try; and ioredis failed the request
+    at its own limit first (its 20 tries, about 11.5 s against a refused port): "Reached the
+    max retries per request limit" (exit 2), the setting never reached."""
     with socket.socket() as s:  # a loopback port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**stack.env, "REDIS_URL": f"redis://127.0.0.1:{port}/0", "TASKRUNNER_ENQUEUE_RETRY": "1"}
-    r = subprocess.run(["node", "producer.js", "tests.apps.add", "[1, 2]"], cwd=NODE_DIR, env=env,
+    env = {k: v for k, v in stack.env.items() if k != "TASKRUNNER_ENQUEUE_RETRY"}
+    env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+    r = subprocess.run(["node", "producer.js", "--queue", "q", "tests.apps.add", "[1, 2]"], cwd=NODE_DIR, env=env,
                        capture_output=True, text=True, timeout=120)
-    assert (r.returncode, r.stdout) == (3, "")
-    assert r.stderr == f"Error: cannot reach Redis: connect ECONNREFUSED 127.0.0.1:{port} (for 1s; set REDIS_URL)\n"
+    assert (r.returncode, r.stdout) == (3, ""), r.stderr
+    assert r.stderr == f"Error: cannot reach Redis: connect ECONNREFUSED 127.0.0.1:{port} (for 15s; set REDIS_URL)\n"
+
+
+def test_the_node_producer_waits_out_an_outage_until_its_wait_ends(app, tmp_path):
+    """`--wait` rides out a Redis outage, as Python's `wait` does: a wait that ends during it
+    says the job's state is unknown in one line (exit 3), one that lasts longer gets the job's
+    record once Redis is back. Both gave up after TASKRUNNER_ENQUEUE_RETRY (1 s here), whatever
+    --wait said, printing ioredis's "Unhandled error event" and a stack for their blocking
+    connection."""
+    server = RedisServer(tmp_path / "redis", appendonly=True, appendfsync="always").start()
+    stack = Stack(app, server.url)
+    env = {"TASKRUNNER_ENQUEUE_RETRY": "1"}
+    try:
+        app.configure(redis_url=server.url)
+        short = spawn_node(stack, "producer.js", "--wait", "5", "--id", "short", "--queue", "outage", "tests.apps.add",
+                           "[1, 2]", env=env)
+        long = spawn_node(stack, "producer.js", "--wait", "120", "--id", "long", "--queue", "outage", "tests.apps.add",
+                          "[3, 4]", env=env)
+        wait_for(lambda: record(app, "outage", "short") and record(app, "outage", "long"), what="both jobs enqueued")
+        server.stop()
+        out, _ = short.communicate(timeout=60)  # the outage lasts longer than its wait
+        assert short.returncode == 3, out
+        assert out.startswith("Error: cannot reach Redis, the state of job short is unknown: ") and out.count("\n") == 1
+        server.start()
+        stack.worker("-Q", "outage")
+        out, _ = long.communicate(timeout=90)
+        assert long.returncode == 0, out
+        assert (json.loads(out)["state"], json.loads(out)["result"]) == ("completed", "7")
+    finally:
+        stack.stop()
+        server.stop()
+
+
+def test_a_node_job_of_a_task_named_queue_is_enqueued(app, stack):
+    """A task named "queue" given no queue goes to default: the producer took the task's name
+    for the record's `queue` field when it put the job in its task's queue ("unknown field
+    default", exit 2)."""
+    r = produce(stack, "queue", "[1]")
+    assert r.returncode == 0, r.stderr
+    assert record(app, "default", r.stdout.strip())["task"] == "queue"
+
+
+def test_the_node_producer_exits_as_the_cli_does(app, stack, tmp_path):
+    """The producer's exit codes are the CLI's (README, Exit codes): 1 a refusal (a closed
+    queue), 2 a mistake in what was given (a wrong password), 3 a Redis unavailable for now
+    (a replica whose primary is gone answers MASTERDOWN); every failure was exit 2."""
+    queues.create(app, "shut")
+    queues.close(app, "shut")
+    r = produce(stack, "--queue", "shut", "tests.apps.add", "[1, 2]")
+    assert (r.returncode, r.stdout, r.stderr) == (1, "", "Error: queue shut is closed\n")
+    server = RedisServer(tmp_path / "redis", appendonly=False, port=free_port()).start()
+    try:
+        admin = redis.Redis(unix_socket_path=str(server.socket))
+        admin.config_set("replica-serve-stale-data", "no")
+        admin.replicaof("127.0.0.1", free_port())  # a primary nothing answers at: the link stays down
+        env = {**stack.env, "REDIS_URL": f"redis://127.0.0.1:{server.port}/0"}
+        run = ["node", "producer.js", "--queue", "q", "tests.apps.add", "[1, 2]"]
+        r = subprocess.run(run, cwd=NODE_DIR, env=env, capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout) == (3, "") and r.stderr.startswith("Error: MASTERDOWN "), r.stderr
+        admin.config_set("requirepass", "right")
+        env["REDIS_URL"] = f"redis://:wrong@127.0.0.1:{server.port}/0"
+        r = subprocess.run(run, cwd=NODE_DIR, env=env, capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout) == (2, "") and r.stderr.startswith("Error: WRONGPASS "), r.stderr
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("given,line", [
@@ -646,7 +712,8 @@ def test_the_node_producer_names_arguments_that_are_not_json_of_their_kind(app, 
 def test_the_node_consumer_records_whatever_a_handler_throws_or_returns(app, stack, tmp_path):
     """A handler that throws something other than an Error fails its job with that value's
     text (`throw null` broke the consumer's reading of it, leaving the job claimed for good;
-    a thrown string was "Error: undefined"), and one that returns a value JSON has no form
+    a thrown string was "Error: undefined"; one neither JSON nor String() takes threw in the
+    consumer, and its job stayed running for good), and one that returns a value JSON has no form
     for (a function) completes with null, as undefined (its result was left empty, which no
     reader takes for JSON)."""
     handlers = tmp_path / "odd.js"
@@ -655,9 +722,11 @@ def test_the_node_consumer_records_whatever_a_handler_throws_or_returns(app, sta
                         "  'odd.text': async () => { throw 'out of paper'; },\n"
                         "  'odd.object': async () => { throw { code: 7 }; },\n"
                         "  'odd.fn': async () => () => 1,\n"
+                        "  'odd.loop': async () => { const o = Object.create(null); o.o = o; throw o; },\n"
                         "};\n")
     spawn_node(stack, "consumer.js", "--name", "odd-c", "--queues", "odd", str(handlers))
-    for task, message in (("odd.null", "null"), ("odd.text", "out of paper"), ("odd.object", '{"code":7}')):
+    for task, message in (("odd.null", "null"), ("odd.text", "out of paper"), ("odd.object", '{"code":7}'),
+                          ("odd.loop", "[object Object]")):
         job = app.enqueue(task, queue="odd")
         with pytest.raises(JobFailed) as e:
             job.wait(30)

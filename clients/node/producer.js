@@ -2,7 +2,7 @@
 'use strict';
 // Enqueue one job, print its id (and with --wait, its record as JSON once it has ended).
 const { parseArgs } = require('util');
-const { TaskRunner } = require('./taskrunner');
+const { TaskRunner, Refused, unavailable } = require('./taskrunner');
 
 const USAGE = `usage: node producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]]
   Enqueue one job of TASK (ARGS_JSON: a JSON array, default []; KWARGS_JSON: a JSON object,
@@ -18,11 +18,17 @@ const USAGE = `usage: node producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]]
                             print that job's id; --unique-for alone makes the key from TASK,
                             ARGS and KWARGS (as Python makes it)
   --depends-on ID           run once job ID (of any queue) completed; repeat it for several
-  --wait S                  wait up to S seconds for the job to end; print its record
+  --wait S                  wait up to S seconds for the job to end; print its record (a
+                            Redis outage meanwhile is waited out until then)
   -h, --help                this text
-  Redis and key prefix from REDIS_URL and TASKRUNNER_PREFIX. Exit codes: 0 enqueued (with
-  --wait: completed), 1 the job failed or was killed, 2 bad usage or a refused enqueue, 3
-  Redis unreachable for TASKRUNNER_ENQUEUE_RETRY seconds (default 15; 0: at the first try).
+  Redis and key prefix from REDIS_URL and TASKRUNNER_PREFIX. Exit codes (as taskrunner's CLI):
+  0 enqueued (with --wait: completed); 1 refused or failed: a closed or full queue, no such
+  job (--depends-on, --wait), the job failed, was killed or canceled; 2 a mistake in what was
+  given (bad options, arguments that are not JSON or do not fit the task, a bad URL, a wrong
+  password), or with --wait the job still not ended after S seconds; 3 Redis unreachable for
+  now: not answering for TASKRUNNER_ENQUEUE_RETRY seconds (default 15; 0: at the first try),
+  or answering READONLY, MASTERDOWN, BUSY, LOADING, TRYAGAIN or CLUSTERDOWN, or with --wait
+  still not answering after S seconds (the job's state is unknown): try again.
   e.g. node producer.js --wait 30 shop.add '[40, 2]'`;
 
 // A whole-number flag: its number, or the text as given (refused, and shown, by enqueue).
@@ -38,21 +44,41 @@ function seconds(flag, s) {
 }
 
 // Redis unreachable: ioredis connects again and again, emitting each failure (each was an
-// "[ioredis] Unhandled error event" with its stack, for 46 s, then "Reached the max retries
-// per request limit"); say none of them, and once it has failed for TASKRUNNER_ENQUEUE_RETRY
-// seconds, give up in one line, as taskrunner's Python producer does.
+// "[ioredis] Unhandled error event" with its stack), and holds the requests meanwhile (the
+// producer's client: maxRetriesPerRequest null; ioredis's own limit, 20 tries, failed the
+// request after about 11.5 s, exit 2, before the setting's 15 s). Say none of the failures; once the
+// first is TASKRUNNER_ENQUEUE_RETRY seconds old and Redis still not ready, give up in one
+// line (exit 3), as taskrunner's Python producer does: a timer, as a host that drops packets
+// fails only every connectTimeout. Answers a function that ends the watch (the job is in:
+// --wait rides out an outage until its own end).
 function giveUpWhenUnreachable(tr) {
   const setting = Number(process.env.TASKRUNNER_ENQUEUE_RETRY || 15);
   const limit = (Number.isFinite(setting) && setting >= 0 ? setting : 15) * 1000;
-  let since = null;
-  tr.redis.on('ready', () => { since = null; });
-  tr.redis.on('error', (e) => {
-    since = since === null ? Date.now() : since;
-    if (Date.now() - since < limit) return;
-    console.error(`Error: cannot reach Redis: ${e.message} (for ${limit / 1000}s; set REDIS_URL)`);
-    process.exit(3);
+  let last = null;
+  let timer = null;
+  let watching = true;
+  tr.redis.on('ready', () => {
+    clearTimeout(timer);
+    timer = null;
   });
+  tr.redis.on('error', (e) => {
+    if (!unavailable(e)) return; // a refusal (a wrong password) fails the request itself
+    last = e;
+    if (timer !== null || !watching) return;
+    timer = setTimeout(() => {
+      console.error(`Error: cannot reach Redis: ${last.message} (for ${limit / 1000}s; set REDIS_URL)`);
+      process.exit(3);
+    }, limit);
+  });
+  return () => {
+    watching = false;
+    clearTimeout(timer);
+  };
 }
+
+// The exit code of a failure, as taskrunner's CLI sorts them (README, Exit codes): 1 the
+// answer is no, 3 Redis unavailable for now, 2 a mistake in what was given.
+const exitCode = (e) => (e instanceof Refused ? 1 : unavailable(e) ? 3 : 2);
 
 // ARGS_JSON or KWARGS_JSON read: a JSON array or object (`kind`), else an error naming it,
 // before Redis is asked (it answered "ERR taskrunner: NotJSON: ... args is not a JSON array").
@@ -88,13 +114,14 @@ async function main() {
   const jobKwargs = parsed('KWARGS_JSON', kwargs, 'object');
   const delay = seconds('delay', o.delay) || 0;
   const wait = seconds('wait', o.wait);
-  const tr = new TaskRunner();
-  giveUpWhenUnreachable(tr);
+  const tr = new TaskRunner({ options: { maxRetriesPerRequest: null, connectTimeout: 5000 } });
+  const enqueued = giveUpWhenUnreachable(tr);
   try {
     const { id, queue, created, duplicate } = await tr.enqueue(task, jobArgs, jobKwargs, {
       queue: o.queue, id: o.id, delay, maxDuration: o['max-duration'], retries: o.retries,
       dependsOn: o['depends-on'], priority: count(o.priority), concurrencyKey: o['concurrency-key'],
       uniqueKey: o['unique-key'], uniqueFor: count(o['unique-for']), uniqueUntil: o['unique-until'] });
+    enqueued();
     if (duplicate) console.error(`a job with its unique key exists: ${id} (not enqueued)`);
     else if (!created) console.error(`job ${id} exists already: not enqueued again`);
     if (wait === undefined) {
@@ -109,4 +136,7 @@ async function main() {
   }
 }
 
-main().then((code) => { process.exitCode = code; }, (e) => { console.error(`Error: ${e.message}`); process.exitCode = 2; });
+main().then((code) => { process.exitCode = code; }, (e) => {
+  console.error(`Error: ${e.message}`);
+  process.exitCode = exitCode(e);
+});

@@ -11,6 +11,34 @@ const Redis = require('ioredis');
 const NAME = /^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}$/;
 const ID = /^[A-Za-z0-9_.:@-]{1,200}$/;
 const FINAL = new Set(['completed', 'failed', 'killed', 'canceled']);
+// Answers of a Redis that cannot take the request for now (a replica, a failover, a script
+// running, a dataset loading): try again, as a network error.
+const NOT_NOW = /^(READONLY|MASTERDOWN|BUSY|LOADING|TRYAGAIN|CLUSTERDOWN)\b/;
+
+// The answer is no (a closed or full queue, no such job): what was asked was understood.
+class Refused extends Error {
+  constructor(message) {
+    super(message);
+    this.name = 'Refused';
+  }
+}
+
+// Redis could not be reached in time: what happened is unknown, try again.
+class Unreachable extends Error {
+  constructor(message) {
+    super(message);
+    this.name = 'Unreachable';
+  }
+}
+
+// Whether `e` says Redis is unavailable for now (not that it refused the request): a network
+// error (connect, read, getaddrinfo: ioredis sets its syscall), ioredis giving up its retries
+// of a request or a cluster, a closed connection, or an answer of NOT_NOW.
+function unavailable(e) {
+  if (e === null || typeof e !== 'object') return false;
+  return Boolean(e.syscall) || e instanceof Unreachable || e.name === 'MaxRetriesPerRequestError'
+    || e.name === 'ClusterAllFailedError' || e.message === 'Connection is closed.' || NOT_NOW.test(String(e.message));
+}
 // The fields of an outbox entry join.lua takes after child, parent, task and state (Across slots).
 const NEWS = ['result', 'error_type', 'error', 'canceled_by'];
 
@@ -273,9 +301,11 @@ function checkArguments(task, params, args, kwargs, fed = false) {
 // a job goes to shard crc32(key) mod N of its key, else round robin.
 const SHARD = /^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}~[1-9][0-9]?$/;
 // Put a draft (TaskRunner.draft) in another queue: its queue and its record's field.
+// The field is found among the keys (even indices): a task named "queue" is a value.
 function move(d, queue) {
   d.queue = queue;
-  d.fields[d.fields.indexOf('queue') + 1] = queue;
+  const at = d.fields.findIndex((f, i) => i % 2 === 0 && f === 'queue');
+  d.fields[at + 1] = queue;
 }
 const KEEP_MS = 10000; // how long a shard count or a declaration read is kept
 const CRC = Array.from({ length: 256 }, (_, n) => {
@@ -315,14 +345,18 @@ class Scripts {
 }
 
 class TaskRunner {
+  // `options`: ioredis's, for each server's connection (e.g. maxRetriesPerRequest: null to
+  // hold requests while Redis is down, however long, as the producer does).
   constructor({ url = setting('REDIS_URL', 'redis://127.0.0.1:6379/0'), prefix = setting('TASKRUNNER_PREFIX', 'tr'),
-    scriptsDir = setting('TASKRUNNER_SCRIPTS', path.join(__dirname, '..', '..', 'taskrunner', 'protocol', 'scripts')) } = {}) {
+    scriptsDir = setting('TASKRUNNER_SCRIPTS', path.join(__dirname, '..', '..', 'taskrunner', 'protocol', 'scripts')),
+    options = {} } = {}) {
     this.url = url;
     this.prefix = prefix;
     const cluster = clusterOf(url);
     this.cluster = cluster !== null;
-    this.redis = cluster ? new Redis.Cluster(cluster.nodes, { lazyConnect: true, redisOptions: cluster.redisOptions })
-      : new Redis(url, { lazyConnect: true });
+    this.redis = cluster
+      ? new Redis.Cluster(cluster.nodes, { lazyConnect: true, redisOptions: { ...options, ...cluster.redisOptions } })
+      : new Redis(url, { ...options, lazyConnect: true });
     this.failedTtl = setting('TASKRUNNER_FAILED_TTL', '604800');
     this.registered = new Set(); // queues added to P:{_}:queues by this producer (a cluster)
     this.kept = new Map(); // "shards <queue>" or "task <name>" -> [until (ms), value]: read at most once per KEEP_MS
@@ -479,8 +513,8 @@ class TaskRunner {
     if (this.cluster && others.length) return this.across(drafts);
     const answers = await this.call(first, drafts, others);
     const closed = answers.indexOf(-2);
-    if (closed >= 0) throw new Error(`queue ${drafts[closed].queue} is closed`);
-    if (answers.includes(-1)) throw new Error(`queue ${first} is full`);
+    if (closed >= 0) throw new Refused(`queue ${drafts[closed].queue} is closed`);
+    if (answers.includes(-1)) throw new Refused(`queue ${first} is full`);
     return answers;
   }
 
@@ -549,7 +583,7 @@ class TaskRunner {
         for (const d of written) await this.kill(d.id, d.queue, `taskrunner: its workflow was refused by queue ${q}`);
         const gone = written.length ? ` (the jobs of it written before were killed: ${written.length})` : '';
         const why = got.includes(-2) ? 'closed' : 'full (its bound is reached)';
-        throw new Error(`queue ${q} is ${why}: the workflow was not enqueued${gone}`);
+        throw new Refused(`queue ${q} is ${why}: the workflow was not enqueued${gone}`);
       }
     }
     if (news.length) await this.carry(news);
@@ -602,7 +636,7 @@ class TaskRunner {
       }
       const found = [];
       for (const q of queues) if (await this.redis.exists(this.q(q) + 'job:' + j)) found.push(q);
-      if (!found.length) throw new Error(`no job ${j}`);
+      if (!found.length) throw new Refused(`no job ${j}`);
       out.push([found[0], j]);
     }
     return out;
@@ -686,21 +720,46 @@ class TaskRunner {
   }
 
   // Wait: watch.lua counts us in as a waiter, then BLPOP notify:<id>, looking again every
-  // 5 s at most (a token may be lost with a Redis restart). Answers the job record.
+  // 5 s at most (a token may be lost with a Redis restart). Answers the job record. Rides out
+  // a Redis outage (unavailable()) until `timeout`, as Python's `wait` does, then throws
+  // Unreachable: the job's state is unknown. No such job: Refused.
   async wait(id, queue = 'default', timeout = 60) {
     const p = this.q(queue);
     const deadline = Date.now() + timeout * 1000;
     const blocker = this.connection();
+    let last = null; // the last sign of an outage, for the message
+    const seen = (e) => { if (unavailable(e)) last = e; };
+    blocker.on('error', seen); // its failures are its requests' (unheard, each was printed with a stack)
+    this.redis.on('error', seen);
+    // A request answered, else Unreachable a second past the deadline (a client that holds
+    // its requests while Redis is down, maxRetriesPerRequest null, would wait for good).
+    let timer;
+    const due = new Promise((resolve, reject) => {
+      timer = setTimeout(() => reject(last || new Unreachable('Redis did not answer')), deadline - Date.now() + 1000);
+    });
+    due.catch(() => {});
+    const bounded = (request) => Promise.race([request, due]);
     try {
       for (;;) {
-        const state = await this.scripts.call('watch', [p], [id]);
-        if (state === '') throw new Error(`no job ${id} in queue ${queue}`);
-        if (FINAL.has(state)) return this.redis.hgetall(p + 'job:' + id);
-        const left = (deadline - Date.now()) / 1000;
-        if (left <= 0) throw new Error(`job ${id} is still ${state} after ${timeout}s`);
-        await blocker.blpop(p + 'notify:' + id, Math.max(0.01, Math.min(left, 5)));
+        try {
+          const state = await bounded(this.scripts.call('watch', [p], [id]));
+          if (state === '') throw new Refused(`no job ${id} in queue ${queue}`);
+          if (FINAL.has(state)) return await bounded(this.redis.hgetall(p + 'job:' + id));
+          const left = (deadline - Date.now()) / 1000;
+          if (left <= 0) throw new Error(`job ${id} is still ${state} after ${timeout}s`);
+          await bounded(blocker.blpop(p + 'notify:' + id, Math.max(0.01, Math.min(left, 5))));
+          last = null;
+        } catch (e) {
+          if (!unavailable(e)) throw e;
+          last = e;
+          const left = deadline - Date.now();
+          if (left <= 0) throw new Unreachable(`cannot reach Redis, the state of job ${id} is unknown: ${e.message}`);
+          await sleep(Math.min(1, left / 1000));
+        }
       }
     } finally {
+      clearTimeout(timer);
+      this.redis.off('error', seen);
       blocker.disconnect();
     }
   }
@@ -721,13 +780,19 @@ const sleep = (s) => new Promise((resolve) => setTimeout(resolve, s * 1000));
 // What a handler threw, as a job's error type, message and traceback: an Error's name,
 // message and stack; anything else thrown (a string, null, a plain object) is an `Error` with
 // its text (null's field reads threw in the consumer, leaving the job claimed for good).
+// Total: a value neither JSON nor String() can take (a circular object without a prototype)
+// is its Object.prototype.toString text; it threw in run(), whose job then stayed running.
 function thrown(e) {
-  if (e instanceof Error) return [e.name || 'Error', String(e.message), String(e.stack || '')];
-  let text;
   try {
-    text = typeof e === 'string' ? e : JSON.stringify(e);
-  } catch { /* a BigInt, a circular object */ }
-  return ['Error', text === undefined ? String(e) : text, ''];
+    if (e instanceof Error) return [String(e.name || 'Error'), String(e.message), String(e.stack || '')];
+    const text = typeof e === 'string' ? e : JSON.stringify(e);
+    if (text !== undefined) return ['Error', text, ''];
+  } catch { /* a BigInt, a circular object, a throwing getter */ }
+  try {
+    return ['Error', String(e), ''];
+  } catch {
+    return ['Error', Object.prototype.toString.call(e), ''];
+  }
 }
 
 // A consumer runs one job at a time with `handlers[task](args, kwargs, ctx)`; ctx has the job's
@@ -836,9 +901,21 @@ class Consumer {
     this.orphans = false;
   }
 
+  // The job is this.current until run() ends, however it ends (a throw that left it set kept
+  // the job running for good: the heartbeat kept it alive).
   async run(d) {
     d.controller = new AbortController();
     this.current = d;
+    try {
+      await this.runCurrent(d);
+    } finally {
+      this.current = null;
+      this.processed += 1;
+    }
+  }
+
+  // One delivery: its handler, then its finish (PROTOCOL.md, Finish) as it ended.
+  async runCurrent(d) {
     const stopped = new Promise((resolve) => d.controller.signal.addEventListener('abort', () => resolve()));
     // Max duration: past it, a job of policy "kill" is stopped; "flag" runs on (the
     // dispatcher flags it stuck).
@@ -867,8 +944,6 @@ class Consumer {
       }[reason];
     }
     if (outcome) await this.finish(d, ...outcome);
-    this.current = null;
-    this.processed += 1;
   }
 
   // Kill messages: {"kill": id, "attempt": n, "reason": "killed"|"timeout"} on control:<name>.
@@ -977,4 +1052,5 @@ class Consumer {
   }
 }
 
-module.exports = { TaskRunner, Consumer, Scripts, BadArguments, checkArguments, ulid, sleep, uniqueKeyOf };
+module.exports = { TaskRunner, Consumer, Scripts, BadArguments, Refused, Unreachable, unavailable, checkArguments, ulid,
+  sleep, uniqueKeyOf };
