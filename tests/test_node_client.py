@@ -807,6 +807,22 @@ def test_the_node_consumer_outlives_an_outage_longer_than_ioredis_retries(app, t
         assert len(failed) == 1 and failed[0].endswith("; trying again"), log.read_text()
 
 
+def test_the_node_consumer_stopped_while_redis_is_down_stops_at_once(app, tmp_path):
+    """SIGTERM while Redis is down: the consumer stops within about a heartbeat (exit 0), in
+    one line more, as a worker does, rather than waiting for Redis: it waited for ioredis's
+    tries of its claim, then of its leaving (a minute and more), and then ended on "Error:
+    Reached the max retries per request limit" (exit 1)."""
+    with consumer_on_a_redis_of_its_own(app, tmp_path, "down-c") as (server, p, log):
+        server.stop()
+        wait_for(lambda: "Redis unavailable" in log.read_text(), what="the consumer to find Redis gone")
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=120)
+        lines = log.read_text().splitlines()
+        assert p.returncode == 0, lines
+        assert lines[-2:] == ["down-c: stopping without leaving the worker list: Redis is unavailable (the dispatcher "
+                              "finds us dead)", "consumer down-c: stopped after 0 jobs"], lines
+
+
 def test_the_node_consumer_started_before_redis_waits_for_it(app, tmp_path):
     """A consumer started while its Redis is down waits for it, as taskrunner's worker does;
     it said it would try again, then stopped at once: "Error: Connection is closed." (exit 1)."""

@@ -795,6 +795,8 @@ function thrown(e) {
   }
 }
 
+const ABANDONED = Symbol('abandoned'); // Consumer.answered: the consumer stopped before Redis answered
+
 // A consumer runs one job at a time with `handlers[task](args, kwargs, ctx)`; ctx has the job's
 // id, queue, attempt and headers (an object, {} when none); ctx.signal is an
 // AbortSignal that fires when the job must stop (kill request, max duration, lost, shutdown).
@@ -824,6 +826,10 @@ class Consumer {
     tr.tellOutages((line) => console.error(`${this.name}: ${line}`));
     this.processed = 0;
     this.stopping = false;
+    // Resolved with ABANDONED once stopping while Redis is unavailable (stop()): what waits
+    // for Redis then gives up, so that the consumer stops within about a heartbeat, not after
+    // ioredis's tries (a minute and more, then an error: exit 1).
+    this.abandoned = new Promise((resolve) => { this.abandon = () => resolve(ABANDONED); });
     this.startedAt = Date.now() / 1000;
   }
 
@@ -1000,6 +1006,9 @@ class Consumer {
     }
   }
 
+  // A request's answer, or ABANDONED once stopping while Redis is unavailable.
+  answered(request) { return Promise.race([request, this.abandoned]); }
+
   // The main loop: claim, run, and when there is nothing, block on the queues' wake lists.
   async start() {
     if (!(await this.connect())) return;
@@ -1013,34 +1022,49 @@ class Consumer {
       while (!this.stopping) {
         const before = this.reconnects;
         try {
-          const d = await this.claim();
-          if (this.orphans || this.reconnects !== before) await this.releaseOrphans(d);
-          if (d) await this.run(d);
+          const d = await this.answered(this.claim());
+          if (d === ABANDONED) break;
+          if (this.orphans || this.reconnects !== before) {
+            if (await this.answered(this.releaseOrphans(d)) === ABANDONED) break;
+          }
+          let waited;
+          if (d) waited = this.run(d);
           // Redis times a BRPOP out to 0.1 s: a short wait for a rate limit's token is slept.
-          else if (this.throttled !== null && this.throttled < 1) await sleep(this.throttled);
-          else await blocker.brpop(...this.queues.map((q) => this.tr.q(q) + 'wake'),
+          else if (this.throttled !== null && this.throttled < 1) waited = sleep(this.throttled);
+          else waited = blocker.brpop(...this.queues.map((q) => this.tr.q(q) + 'wake'),
             this.throttled === null ? this.idleBlock : Math.min(this.idleBlock, this.throttled));
+          if (await this.answered(waited) === ABANDONED) break;
         } catch (e) {
           this.tr.failed('claim', e);
           this.orphans = true;
-          await sleep(1);
+          await this.answered(sleep(1));
         }
       }
     } finally {
       clearInterval(beats);
       blocker.disconnect();
-      await control;
-      await this.leave();
+      await this.answered(control);
+      if (await this.answered(this.leave()) === ABANDONED) {
+        this.tr.outage.say('stopping without leaving the worker list: Redis is unavailable (the dispatcher finds us dead)');
+      }
     }
   }
 
   // Stop: no more claims; the running job has shutdownGrace seconds, then goes back to its
-  // queue next in line. start() then leaves.
+  // queue next in line. start() then leaves. Redis unavailable at a beat after, with no job
+  // running (or its grace over): what waits for Redis is abandoned; a job still held goes back
+  // when the dispatcher finds us dead.
   stop() {
     if (this.stopping) return;
     this.stopping = true;
     const d = this.current;
     if (d) setTimeout(() => this.abort(d, 'shutdown'), this.shutdownGrace * 1000).unref();
+    const look = () => {
+      const running = this.current && !this.current.controller.signal.aborted;
+      if (this.tr.outage.since !== null && !running) this.abandon();
+      else setTimeout(look, this.beatEvery * 1000).unref();
+    };
+    setTimeout(look, this.beatEvery * 1000).unref();
   }
 
   // Leaving cleanly: nothing held any more (run() finished it), so leave the worker list;
