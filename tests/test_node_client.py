@@ -630,6 +630,27 @@ def test_the_node_producer_gives_up_on_an_unreachable_redis_in_one_line(stack):
     assert r.stderr == f"Error: cannot reach Redis: connect ECONNREFUSED 127.0.0.1:{port} (for 15s; set REDIS_URL)\n"
 
 
+def test_the_node_producer_gives_up_on_a_redis_that_does_not_answer(stack, tmp_path):
+    """A Redis that takes the connection but answers nothing (stopped: SIGSTOP, a hung host)
+    fires no error: the producer waited for good. It gives up as for one it cannot reach,
+    after TASKRUNNER_ENQUEUE_RETRY and a socket timeout (5 s) more, in one line, exit 3."""
+    import signal
+
+    from taskrunner.ops.redis_server import RedisServer
+
+    server = RedisServer(tmp_path, appendonly=False, port=free_port()).start()
+    try:
+        server.proc.send_signal(signal.SIGSTOP)
+        env = {**stack.env, "REDIS_URL": f"redis://127.0.0.1:{server.port}/0", "TASKRUNNER_ENQUEUE_RETRY": "1"}
+        r = subprocess.run(["node", "producer.js", "--queue", "q", "tests.apps.add", "[1, 2]"], cwd=NODE_DIR, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert (r.returncode, r.stdout) == (3, ""), r.stderr
+        assert r.stderr.startswith("Error: cannot reach Redis: it did not answer (for 6s; set REDIS_URL)"), r.stderr
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        server.stop()
+
+
 def test_the_node_producer_waits_out_an_outage_until_its_wait_ends(app, tmp_path):
     """`--wait` rides out a Redis outage, as Python's `wait` does: a wait that ends during it
     says the job's state is unknown in one line (exit 3), one that lasts longer gets the job's

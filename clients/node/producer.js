@@ -49,14 +49,21 @@ function seconds(flag, s) {
 // request after about 11.5 s, exit 2, before the setting's 15 s). Say none of the failures; once the
 // first is TASKRUNNER_ENQUEUE_RETRY seconds old and Redis still not ready, give up in one
 // line (exit 3), as taskrunner's Python producer does: a timer, as a host that drops packets
-// fails only every connectTimeout. Answers a function that ends the watch (the job is in:
-// --wait rides out an outage until its own end).
+// fails only every connectTimeout. A Redis that takes the connection and answers nothing
+// (stopped, a hung host) fires no error at all: the enqueue not done that long and a socket
+// timeout (5 s, the Python producer's) more, it gives up too. Answers a function that ends
+// the watch (the job is in, or the call failed: --wait rides out an outage until its own end).
 function giveUpWhenUnreachable(tr) {
   const setting = Number(process.env.TASKRUNNER_ENQUEUE_RETRY || 15);
   const limit = (Number.isFinite(setting) && setting >= 0 ? setting : 15) * 1000;
   let last = null;
   let timer = null;
   let watching = true;
+  const silent = setTimeout(() => {
+    const why = last ? last.message : 'it did not answer';
+    console.error(`Error: cannot reach Redis: ${why} (for ${(limit + 5000) / 1000}s; set REDIS_URL)`);
+    process.exit(3);
+  }, limit + 5000);
   tr.redis.on('ready', () => {
     clearTimeout(timer);
     timer = null;
@@ -73,6 +80,7 @@ function giveUpWhenUnreachable(tr) {
   return () => {
     watching = false;
     clearTimeout(timer);
+    clearTimeout(silent);
   };
 }
 
@@ -132,6 +140,7 @@ async function main() {
     console.log(JSON.stringify(record));
     return record.state === 'completed' ? 0 : 1;
   } finally {
+    enqueued(); // a failed call too: its timers must not end the process later
     tr.redis.disconnect();
   }
 }
