@@ -634,10 +634,6 @@ def test_the_node_producer_gives_up_on_a_redis_that_does_not_answer(stack, tmp_p
     """A Redis that takes the connection but answers nothing (stopped: SIGSTOP, a hung host)
     fires no error: the producer waited for good. It gives up as for one it cannot reach,
     after TASKRUNNER_ENQUEUE_RETRY and a socket timeout (5 s) more, in one line, exit 3."""
-    import signal
-
-    from taskrunner.ops.redis_server import RedisServer
-
     server = RedisServer(tmp_path, appendonly=False, port=free_port()).start()
     try:
         server.proc.send_signal(signal.SIGSTOP)

@@ -51,19 +51,20 @@ function seconds(flag, s) {
 // line (exit 3), as taskrunner's Python producer does: a timer, as a host that drops packets
 // fails only every connectTimeout. A Redis that takes the connection and answers nothing
 // (stopped, a hung host) fires no error at all: the enqueue not done that long and a socket
-// timeout (5 s, the Python producer's) more, it gives up too. Answers a function that ends
-// the watch (the job is in, or the call failed: --wait rides out an outage until its own end).
+// timeout (5 s, the Python producer's) more after the producer started, it gives up too.
+// Answers a function that ends the watch (the job is in, or the call failed: --wait rides
+// out an outage until its own end).
 function giveUpWhenUnreachable(tr) {
   const setting = Number(process.env.TASKRUNNER_ENQUEUE_RETRY || 15);
   const limit = (Number.isFinite(setting) && setting >= 0 ? setting : 15) * 1000;
   let last = null;
   let timer = null;
   let watching = true;
-  const silent = setTimeout(() => {
-    const why = last ? last.message : 'it did not answer';
-    console.error(`Error: cannot reach Redis: ${why} (for ${(limit + 5000) / 1000}s; set REDIS_URL)`);
+  const giveUp = (why, ms) => setTimeout(() => {
+    console.error(`Error: cannot reach Redis: ${why()} (for ${ms / 1000}s; set REDIS_URL)`);
     process.exit(3);
-  }, limit + 5000);
+  }, ms);
+  const silent = giveUp(() => (last ? last.message : 'it did not answer'), limit + 5000);
   tr.redis.on('ready', () => {
     clearTimeout(timer);
     timer = null;
@@ -72,10 +73,7 @@ function giveUpWhenUnreachable(tr) {
     if (!unavailable(e)) return; // a refusal (a wrong password) fails the request itself
     last = e;
     if (timer !== null || !watching) return;
-    timer = setTimeout(() => {
-      console.error(`Error: cannot reach Redis: ${last.message} (for ${limit / 1000}s; set REDIS_URL)`);
-      process.exit(3);
-    }, limit);
+    timer = giveUp(() => last.message, limit);
   });
   return () => {
     watching = false;
