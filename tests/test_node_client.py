@@ -630,6 +630,15 @@ def test_the_node_producer_gives_up_on_an_unreachable_redis_in_one_line(stack):
     assert r.stderr == f"Error: cannot reach Redis: connect ECONNREFUSED 127.0.0.1:{port} (for 15s; set REDIS_URL)\n"
 
 
+def test_the_node_producer_says_a_mistake_of_its_own_setup_is_one_exit_2(stack):
+    """A scripts directory that is not there (TASKRUNNER_SCRIPTS) is a mistake (exit 2): any
+    system error counted as Redis unavailable (exit 3, "try again"), a file's too (review)."""
+    env = {**stack.env, "TASKRUNNER_SCRIPTS": "/nonexistent"}
+    r = subprocess.run(["node", "producer.js", "--queue", "q", "tests.apps.add", "[1, 2]"], cwd=NODE_DIR, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "ENOENT" in r.stderr, r
+
+
 def test_the_node_producer_gives_up_on_a_redis_that_does_not_answer(stack, tmp_path):
     """A Redis that takes the connection but answers nothing (stopped: SIGSTOP, a hung host)
     fires no error: the producer waited for good. It gives up as for one it cannot reach,

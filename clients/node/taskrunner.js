@@ -32,11 +32,13 @@ class Unreachable extends Error {
 }
 
 // Whether `e` says Redis is unavailable for now (not that it refused the request): a network
-// error (connect, read, getaddrinfo: ioredis sets its syscall), ioredis giving up its retries
-// of a request or a cluster, a closed connection, or an answer of NOT_NOW.
+// error (one of a socket's system calls: a file's, as a scripts directory that is not there,
+// is a mistake), ioredis giving up its retries of a request or a cluster, a closed
+// connection, or an answer of NOT_NOW.
+const NET_CALLS = new Set(['connect', 'read', 'write', 'getaddrinfo']);
 function unavailable(e) {
   if (e === null || typeof e !== 'object') return false;
-  return Boolean(e.syscall) || e instanceof Unreachable || e.name === 'MaxRetriesPerRequestError'
+  return NET_CALLS.has(e.syscall) || e instanceof Unreachable || e.name === 'MaxRetriesPerRequestError'
     || e.name === 'ClusterAllFailedError' || e.message === 'Connection is closed.' || NOT_NOW.test(String(e.message));
 }
 // The fields of an outbox entry join.lua takes after child, parent, task and state (Across slots).
