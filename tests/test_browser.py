@@ -279,6 +279,22 @@ def test_hostile_job_argument_is_shown_as_text(app, stack, dashboard, page):
     assert job.wait(30) == "released"
 
 
+def test_confirm_guard_is_in_place_before_any_button_shows(dashboard, page):
+    """live.js's submit handler (the confirm before a danger button, "Tick the jobs first")
+    is attached before the page has a single button: a click as soon as a button shows,
+    on a slow or loaded machine, must not post past it (a deferred script left a window
+    in which a Delete went through unconfirmed; CI clicked into it)."""
+    page.add_init_script("""
+      window.__guard = [];
+      const add = EventTarget.prototype.addEventListener;
+      EventTarget.prototype.addEventListener = function (type, ...rest) {
+        if (this === document && type === "submit") window.__guard.push(document.querySelectorAll("button").length);
+        return add.call(this, type, ...rest);
+      };""")
+    login(page, dashboard, "/failed")
+    assert page.evaluate("window.__guard") == [0]
+
+
 def test_kill_after_live_refresh_returns_to_the_full_page(app, stack, dashboard, page):
     stack.worker(concurrency=1)
     job = apps.hold.delay("b2", 60)

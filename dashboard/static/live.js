@@ -146,19 +146,22 @@
       form.appendChild(say);
     }
   }
+  // The guards are on the document, attached as the script runs: base.html loads it in the
+  // head, not deferred, so no button can be clicked before its confirm is in place (a click
+  // into a deferred script's window posted a Delete unconfirmed).
+  document.addEventListener("submit", function (e) {
+    var b = e.submitter || e.target.querySelector("button.danger");
+    if (e.target.hasAttribute("data-bulk")) return bulk(e);
+    if (b && b.classList.contains("danger")
+        && !window.confirm(b.getAttribute("data-confirm") || b.textContent.trim() + "? This cannot be undone.")) e.preventDefault();
+  });
+  document.addEventListener("change", function (e) {  // on the document: a redrawn table has new boxes
+    var all = e.target;
+    if (!all.hasAttribute || !all.hasAttribute("data-check-all")) return;
+    document.querySelectorAll('input[type="checkbox"][name="id"][form="' + all.getAttribute("form") + '"]').forEach(function (c) { c.checked = all.checked; });
+  });
   document.addEventListener("DOMContentLoaded", function () {
     document.querySelectorAll("[data-live]").forEach(live);
     document.querySelectorAll(".live-note[data-watch]").forEach(watch);
-    document.addEventListener("submit", function (e) {
-      var b = e.submitter || e.target.querySelector("button.danger");
-      if (e.target.hasAttribute("data-bulk")) return bulk(e);
-      if (b && b.classList.contains("danger")
-          && !window.confirm(b.getAttribute("data-confirm") || b.textContent.trim() + "? This cannot be undone.")) e.preventDefault();
-    });
-    document.addEventListener("change", function (e) {  // on the document: a redrawn table has new boxes
-      var all = e.target;
-      if (!all.hasAttribute || !all.hasAttribute("data-check-all")) return;
-      document.querySelectorAll('input[type="checkbox"][name="id"][form="' + all.getAttribute("form") + '"]').forEach(function (c) { c.checked = all.checked; });
-    });
   });
 })();
