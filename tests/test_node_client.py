@@ -876,3 +876,25 @@ def test_the_node_consumer_refused_by_redis_stops_in_one_line(tmp_path):
                                                "disabled.\n"), r.stderr
     finally:
         server.stop()
+
+
+def test_the_node_producer_says_why_it_could_not_read_a_tasks_declaration(app, tmp_path):
+    """Redis's answer to the read of a task's declaration (its queue, its parameters) is told,
+    as Python's producer tells it: here a user whose ACL does not cover the declarations, one
+    line, exit 2. The error was taken for "nothing declared": the job went to default, where
+    the task's workers do not look, unchecked (exit 0)."""
+    server = RedisServer(tmp_path / "redis", appendonly=False, port=free_port()).start()
+    try:
+        r = redis.Redis(unix_socket_path=str(server.socket), decode_responses=True)
+        p = app.settings.prefix
+        r.hset(f"{p}:{{_}}:tasks", "shop.report", json.dumps({"queue": "reports", "params": ["n"]}))
+        r.acl_setuser("producer", enabled=True, passwords=["+pw"], commands=["+@all"],
+                      keys=[f"{p}:{{default}}:*", f"{p}:{{reports}}:*", f"{p}:{{_}}:queues"])
+        env = {**os.environ, "TASKRUNNER_PREFIX": p, "REDIS_URL": f"redis://producer:pw@127.0.0.1:{server.port}/0"}
+        got = subprocess.run(["node", "producer.js", "shop.report", "[7]"], cwd=NODE_DIR, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert (got.returncode, got.stdout) == (2, ""), got
+        assert got.stderr.startswith("Error: NOPERM ") and got.stderr.count("\n") == 1, got.stderr
+        assert not r.exists(f"{p}:{{default}}:pending")
+    finally:
+        server.stop()

@@ -444,8 +444,12 @@ class TaskRunner {
   // looked it up anyway).
   async place(d, opts = {}) {
     const { task, args, kwargs, fed } = d.call;
+    // Redis's error is thrown, as with Python's producer (a NOPERM taken for "nothing declared"
+    // put the job in default, unchecked, and kept that 10 s); a declaration that is not JSON
+    // declares nothing.
     const read = () => this.keep(`task ${task}`, async () => {
-      try { return JSON.parse(await this.redis.hget(this.g + 'tasks', task)) || {}; } catch { return {}; }
+      const raw = await this.redis.hget(this.g + 'tasks', task);
+      try { return JSON.parse(raw) || {}; } catch { return {}; }
     });
     if (d.unnamed) {
       const { queue } = await read();
