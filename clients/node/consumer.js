@@ -12,8 +12,9 @@ const USAGE = `usage: node consumer.js [--queues a,b] [--name NAME] HANDLERS_MOD
   --name NAME   unique among live workers (default node.<host>.<pid>)
   -h, --help    this text
   Redis and key prefix from REDIS_URL and TASKRUNNER_PREFIX; timings from the TASKRUNNER_*
-  settings of README.md (heartbeat, dead_after, max_duration, idle_block, shutdown_grace).
-  SIGTERM or SIGINT: no more claims, the running job gets shutdown_grace s, then it leaves.
+  settings of README.md (heartbeat, dead_after, max_duration, idle_block, shutdown_grace,
+  kill_grace). SIGTERM or SIGINT: no more claims, the running job gets shutdown_grace s, then
+  it leaves; with Redis unavailable, kill_grace + 10 s after that at most.
   e.g. node consumer.js --queues default,other --name node-1 examples/handlers.js`;
 
 // A mistake in what it was given: one line, exit 2.
@@ -54,7 +55,15 @@ try {
 } catch (e) {
   refuse(e.message);
 }
-for (const sig of ['SIGTERM', 'SIGINT']) process.on(sig, () => consumer.stop());
+// Said once, as a worker says it: the stop may take the grace, and more while Redis is unavailable.
+function stop() {
+  if (consumer.stopping) return;
+  const d = consumer.current;
+  const running = d && !d.controller.signal.aborted;
+  console.log(`consumer ${consumer.name}: stopping${running ? `; job ${d.id} has ${consumer.shutdownGrace}s to finish` : ''}`);
+  consumer.stop();
+}
+for (const sig of ['SIGTERM', 'SIGINT']) process.on(sig, stop);
 console.log(`consumer ${consumer.name}: queues ${consumer.queues.join(', ')}`);
 consumer.start().then(() => {
   console.log(`consumer ${consumer.name}: stopped after ${consumer.processed} jobs`);

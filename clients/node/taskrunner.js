@@ -802,6 +802,9 @@ function thrown(e) {
 }
 
 const ABANDONED = Symbol('abandoned'); // Consumer.answered: the consumer stopped before Redis answered
+// Seconds a stopping consumer waits for a PING before it takes Redis for unavailable (the
+// producer's socket timeout).
+const SILENT_S = 5;
 
 // A consumer runs one job at a time with `handlers[task](args, kwargs, ctx)`; ctx has the job's
 // id, queue, attempt and headers (an object, {} when none); ctx.signal is an
@@ -824,6 +827,7 @@ class Consumer {
     this.backoffCap = setting('TASKRUNNER_RETRY_BACKOFF_MAX', '600');
     this.failedTtl = tr.failedTtl;
     this.shutdownGrace = Number(setting('TASKRUNNER_SHUTDOWN_GRACE', 20));
+    this.killGrace = Number(setting('TASKRUNNER_KILL_GRACE', 5)); // only for how long stopping may last (stop())
     this.current = null; // the delivery running: {queue, id, attempt, task, ..., controller}
     this.orphans = false; // a claim's answer may have been lost: we may hold jobs we do not run
     this.throttled = null; // seconds until a rate limit's token (the last claim's answer), or null
@@ -832,10 +836,15 @@ class Consumer {
     tr.tellOutages((line) => console.error(`${this.name}: ${line}`));
     this.processed = 0;
     this.stopping = false;
-    // Resolved with ABANDONED once stopping while Redis is unavailable (stop()): what waits
-    // for Redis then gives up, so that the consumer stops within about a heartbeat, not after
-    // ioredis's tries (a minute and more, then an error: exit 1).
-    this.abandoned = new Promise((resolve) => { this.abandon = () => resolve(ABANDONED); });
+    this.ended = false; // start() has ended
+    this.graceTimer = null; // stop()'s: the running job's grace, and its watch on Redis
+    this.lookTimer = null;
+    // Why the consumer gave up on Redis while stopping (stop()), once it did: what waits for
+    // Redis then answers ABANDONED (answered()), so that the consumer stops in bounded time,
+    // not after ioredis's tries (a minute and more, then an error: exit 1) or, Redis stopped
+    // or hung (no error at all), never. `quits`: how each wait in progress is told.
+    this.abandoned = null;
+    this.quits = new Set();
     this.startedAt = Date.now() / 1000;
   }
 
@@ -883,15 +892,16 @@ class Consumer {
 
   // Finish one delivery: outcome and v1..v4 as in PROTOCOL.md (Finish). Answers 1, 0 or 2.
   // Sent again until Redis answers: a finish that ran twice answers 2 and changes nothing.
+  // Not sent once the consumer gave up on Redis (stop()): the dispatcher requeues the job.
   async finish(d, outcome, v1 = '', v2 = '', v3 = '', v4 = '') {
     for (;;) {
       try {
-        const [answer] = await this.tr.scripts.call('finish', [this.tr.q(d.queue)],
-          [this.resultTtl, this.backoffCap, this.failedTtl, d.id, d.attempt, outcome, '', v1, v2, v3, v4]);
-        return answer;
+        const got = await this.answered(this.tr.scripts.call('finish', [this.tr.q(d.queue)],
+          [this.resultTtl, this.backoffCap, this.failedTtl, d.id, d.attempt, outcome, '', v1, v2, v3, v4]));
+        return got === ABANDONED ? null : got[0];
       } catch (e) {
         this.tr.failed(`finish ${d.id}`, e);
-        await sleep(1);
+        if (await this.answered(sleep(1)) === ABANDONED) return null;
       }
     }
   }
@@ -1012,14 +1022,42 @@ class Consumer {
     }
   }
 
-  // A request's answer, or ABANDONED once stopping while Redis is unavailable.
-  answered(request) { return Promise.race([request, this.abandoned]); }
+  // A request's answer, or ABANDONED once the consumer gave up on Redis (stop()). Not a
+  // Promise.race with a promise that settles only then: each race left a reaction on it for
+  // good (about 300 bytes; two or more a job, a busy consumer grew by hundreds of MB an hour).
+  answered(request) {
+    if (this.abandoned !== null) return Promise.resolve(ABANDONED);
+    return new Promise((resolve, reject) => {
+      const quit = () => resolve(ABANDONED);
+      this.quits.add(quit);
+      Promise.resolve(request).then(resolve, reject).finally(() => this.quits.delete(quit));
+    });
+  }
+
+  // Give up on Redis (stop()), saying `why` once start() has ended.
+  abandon(why) {
+    if (this.abandoned !== null) return;
+    this.abandoned = why;
+    for (const quit of this.quits) quit();
+  }
+
+  // Run until stopped (stop()): connect, join, serve. Given up on Redis meanwhile, say so.
+  async start() {
+    try {
+      if (await this.answered(this.connect()) !== true) return;
+      const joined = this.heartbeat().then(() => this.tr.redis.sadd(this.tr.g + 'queues', ...this.queues));
+      if (await this.answered(joined) === ABANDONED) return;
+      await this.serve();
+    } finally {
+      this.ended = true; // stop()'s timers, re-armed at each beat, have nothing to watch any more
+      clearTimeout(this.graceTimer);
+      clearTimeout(this.lookTimer);
+      if (this.abandoned !== null) this.tr.outage.say(`stopping without ${this.abandoned}`);
+    }
+  }
 
   // The main loop: claim, run, and when there is nothing, block on the queues' wake lists.
-  async start() {
-    if (!(await this.connect())) return;
-    await this.heartbeat();
-    await this.tr.redis.sadd(this.tr.g + 'queues', ...this.queues);
+  async serve() {
     const beats = setInterval(() => this.heartbeat().catch((e) => this.tr.failed('heartbeat', e)),
       this.beatEvery * 1000);
     const control = this.listen();
@@ -1050,27 +1088,44 @@ class Consumer {
       clearInterval(beats);
       blocker.disconnect();
       await this.answered(control);
-      if (await this.answered(this.leave()) === ABANDONED) {
-        this.tr.outage.say('stopping without leaving the worker list: Redis is unavailable (the dispatcher finds us dead)');
-      }
+      await this.answered(this.leave());
     }
   }
 
   // Stop: no more claims; the running job has shutdownGrace seconds, then goes back to its
-  // queue next in line. start() then leaves. Redis unavailable at a beat after, with no job
-  // running (or its grace over): what waits for Redis is abandoned; a job still held goes back
-  // when the dispatcher finds us dead.
+  // queue next in line. start() then leaves. While Redis is unavailable (an outage told, or a
+  // PING unanswered for SILENT_S: a Redis stopped or hung fires no error), the consumer gives up
+  // on it and stops, the dispatcher finding it dead: at the next beat when it has nothing to
+  // report; else (a job running, or stopped, killed or ended meanwhile, its outcome not sent)
+  // killGrace + 10 s after the grace at most, as a worker gives up (README.md: SIGTERM).
   stop() {
     if (this.stopping) return;
     this.stopping = true;
+    if (this.ended) return;
     const d = this.current;
-    if (d) setTimeout(() => this.abort(d, 'shutdown'), this.shutdownGrace * 1000).unref();
+    if (d) this.graceTimer = setTimeout(() => this.abort(d, 'shutdown'), this.shutdownGrace * 1000).unref();
+    const bound = this.shutdownGrace + this.killGrace + 10;
+    const giveUpAt = Date.now() + bound * 1000;
+    let asked = null; // when the PING not answered yet was sent
     const look = () => {
-      const running = this.current && !this.current.controller.signal.aborted;
-      if (this.tr.outage.since !== null && !running) this.abandon();
-      else setTimeout(look, this.beatEvery * 1000).unref();
+      if (asked === null) {
+        const sent = Date.now();
+        asked = sent;
+        this.tr.redis.ping().then(() => { if (asked === sent) asked = null; }, () => {});
+      }
+      const down = this.tr.outage.since !== null ? 'Redis is unavailable'
+        : asked !== null && Date.now() - asked >= SILENT_S * 1000 ? `Redis did not answer for ${SILENT_S}s` : null;
+      if (down && !this.current) {
+        this.abandon(`leaving the worker list: ${down} (the dispatcher finds us dead)`);
+      } else if (Date.now() >= giveUpAt) {
+        const what = this.current ? `reporting job ${this.current.id} or leaving` : 'leaving';
+        this.abandon(`${what} the worker list, ${bound}s after the stop: ${down || 'Redis did not answer'} `
+          + '(the dispatcher finds us dead)');
+      } else {
+        this.lookTimer = setTimeout(look, this.beatEvery * 1000).unref();
+      }
     };
-    setTimeout(look, this.beatEvery * 1000).unref();
+    this.lookTimer = setTimeout(look, this.beatEvery * 1000).unref();
   }
 
   // Leaving cleanly: nothing held any more (run() finished it), so leave the worker list;
