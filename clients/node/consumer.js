@@ -9,7 +9,8 @@ const USAGE = `usage: node consumer.js [--queues a,b] [--name NAME] HANDLERS_MOD
   Run the jobs of the queues (in priority order; default: default) with the handlers
   HANDLERS_MODULE exports: {"task.name": async (args, kwargs, ctx) => result}, one job at a
   time. A sharded queue: name its shards (--queues Q,Q~1,Q~2).
-  --name NAME   unique among live workers (default node.<host>.<pid>)
+  --name NAME   unique among live workers: one a live worker holds is refused (exit 2)
+                (default node.<host>.<pid>)
   -h, --help    this text
   Redis and key prefix from REDIS_URL and TASKRUNNER_PREFIX; timings from the TASKRUNNER_*
   settings of README.md (heartbeat, dead_after, max_duration, idle_block, shutdown_grace,
@@ -71,5 +72,5 @@ consumer.start().then(() => {
   process.exit(0); // a handler told to stop may still have timers or sockets open
 }, (e) => {
   console.error(`Error: ${e.message}`);
-  process.exit(1);
+  process.exit(e.name === 'NameInUse' ? 2 : 1); // a name taken is a mistake in what was given, as a worker's
 });

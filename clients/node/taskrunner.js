@@ -858,6 +858,19 @@ class Consumer {
     return info;
   }
 
+  // A name a live worker holds (its heartbeat less than dead_after ago) is refused, as a
+  // worker refuses it: two consumers of one name popped each other's kill requests and handed
+  // each other's jobs back as never begun (a job killed while running ran again).
+  async nameFree() {
+    const [last, [s, us]] = await Promise.all([this.tr.redis.zscore(this.tr.g + 'workers', this.name),
+      this.tr.redis.time()]);
+    const age = Number(s) + Number(us) / 1e6 - Number(last);
+    if (last !== null && age < this.deadAfter) {
+      throw Object.assign(new Error(`worker name ${JSON.stringify(this.name)} is in use by a live worker (heartbeat `
+        + `${age.toFixed(1)}s ago); pick another name (--name)`), { name: 'NameInUse' });
+    }
+  }
+
   // Beat, then look at the job we run: no longer ours (requeued by the dispatcher or an
   // operator) -> stop it without finishing; kill requested (its message may be lost) -> stop.
   async heartbeat() {
@@ -1045,7 +1058,8 @@ class Consumer {
   async start() {
     try {
       if (await this.answered(this.connect()) !== true) return;
-      const joined = this.heartbeat().then(() => this.tr.redis.sadd(this.tr.g + 'queues', ...this.queues));
+      const joined = this.nameFree().then(() => this.heartbeat())
+        .then(() => this.tr.redis.sadd(this.tr.g + 'queues', ...this.queues));
       if (await this.answered(joined) === ABANDONED) return;
       await this.serve();
     } finally {
