@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -16,18 +15,18 @@ from typing import Any
 
 import redis
 
-from taskrunner.client import arguments, canvas, declarations, eager, flow, steps
+from taskrunner.client import arguments, bulk, canvas, declarations, eager, flow, steps
 from taskrunner.client.canvas import Signature
 from taskrunner.client.job import Job
 from taskrunner.client.middleware import Enqueued, Middleware
 from taskrunner.config import Settings
-from taskrunner.errors import MAX_RETRIES, PayloadTooLarge, QueueClosed, QueueFull, TaskRunnerError, restated
-from taskrunner.protocol import codec, outages, scripts, shards
+from taskrunner.errors import MAX_RETRIES, PayloadTooLarge, TaskRunnerError
+from taskrunner.protocol import codec, scripts, shards
 from taskrunner.protocol.codec import count, seconds
 from taskrunner.protocol.connection import Client, connect, is_cluster
 from taskrunner.protocol.keys import Keys
 from taskrunner.protocol.links import Direct
-from taskrunner.protocol.outages import Backoff, Outage
+from taskrunner.protocol.outages import Outage
 
 TIMEOUT_POLICIES = ("kill", "flag")
 log = logging.getLogger("taskrunner")
@@ -107,17 +106,6 @@ def _enqueue_args(jobs: list[tuple[str, float, list[Any]]], limit: int | None = 
     for job_id, delay, fields in jobs:
         args += [job_id, delay, len(fields) // 2, *fields]
     return args if limit is None else [*args, limit]
-
-
-def _stopped(e: BaseException, message: str, enqueued: list[Job], unsure: list[Job],
-             refused: list[Job], withdrawn: list[Job]) -> BaseException:
-    """The error that stopped enqueue_many, said with `message` (how many jobs it enqueued:
-    errors.restated(); an error not an Exception, as KeyboardInterrupt, as it is), carrying
-    `enqueued`, `unsure`, `refused` and `withdrawn` (TaskRunner.enqueue_many says what they are)."""
-    said = restated(e, message) if isinstance(e, Exception) else e
-    said.enqueued, said.unsure = list(enqueued), list(unsure)  # type: ignore[attr-defined]
-    said.refused, said.withdrawn = list(refused), list(withdrawn)  # type: ignore[attr-defined]
-    return said
 
 
 @dataclass
@@ -642,265 +630,14 @@ class TaskRunner:
         records). A job given before where it stopped that is in none of these was not sent
         (it waited for the next chunk), nor were those after, so a caller that sends again
         every job not in `enqueued` or `refused` (those of `unsure` with their ids) enqueues
-        none twice. While Redis
-        runs a chunk, the next one is built; it is sent once the answers came. A job whose
-        parent is in this chunk in another queue goes in the next chunk (its parent is written
-        first); one whose callbacks are in another queue than its own is written with them by
-        a call of its own. On a Redis Cluster, so is one whose parents are in other queues
-        (other slots), after the jobs before it: parents first, as canvas.across writes a
-        workflow there. In eager mode each job runs here, in order. Returns one Job per
-        job given (not its callbacks)."""
-        out: list[Job] = []
-        pending: list[tuple[str, str, float, list[Any]]] = []
-        # What Redis runs meanwhile: the batch, the jobs by queue, the other queues of their
-        # parents by queue, their ids in the order given, the count.
-        sent: tuple[scripts.Batch, dict[str, list[Any]], dict[str, set[str]], list[str], int] | None = None
-        seen: dict[str, Job] = {}  # the jobs of this call by id, for depends_on
-        unsent: dict[str, str] = {}  # id -> queue of those in `pending`
-        parent_queues: dict[str, set[str]] = {}  # queue -> the other queues its pending jobs' parents are in
-        callbacks: set[str] = set()  # ids of callbacks: they are not among the jobs answered
-        alone: list[Job] = []  # a job linked() writes by a call of its own, until its answer came
-        refused: list[Job] = []  # the jobs Redis refused (settle() raised)
-        failed: BaseException | None = None  # a job's own check or hook refused it (it was not sent)
-
-        def batch_of(by_queue: dict[str, list[tuple[str, float, list[Any]]]], others: dict[str, set[str]],
-                     direct: Direct | None) -> scripts.Batch:
-            batch = scripts.Batch(self.redis, direct)
-            for queue, items in by_queue.items():
-                self._queue_enqueue(batch, queue, items, others.get(queue, ()))
-            if is_cluster(self.redis):  # elsewhere the script registers the queue
-                batch.pipe.sadd(self.keys.queues, *by_queue)
-            return batch
-
-        def send() -> None:
-            nonlocal sent
-            by_queue: dict[str, list[tuple[str, float, list[Any]]]] = {}
-            for queue, job_id, delay, fields in pending:
-                by_queue.setdefault(queue, []).append((job_id, delay, fields))
-            others = dict(parent_queues)
-            batch = batch_of(by_queue, others, self._direct)
-            try:
-                batch.send()
-            except steps.REDIS_ERRORS:
-                batch = batch_of(by_queue, others, None)  # settle() sends it, riding out the outage
-            order = [job_id for _, job_id, _, _ in pending]
-            sent = batch, by_queue, others, order, len(pending) - len(callbacks & unsent.keys())
-            pending.clear()
-            unsent.clear()
-            parent_queues.clear()
-
-        def answered(batch: scripts.Batch, by_queue: dict[str, list[tuple[str, float, list[Any]]]],
-                     others: dict[str, set[str]]) -> list[Any]:
-            """The chunk's answers, the chunk sent again while Redis is out (steps.riding
-            says why that is safe), up to enqueue_retry seconds from the first error (as
-            riding(): a first try that waited out a hung Redis's socket timeout took none of it)."""
-            backoff: Backoff | None = None
-            try:
-                while True:
-                    try:
-                        answers = batch.execute(raise_on_error=False)
-                        # A script's refusal of bad input (refusal(): nothing written) stays in its
-                        # place (its queue's jobs refused, the others' taken); an error that passes
-                        # sends the chunk again; any other (one of a command, or a script's that may
-                        # have written part of its call: WRONGTYPE, a Lua error) makes it unsure.
-                        for k, a in enumerate(answers):
-                            if isinstance(a, Exception) and (k >= len(by_queue) or outages.transient(a)
-                                                             or isinstance(a, redis.RedisError)):
-                                raise a
-                        if backoff is not None:
-                            backoff.ok()
-                        return answers
-                    except steps.REDIS_ERRORS as e:
-                        backoff, pause = steps.ride_out(self, e, backoff, "enqueue_many")  # raises e when not
-                        time.sleep(pause)
-                    batch = batch_of(by_queue, others, None)  # a pipeline is spent once executed
-            finally:  # interrupted in a pause: it leaves the outage it rode
-                if backoff is not None:
-                    backoff.give_up()
-
-        def settle() -> None:
-            """Read the answers of the chunk sent: a refused job raises before another is sent."""
-            nonlocal sent
-            if sent is None:
-                return
-            batch, by_queue, others, order, count = sent
-            answers = answered(batch, by_queue, others)
-            sent = None
-            made: dict[str, Job] = {}
-            no: dict[str, Job] = {}
-            why: list[tuple[str, Any]] = []  # (queue, -1, -2 or the script's refusal) per refused call
-            for (queue, items), answer in zip(by_queue.items(), answers):
-                for k, (job_id, _, _) in enumerate(items):
-                    created = answer if isinstance(answer, Exception) else answer[k]
-                    if job_id in callbacks:
-                        continue
-                    job = Job(self, created if isinstance(created, str) else job_id, queue)
-                    job.created = created == 1
-                    if isinstance(created, str) or (isinstance(created, int) and created >= 0):
-                        made[job_id] = job
-                    else:
-                        no[job_id] = job
-                        why.append((queue, created))
-                self._known_queues.add(queue)
-            out.extend(made[job_id] for job_id in order if job_id in made)  # in the order given
-            refused.extend(no[job_id] for job_id in order if job_id in no)
-            if progress:
-                progress(count)
-            if why:
-                queue, first = next(((q, w) for q, w in why if isinstance(w, Exception)), why[0])
-                if isinstance(first, Exception):
-                    raise restated(first, f"{len(no)} jobs refused: queue {queue}: {first}")
-                kind = QueueClosed if any(w == -2 for _, w in why) else QueueFull
-                raise kind(f"{len(no)} jobs refused: queue {queue} is {'closed' if kind is QueueClosed else 'full'}")
-
-        def linked(draft: steps.Draft, links: tuple[list[tuple[str, str]], Signature | None, Signature | None],
-                   group: list[steps.Draft]) -> None:
-            """A job with depends_on or callbacks: in the chunk, or in a call of its own."""
-            parents = links[0]
-            queues = {q for q, _ in parents} - {draft.queue}
-            # Callbacks in another queue, or on a cluster parents in another slot: written with
-            # it, at once (across slots, canvas.across: after its parents, which attach.lua tells).
-            if len({d.queue for d in group}) > 1 or (queues and is_cluster(self.redis)):
-                settle()
-                if pending:
-                    send()
-                    settle()
-                job = Job(self, draft.id, draft.queue)
-                alone.append(job)
-                [created, *_] = steps.ride(self, canvas.written(self, group, "job", tuple(sorted(queues))),
-                                            "enqueueing")
-                alone.clear()
-                job.created = created == 1
-                out.append(job)
-                if progress:
-                    progress(1)
-                return
-            if any(i in unsent and q != draft.queue for q, i in parents):  # its parent goes first
-                settle()
-                send()
-            for d in group:
-                pending.append((d.queue, d.id, d.delay, d.fields))
-                unsent[d.id] = d.queue
-            callbacks.update(d.id for d in group[1:])
-            parent_queues.setdefault(draft.queue, set()).update(queues)
-
-        n = 0  # the job given that the call is at
-        try:
-            for spec_ in jobs:
-                n += 1
-                try:
-                    draft = self._job_of(spec_)
-                    queue, job_id, delay, fields = draft.queue, draft.id, draft.delay, draft.fields
-                    links = self._links_of(spec_, seen)
-                    if links is not None and self.settings.eager:
-                        canvas.check_callbacks(self, links[1], links[2])
-                    if links is not None and links[0]:
-                        if delay:
-                            raise ValueError(canvas.NO_DELAY)
-                        fields += ["parents", " ".join(f"{q} {i}" for q, i in links[0])]
-                    group = steps.hooked(self, [draft] if links is None or self.settings.eager else [
-                        draft, *steps.ride(self, canvas.callbacks(self, draft, links[1], links[2]), "enqueueing")])
-                except Exception as e:  # its arguments, its links, a hook's own exception
-                    if isinstance(e, steps.REDIS_ERRORS):  # a lookup past the bound: for the call, below
-                        raise
-                    failed = e
-                    settle()  # those sent are enqueued; say so: a run again would enqueue them twice
-                    raise
-                if self.settings.eager:
-                    parents = None if links is None or not links[0] else [seen[i] for _, i in links[0]]
-                    ran: Job = eager.enqueue(self, job_id, fields, parents)
-                    if links is not None:
-                        ran = canvas.eager_callbacks(self, ran, links[1], links[2])
-                    out.append(ran)
-                    seen[job_id] = ran
-                    if progress:
-                        progress(1)
-                    continue
-                seen[job_id] = Job(self, job_id, queue)
-                if links is None:
-                    pending.append((queue, job_id, delay, fields))
-                    unsent[job_id] = queue
-                else:
-                    linked(draft, links, group)
-                if len(pending) >= chunk:
-                    settle()
-                    send()
-            settle()
-            if pending:
-                send()
-                settle()
-        except BaseException as e:
-            # A lone call's job: killed by its across() (withdrawn: its id is taken by the killed
-            # record, given again it would add nothing), or there (across() kept it), or
-            # refused (a refusal, nothing written: the job is not there), or else unsure.
-            killed, kept = set(getattr(e, "withdrawn", ())), set(getattr(e, "kept", ()))
-            withdrawn = [j for j in alone if (j.queue, j.id) in killed]
-            lost = isinstance(e, steps.REDIS_ERRORS) or not isinstance(e, Exception)
-            refused += [j for j in alone if (j.queue, j.id) not in killed | kept and not lost]
-            unsure = [j for j in alone if (j.queue, j.id) in kept or (j.queue, j.id) not in killed and lost]
-            if sent is not None:  # a chunk whose answers did not come: each of its jobs may be enqueued
-                queue_of = {i: q for q, items in sent[1].items() for i, _, _ in items}
-                unsure += [Job(self, i, queue_of[i]) for i in sent[3] if i not in callbacks]
-                # Its answers still on this thread's link: read them, or its next lone enqueue
-                # would take one of them for its own. A chunk not sent (no such link) is not sent now.
-                if sent[0].sent:
-                    with contextlib.suppress(Exception):
-                        sent[0].execute()
-            told = "".join((f", {len(refused)} refused" if refused else "",
-                            f", {len(withdrawn)} withdrawn (killed: enqueue them with new ids)" if withdrawn else "",
-                            f", the {len(unsure)} after them sent with no answer (maybe enqueued)" if unsure else ""))
-            if failed is None or not isinstance(e, Exception):  # an interrupt (Ctrl-C) is the user's: it goes on
-                said = _stopped(e, f"{e} (enqueue_many: {len(out)} of the first {n} jobs given enqueued{told}, "
-                                "none after)", out, unsure, refused, withdrawn)
-                raise said from (None if said is e else e)
-            # The job's own refusal stopped the call; the chunk before it read then (settle()) may
-            # have failed too: both are said, that one as the cause.
-            also = f"; and before it: {type(e).__name__}: {e}" if e is not failed else ""
-            raise _stopped(failed, f"job {n}: {failed} ({len(out)} of the {n - 1} before it enqueued{told}, "
-                           f"none after{also})", out, unsure, refused, withdrawn) from (None if e is failed else e)
-        return out
-
-    def _job_of(self, spec: Any) -> steps.Draft:
-        """One job of enqueue_many, checked like enqueue's (its hooks not run yet: with its
-        links', steps.hooked)."""
-        if not isinstance(spec, dict) or "task" not in spec:
-            raise ValueError("expected an object with a 'task' field")
-        unknown = set(spec) - {"task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "max_retries",
-                               "id", "headers", "depends_on", "on_success", "on_failure", "priority", "unique_key",
-                               "unique_for", "unique_until"}
-        if unknown:
-            raise ValueError(f"unknown fields {sorted(unknown)}")
-        task = codec.check_name("task", spec["task"])
-        job, sent = self._job_spec(task, {k: spec.get(k) for k in ("queue", "retries", "max_retries", "max_duration")})
-        job_id = codec.check_id(spec["id"]) if spec.get("id") is not None else codec.new_id()
-        delay = seconds("delay", spec.get("delay") or 0)
-        args = spec.get("args") or []
-        extra = flow.fields(task, args, spec.get("kwargs"), spec.get("priority"), spec.get("unique_for"),
-                            spec.get("unique_key"), spec.get("unique_until"))
-        job = job.merged(queue=steps.ride(self, steps.placed(self, task, job, extra, spec.get("id")), "enqueueing"))
-        fields, unhooked = self._checked(task, args, spec.get("kwargs"), job, sent, spec.get("headers"),
-                                         job_id=job_id)
-        return steps.Draft(job_id, job.queue, delay, fields + extra, unhooked)
-
-    def _links_of(self, spec: dict[str, Any], seen: dict[str, Job]) -> tuple[
-            list[tuple[str, str]], Signature | None, Signature | None] | None:
-        """The depends_on (as (queue, id)), on_success and on_failure of one job of
-        enqueue_many; None when it has none. An id of a job given earlier in the same call
-        names that job (in eager mode, only those and Job objects can be named)."""
-        depends_on, on_success, on_failure = (spec.get(k) for k in ("depends_on", "on_success", "on_failure"))
-        if depends_on is None and on_success is None and on_failure is None:
-            return None
-        parents: list[tuple[str, str]] = []
-        if depends_on is not None:
-            given = depends_on if isinstance(depends_on, (list, tuple)) else None
-            if given is None:
-                raise TypeError("depends_on takes a list of jobs (ids or Job objects)")
-            here = [seen.get(j, j) if isinstance(j, str) else j for j in given]
-            if self.settings.eager:
-                parents = [(j.queue, j.id) for j in eager.parents_of(here) or ()]
-            else:
-                parents = steps.ride(self, steps.parents(self, here), "enqueueing")
-        return parents, self.callback_of(on_success, "on_success"), self.callback_of(on_failure, "on_failure")
+        none twice. While Redis runs a chunk, the next one is built; it is sent once the
+        answers came. A job whose parent is in this chunk in another queue goes in the next
+        chunk (its parent is written first); one whose callbacks are in another queue than its
+        own is written with them by a call of its own. On a Redis Cluster, so is one whose
+        parents are in other queues (other slots), after the jobs before it: parents first, as
+        canvas.across writes a workflow there. In eager mode each job runs here, in order.
+        Returns one Job per job given (not its callbacks). How, part by part: client/bulk.py."""
+        return bulk.BulkEnqueue(self, chunk, progress).run(jobs)
 
     def callback_of(self, value: Any, what: str) -> Signature | None:
         """A callback as enqueue_many and `taskrunner enqueue` take it: a Signature, a task
