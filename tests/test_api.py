@@ -48,7 +48,7 @@ def test_apply_async_options(app):
     assert not again.created and app.job("my-id.1").to_dict()["args"] == [1]
 
 
-@pytest.mark.parametrize("bad", [{1, 2}, object(), b"bytes", float("nan") if False else complex(1, 2)])
+@pytest.mark.parametrize("bad", [{1, 2}, object(), b"bytes", complex(1, 2)])
 def test_non_json_arguments_are_refused(app, bad):
     with pytest.raises(NotJSONError, match="not JSON"):
         apps.add.delay(bad, 1)
