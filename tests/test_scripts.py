@@ -448,6 +448,38 @@ def test_a_sweep_told_not_to_trim_leaves_the_finished_sets_to_a_later_one(app):
     assert app.redis.zscore(p + "completed", "old") is None
 
 
+@pytest.mark.parametrize("args, why", [
+    (["x", 10, 3600, 3600], "most delayed jobs to promote (ARGV[1])"),
+    ([100, "x", 3600, 3600], "most deadline buckets to read (ARGV[2])"),
+    ([100, 0, 3600, 3600], "most deadline buckets to read (ARGV[2])"),
+    ([100, 1.5, 3600, 3600], "most deadline buckets to read (ARGV[2])"),
+])
+def test_a_sweep_refuses_bad_counts_before_it_promotes_anything(app, args, why):
+    """A count that is not a whole number >= 1 is refused in one line and changes nothing: a
+    bad ARGV[2] used to fail with Lua's error after the due delayed jobs were promoted."""
+    p = app.keys.q("default")
+    due = apps.add.apply_async([1, 1], delay=0.001)
+    wait_for(lambda: app.redis.zrangebyscore(p + "delayed", "-inf", "{}.{:06d}".format(*app.redis.time())),
+             what="the delay to pass")
+    with pytest.raises(redis.ResponseError, match=re.escape(f"sweep: the {why} must be an integer >= 1")):
+        scripts.SWEEP(app.redis, [p], args)
+    assert app.job(due.id).data["state"] == "delayed" and app.redis.zscore(p + "delayed", due.id) is not None
+
+
+@pytest.mark.parametrize("ttl", [None, "x", "0", "1.5"])
+def test_a_kill_refuses_a_bad_failed_ttl_before_it_kills(app, ttl):
+    """kill.lua's failed TTL is checked first: without one (or with one that is not a whole
+    number >= 1) it used to end the job killed and listed, then fail at its EXPIRE, leaving the
+    record for ever, its waiters unwoken and its children waiting."""
+    p = app.keys.q("default")
+    job = apps.add.delay(1, 1)
+    with pytest.raises(redis.ResponseError, match=re.escape("kill: the failed TTL (ARGV[3]) must be an integer >= 1")):
+        scripts.KILL(app.redis, [p], [job.id, "me"] + ([] if ttl is None else [ttl]))
+    assert app.job(job.id).data["state"] == "pending" and app.redis.zscore(p + "killed", job.id) is None
+    assert scripts.KILL(app.redis, [p], [job.id, "me", 60]) == ["killed"]
+    assert 0 < app.redis.ttl(p + "job:" + job.id) <= 60
+
+
 #: redis-server options that take FCALL and FUNCTION away: they answer "unknown command", as
 #: on Redis < 7.0.
 NO_FUNCTIONS = ("--rename-command", "FCALL", "", "--rename-command", "FUNCTION", "")

@@ -5,13 +5,19 @@
 -- delivery that is later lost with the flag set also ends killed (see lose()).
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  id   ARGV[2] who asked   ARGV[3] failed TTL (s): how long a killed job is kept
---          (the setting; the record's own failed_ttl wins)
+--          (the setting; the record's own failed_ttl wins): an integer >= 1, else refused
+--          (ERR kill: ..., nothing changed; it used to end the job killed, then fail at its
+--          EXPIRE, the record kept for ever and its waiters and children left waiting)
 -- Returns {"killed"} (killed by this call); {"running", worker, attempts} (kill requested:
 -- "", "0" when the record lacks them); {"ended", state} for any other state, a job that had
 -- ended (completed, failed, killed, canceled): nothing done (before 2026-11-27 {state}, which
 -- for a killed job read as a kill by this call); {""} when there is no such job.
 local p = KEYS[1]
 local id = ARGV[1]
+local ttl = tonumber(ARGV[3])
+if not ttl or ttl < 1 or ttl ~= math.floor(ttl) then
+  return redis.error_reply('ERR kill: the failed TTL (ARGV[3]) must be an integer >= 1 (seconds)')
+end
 local job = p .. 'job:' .. id
 local t = now()
 local f = redis.call('HMGET', job, 'state', 'priority')
@@ -25,7 +31,7 @@ if state == 'pending' or state == 'delayed' or state == 'waiting' then
   redis.call('LREM', pending_of(p, f[2]), 0, id)
   redis.call('ZREM', p .. 'delayed', id)
   redis.call('ZREM', p .. 'waiting', id)
-  finalize(p, id, job, load(job), 'killed', t, tonumber(ARGV[3]),
+  finalize(p, id, job, load(job), 'killed', t, ttl,
     {'error_type', 'Killed', 'error', why, 'killed_by', ARGV[2]}, 'Killed')
   return {'killed'}
 end

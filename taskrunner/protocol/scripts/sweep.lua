@@ -8,16 +8,19 @@
 --          not every pass); absent or anything else: trim too
 -- A TTL of meta longest_result_ttl / longest_failed_ttl (a task's own, see finalize()) wins
 -- when it is longer: its jobs stay listed as long as their records live.
+-- Every count and TTL is checked first (an error, nothing changed): a bad count used to fail
+-- after the due delayed jobs were promoted.
 -- Returns {promoted count, id, holding entry, id, holding entry, ...} for every job in a
 -- due bucket that still runs. Ids in a due bucket that no longer run are dropped here;
 -- running ones stay until the dispatcher acts on them (lose.lua / stuck.lua), so a
 -- dispatcher that dies between the two calls loses nothing.
 local p = KEYS[1]
-for k = 3, 4 do
+local WHAT = {'most delayed jobs to promote', 'most deadline buckets to read', 'result TTL', 'failed TTL'}
+for k = 1, 4 do
   local x = tonumber(ARGV[k])
   if not x or x < 1 or x ~= math.floor(x) then
-    return redis.error_reply('ERR sweep: the ' .. (k == 3 and 'result' or 'failed') .. ' TTL (ARGV[' .. k
-      .. ']) must be an integer >= 1 (seconds)')
+    return redis.error_reply('ERR sweep: the ' .. WHAT[k] .. ' (ARGV[' .. k .. ']) must be an integer >= 1'
+      .. (k > 2 and ' (seconds)' or ''))
   end
 end
 local t = now()
