@@ -201,6 +201,9 @@ def test_help_teaches(stack):
     for cmd in ("enqueue", "status", "wait", "kill", "jobs", "queues", "workers", "worker", "dispatcher", "up"):
         assert cmd in out
     assert "priority order" in stack.cli("worker", "--help", check=True).stdout
+    # An enqueue that ran out of TASKRUNNER_ENQUEUE_RETRY exits 3 (README's exit codes), as
+    # test_exit_codes_follow_one_scheme checks: its help said 1.
+    assert "fails (exit 3" in " ".join(stack.cli("enqueue", "--help", check=True).stdout.split())
     r = stack.cli("worker")
     assert r.returncode == 2 and "needs your app" in r.stderr
 

@@ -381,7 +381,7 @@ def test_a_retry_after_a_try_that_landed_adds_nothing(app, own_redis, proxy, war
 
 def test_the_cli_rides_out_a_restart_and_past_the_bound_fails_in_one_line(app, own_redis):
     """`taskrunner enqueue` started while Redis is down prints the id once Redis is back;
-    with Redis down past TASKRUNNER_ENQUEUE_RETRY it ends with one error line, exit 1."""
+    with Redis down past TASKRUNNER_ENQUEUE_RETRY it ends with one error line, exit 3."""
     app.configure(redis_url=own_redis.url)
     env = {**Stack(app, own_redis.url).env, "TASKRUNNER_ENQUEUE_RETRY": "60"}
     command = [sys.executable, "-m", "taskrunner", "enqueue", "tests.apps.add", "-A", "tests.apps", "--args", "[1, 2]"]

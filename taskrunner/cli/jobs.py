@@ -87,7 +87,8 @@ def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, qu
     as its workers declared it) are an error (exit 2), as are a callback's, counting the
     value it is given first (unless immutable). While Redis is unreachable or failing
     over it tries again for TASKRUNNER_ENQUEUE_RETRY seconds (default 15; 0: not at all),
-    then fails (exit 1); a job id is never enqueued twice.
+    then fails (exit 3: the job may exist; --id makes the retry safe); a job id is never
+    enqueued twice.
 
     \b
     A workflow step:  a=$(taskrunner enqueue shop.fetch --args '["x"]')
