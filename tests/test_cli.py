@@ -208,10 +208,8 @@ def test_help_teaches(stack):
     assert r.returncode == 2 and "needs your app" in r.stderr
 
 
-def test_every_option_of_every_command_says_what_it_does():
-    """`COMMAND --help` explains each option: `jobs --limit`, `--offset`, the `--json` of
-    jobs, queues, workers, schedule list, queue info, inspect and history status/compact,
-    `up -c` and the `-q` of purge, recover and inspect were listed bare."""
+def cli_options():
+    """(`taskrunner COMMAND`, option) for every option of every command, subcommands included."""
     import click
 
     from taskrunner.cli import main
@@ -223,9 +221,24 @@ def test_every_option_of_every_command_says_what_it_does():
         else:
             yield path, cmd
 
-    bare = [f"{path} {p.opts[-1]}" for path, cmd in commands(main, "taskrunner") for p in cmd.params
-            if isinstance(p, click.Option) and not p.help]
-    assert bare == []
+    return [(path, p) for path, cmd in commands(main, "taskrunner") for p in cmd.params if isinstance(p, click.Option)]
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """`COMMAND --help` explains each option: `jobs --limit`, `--offset`, the `--json` of
+    jobs, queues, workers, schedule list, queue info, inspect and history status/compact,
+    `up -c` and the `-q` of purge, recover and inspect were listed bare."""
+    assert [f"{path} {p.opts[-1]}" for path, p in cli_options() if not p.help] == []
+
+
+def test_the_readme_names_every_option_of_every_command():
+    """README's CLI table lists each command's options: `enqueue --priority` and `--unique-*`,
+    `jobs --limit`/`--offset`, `worker`'s and `dispatcher`'s `--name`, `up --exit`, `schedule
+    add --missed` and `inspect --limit` were in `--help` only."""
+    readme = (ROOT / "README.md").read_text()
+    missing = [(path, p.opts) for path, p in cli_options()
+               if not any(o in readme for o in p.opts + p.secondary_opts if o.startswith("--"))]
+    assert missing == []
 
 
 # -- queue open, and destructive commands that ask (issue 14) ---------------------------
