@@ -239,7 +239,7 @@ def test_tally_refuses_a_bad_count_and_skips_hostile_task_names(app):
 
     from taskrunner.protocol import scripts
 
-    with pytest.raises(ResponseError, match="whole number >= 1"):
+    with pytest.raises(ResponseError, match="the most records to count, a whole number >= 1"):  # records, not entries
         scripts.TALLY(app.redis, [app.keys.q("default")], ["0"])
     app.redis.xadd(app.keys.q("default") + "history", {"task": "a|b", "state": "completed", "started_at": "x"})
     assert scripts.TALLY(app.redis, [app.keys.q("default")], [10]) == 1

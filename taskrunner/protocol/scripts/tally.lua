@@ -26,7 +26,7 @@
 local p = KEYS[1]
 local count = tonumber(ARGV[1])
 if not count or count < 1 or count % 1 ~= 0 then
-  return redis.error_reply('ERR tally: ARGV[1] must be the most entries to count, a whole number >= 1')
+  return redis.error_reply('ERR tally: ARGV[1] must be the most records to count, a whole number >= 1')
 end
 local stats = p .. 'stats'
 local cursor = redis.call('HGET', stats, 'cursor')
