@@ -252,10 +252,11 @@ def test_a_priority_9_job_behind_50_priority_0_jobs_starts_among_the_first(app, 
 
 
 def test_a_queue_without_flow_control_costs_no_command_more(app):
-    """Enqueue, claim and finish of a plain job: 40 commands (those the scripts run
-    included), as before issue 17 — the meta and record HMGETs read more fields; no command
-    is added (35 since finish.lua reads the meta only for a job of an exclusive queue).
-    bench/plain_cost.py measures the same, with the time."""
+    """Enqueue, claim and finish of a plain job: 35 commands (those the scripts run included;
+    40 as issue 17 left them, before issue 18's cuts: an unbatched finish's HDEL is its check,
+    and it reads the meta only for a job of an exclusive queue). Flow control added none: the
+    meta and record HMGETs read more fields. bench/plain_cost.py measures the same, with the
+    time; docs/PROTOCOL.md, Pause, priorities, unique jobs, gives the count."""
     plain = [apps.add.apply_async([1, 1], queue="plain")]
     [row] = claim(app, queues=("plain",))  # a first job: the scripts are loaded, the queue known
     assert finish(app, row[1], str(row[2]), "completed", "2", queue="plain") == 1
