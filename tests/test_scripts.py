@@ -543,6 +543,19 @@ def test_the_async_client_loads_the_library_or_falls_back_too(app, tmp_path, flu
         server.stop()
 
 
+def test_each_scripts_header_names_every_key_and_argument_its_code_reads():
+    """The comment that opens each script documents its keys, arguments and answer
+    (docs/PROTOCOL.md points to it): every KEYS[n] and ARGV[n] its code names is there."""
+    for path in sorted(scripts._DIR.glob("*.lua")):
+        if path.name == "_lib.lua":
+            continue
+        lines = path.read_text().splitlines()
+        n = next(i for i, line in enumerate(lines) if not line.startswith("--"))
+        header, code = "\n".join(lines[:n]), "\n".join(line.split("--")[0] for line in lines[n:])
+        named = {f"{a}[{i}]" for a, i in re.findall(r"(ARGV|KEYS)\[(\d+)\]", code)}
+        assert [k for k in sorted(named) if k not in header] == [] and "Returns" in header, path.name
+
+
 def test_the_library_is_named_by_its_text():
     """Workers of two versions on one Redis never call each other's code: a change to any
     script (or to `_lib.lua`) gives the library, and each of its functions, another name."""

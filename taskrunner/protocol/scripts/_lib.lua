@@ -17,7 +17,9 @@
 --   <p>wake         LIST  0 or 1 token; idle workers BRPOP it
 --   <p>meta         HASH  bound, closed, exclusive, paused; produced_/consumed_ messages and
 --                          bytes; longest_result_ttl, longest_failed_ttl (see finalize());
---                          priorities (see below); duplicates|<task> (unique jobs refused)
+--                          priorities (see below); duplicates|<task> (unique jobs refused);
+--                          flow, rate (flow control, see claim.lua); retired (a shard a
+--                          smaller shard count left: enqueue.lua answers it closed)
 --   <p>unique:<key> STRING the id of the job holding unique key <key> (see below)
 --   <p>notfull      LIST  0 or 1 token; producers blocked on a full bounded queue BRPOP it
 --   <p>completed|failed|killed|canceled  ZSET  id -> finish time
@@ -30,6 +32,8 @@
 --                          that ended several (history() below), for the archiver
 --   <p>history:extra STRING the records of <p>history beyond one per entry (its records:
 --                          XLEN + this), kept by flush_history() and trim.lua
+--   <p>history:batch STRING the range an archiver is writing, which trim.lua may forget
+--   <p>stats        HASH  tally.lua's counts of <p>history: cursor, jobs|, run|, wait| ...
 --   <p>outbox       STREAM one entry per parent that ended with a child in another slot (Redis
 --                          Cluster), until a carrier has applied it with join.lua there
 --   <p>joined:<id>  HASH  "<queue> <id>" -> JSON: the parents in other slots that waiting job <id>
