@@ -11,6 +11,7 @@ import sys
 import threading
 
 import pytest
+import redis
 
 from taskrunner import JobFailed, QueueClosed, QueueFull, TaskRunnerError
 from taskrunner.client.aio import AsyncClient
@@ -263,6 +264,36 @@ def test_claim_count_from_several_queues_with_block(app):
     job = apps.add.apply_async([7, 7], queue="lo")
     t.join(30)
     assert [d.id for d in later] == [job.id]
+
+
+def test_a_consumer_whose_claim_answer_was_lost_hands_the_job_back(app, tmp_path):
+    """A claim that ran while its answer was lost (Redis stopped past the socket timeout)
+    leaves a delivery held by the consumer's name that it never got: its next claim hands
+    it back first (finish "return", docs/PROTOCOL.md, Consumers that are not workers, 6),
+    so the job runs. It was held for good: a live consumer is never found dead, and at the
+    deadline the dispatcher only flags it stuck (fails before: the next claim gets nothing)."""
+    from taskrunner.ops.redis_server import RedisServer
+
+    server = RedisServer(tmp_path, appendonly=False).start()
+    try:
+        app.configure(redis_url=server.url + "?socket_timeout=0.5")
+        c = Consumer(app, ["default"])
+        assert c.claim(1) == []  # beats, reads the shard counts: the claim call is the next command
+        job = apps.add.delay(1, 2)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(redis.RedisError):
+                c._claim(1, 0)  # the claim, without claim()'s heartbeat before it
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        wait_for(lambda: job.refresh().data.get("state") == "running", what="the claim sent to run")
+        got = c.claim(1)
+        assert [(d.id, d.attempt) for d in got] == [(job.id, "2")], got
+        assert c.ack(got, [3]) == [True] and job.wait(5) == 3
+        assert "never got it" in job.refresh().data["end:1"]
+        c.close()
+    finally:
+        server.stop()
 
 
 def test_ack_many_says_which_were_acked(app, stack):

@@ -38,6 +38,12 @@ class Consumer:
         self._wakes: list[Blocker] = []  # our BRPOPs on the wake lists of self.queues
         self.host = socket.gethostname()
         self.name = codec.check_name("worker", name or f"consumer.{self.host}.{os.getpid()}")
+        #: (queue, id, attempt) of the deliveries claim() gave and no finish has reported yet.
+        self._given: set[tuple[str, str, str]] = set()
+        #: A claim call failed: it may have run, its answer lost, so that deliveries held
+        #: under our name were never given to us. Alive, we are never found dead: the next
+        #: claim hands them back (docs/PROTOCOL.md, Consumers that are not workers, 6).
+        self._orphans = False
 
     def heartbeat(self, busy: int = 0) -> None:
         """Say we are alive (call more often than dead_after while holding jobs)."""
@@ -62,10 +68,24 @@ class Consumer:
                                           cancellable=is_cluster(self.app.redis))
             self.queues = self.served.physical
             self._counts_at = time.monotonic() + shards.KEEP
+        if self._orphans:
+            self._hand_back_orphans()
         try:
-            return self._claim(count, block)
+            out = self._claim(count, block)
         finally:
             self._settle()
+        self._given.update((d.queue, d.id, d.attempt) for d in out)
+        return out
+
+    def _hand_back_orphans(self) -> None:
+        """Finish with outcome `return` (next in line, nothing counted) every delivery the
+        holding hashes give our name that claim() never gave: a claim whose answer was lost."""
+        back = Outcome.returned(f"{self.name} never got it (a claim's answer was lost)")
+        orphans = [(q, Ended(job_id, attempt, back)) for q, job_id, worker, attempt in held(self.app, self.queues)
+                   if worker == self.name and (q, job_id, attempt) not in self._given]
+        if orphans:
+            self._finish(orphans)
+        self._orphans = False
 
     def _claim(self, count: int, block: float) -> list[Delivery]:
         deadline = time.monotonic() + block
@@ -73,7 +93,11 @@ class Consumer:
         woken = None  # the queue whose wake token woke us: claimed from first
         while True:
             order = self.served.order(woken)
-            raw = scripts.CLAIM(self.app.redis, claim_keys(self.app, [self.keys.q(q) for q in order]), argv)
+            try:
+                raw = scripts.CLAIM(self.app.redis, claim_keys(self.app, [self.keys.q(q) for q in order]), argv)
+            except REDIS_ERRORS:
+                self._orphans = True
+                raise
             out, wait = claim_rest(self.app, order, argv, raw)
             left = deadline - time.monotonic()
             if out or left <= 0:
@@ -173,6 +197,7 @@ class Consumer:
         for (q, ended), answer in zip(by_queue.items(), batch.execute()):
             answers[q], left = joins.split(answer, len(ended))
             entries += left
+        self._given.difference_update((q, e.id, e.attempt) for q, e in items)  # reported: ours no more
         if entries:  # children in other slots of a Redis Cluster: tell them now, else the dispatcher will
             try:
                 steps.run(self.app, steps.carry(self.app, entries))
