@@ -140,12 +140,15 @@ def test_consume_from_the_shell(app, stack):
 def test_consume_whose_outcome_is_not_recorded_exits_1(app, stack):
     """The job taken back while CMD ran (here CMD itself puts running jobs back in line,
     `taskrunner recover`): CMD's exit 0 is no longer the job's, so consume exits 1 (refused),
-    not 0, which says the job was acked; it said so on stderr and exited 0."""
+    not 0, which says the job was acked; it said so on stderr and exited 0. (Beats 20 s
+    apart: the one after CMD's recover would find the job ours no more and stop CMD.)"""
     job = apps.add.delay(2, 2)
     recover = [sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-m', 'taskrunner', "
                "'recover', '-q', 'default', '--older-than', '0'], check=True)"]
-    r = stack.cli("consume", "-q", "default", "--", *recover)
-    assert r.returncode == 1 and "this outcome was not recorded" in r.stderr, r
+    p = stack.spawn("consume", "-q", "default", "--", *recover,
+                    env={"TASKRUNNER_HEARTBEAT": "20", "TASKRUNNER_DEAD_AFTER": "120"})
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 1 and "this outcome was not recorded" in out, (p.returncode, out)
     assert job.state == "pending"
 
 
@@ -181,6 +184,29 @@ def test_consume_stops_its_command_on_a_kill_and_at_the_max_duration(app, stack)
     d = late.refresh().to_dict()
     assert d["state"] == "failed" and d["error_type"] == "TimeLimitExceeded", d
     assert [w for w in json.loads(stack.cli("workers", "--json", check=True).stdout) if w["state"] == "alive"] == []
+
+
+def test_consume_checks_at_each_beat_that_the_job_is_still_its_own(app, stack):
+    """A kill request whose message never came (kill.lua alone, as after a lost LPUSH) is
+    read from the record at the next beat, and a job requeued meanwhile (an operator) is no
+    longer ours: either stops CMD, as docs/PROTOCOL.md asks of every consumer (Consumers
+    that are not workers, 5; Heartbeat). consume read only its control list: CMD ran on."""
+    from taskrunner.protocol import scripts
+
+    victim = apps.add.apply_async((1, 1), max_duration=120)
+    p = stack.spawn("consume", "-q", "default", "--", "sleep", "100")
+    wait_for(lambda: victim.refresh().data.get("state") == "running", what="the consumer to take it")
+    assert scripts.KILL(app.redis, [app.keys.q("default")], [victim.id, "tests", 3600])[0] == "running"
+    out, _ = p.communicate(timeout=60)
+    assert f"job {victim.id} stopped: killed on request" in out, out
+    assert victim.refresh().state == "killed"
+    moved = apps.add.apply_async((1, 1), max_duration=120)
+    p = stack.spawn("consume", "-q", "default", "--", "sleep", "100")
+    wait_for(lambda: moved.refresh().data.get("state") == "running", what="the consumer to take it")
+    assert moved.requeue("tests")
+    out, _ = p.communicate(timeout=60)
+    assert f"job {moved.id} stopped: no longer its own" in out and p.returncode == 128 + signal.SIGTERM, out
+    assert moved.refresh().state == "pending"
 
 
 def test_consume_whose_command_a_kill_stopped_exits_1_whatever_it_exited(app, stack, tmp_path):

@@ -134,9 +134,11 @@ class Held:
 
     def watch(self, proc: subprocess.Popen, done: threading.Event, stopped: list[str]) -> None:
         """Keep the job ours while CMD runs (heartbeats, through a Redis outage too) and
-        stop CMD as a worker stops a job: on a kill request, or at its max duration when
-        its policy is kill (SIGTERM, SIGKILL after kill_grace). Why it stopped CMD goes in
-        `stopped`; it returns once `done` is set (CMD exited)."""
+        stop CMD as a worker stops a job: on a kill request (its message, or the record's
+        kill_requested read at each beat), once the job is ours no more (requeued, or we
+        were found dead), or at its max duration when its policy is kill (SIGTERM, SIGKILL
+        after kill_grace). Why it stopped CMD goes in `stopped`; it returns once `done` is
+        set (CMD exited)."""
         c, delivery, s = self.c, self.delivery, self.app.settings
         backoff = Backoff(f"consumer {c.name}", None)
         deadline = time.monotonic() + delivery.max_duration if delivery.timeout_policy == "kill" else math.inf
@@ -150,7 +152,9 @@ class Held:
                 if now >= beat_at:
                     c.heartbeat(busy=1)
                     beat_at = now + s.heartbeat
-                reason = c.kill_request(delivery, max(0.01, min(beat_at, deadline) - now))
+                    reason = c.still_ours(delivery)
+                if reason is None:
+                    reason = c.kill_request(delivery, max(0.01, min(beat_at, deadline) - now))
                 backoff.ok()
             except REDIS_ERRORS as e:
                 done.wait(min(backoff.after(e), s.heartbeat))
@@ -168,9 +172,10 @@ class Held:
         CMD's stdout as its result (exit 0), or failed. False: the job was no longer ours."""
         c, delivery = self.c, self.delivery
         if stopped:
-            why = {"killed": "killed on request", "timeout": f"past its max duration ({delivery.max_duration:g} s)"}
+            why = {"killed": "killed on request", "timeout": f"past its max duration ({delivery.max_duration:g} s)",
+                   "gone": "no longer its own (requeued, or this consumer was taken for dead)"}
             click.echo(f"job {delivery.id} stopped: {why[stopped]}", err=True)
-            return self.report(lambda: c.stopped(delivery, stopped))
+            return stopped != "gone" and self.report(lambda: c.stopped(delivery, stopped))
         if code == 0:
             try:  # strict JSON, as taskrunner sends: NaN or Infinity (which json.loads takes) make it text
                 result = codec.loads(out) if out.strip() else None

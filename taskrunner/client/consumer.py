@@ -182,6 +182,20 @@ class Consumer:
             return None
         return "timeout" if msg.get("reason") == "timeout" else "killed"
 
+    def still_ours(self, delivery: Delivery) -> str | None:
+        """What a holder reads at each beat (docs/PROTOCOL.md, Heartbeat): "killed" when a
+        kill was requested (its control message may have been lost), "gone" when the
+        delivery is ours no more (requeued by an operator, or its holder found dead
+        meanwhile: another delivery's, or nobody's), None while it runs as ours."""
+        p = self.keys.q(delivery.queue)
+        pipe = self.app.redis.pipeline(transaction=False)
+        pipe.hmget(p + "job:" + delivery.id, "attempts", "kill_requested")
+        pipe.hexists(p + "running", delivery.id)
+        (attempts, kill), running = pipe.execute()
+        if attempts != delivery.attempt or not running:
+            return "gone"
+        return "killed" if kill else None
+
     def _finish(self, items: list[tuple[str, Ended]]) -> list[bool]:
         """Report (queue, ended) pairs, one finish.lua call per queue: which were applied."""
         by_queue: dict[str, list[Ended]] = {}
