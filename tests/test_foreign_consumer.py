@@ -173,6 +173,7 @@ INFO = {"name": "c1", "host": "h", "pid": 4242}
     ("c1", {**INFO, "pid": "4242"}, "60", '"pid"'),
     ("c1", {**INFO, "pid": 0}, "60", '"pid"'),
     ("c1", {**INFO, "pid": 42.5}, "60", '"pid"'),
+    ("c1", {**INFO, "pid": 2 ** 31}, "60", '"pid" must be an integer from 1 to 2^31 - 1'),  # it said > 0
     ("c1", {**INFO, "pidns": 7}, "60", '"pidns"'),
     ("c1", {**INFO, "boot_id": None}, "60", '"boot_id"'),
     ("c1", INFO, "1.5", "TTL"),

@@ -5,7 +5,7 @@
 -- takes the name off workers:dead if the dispatcher had buried it (a paused worker
 -- that came back). Returns the server time.
 -- The info must be a JSON object with "name" = ARGV[1], "host" a non-empty string and "pid"
--- an integer > 0 (the consumer's own process id); "pidns" and "boot_id", by which a dispatcher
+-- an integer from 1 to 2^31 - 1 (the consumer's own process id); "pidns" and "boot_id", by which a dispatcher
 -- on the same machine checks that PID, are strings when present. Anything else is refused
 -- with an error, nothing changed, so that a consumer learns at its first beat what the
 -- dispatcher could not read (docs/PROTOCOL.md, Heartbeat).
@@ -28,7 +28,7 @@ if type(info.host) ~= 'string' or info.host == '' then
 end
 local pid = info.pid
 if type(pid) ~= 'number' or pid ~= math.floor(pid) or pid < 1 or pid >= 2 ^ 31 then
-  return refuse('info "pid" must be an integer > 0 (the process id)')
+  return refuse('info "pid" must be an integer from 1 to 2^31 - 1 (the process id)')
 end
 for _, f in ipairs({'pidns', 'boot_id'}) do
   if info[f] ~= nil and type(info[f]) ~= 'string' then
