@@ -173,8 +173,10 @@ class Crew:
 
     def _raised(self, d: Delivery, outcome: Outcome) -> None:
         """Log a run that ended in an exception (the job's record keeps its traceback; in
-        JSON logs it is the `exc` field too): an error when it failed the job for good, a
-        warning when its job is retried while retries last (finish.lua decides, later)."""
+        JSON logs it is the `exc` field too): an error when nothing retries it (outcome
+        failed: Reject, retry_on, ...), a warning when its job is retried while retries last
+        (outcome error: finish.lua decides, later, from the record's failures, which the
+        worker does not read; the run that spends the last retry is a warning too)."""
         failed = outcome.kind == "failed"
         log.log(logging.ERROR if failed else logging.WARNING, "worker %s: job %s (%s) %s %s: %s", self.name, d.id,
                 d.task, "failed:" if failed else "raised", outcome.error_type, outcome.message,
