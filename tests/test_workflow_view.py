@@ -34,6 +34,24 @@ def test_the_graph_from_any_job_in_layers(app, stack):
     assert r.returncode == 1 and "no job" in r.stderr
 
 
+def test_a_step_whose_parent_had_completed_when_it_was_written_is_drawn_after_it(app, stack):
+    """depends_on a job that completed already: enqueue.lua makes the child pending at once
+    and leaves the parent's `children` as they were (docs/PROTOCOL.md, Enqueue), so the edge
+    is in the child's `parents` only. The graph read edges from `children`: every job of it
+    stood in layer 0 and the SVG drew no line (`taskrunner workflow` said STEP 0 for all)."""
+    stack.worker()
+    first = apps.add.delay(1, 2)
+    assert first.wait(30) == 3
+    then = apps.add.apply_async((3, 4), depends_on=[first], on_success=apps.mul.s(10))
+    assert then.wait(30) == 7
+    g = graph(app, then.id)
+    depth = {n["id"]: n["depth"] for n in g["jobs"]}
+    [after] = [n for n in g["jobs"] if n["id"] not in (first.id, then.id)]
+    assert (depth[first.id], depth[then.id], after["depth"]) == (0, 1, 2), g
+    assert {"queue": then.queue, "id": then.id} in next(n for n in g["jobs"] if n["id"] == first.id)["children"]
+    assert svg(g).count("<line") == 2
+
+
 def test_the_workflow_page_draws_the_graph_escaped(app):
     handle = (apps.add.s(1, 2) | apps.mul.s(10)).delay()
     web = create_app(app, password="pw", token="tok").test_client()

@@ -25,7 +25,9 @@ def graph(app: TaskRunner, job_id: str, queue: str | None = None) -> dict[str, A
     """{"root": id, "jobs": [{id, queue, task, state, depth, parents, children, ...}],
     "truncated": bool}: every job linked to `job_id`, breadth first, read a level at a time
     (one pipelined round per level). `depth` is the longest path from a job without parents
-    in the graph, for drawing it in layers. A job whose record is gone shows as state "gone"."""
+    in the graph, for drawing it in layers. A job's `children` are those its record lists and
+    those in the graph that name it among their `parents`. A job whose record is gone shows
+    as state "gone"."""
     start = app.job(job_id, queue)
     found: dict[tuple[str, str], dict[str, Any]] = {}
     level = [(start.queue, start.id)]
@@ -43,6 +45,15 @@ def graph(app: TaskRunner, job_id: str, queue: str | None = None) -> dict[str, A
                              "children": [{"queue": cq, "id": ci} for cq, ci in children]}
             following += parents + children
         level = following
+    # A parent lists a child in `children` only when it had not ended as the child was
+    # written (enqueue.lua: depends_on a job that completed makes the child pending at once):
+    # the edge is then in the child's `parents` alone. Both sides give the graph's edges.
+    for k, n in found.items():
+        for p in n["parents"]:
+            parent = found.get((p["queue"], p["id"]))
+            child = {"queue": k[0], "id": k[1]}
+            if parent is not None and child not in parent["children"]:
+                parent["children"].append(child)
     # Depth in topological order (Kahn's): edges only go from earlier jobs to later ones.
     waiting = {k: sum((p["queue"], p["id"]) in found for p in n["parents"]) for k, n in found.items()}
     ready = [k for k, w in waiting.items() if w == 0]
