@@ -480,6 +480,24 @@ def test_a_kill_refuses_a_bad_failed_ttl_before_it_kills(app, ttl):
     assert 0 < app.redis.ttl(p + "job:" + job.id) <= 60
 
 
+@pytest.mark.parametrize("script, args, why", [
+    ("DELETE", ["{id}", "0"], "delete: the failed TTL (ARGV[2]) must be an integer >= 1"),
+    ("DELETE", ["{id}", "x", "pending"], "delete: the failed TTL (ARGV[2]) must be an integer >= 1"),
+    ("PURGE", [10, "0"], "purge: the failed TTL (ARGV[2]) must be an integer >= 1"),
+    ("PURGE", ["x"], "purge: the most jobs to delete (ARGV[1]) must be an integer >= 1"),
+])
+def test_delete_and_purge_refuse_a_bad_ttl_or_count_before_changing_anything(app, script, args, why):
+    """Their optional failed TTL is for the steps they cancel: 0 (or -1) used to delete the
+    canceled records at once (EXPIRE), and text to fall back to a week, unsaid; purge's count
+    failed with Lua's error. Refused now in one line, nothing changed."""
+    parent = apps.add.delay(1, 1)
+    child = apps.add.apply_async((2, 2), depends_on=[parent])
+    argv = [a.format(id=parent.id) if isinstance(a, str) else a for a in args]
+    with pytest.raises(ValueError, match=re.escape(why)):  # ERR taskrunner: BadCall: ..., as taskrunner raises it
+        getattr(scripts, script)(app.redis, [app.keys.q("default")], argv)
+    assert (parent.refresh().state, child.refresh().state) == ("pending", "waiting")
+
+
 #: redis-server options that take FCALL and FUNCTION away: they answer "unknown command", as
 #: on Redis < 7.0.
 NO_FUNCTIONS = ("--rename-command", "FCALL", "", "--rename-command", "FUNCTION", "")

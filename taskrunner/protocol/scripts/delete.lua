@@ -2,15 +2,23 @@
 -- waiting for one that had not completed end canceled (they would wait for ever). A unique
 -- job's lock goes with it, a failed or killed one leaves the failure indexes (see _lib.lua).
 -- KEYS[1]  queue key prefix
--- ARGV[1]  id   ARGV[2] (optional) failed TTL (s) for those canceled; default 604800
+-- ARGV[1]  id   ARGV[2] (optional) failed TTL (s) for those canceled, an integer >= 1;
+--          default 604800
 -- ARGV[3]  (optional) the states it may delete, e.g. "failed killed" (a bulk delete of the
 --          failed ones: a job retried meanwhile is left as it is); default: any but running
 -- Children in other slots get an outbox entry (see _lib.lua), carried by the dispatcher.
 -- Returns the state before; "" when there is no such job (its record expired: its id leaves the
 -- sets of the states it may delete and their failure indexes, see forget_gone in _lib.lua);
--- "running" or a state not in ARGV[3] (refused: nothing changed).
+-- "running" or a state not in ARGV[3] (refused: nothing changed). Bad arguments are refused
+-- (ERR taskrunner: BadCall: delete: ..., nothing changed): a TTL of 0 used to delete the
+-- records of the steps it canceled at once.
 local p = KEYS[1]
 local id = ARGV[1]
+local ttl = tonumber(ARGV[2] or '604800')
+if not ttl or ttl < 1 or ttl ~= math.floor(ttl) then
+  return redis.error_reply('ERR taskrunner: BadCall: delete: the failed TTL (ARGV[2]) must be an integer >= 1 '
+    .. '(seconds)')
+end
 local SETS = {'delayed', 'waiting', 'completed', 'failed', 'killed', 'canceled'}  -- the states kept in a ZSET
 local may = SETS
 if ARGV[3] then
@@ -55,7 +63,7 @@ end
 if f[1] and state ~= 'completed' then
   workflows()
   settle_children(p, id, job, {children = f[1], task = f[2], cross_children = f[3] or nil}, 'deleted', now(),
-    tonumber(ARGV[2]) or 604800)
+    ttl)
 end
 redis.call('DEL', job, p .. 'notify:' .. id)
 return state

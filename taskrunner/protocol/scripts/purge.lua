@@ -4,12 +4,21 @@
 -- priority's list (meta priorities), highest first; a unique job's lock goes with it.
 -- KEYS[1]  queue key prefix
 -- ARGV[1]  N   ARGV[2] (optional) failed TTL (s) for those canceled; default 604800
--- Returns {deleted, pending left}.
+-- Returns {deleted, pending left}. N and the TTL must be integers >= 1, else refused (ERR
+-- taskrunner: BadCall: purge: ..., nothing changed).
 local p = KEYS[1]
+local most, ttl = tonumber(ARGV[1]), tonumber(ARGV[2] or '604800')
+if not most or most < 1 or most ~= math.floor(most) then
+  return redis.error_reply('ERR taskrunner: BadCall: purge: the most jobs to delete (ARGV[1]) must be an integer >= 1')
+end
+if not ttl or ttl < 1 or ttl ~= math.floor(ttl) then
+  return redis.error_reply('ERR taskrunner: BadCall: purge: the failed TTL (ARGV[2]) must be an integer >= 1 '
+    .. '(seconds)')
+end
 local deleted = 0
 local levels = redis.call('HGET', p .. 'meta', 'priorities')
 local lists, li = pending_lists(p, levels), 1
-for _ = 1, tonumber(ARGV[1]) do
+for _ = 1, most do
   local id = redis.call('RPOP', lists[li])
   while not id and lists[li + 1] do
     li = li + 1
@@ -22,7 +31,7 @@ for _ = 1, tonumber(ARGV[1]) do
     if f[1] then
       workflows()
       settle_children(p, id, job, {children = f[1], task = f[2], cross_children = f[3] or nil}, 'deleted', now(),
-        tonumber(ARGV[2]) or 604800)
+        ttl)
     end
     if f[4] then
       unlock(p, f[4], id)
