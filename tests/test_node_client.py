@@ -1029,3 +1029,35 @@ def test_the_node_consumer_refuses_a_name_a_live_worker_holds(app, stack):
     assert (r.returncode, r.stdout) == (2, "consumer twin: queues default\n"), r
     assert re.fullmatch(r'Error: worker name "twin" is in use by a live worker \(heartbeat \d+\.\ds ago\); '
                         r"pick another name \(--name\)\n", r.stderr), r.stderr
+
+
+def test_the_node_producer_sends_expires_and_a_python_worker_never_runs_the_job_past_it(app, stack):
+    """`--expires S` (enqueue()'s `expires`: seconds or a Date) is stored as Redis's now + S,
+    named in `opt`; once it passed, a Python worker's claim ends the job killed, Expired,
+    without running it. A bad value is one line before anything is enqueued (exit 2)."""
+    r = produce(stack, "--expires", "0.05", "--queue", "default", "tests.apps.record", '["node expired"]')
+    assert r.returncode == 0, r.stderr
+    job = app.job(r.stdout.strip(), "default")
+    assert job.data["opt"] == "expires"
+    expiry = float(job.data["expires"])
+    assert expiry - float(job.data["enqueued_at"]) == pytest.approx(0.05, abs=1e-5)
+    wait_for(lambda: sum(x / 10 ** (6 * i) for i, x in enumerate(app.redis.time())) >= expiry, what="its expiry")
+    stack.worker()
+    with pytest.raises(JobFailed, match="killed: Expired: not started before it expired at "):
+        job.wait(30)
+    assert app.redis.get(f"{app.settings.prefix}:ledger:node expired") is None
+    got = node_script(stack, "const out = []; const { id } = await tr.enqueue('tests.apps.add', [1, 2], {}, "
+                             "{ queue: 'default', expires: new Date(Date.now() + 3600e3) }); out.push(id); "
+                             "for (const expires of [new Date(Date.now() - 1000), 0, -1, '5']) { try { "
+                             "await tr.enqueue('tests.apps.add', [1, 2], {}, { queue: 'badexp', expires }); "
+                             "out.push('enqueued'); } catch (e) { out.push(e.message.split(' not ')[0]); } } "
+                             "console.log(JSON.stringify(out));")
+    rec = app.job(got[0], "default").data
+    assert 3000 < float(rec["expires"]) - float(rec["enqueued_at"]) <= 3600 + 1e-5
+    assert got[1].startswith("expires ") and got[1].endswith("has passed: the job could never run")
+    assert got[2:] == ["expires must be seconds from now (a finite number > 0 and < 2^53) or a Date,"] * 3
+    for bad in ("0", "-1", "abc"):
+        r = produce(stack, f"--expires={bad}", "--queue", "badexp", "tests.apps.add", "[1, 2]")
+        assert (r.returncode, r.stdout) == (2, "")
+        assert r.stderr == f"Error: --expires must be a number of seconds > 0, not {json.dumps(bad)}\n"
+    assert not app.redis.sismember(app.keys.queues, "badexp")

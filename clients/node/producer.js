@@ -10,6 +10,8 @@ const USAGE = `usage: node producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]]
   --queue Q                 default: the task's queue as its workers declared it, else default
   --id ID                   default: a new ULID; an existing id is not enqueued again
   --delay S                 seconds before it may run (default 0)
+  --expires S               seconds from now by which it must have started: a worker that
+                            claims it later does not run it, it ends killed (Expired)
   --max-duration S, --retries N
   --priority 0-9            higher is claimed first within the queue (default 0)
   --concurrency-key K       counts against the task's max_concurrency
@@ -35,11 +37,13 @@ const USAGE = `usage: node producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]]
 const count = (s) => (s !== undefined && /^-?[0-9]+$/.test(s) ? Number(s) : s);
 
 // A flag of seconds: its number (undefined when not given); else an error, before anything
-// is enqueued (a --wait refused once the job was in would leave it behind).
-function seconds(flag, s) {
+// is enqueued (a --wait refused once the job was in would leave it behind). `positive`: > 0.
+function seconds(flag, s, positive = false) {
   if (s === undefined) return undefined;
   const n = s.trim() === '' ? NaN : Number(s);
-  if (!Number.isFinite(n) || n < 0) throw new Error(`--${flag} must be a number of seconds >= 0, not ${JSON.stringify(s)}`);
+  if (!Number.isFinite(n) || n < 0 || (positive && n === 0)) {
+    throw new Error(`--${flag} must be a number of seconds ${positive ? '>' : '>='} 0, not ${JSON.stringify(s)}`);
+  }
   return n;
 }
 
@@ -106,8 +110,8 @@ async function main() {
   const { values: o, positionals: [task, args = '[]', kwargs = '{}'] } = parseArgs({
     allowPositionals: true,
     options: { queue: { type: 'string' }, id: { type: 'string' }, delay: { type: 'string' },
-      'max-duration': { type: 'string' }, retries: { type: 'string' }, wait: { type: 'string' },
-      'depends-on': { type: 'string', multiple: true }, priority: { type: 'string' },
+      expires: { type: 'string' }, 'max-duration': { type: 'string' }, retries: { type: 'string' },
+      wait: { type: 'string' }, 'depends-on': { type: 'string', multiple: true }, priority: { type: 'string' },
       'concurrency-key': { type: 'string' }, 'unique-key': { type: 'string' }, 'unique-for': { type: 'string' },
       'unique-until': { type: 'string' }, help: { type: 'boolean', short: 'h' } },
   });
@@ -119,12 +123,13 @@ async function main() {
   const jobArgs = parsed('ARGS_JSON', args, 'array');
   const jobKwargs = parsed('KWARGS_JSON', kwargs, 'object');
   const delay = seconds('delay', o.delay) || 0;
+  const expires = seconds('expires', o.expires, true);
   const wait = seconds('wait', o.wait);
   const tr = new TaskRunner({ options: { maxRetriesPerRequest: null, connectTimeout: 5000 } });
   const enqueued = giveUpWhenUnreachable(tr);
   try {
     const { id, queue, created, duplicate } = await tr.enqueue(task, jobArgs, jobKwargs, {
-      queue: o.queue, id: o.id, delay, maxDuration: o['max-duration'], retries: o.retries,
+      queue: o.queue, id: o.id, delay, expires, maxDuration: o['max-duration'], retries: o.retries,
       dependsOn: o['depends-on'], priority: count(o.priority), concurrencyKey: o['concurrency-key'],
       uniqueKey: o['unique-key'], uniqueFor: count(o['unique-for']), uniqueUntil: o['unique-until'] });
     enqueued();

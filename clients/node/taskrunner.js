@@ -63,6 +63,23 @@ function whole(name, v, min, max) {
   return v;
 }
 
+// A job's `expires` (PROTOCOL.md, Expiry): seconds from now (a finite number > 0 and < 2^53)
+// or a Date, as the seconds from now until it (one that has passed is refused: the job could
+// never run). enqueue.lua adds them to Redis's clock; a claim at or after that time ends the
+// job killed, Expired, instead of running it.
+function expiry(v) {
+  if (v instanceof Date) {
+    const left = (v.getTime() - Date.now()) / 1000;
+    if (!Number.isFinite(left)) throw new Error('expires must be a valid Date, not an invalid one');
+    if (left <= 0) throw new Error(`expires ${v.toISOString()} has passed: the job could never run`);
+    return left;
+  }
+  if (typeof v !== 'number' || !Number.isFinite(v) || v <= 0 || v >= 2 ** 53) {
+    throw new Error(`expires must be seconds from now (a finite number > 0 and < 2^53) or a Date, not ${shown(v)}`);
+  }
+  return v;
+}
+
 // Unique jobs (PROTOCOL.md, Pause, priorities, unique jobs): what enqueue.lua takes as a key.
 const UNIQUE_KEY = /^[!-~]{1,200}$/;
 const INT_MIN = -(2n ** 63n); // the integers orjson reads as ints; others are floats in Python
@@ -474,7 +491,7 @@ class TaskRunner {
 
   // A job as enqueue.lua takes it (Enqueue): {id, queue, delay, fields}, `unnamed` when given
   // no queue (place() puts it in the task's). `opts`: queue, id,
-  // delay, maxDuration, retries, retryBackoff, timeoutPolicy, maxLost, headers, and flow
+  // delay, expires (expiry()), maxDuration, retries, retryBackoff, timeoutPolicy, maxLost, headers, and flow
   // control (flow()): priority, concurrencyKey, and with `unique` (a job alone, not part of
   // a workflow) uniqueKey, uniqueFor, uniqueUntil. `fed`: the job is given its parent's result
   // (or error) first (checkArguments).
@@ -489,6 +506,7 @@ class TaskRunner {
       timeoutPolicy: 'timeout_policy', maxLost: 'max_lost' };
     for (const [k, field] of Object.entries(optional)) if (opts[k] !== undefined) fields.push(field, String(opts[k]));
     if (opts.headers && Object.keys(opts.headers).length) fields.push('headers', JSON.stringify(opts.headers));
+    if (opts.expires !== undefined) fields.push('expires', String(expiry(opts.expires)));
     fields.push(...flow(task, args, kwargs, opts, unique));
     return { id, queue, delay: opts.delay || 0, fields, call: { task, args, kwargs, fed }, unnamed };
   }

@@ -44,6 +44,8 @@ from taskrunner.ops.diagnose import explain
 @click.option("--kwargs", "kwargs_json", metavar="JSON_OBJECT", help='Keyword arguments, e.g. \'{"n": 2}\'.')
 @click.option("-q", "--queue", help="Queue (default: the task's, as its workers declared it, else 'default').")
 @click.option("--delay", type=float, help="Seconds before it may run.")
+@click.option("--expires", type=float, help="Seconds from now by which it must have started: a worker that claims it "
+              "later does not run it, it ends killed (Expired).")
 @click.option("--max-duration", type=float, help="Seconds it may run before it is stopped.")
 @click.option("--retries", type=int, help="Retries after failures (exponential backoff).")
 @click.option("--id", "job_id", help="Job id (default: a new time-sortable id). An existing id is not enqueued twice.")
@@ -67,12 +69,13 @@ from taskrunner.ops.diagnose import explain
               help="When the unique lock ends (default finish).")
 @click.option("--from-file", "from_file", type=click.File("r"), metavar="JOBS.jsonl",
               help='Enqueue many: one JSON object a line, {"task": ..., "args": [...], "kwargs": {...}, '
-              '"queue": ..., "delay": s, "max_duration": s, "id": ..., "depends_on": [ids of earlier lines or '
-              'existing jobs], "on_success": CALLBACK, "on_failure": CALLBACK}; "-" reads stdin. One round trip '
-              "per 1,000 jobs; prints one id a line.")
+              '"queue": ..., "delay": s, "expires": s, "max_duration": s, "id": ..., "depends_on": [ids of earlier '
+              'lines or existing jobs], "on_success": CALLBACK, "on_failure": CALLBACK}; "-" reads stdin. One round '
+              "trip per 1,000 jobs; prints one id a line.")
 @common
 def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, queue: str | None,
-            delay: float | None, max_duration: float | None, retries: int | None, job_id: str | None,
+            delay: float | None, expires: float | None, max_duration: float | None, retries: int | None,
+            job_id: str | None,
             block_timeout: float | None, depends_on: tuple[str, ...], on_success: str | None, on_failure: str | None,
             priority: int | None, unique_key: str | None, unique_for: int | None, unique_until: str | None,
             from_file: Any, app_spec: str | None, redis_url: str | None) -> None:
@@ -110,7 +113,7 @@ def enqueue(task: str | None, args_json: str | None, kwargs_json: str | None, qu
     job = app.enqueue(task, args, kwargs, queue=queue, delay=delay, max_duration=max_duration,
                       retries=retries, job_id=job_id, block_timeout=block_timeout, depends_on=list(depends_on) or None,
                       on_success=success, on_failure=failure, priority=priority, unique_key=unique_key,
-                      unique_for=unique_for, unique_until=unique_until)
+                      unique_for=unique_for, unique_until=unique_until, expires=expires)
     if not job.created:
         click.echo(f"job {job.id} exists already (or holds the unique key); not enqueued again", err=True)
     else:
@@ -166,6 +169,7 @@ def status(job_id: str, as_json: bool, app_spec: str | None, redis_url: str | No
     rows = [("id", d["id"]), ("task", d.get("task")), ("queue", d["queue"]), ("state", state),
             ("attempts", d["attempts"]), ("enqueued", timestamp(d.get("enqueued_at"))),
             *([("due", timestamp(d.get("due_at")))] if d["state"] == "delayed" else []),
+            *([("expires", timestamp(d["expires"]))] if d.get("expires") else []),
             ("started", timestamp(d.get("started_at"))), ("finished", timestamp(d.get("finished_at"))),
             ("worker", d.get("worker") or "-"), ("host", d.get("host") or "-"), ("pid", d.get("pid") or "-")]
     if isinstance(d.get("progress"), float):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -115,12 +116,12 @@ class AsyncClient:
                       headers: dict[str, Any] | None = None, depends_on: Iterable[Job | str] | None = None,
                       on_success: Signature | None = None, on_failure: Signature | None = None,
                       priority: int | None = None, unique_for: int | None = None, unique_key: str | None = None,
-                      unique_until: str | None = None, **options: Any) -> str:
+                      unique_until: str | None = None, expires: float | datetime | None = None, **options: Any) -> str:
         """Enqueue by task name; returns the job id (a unique job's duplicate: the id of the
         job that holds its key). Same options, links (depends_on: Job objects or ids;
         on_success, on_failure: signatures, e.g. app.signature("name")) and errors as
         TaskRunner.enqueue (QueueFull after block_timeout, QueueClosed, NotJSONError...)."""
-        fields = flow.fields(task, args, kwargs, priority, unique_for, unique_key, unique_until)
+        fields = flow.fields(task, args, kwargs, priority, unique_for, unique_key, unique_until, expires)
         canvas.refuse_bad_links(fields, delay, depends_on, on_success, on_failure)
         what = f"enqueueing {task}"
         draft = await self._run(steps.riding(self.app, steps.draft(self.app, task, args, kwargs, None, options, delay,

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -252,20 +253,21 @@ class Task:
                     depends_on: Iterable[Job | str] | None = None, on_success: Signature | None = None,
                     on_failure: Signature | None = None, concurrency_key: str | None = None,
                     priority: int | None = None, unique_for: int | None = None, unique_key: str | None = None,
-                    unique_until: str | None = None) -> Job:
+                    unique_until: str | None = None, expires: float | datetime | None = None) -> Job:
         """Enqueue with options; `headers`, a dict of JSON values, travel with the job
         (current_job().headers; counted in its payload size). `depends_on`: jobs (Job
         objects or ids, of any queue) that must complete first; `on_success`, `on_failure`:
         callbacks (TaskRunner.enqueue). `concurrency_key`: for a task with max_concurrency,
         the key whose running jobs it counts against (default: the task's name). `priority`
-        (0-9) and the unique lock (`unique_for`, `unique_key`, `unique_until`):
+        (0-9), the unique lock (`unique_for`, `unique_key`, `unique_until`) and `expires`
+        (seconds from now, or an aware datetime, by which it must have started):
         TaskRunner.enqueue."""
         spec = self.job_spec(queue, max_duration, retries, max_retries, concurrency_key)
         return self.app.enqueue(self.name, args, kwargs, spec=spec,
                                 delay=delay, job_id=job_id, block_timeout=block_timeout, headers=headers,
                                 depends_on=depends_on, on_success=on_success, on_failure=on_failure,
                                 priority=priority, unique_for=unique_for, unique_key=unique_key,
-                                unique_until=unique_until)
+                                unique_until=unique_until, expires=expires)
 
     def job_spec(self, queue: str | None = None, max_duration: float | None = None, retries: int | None = None,
                  max_retries: int | None = None, concurrency_key: str | None = None) -> JobSpec:
@@ -543,7 +545,7 @@ class TaskRunner:
                 headers: dict[str, Any] | None = None, depends_on: Iterable[Job | str] | None = None,
                 on_success: Signature | None = None, on_failure: Signature | None = None,
                 priority: int | None = None, unique_for: int | None = None, unique_key: str | None = None,
-                unique_until: str | None = None, **options: Any) -> Job:
+                unique_until: str | None = None, expires: float | datetime | None = None, **options: Any) -> Job:
         """Enqueue by task name (the task need not be importable here). Options are those
         of JobSpec (queue, max_duration, retries, ...); for a task not declared in this app,
         those not given (the queue too) are the ones its workers declared in Redis, as the
@@ -569,11 +571,18 @@ class TaskRunner:
         counted per task (`queue info`: duplicates). `unique_for`: seconds the lock lasts at
         most; alone, the key is made from the task and its arguments (flow.unique_key_of).
         A unique job is no workflow's part (depends_on, callbacks).
-        In eager mode the job runs here before this returns (taskrunner/eager.py)."""
+        `expires`: seconds from now (> 0), or an aware datetime, by which the job must have
+        started: a worker's claim at or after it does not run it, it ends killed with
+        error_type Expired (its unique lock released, its workflow's next steps canceled, its
+        on_failure callback run). Counted on Redis's clock (a datetime is turned into seconds
+        here); a retry keeps it; checked only when a worker claims the job, so one in a queue
+        no worker serves stays pending past it (docs/PROTOCOL.md, Expiry).
+        In eager mode the job runs here before this returns (taskrunner/eager.py; `delay` and
+        `expires` are ignored)."""
         if unique_for is not None and unique_key is None and not isinstance(args, (list, tuple)) \
                 and isinstance(args, Iterable) and not isinstance(args, (str, bytes, dict)):
             args = list(args)  # read twice: for the key, then for the job
-        flow_fields = flow.fields(task, args, kwargs, priority, unique_for, unique_key, unique_until)
+        flow_fields = flow.fields(task, args, kwargs, priority, unique_for, unique_key, unique_until, expires)
         canvas.refuse_bad_links(flow_fields, delay, depends_on, on_success, on_failure)
         what = f"enqueueing {task}"
         draft = steps.ride(self, steps.draft(self, task, args, kwargs, spec, options, delay, job_id, headers,
@@ -613,7 +622,7 @@ class TaskRunner:
         """Enqueue many jobs, one round trip per `chunk`. Each job is a dict with `task`
         and optionally args, kwargs, queue, delay, max_duration, retries, max_retries, id, headers,
         priority, unique_key, unique_for, unique_until (a unique job's duplicate: the Job of the
-        one holding its key), and the links of TaskRunner.enqueue: `depends_on` (ids, of this
+        one holding its key), expires, and the links of TaskRunner.enqueue: `depends_on` (ids, of this
         call's earlier jobs or of existing ones, or Job objects), `on_success`, `on_failure`
         (signatures, or objects as callback_of() reads them). Never blocks: jobs refused by a
         full or closed queue raise QueueFull/QueueClosed after their chunk, and those a script

@@ -43,7 +43,7 @@ Links = tuple[list[tuple[str, str]], Signature | None, Signature | None]
 #: The fields a job given to enqueue_many may have.
 FIELDS = frozenset(("task", "args", "kwargs", "queue", "delay", "max_duration", "retries", "max_retries", "id",
                     "headers", "depends_on", "on_success", "on_failure", "priority", "unique_key", "unique_for",
-                    "unique_until"))
+                    "unique_until", "expires"))
 
 
 def draft_of(app: TaskRunner, spec: Any) -> steps.Draft:
@@ -60,7 +60,7 @@ def draft_of(app: TaskRunner, spec: Any) -> steps.Draft:
     delay = seconds("delay", spec.get("delay") or 0)
     args = spec.get("args") or []
     extra = flow.fields(task, args, spec.get("kwargs"), spec.get("priority"), spec.get("unique_for"),
-                        spec.get("unique_key"), spec.get("unique_until"))
+                        spec.get("unique_key"), spec.get("unique_until"), spec.get("expires"))
     job = job.merged(queue=steps.ride(app, steps.placed(app, task, job, extra, spec.get("id")), "enqueueing"))
     fields, unhooked = app._checked(task, args, spec.get("kwargs"), job, sent, spec.get("headers"), job_id=job_id)
     return steps.Draft(job_id, job.queue, delay, fields + extra, unhooked)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from taskrunner.client import arguments, eager, steps
+from taskrunner.client import arguments, eager, flow, steps
 from taskrunner.client.job import Job
 from taskrunner.errors import QueueClosed, QueueFull, restated
 from taskrunner.protocol import joins, scripts
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from taskrunner.client.app import Task, TaskRunner
 
 #: The options a signature may carry: those of Task.apply_async that belong to one job.
-OPTIONS = frozenset(("queue", "max_duration", "retries", "max_retries", "job_id", "headers", "delay"))
+OPTIONS = frozenset(("queue", "max_duration", "retries", "max_retries", "job_id", "headers", "delay", "expires"))
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Signature:
 
     def set(self, **options: Any) -> Signature:
         """A copy with these options (queue, max_duration, retries, max_retries, job_id,
-        headers, delay) set."""
+        headers, delay, expires) set."""
         unknown = set(options) - OPTIONS
         if unknown:
             raise TypeError(f"unknown signature options {sorted(unknown)}; known: {sorted(OPTIONS)}")
@@ -242,7 +242,8 @@ def make_drafts(app: TaskRunner, sigs: list[Signature], fed: int | None = None,
         spec = sig.task.job_spec(*settings.values())
         out.append((yield from steps.draft(app, sig.task.name, sig.args, sig.kwargs, spec,
                                            {} if spec is not None else settings, o.get("delay"), o.get("job_id"),
-                                           o.get("headers"), fed=fed is not None and n >= fed and not sig.immutable)))
+                                           o.get("headers"), flow.expiry(o.get("expires")),
+                                           fed=fed is not None and n >= fed and not sig.immutable)))
     return steps.hooked(app, out) if hooks else out
 
 

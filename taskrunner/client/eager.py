@@ -84,6 +84,7 @@ def enqueue(app: TaskRunner, job_id: str, fields: list[Any], parents: list[Job] 
     returns it ended. With `parents` (depends_on), only if they all completed: else it ends
     canceled, naming the first that did not."""
     data = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in zip(fields[::2], fields[1::2])}
+    data.pop("expires", None)  # it runs now: no claim to come late (as a delay, ignored)
     data.update(enqueued_at=_now(), attempts="0", failures="0", requeues="0", retry_requests="0")
     job = EagerJob(app, job_id, data["queue"], data)
     failed = next((p for p in parents or () if p.data.get("state") != "completed"), None)

@@ -1,8 +1,8 @@
-"""Per-job flow control a producer asks for (issue 17): a priority and a unique lock. The
-fields enqueue.lua takes for them (docs/PROTOCOL.md, Pause, priorities, unique jobs), checked
-here so that a mistake is one line in the caller's process; the script checks them again
-for producers in other languages. A job that asks for neither gets no field: it costs
-nothing more to enqueue, claim or finish."""
+"""Per-job flow control a producer asks for (issue 17): a priority and a unique lock; and
+an expiry. The fields enqueue.lua takes for them (docs/PROTOCOL.md, Pause, priorities, unique
+jobs; Expiry), checked here so that a mistake is one line in the caller's process; the script
+checks them again for producers in other languages. A job that asks for none gets no field:
+it costs nothing more to enqueue, claim or finish."""
 
 from __future__ import annotations
 
@@ -27,14 +27,23 @@ def unique_key_of(task: str, args: Any, kwargs: dict | None) -> str:
     return hashlib.sha1(text).hexdigest()
 
 
+def expiry(expires: Any) -> list[Any]:
+    """The enqueue field of a job's `expires` ([] for None): seconds from now (> 0) or an
+    aware datetime (codec.expiry), by which it must have started, else it ends killed,
+    Expired, at its claim. Workflow steps and callbacks may have one (a step that expires
+    cancels those after it)."""
+    return [] if expires is None else ["expires", codec.expiry(expires)]
+
+
 def fields(task: str, args: Any, kwargs: dict | None, priority: int | None = None, unique_for: int | None = None,
-           unique_key: str | None = None, unique_until: str | None = None) -> list[Any]:
-    """The enqueue fields of a job's priority and unique lock ([] when it has neither).
+           unique_key: str | None = None, unique_until: str | None = None, expires: Any = None) -> list[Any]:
+    """The enqueue fields of a job's priority, unique lock and expiry ([] when it has none).
+    `expires`: see expiry().
     `priority`: 0-9, higher claimed first (0: as a job without one). `unique_key`: while a job
     holding it has not started or ended (`unique_until`, default "finish") another job with
     it is not added: enqueue answers the holder's id. `unique_for`: seconds the lock lasts at
     most; without `unique_key` the key is derived from the task and its arguments."""
-    out: list[Any] = []
+    out: list[Any] = expiry(expires)
     if priority is not None:
         if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
             raise ValueError(f"priority must be a whole number from 0 to 9, not {priority!r}")

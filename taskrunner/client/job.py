@@ -20,7 +20,7 @@ STATES = ("waiting", "pending", "delayed", "running", "completed", "failed", "ki
 # Fields holding numbers; everything else in the record is text.
 _FLOATS = ("enqueued_at", "started_at", "finished_at", "due_at", "stuck_at", "kill_requested",
            "last_requeued_at", "max_duration", "retry_backoff", "retry_backoff_max", "soft_limit", "progress",
-           "progress_at")
+           "progress_at", "expires")
 _INTS = ("attempts", "requeues", "failures", "lost", "retries", "max_lost", "pid", "logs_dropped", "max_retries",
          "retry_requests", "result_ttl", "failed_ttl", "waiting_on")
 

@@ -3,6 +3,7 @@ the checks of what else a caller gives (names, ids, seconds, counts) before it i
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import re
@@ -117,6 +118,26 @@ def seconds(name: str, value: Any, positive: bool = False) -> float:
         raise ValueError(f"{name} must be a finite number of seconds {'> 0' if positive else '>= 0'} and < 2^53, "
                          f"not {value!r}")
     return float(value)
+
+
+def expiry(value: Any) -> float:
+    """A job's `expires` as a producer gives it — seconds from now (> 0) or an aware
+    datetime — as seconds from now: enqueue.lua adds them to Redis's clock, so that the
+    claim compares the expiry with the clock it reads (a producer's own may be off). A
+    datetime is measured against this machine's clock, once, here; one that has passed is
+    refused (the job could never run), as is a naive one (which zone?)."""
+    if isinstance(value, datetime.datetime):
+        if value.utcoffset() is None:
+            raise ValueError(f"expires must be an aware datetime (with a tzinfo), not the naive {value.isoformat()}")
+        left = (value - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+        if left <= 0:
+            raise ValueError(f"expires {value.isoformat()} has passed: the job could never run")
+        return left
+    try:
+        return seconds("expires", value, positive=True)
+    except ValueError:
+        raise ValueError(f"expires must be seconds from now (a finite number > 0 and < 2^53) or an aware datetime, "
+                         f"not {value!r}") from None
 
 
 def count(name: str, value: Any, minimum: int = 0) -> int:

@@ -22,9 +22,15 @@
 -- flow-controlled one: one flow_pick() pass per list); a job whose unique lock ends when
 -- it starts (unique_until "start") releases it here.
 -- A job's record names in `opt` (written at enqueue) the optional fields it has that the
--- claim reads (headers, soft_limit, unique_key when its lock ends at the start): most have
--- none, and reading an absent field costs Redis a scan of the whole record. A record
--- without `opt` (enqueued by an older version) has all four read.
+-- claim reads (headers, soft_limit, unique_key when its lock ends at the start, expires):
+-- most have none, and reading an absent field costs Redis a scan of the whole record. A
+-- record without `opt` (enqueued by an older version) has the first three and unique_until
+-- read.
+-- Expiry (docs/PROTOCOL.md, Expiry): a job whose `expires` (an absolute time) is at or before
+-- now is not delivered: it leaves processing and ends killed, error_type Expired, through
+-- finalize() as kill.lua ends a pending job (unique lock, workflow children, history), and
+-- the claim goes on to the next job. It is not counted in consumed_messages/bytes (those
+-- count deliveries); a flow pass takes it without a token or a slot.
 -- Counts meta consumed_messages/consumed_bytes; a bounded queue signals room (notfull). A
 -- queue found with no job left (not a flow-controlled one) loses its wake token: it is stale.
 -- Returns {queue index, id, attempt, task, args, kwargs, max_duration, timeout_policy,
@@ -172,9 +178,10 @@ local function flow_control()
       if redis.call('LLEN', pending) > 0 then held_back(qlim.tat - t) end
       return {}
     end
-    local fresh, keep, seen, done, looked = {}, {}, {}, false, 0
+    -- picked: the ids in fresh that are to run (the others expired: not counted towards k)
+    local fresh, keep, seen, done, looked, picked = {}, {}, {}, false, 0, 0
     while not done and looked < FLOW_WINDOW do
-      local c = math.min(math.max(k - #fresh, looked), FLOW_WINDOW - looked)  -- k, then doubling
+      local c = math.min(math.max(k - picked, looked), FLOW_WINDOW - looked)  -- k, then doubling
       local ids = redis.call('LRANGE', pending, -looked - c, -looked - 1)
       if #ids == 0 then break end
       looked = looked + #ids
@@ -184,10 +191,17 @@ local function flow_control()
         local id = ids[i]
         if held[i] == 0 and listed[i] == 1 and not seen[id] then
           seen[id] = true
-          local ok, tl, s, key = not done, nil, nil, nil
+          local ok, tl, s, key, gone = not done, nil, nil, nil, false
           if ok then
-            local f = redis.call('HMGET', p .. 'job:' .. id, 'task', 'rate_limit', 'max_concurrency', 'concurrency_key')
-            if f[1] and f[2] then
+            local job = p .. 'job:' .. id
+            local f = redis.call('HMGET', job, 'task', 'rate_limit', 'max_concurrency', 'concurrency_key', 'opt')
+            -- [expires] one past its expiry takes no token and no slot: the claim ends it
+            if f[5] and f[5] ~= '' and string.find(f[5], 'expires', 1, true) then
+              local at = tonumber(redis.call('HGET', job, 'expires'))
+              gone = at ~= nil and t >= at
+              ok = not gone
+            end
+            if ok and f[1] and f[2] then
               tl = limiter(p .. 'limit:' .. f[1], f[2])
               if tl and tl.tat > t then
                 ok = false
@@ -201,15 +215,18 @@ local function flow_control()
               ok = s.n < most
             end
           end
-          if ok then
+          if gone then  -- the claim ends it (Expired)
             fresh[#fresh + 1] = id
+          elseif ok then
+            fresh[#fresh + 1] = id
+            picked = picked + 1
             if tl then spend(tl) end
             if s then
               s.n = s.n + 1
               redis.call('SADD', key, id)
             end
             if qlim then spend(qlim) end
-            done = #fresh >= k or (qlim ~= nil and qlim.tat > t)
+            done = picked >= k or (qlim ~= nil and qlim.tat > t)
           else
             keep[#keep + 1] = id
           end
@@ -264,7 +281,7 @@ for qi = 1, #KEYS do
   local lists, li = meta[6] and pending_lists(p, meta[6]), 1
   if lists then pending = lists[1] end
   -- [/flow]
-  local taken, bytes = 0, 0
+  local taken, bytes, expired = 0, 0, 0
   local entries, buckets = {}, {}
   local more  -- jobs are left in `pending` (nil: not known, LLEN asks)
   while n < limit do
@@ -332,31 +349,57 @@ for qi = 1, #KEYS do
       local job = p .. 'job:' .. id
       local f = redis.call('HMGET', job, 'task', 'args', 'kwargs', 'max_duration', 'timeout_policy', 'attempts',
         'opt')
+      local headers, soft, at = false, false, nil  -- at: its expiry, once found passed
+      if f[1] and f[7] ~= '' then  -- optional fields to read: those `opt` names, or all (no `opt`: older)
+        local v, ukey
+        if not f[7] then
+          v = redis.call('HMGET', job, 'headers', 'soft_limit', 'unique_key', 'unique_until')
+          headers, soft, ukey = v[1], v[2], v[4] == 'start' and v[3]
+        else
+          local names = {}
+          for name in string.gmatch(f[7], '%S+') do names[#names + 1] = name end
+          v = #names > 0 and redis.call('HMGET', job, unpack(names)) or {}
+          for i, name in ipairs(names) do
+            if name == 'headers' then headers = v[i]
+            elseif name == 'soft_limit' then soft = v[i]
+            elseif name == 'unique_key' then ukey = v[i]
+            elseif name == 'expires' then at = tonumber(v[i]) end
+          end
+        end
+        if at and t >= at then  -- [expires] not started in time: its lock ends as it ends (finalize)
+          ukey = nil
+        else
+          at = nil
+        end
+        if ukey then unlock(p, ukey, id) end  -- [flow: unique] its lock ends when it starts
+      end
       if not f[1] then
         redis.call('SREM', processing, id)
         finalize(p, id, job, load(job), 'failed', t, 86400, {'error_type', 'CorruptJob',
           'error', 'job record missing or without a task field'}, 'CorruptJob')
+      elseif at then  -- [expires] not delivered: it ends killed, Expired, as a kill of a pending job
+        redis.call('SREM', processing, id)
+        -- Its expiry in words, UTC to the second (Redis's Lua has no os.date): the civil date
+        -- of a day count (H. Hinnant's days_from_civil, inverted).
+        local s = math.floor(at)
+        local z = math.floor(s / 86400) + 719468
+        local doe = z % 146097
+        local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096))
+          / 365)
+        local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+        local mp = math.floor((5 * doy + 2) / 153)
+        local month = mp < 10 and mp + 3 or mp - 9
+        local year = yoe + (z - doe) / 146097 * 400 + (month <= 2 and 1 or 0)
+        local sec = s % 86400
+        local when = string.format('%04d-%02d-%02d %02d:%02d:%02d UTC', year, month,
+          doy - math.floor((153 * mp + 2) / 5) + 1, math.floor(sec / 3600), math.floor(sec % 3600 / 60), sec % 60)
+        -- kept for the default failed TTL (claim.lua is not told the setting) unless its record has its own
+        finalize(p, id, job, load(job), 'killed', t, 604800, {'error_type', 'Expired',
+          'error', 'not started before it expired at ' .. when}, 'Expired')
+        expired = expired + 1
       else
         n = n + 1
         taken = taken + 1
-        local headers, soft = false, false
-        if f[7] ~= '' then  -- optional fields to read: those `opt` names, or all (no `opt`: an older record)
-          local v, ukey
-          if not f[7] then
-            v = redis.call('HMGET', job, 'headers', 'soft_limit', 'unique_key', 'unique_until')
-            headers, soft, ukey = v[1], v[2], v[4] == 'start' and v[3]
-          else
-            local names = {}
-            for name in string.gmatch(f[7], '%S+') do names[#names + 1] = name end
-            v = #names > 0 and redis.call('HMGET', job, unpack(names)) or {}
-            for i, name in ipairs(names) do
-              if name == 'headers' then headers = v[i]
-              elseif name == 'soft_limit' then soft = v[i]
-              elseif name == 'unique_key' then ukey = v[i] end
-            end
-          end
-          if ukey then unlock(p, ukey, id) end  -- [flow: unique] its lock ends when it starts
-        end
         bytes = bytes + #(f[2] or '') + #(f[3] or '') + #(headers or '')
         local pid, base = ARGV[5 + 2 * n], ARGV[6 + 2 * n]
         local attempt_n = f[6] == '0' and 1 or (tonumber(f[6]) or 0) + 1  -- a first delivery: no tonumber
@@ -425,6 +468,8 @@ for qi = 1, #KEYS do
     end
     redis.call('HINCRBY', p .. 'meta', 'consumed_messages', taken == 1 and '1' or taken)  -- a number costs a format
     redis.call('HINCRBY', p .. 'meta', 'consumed_bytes', bytes)
+    signal_room(p, tonumber(meta[1]) or 0, meta[6])
+  elseif expired > 0 then  -- [expires] they left the queue too: room for a producer
     signal_room(p, tonumber(meta[1]) or 0, meta[6])
   end
   if n >= want then

@@ -41,7 +41,9 @@
 -- added and answered the holder's id), unique_until ("start" or "finish", the default),
 -- unique_for (whole s, 1 to 2^31-1: the lock's TTL, at the latest); unique_until and
 -- unique_for need unique_key, and a unique job is no workflow's step, nor a parent in the
--- same call. A producer
+-- same call. expires (s > 0 and < 2^53, from now: the record gets `expires` = now + that,
+-- an absolute time of Redis's clock, and `opt` names it; a claim at or after it ends the
+-- job killed, Expired, instead of delivering it: docs/PROTOCOL.md, Expiry). A producer
 -- that leaves out any of max_duration, retries, retry_backoff, timeout_policy and max_lost
 -- gets those, and any of max_retries, retry_backoff_max, result_ttl, failed_ttl,
 -- soft_limit, rate_limit and max_concurrency it left out too, from the task's declaration,
@@ -59,7 +61,7 @@
 -- Errors: "ERR taskrunner: <Kind>: <message>", Kind one of InvalidName, NotJSON,
 -- PayloadTooLarge, BadValue, BadCall.
 -- Sets: job:<id> (fields + state, enqueued_at, opt: the optional fields its claim reads, see
--- claim.lua), then pending (or pending:<priority>)+items
+-- claim.lua; expires as the absolute time), then pending (or pending:<priority>)+items
 -- (+wake, unless the queue is paused) or delayed; unique:<key>;
 -- meta produced_messages/produced_bytes (bytes = length of args + kwargs + headers, the
 -- payload the limit applies to); meta flow = 1 when a job written has rate_limit or
@@ -118,7 +120,7 @@ local function setting(name, v)
     return plain and not string.find(v, '.', 1, true) and v or string.format('%d', x)
   end
   if x < 0 or x >= SECONDS_MAX then return nil end  -- max_duration, retry_backoff(_max), soft_limit: seconds
-  local positive = name == 'max_duration' or name == 'soft_limit'
+  local positive = name == 'max_duration' or name == 'soft_limit' or name == 'expires'
   if plain then
     if x == 0 and positive then return nil end
     return v
@@ -146,7 +148,8 @@ local function setting_of(name, text)
 end
 
 local function rule(name)
-  if name == 'max_duration' or name == 'soft_limit' then return 'a number of seconds > 0 and < 2^53'
+  if name == 'max_duration' or name == 'soft_limit' or name == 'expires' then
+    return 'a number of seconds > 0 and < 2^53'
   elseif name == 'retry_backoff' or name == 'retry_backoff_max' then return 'a number of seconds >= 0 and < 2^53'
   elseif WHOLE[name] then return 'a whole number from ' .. WHOLE[name] .. ' to 2147483647'
   elseif name == 'rate_limit' then return '"N/s", "N/m" or "N/h" with N a whole number from 1 to 999999999'
@@ -295,6 +298,10 @@ local function parents_of(text, jq, id, here, cross, ended)
   return list
 end
 
+-- The time of the call: an expiry counts from it (pass 1), the records are written at it (pass 2).
+local t = now()
+local enqueued_at = fmt(t)  -- now()'s own text, before an expiry is formatted
+
 -- Pass 1: check every job, and build what each one writes: the producer's fields as they
 -- are (ARGV from..to) when they need no change, which is the common case, else a record.
 -- plan: four entries a job (one table, not four: a lone job's tables are a good part of
@@ -324,7 +331,7 @@ for n = 1, n_jobs do
   end
   -- Fields in locals, not a table: this loop is most of the script's cost.
   local task, queue_f, args, kwargs, headers, producer, md, rt, rb, tp, ml, mr, bm, rtl, ftl, sl, parents, takes
-  local opf, cross, cross_children, rl, mc, ck, prio, uk, uu, uf
+  local opf, cross, cross_children, rl, mc, ck, prio, uk, uu, uf, ex
   local changed = false  -- a setting written otherwise than sent
   for a = i + 3, i + 1 + 2 * k, 2 do
     local name, value = ARGV[a], ARGV[a + 1]
@@ -364,6 +371,7 @@ for n = 1, n_jobs do
       elseif name == 'rate_limit' then seen = rl; rl = v
       elseif name == 'max_concurrency' then seen = mc; mc = v
       elseif name == 'unique_for' then seen = uf; uf = v
+      elseif name == 'expires' then seen = ex; ex = v
       else
         return refuse('BadCall', 'job ' .. id .. ': unknown field ' .. string.format('%q', string.sub(name, 1, 50)))
       end
@@ -453,7 +461,8 @@ for n = 1, n_jobs do
     uniques[jp .. id] = true
   end
   if tasks_ok then tasks_ok[task] = true end
-  changed = changed or not (args and kwargs and queue_f) or cross_children  -- the record gets them all
+  -- the record gets them all; expires as the absolute time (never as sent)
+  changed = changed or not (args and kwargs and queue_f) or cross_children or ex
   args, kwargs = args or '[]', kwargs or '{}'
   local why = args ~= '[]' and bad_json(args, '[')
   if why then return refuse('NotJSON', 'job ' .. id .. ': args ' .. why) end
@@ -487,11 +496,12 @@ for n = 1, n_jobs do
       .. 'declaration)')
   end
   if rl or mc then flows[n] = true end
-  if headers or sl or uu == 'start' then  -- what its claim must read besides the fields every job has
+  if headers or sl or uu == 'start' or ex then  -- what its claim must read besides the fields every job has
     local names = {}
     if headers then names[#names + 1] = 'headers' end
     if sl then names[#names + 1] = 'soft_limit' end
     if uu == 'start' then names[#names + 1] = 'unique_key' end  -- its lock ends at the claim
+    if ex then names[#names + 1] = 'expires' end  -- its claim checks it
     opts = opts or {}
     opts[n] = table.concat(names, ' ')
   end
@@ -524,6 +534,7 @@ for n = 1, n_jobs do
     if uk then record[#record + 1] = 'unique_key'; record[#record + 1] = uk end
     if uu then record[#record + 1] = 'unique_until'; record[#record + 1] = uu end
     if uf then record[#record + 1] = 'unique_for'; record[#record + 1] = uf end
+    if ex then record[#record + 1] = 'expires'; record[#record + 1] = fmt(t + tonumber(ex)) end
     plan[4 * n - 1] = record
   else
     plan[4 * n - 1] = i + 3
@@ -557,7 +568,6 @@ end
 -- SADD and one LPUSH per CHUNK jobs, and one wake token is left at the end: the same end
 -- state as making each job pending on its own, for a fraction of the commands.
 local CHUNK = 1000
-local t = now()
 
 -- The id of the job that holds unique key `key` of queue prefix jp, or nil when none does:
 -- the lock names a job that has not started (or ended, per its unique_until) and holds this
@@ -573,7 +583,6 @@ local function held(jp, key, id)
   end
   return nil
 end
-local enqueued_at = fmt(t)
 local into = {}  -- queue prefix -> what this call does there
 local function queue_at(jp)
   local meta = redis.call('HMGET', jp .. 'meta', 'bound', 'closed', 'paused', 'priorities', 'retired')

@@ -8,7 +8,9 @@
 -- one brings it back). The steps that counted it as done (on_parent_failure continue) count
 -- it again. A step that never joined (killed while it waited) waits again for its parents.
 -- KEYS[1]  queue key prefix
--- It leaves the failure indexes of its state too (see _lib.lua).
+-- It leaves the failure indexes of its state too (see _lib.lua). A job whose `expires` has
+-- passed (every one that ended Expired) loses it, and `opt` its name: else it would expire
+-- again at its claim (docs/PROTOCOL.md, Expiry).
 -- ARGV[1]  id   ARGV[2] who asked
 -- ARGV[3]  (optional) "1": steps in other queues may be touched (one Redis server); else
 --          only this queue's (a Redis Cluster: a step with a parent or child in another
@@ -23,7 +25,7 @@ local id = ARGV[1]
 workflows()
 local job = p .. 'job:' .. id
 local r = redis.call('HMGET', job, 'state', 'children', 'parents', 'waiting_on', 'on_parent_failure', 'takes',
-  'args', 'task', 'priority', 'unique_key', 'unique_for', 'error_type')
+  'args', 'task', 'priority', 'unique_key', 'unique_for', 'error_type', 'expires', 'opt')
 local state = r[1]
 if not state then
   forget_gone(p, id, {'failed', 'killed'})
@@ -97,6 +99,16 @@ unindex_failure(p, state, id, r[8], r[12])
 redis.call('PERSIST', job)
 redis.call('HDEL', job, 'kill_requested', 'finished_at', 'result', 'stuck', 'stuck_at')
 redis.call('HSET', job, 'failures', '0', 'lost', '0', 'retry_requests', '0')  -- a fresh budget
+if r[13] and not (tonumber(r[13]) and tonumber(r[13]) > t) then  -- its expiry passed: the retry runs it
+  redis.call('HDEL', job, 'expires')
+  if r[14] then  -- (a record without `opt` has its optional fields read by name)
+    local names = {}
+    for name in string.gmatch(r[14], '%S+') do
+      if name ~= 'expires' then names[#names + 1] = name end
+    end
+    redis.call('HSET', job, 'opt', table.concat(names, ' '))
+  end
+end
 local action = {'action:' .. fmt(t), 'retried by ' .. ARGV[2]}
 if r[10] then  -- a unique job (never a workflow's step): its lock again, unless another holds it
   if r[11] then
