@@ -9,13 +9,17 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 
 import pytest
+import redis
 
 from taskrunner.ops.redis_server import RedisServer
+from taskrunner.protocol.links import Probe
+from taskrunner.worker.children import wait_ready
 from taskrunner.worker.main import Worker
 from tests import apps
-from tests.conftest import wait_for
+from tests.conftest import free_port, wait_for
 from tests.test_prefetch import events, ledger
 from tests.test_scripts import claim
 
@@ -308,3 +312,73 @@ def test_declarations_that_went_missing_are_put_back_after_a_heartbeat(app, work
     worker.next_declare = 0.0
     wait_for(lambda: worker._step() or app.redis.hexists(app.keys.tasks, "tests.apps.add"),
              what="the worker to put its declarations back")
+
+
+def stopped(pid: int) -> bool:
+    """Is the process stopped (SIGSTOP: state T in /proc/PID/stat)?"""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] == "T"
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_the_loop_stops_an_over_time_job_while_redis_hangs_after_dropping_its_connections(app, tmp_path, transport):
+    """Redis drops every connection (CLIENT KILL) and then answers nothing (SIGSTOP: the
+    kernel still takes new connections, as a hung host's does): the worker's connections
+    must be opened again, and redis-py's handshake (CLIENT SETINFO, AUTH, SELECT) waits for
+    answers. The loop sat in it for socket_timeout at each of redis-py's tries, stopping no
+    job past its max duration; now a raw PING, read in the loop's select, must be answered
+    before a connection is opened again. socket_timeout outlasts a watchdog process that
+    resumes Redis after 30 s whatever happens: the over-time job's child must be stopped
+    while Redis is still stopped."""
+    port = free_port() if transport == "tcp" else 0
+    server = RedisServer(tmp_path, appendonly=False, port=port).start()
+    url = f"redis://127.0.0.1:{port}" if port else server.url
+    app.configure(redis_url=url + "?socket_timeout=120")
+    w = start(app)
+    watchdog = None
+    try:
+        # A job that does not use Redis (a dropped connection would fail it), begun once its
+        # child has it; only our steps of the worker stop it.
+        slow = apps.nap.apply_async([60], max_duration=3.0)
+        w.may_claim = True
+        child = wait_for(lambda: w._step() or next((c for c in w.crew.children if c.jobs), None),
+                         what="the job to begin")
+        app.redis.client_kill_filter(_type="normal")  # all but this one (SKIPME yes)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            watchdog = subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {server.proc.pid}"])
+            wait_for(lambda: w._step() or not child.proc.is_alive(), timeout=120,
+                     what="the worker to stop the over-time job's child")
+            assert stopped(server.proc.pid), "Redis was resumed before the worker stopped the over-time job's child"
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        wait_for(lambda: w._step() or slow.refresh().state == "failed",
+                 what="the job's end reported once Redis answers")
+        assert "TimeLimitExceeded" in str(slow.refresh().to_dict())
+    finally:
+        if watchdog is not None:
+            watchdog.kill()
+            watchdog.wait()
+        stop(w)
+        server.stop()
+
+
+def answered(probe: Probe) -> bool:
+    """Wait on the probe as the worker's loop does (for writing while it connects): True
+    once it is answered; its errors are raised."""
+    ready = wait_ready([probe], 0.1, [probe] if probe.connecting else [])
+    return bool(ready) and probe.step()
+
+
+def test_a_probe_counts_any_answer_and_fails_where_nothing_serves(tmp_path):
+    """A PING refused for want of a password (NOAUTH) is an answer: the server serves, and
+    redis-py's handshake will authenticate. Nothing listening on the port: ConnectionError,
+    as redis-py's connect gives (at once, or once the connect fails)."""
+    port = free_port()
+    with RedisServer(tmp_path, appendonly=False, port=port):
+        redis.Redis(host="127.0.0.1", port=port).config_set("requirepass", "pw")
+        probe = Probe(redis.Connection(host="127.0.0.1", port=port, socket_timeout=5))
+        wait_for(lambda: answered(probe), what="the probe's answer")
+    with pytest.raises(redis.ConnectionError):
+        probe = Probe(redis.Connection(host="127.0.0.1", port=free_port(), socket_timeout=5))
+        wait_for(lambda: answered(probe), what="the probe's refusal")

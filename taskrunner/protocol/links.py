@@ -9,6 +9,7 @@ Sentinel), of() gives None and callers take redis-py's public path.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import os
 import select
@@ -254,6 +255,10 @@ class Channel:
     def fileno(self) -> int:
         return self.link.sock.fileno()  # type: ignore[union-attr]  # open while batches are in flight
 
+    def probe(self) -> Probe:
+        """A PING to our server on a socket of its own, waited for without blocking (Probe)."""
+        return Probe(self.link.conn)
+
     def take(self, block: bool = False) -> list[list[Any]]:
         """The batches answered whole since the last call, oldest first (block: wait for
         every one in flight); an error reply is returned, not raised."""
@@ -279,6 +284,93 @@ class Channel:
         self.link.close()
         self.sizes.clear()
         self.got = []
+
+
+class Probe:
+    """Does the server answer at all? One PING on a socket of its own, connected and read
+    without blocking: the caller's select waits on it (for writing while `connecting`, then
+    for reading) and calls step() when it is ready, True once any answer has come (+PONG, or
+    an error reply such as NOAUTH: the server serves). redis-py opens a connection with a
+    handshake (CLIENT SETINFO, AUTH or HELLO, SELECT) whose answers it waits for, each up to
+    socket_timeout and again at each of the client's retries: a server that takes
+    connections and answers nothing (SIGSTOPped, a hung host: the kernel still completes the
+    TCP handshake) held the caller there, a worker's loop among them, reading no child.
+    Opening connections once this has answered only narrows that window to what passes
+    between the two (a round trip, unless the server hangs just then); the host name's
+    lookup (getaddrinfo) blocks here as in redis-py. `deadline`: socket_timeout after it
+    began (monotonic), when the caller counts it unanswered."""
+
+    def __init__(self, conn: Any) -> None:
+        timeout = conn.socket_timeout
+        self.deadline = time.monotonic() + float(timeout) if timeout else float("inf")
+        if isinstance(conn, redis.UnixDomainSocketConnection):
+            self.addresses: list[tuple[int, Any]] = [(socket.AF_UNIX, conn.path)]
+        else:
+            try:
+                found = socket.getaddrinfo(conn.host, conn.port, conn.socket_type, socket.SOCK_STREAM)
+            except OSError as e:
+                raise redis.ConnectionError(f"Error connecting to {conn.host}:{conn.port}: {e}") from None
+            self.addresses = [(family, address) for family, _, _, _, address in found]
+        self.sock: socket.socket | None = None
+        self.connecting = False
+        self._connect(None)
+
+    def _connect(self, error: OSError | None) -> None:
+        """Connect to the next address, as redis-py tries each the name has in turn; a
+        refusal moves on, the last one's is raised."""
+        self.close()
+        while self.addresses:
+            family, address = self.addresses.pop(0)
+            self.sock = socket.socket(family, socket.SOCK_STREAM)
+            self.sock.setblocking(False)
+            err = self.sock.connect_ex(address)
+            if err == errno.EINPROGRESS:  # TCP: writable once connected
+                self.connecting = True
+                return
+            if err == 0:
+                self._ping()
+                return
+            error = OSError(err, os.strerror(err))  # a unix socket's EAGAIN: its backlog is full
+            self.close()
+        raise redis.ConnectionError(f"Error while connecting: {error}")
+
+    def _ping(self) -> None:
+        self.connecting = False
+        try:
+            self.sock.send(b"PING\r\n")  # type: ignore[union-attr]  # 6 bytes into an empty buffer: all go
+        except OSError as e:
+            self.close()
+            raise redis.ConnectionError(f"Error while writing to socket: {e}") from None
+
+    def fileno(self) -> int:
+        return self.sock.fileno()  # type: ignore[union-attr]  # open until answered or failed
+
+    def step(self) -> bool:
+        """The socket is ready: connected (send the PING), or an answer came (True)."""
+        assert self.sock is not None
+        if self.connecting:
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self._connect(OSError(err, os.strerror(err)))
+            else:
+                self._ping()
+            return False
+        try:
+            data = self.sock.recv(64)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            self.close()
+            raise redis.ConnectionError(f"Error while reading from socket: {e}") from None
+        self.close()
+        if not data:
+            raise redis.ConnectionError("Connection closed by server.")
+        return True
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 class _NodeLink(_Link):

@@ -7,8 +7,10 @@ the connection its syncs with Redis (finish, claim: one round trip) and its hear
 in flight on (a slow Redis holds up no child's answer, no time limit, no kill), and
 connections each with a BRPOP outstanding: its control list (kill requests) and, when a
 child is idle and the queues were found empty, the queues' wake lists (one BRPOP on all;
-on a Redis Cluster one per queue, as one command's keys must share a slot). No threads
-(the worker forks replacement children) and no polling.
+on a Redis Cluster one per queue, as one command's keys must share a slot); and, once a
+connection broke, a PING on a socket of its own, answered before any is opened again
+(redis-py's handshake waits for its answers). No threads (the worker forks replacement
+children) and no polling.
 
 Its parts: the crew (crew.py: the children, what is sent to them and comes back, stopping
 jobs), the outbox (outbox.py: what to tell Redis), the policy (policy.py: how many to
@@ -39,7 +41,7 @@ from taskrunner.protocol.blocking import Blocker, blockers_on, give_back_in
 from taskrunner.protocol.claims import Delivery, claim_args, claim_keys, claim_rest
 from taskrunner.protocol.connection import is_cluster, server_time
 from taskrunner.protocol.holders import identity, lose_held
-from taskrunner.protocol.links import Channel, ClusterChannel
+from taskrunner.protocol.links import Channel, ClusterChannel, Probe
 from taskrunner.protocol.outages import Outage
 from taskrunner.worker import policy
 from taskrunner.worker.children import Child, wait_ready
@@ -144,6 +146,10 @@ class Worker:
         # a time, waiting for each).
         self.channel: Channel | ClusterChannel | None = Channel.of(self.redis) or ClusterChannel.of(self.redis)
         self.flights: deque[Flight] = deque()  # oldest first
+        # A connection of ours broke since Redis last answered: none is opened again before a
+        # probe's PING is answered (_reachable). On one server only (a plain Channel).
+        self.unsure = False
+        self.probe: Probe | None = None
         self.proc = psutil.Process()
         self.started_at = time.time()
         self.born = float("inf")  # the server's time as it starts (_check_name_free): what it claimed is after it
@@ -300,26 +306,31 @@ class Worker:
             try:
                 if self.flights and self.channel is not None and now >= self.channel.deadline():
                     raise redis.TimeoutError("no answer from Redis within socket_timeout")
-                if now >= self._beat_due():
-                    self._heartbeat()
-                if now >= self._sync_due(now):
-                    self._sync()
-                self._arm()
-                if not self.flights:  # else Redis is fine once they are answered (_landed)
-                    self._redis_answered()
+                if self._reachable(now):
+                    if now >= self._beat_due():
+                        self._heartbeat()
+                    if now >= self._sync_due(now):
+                        self._sync()
+                    self._arm()
+                    if not self.flights:  # else Redis is fine once they are answered (_landed)
+                        self._redis_answered()
             except _REDIS_ERRORS as e:
                 self._redis_failed(e)
         quiet = self._quiet()  # as things stand now
         waitables: list[Any] = [self._wakeup]
         if self.flights:
             waitables.append(self.channel)
+        if self.probe is not None:
+            waitables.append(self.probe)
         for c in self.crew.children:
             waitables += [c.proc.sentinel] if c in quiet or c.conn.closed else [c.conn, c.proc.sentinel]
         for b in (self.ctl, *self.wakes):
             if b.armed:
                 waitables.append(b)
         timeout = self._timeout()
-        writers = [c.conn for c in self.crew.children if c.outgoing]  # flushed by the next step
+        writers: list[Any] = [c.conn for c in self.crew.children if c.outgoing]  # flushed by the next step
+        if self.probe is not None and self.probe.connecting:
+            writers.append(self.probe)
         for ready in wait_ready(waitables, min(timeout, policy.GLANCE) if quiet else timeout, writers):
             self._on_ready(ready)
 
@@ -331,9 +342,11 @@ class Worker:
         self.backoff = min(max(self.backoff * 2, 0.1), 5.0, self.s.heartbeat)
         self.redis_ok_at = time.monotonic() + self.backoff
         self.reconcile = True
-        self.next_beat = 0.0  # the first thing to go once we try again: its answer says Redis is back
+        # The first thing to go once we try again (after a probe's answer): its answer says Redis is back.
+        self.next_beat = 0.0
         if self.channel is not None:  # idle or not: a connection from before an outage fails at its next use
             self.channel.close()
+        self._lost_touch()
         if self.flights:
             for f in self.flights:  # given back or not: again (a list holds one token at most)
                 self.gifts += [w for w in f.gifts if w not in self.gifts]
@@ -343,14 +356,42 @@ class Worker:
             b.reset()
         self.outage.failed(e, self.backoff)
 
+    def _lost_touch(self) -> None:
+        """A connection of ours broke: open none again before a probe is answered (_reachable)."""
+        if self.probe is not None:
+            self.probe.close()
+            self.probe = None
+        self.unsure = isinstance(self.channel, Channel)
+
+    def _reachable(self, now: float) -> bool:
+        """May the loop talk to Redis (send, arm its blocks)? Not while unsure: a connection
+        broke since Redis last answered (an error, one of our blocks closed), and opening
+        one again waits for redis-py's handshake (Probe), which held the loop for
+        socket_timeout at each of redis-py's tries while Redis took connections and answered
+        nothing (SIGSTOPped, a hung host), stopping no job at its max duration. A PING on a
+        socket of its own goes first, its answer read in the loop's select (_on_ready); one
+        unanswered within socket_timeout fails as a sync does."""
+        if not self.unsure:
+            return True
+        if self.probe is None:
+            self.probe = self.channel.probe()  # type: ignore[union-attr]  # unsure: a Channel
+        elif now >= self.probe.deadline:
+            raise redis.TimeoutError("no answer from Redis to a PING within socket_timeout")
+        return False
+
     def _quiet(self) -> list[Child]:
         return policy.quiet(self.crew.children, self.crew.runtime, self._depth(), self.stopping)
 
     def _timeout(self) -> float:
         now = time.monotonic()
-        return policy.wait_timeout(now, self.crew.children, redis_ok_at=self.redis_ok_at, next_beat=self._beat_due(),
-                                   sync_at=min(self._sync_due(now), self.claim_at or policy.INF),
-                                   answer_by=self.channel.deadline() if self.flights and self.channel else None,
+        answer_by = self.channel.deadline() if self.flights and self.channel else None
+        if self.probe is not None:  # nothing else talks to Redis before its answer (_reachable)
+            answer_by = min(answer_by or policy.INF, self.probe.deadline)
+        return policy.wait_timeout(now, self.crew.children, redis_ok_at=self.redis_ok_at,
+                                   next_beat=policy.INF if self.unsure else self._beat_due(),
+                                   sync_at=policy.INF if self.unsure else min(self._sync_due(now),
+                                                                              self.claim_at or policy.INF),
+                                   answer_by=answer_by,
                                    stopping=self.stopping, stop_at=self.stop_at, give_up_at=self._give_up_at())
 
     def _sync_due(self, now: float) -> float:
@@ -386,13 +427,21 @@ class Worker:
             except _REDIS_ERRORS as e:
                 self._redis_failed(e)
             return
+        if ready is self.probe:
+            try:
+                if self.probe.step():
+                    self.probe, self.unsure = None, False
+            except _REDIS_ERRORS as e:
+                self._redis_failed(e)
+            return
         if isinstance(ready, Blocker):
             if not ready.armed:
                 return
             try:
                 reply = ready.read()
             except _REDIS_ERRORS:
-                return  # re-armed by the next step
+                self._lost_touch()  # re-armed by a later step, once Redis answers
+                return
             if ready is not self.ctl:  # a wake list
                 if reply and (self.may_claim or not policy.listening(self.crew.children)):
                     self._give_back(reply[0])  # woken already (a cluster's other list), or no room: another's
