@@ -23,6 +23,7 @@ from tests import apps
 from tests.conftest import free_port, wait_for
 from tests.test_prefetch import events, ledger
 from tests.test_scripts import claim
+from tests.topologies import DATA_NODE, Topology
 
 
 def start(app) -> Worker:
@@ -323,20 +324,12 @@ def stopped(pid: int) -> bool:
         return f.read().rpartition(")")[2].split()[0] == "T"
 
 
-@pytest.mark.parametrize("transport", ["unix", "tcp"])
-def test_the_loop_stops_an_over_time_job_while_redis_hangs_after_dropping_its_connections(app, tmp_path, transport):
-    """Redis drops every connection (CLIENT KILL) and then answers nothing (SIGSTOP: the
-    kernel still takes new connections, as a hung host's does): the worker's connections
-    must be opened again, and redis-py's handshake (CLIENT SETINFO, AUTH, SELECT) waits for
-    answers. The loop sat in it for socket_timeout at each of redis-py's tries, stopping no
-    job past its max duration; now a raw PING, read in the loop's select, must be answered
-    before a connection is opened again. socket_timeout outlasts a watchdog process that
-    resumes Redis after 30 s whatever happens: the over-time job's child must be stopped
-    while Redis is still stopped."""
-    port = free_port() if transport == "tcp" else 0
-    server = RedisServer(tmp_path, appendonly=False, port=port).start()
-    url = f"redis://127.0.0.1:{port}" if port else server.url
-    app.configure(redis_url=url + "?socket_timeout=120")
+def stops_an_over_time_job_while_redis_answers_nothing(app, pid: int, drop: bool) -> None:
+    """A worker of this process (its socket_timeout outlasting a watchdog process that resumes
+    Redis after 30 s whatever happens) runs a job with a 3 s max duration; Redis (`pid`) stops
+    answering (SIGSTOP), having dropped every connection first with `drop` (CLIENT KILL): the
+    job's child must be stopped while Redis is still stopped, and its end reported once Redis
+    answers again."""
     w = start(app)
     watchdog = None
     try:
@@ -346,15 +339,16 @@ def test_the_loop_stops_an_over_time_job_while_redis_hangs_after_dropping_its_co
         w.may_claim = True
         child = wait_for(lambda: w._step() or next((c for c in w.crew.children if c.jobs), None),
                          what="the job to begin")
-        app.redis.client_kill_filter(_type="normal")  # all but this one (SKIPME yes)
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        if drop:
+            app.redis.client_kill_filter(_type="normal")  # all but this one (SKIPME yes)
+        os.kill(pid, signal.SIGSTOP)
         try:
-            watchdog = subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {server.proc.pid}"])
+            watchdog = subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {pid}"])
             wait_for(lambda: w._step() or not child.proc.is_alive(), timeout=120,
                      what="the worker to stop the over-time job's child")
-            assert stopped(server.proc.pid), "Redis was resumed before the worker stopped the over-time job's child"
+            assert stopped(pid), "Redis was resumed before the worker stopped the over-time job's child"
         finally:
-            os.kill(server.proc.pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
         wait_for(lambda: w._step() or slow.refresh().state == "failed",
                  what="the job's end reported once Redis answers")
         assert "TimeLimitExceeded" in str(slow.refresh().to_dict())
@@ -363,8 +357,43 @@ def test_the_loop_stops_an_over_time_job_while_redis_hangs_after_dropping_its_co
             watchdog.kill()
             watchdog.wait()
         stop(w)
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_the_loop_stops_an_over_time_job_while_redis_hangs_after_dropping_its_connections(app, tmp_path, transport):
+    """Redis drops every connection (CLIENT KILL) and then answers nothing (SIGSTOP: the
+    kernel still takes new connections, as a hung host's does): the worker's connections
+    must be opened again, and redis-py's handshake (CLIENT SETINFO, AUTH, SELECT) waits for
+    answers. The loop sat in it for socket_timeout at each of redis-py's tries, stopping no
+    job past its max duration; now a raw PING, read in the loop's select, must be answered
+    before a connection is opened again."""
+    port = free_port() if transport == "tcp" else 0
+    server = RedisServer(tmp_path, appendonly=False, port=port).start()
+    try:
+        url = f"redis://127.0.0.1:{port}" if port else server.url
+        app.configure(redis_url=url + "?socket_timeout=120")
+        stops_an_over_time_job_while_redis_answers_nothing(app, server.proc.pid, drop=True)
+    finally:
         server.stop()
 
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_over_tls_the_loop_stops_an_over_time_job_while_redis_answers_nothing(app, tmp_path, monkeypatch, drop):
+    """Over TLS (rediss://) the heartbeats and syncs were redis-py's round trips on the loop:
+    a Redis that answers nothing (SIGSTOP) held it for socket_timeout at each, stopping no
+    job past its max duration. They go in flight on a TLS channel now, and a dropped
+    connection is opened again once a probe is answered (a TLS server closes on a plain
+    PING: that counts as an answer)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    with Topology(tmp_path / "nodes") as topology:
+        tls = free_port()
+        node = topology.start(*DATA_NODE, "--tls-port", str(tls), "--tls-cert-file", str(cert), "--tls-key-file",
+                              str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")
+        monkeypatch.setenv("TASKRUNNER_REDIS_SSL_CERT_REQS", "none")
+        app.configure(redis_url=f"rediss://127.0.0.1:{tls}/0?socket_timeout=120")
+        stops_an_over_time_job_while_redis_answers_nothing(app, node.proc.pid, drop=drop)
 
 def answered(probe: Probe) -> bool:
     """Wait on the probe as the worker's loop does (for writing while it connects): True

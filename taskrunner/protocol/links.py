@@ -2,8 +2,8 @@
 enqueue's one command), Channel (a worker's batches in flight on one server) and
 ClusterChannel (the same over a Redis Cluster's primaries). Each packs commands with hiredis
 and parses replies itself on a connection redis-py opened with the client's settings; where
-this redis-py lacks what they need (FAST_PATH), or the client is not a plain one (TLS,
-Sentinel), of() gives None and callers take redis-py's public path.
+this redis-py lacks what they need (FAST_PATH), or the client is not a plain one (Sentinel;
+TLS but for Channel), of() gives None and callers take redis-py's public path.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import ipaddress
 import os
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -34,24 +35,33 @@ class _Link:
     then we write packed commands to its socket and parse the replies with hiredis. The
     socket blocks, its timeout kept by the kernel (SO_RCVTIMEO, SO_SNDTIMEO): Python polls
     before every send and every recv on a socket that has a timeout of its own. With `spin`,
-    a reply is polled for that many seconds before we sleep on the socket."""
+    a reply is polled for that many seconds before we sleep on the socket. A TLS socket
+    (Channel only) keeps redis-py's timeout: Python's ssl reads again after each EAGAIN
+    from a blocking socket, so the kernel's would bound no read; it is polled with a
+    timeout of 0 for the while."""
 
     def __init__(self, pool: redis.ConnectionPool, spin: float = 0.0) -> None:
         self.conn = pool.connection_class(**pool.connection_kwargs)
         self.sock: socket.socket | None = None
         self.reader: Any = None
         self.spin = spin
+        self.tls = False
+        self.timeout: float | None = None  # a TLS socket's own
 
     def _open(self) -> socket.socket:
         conn = self.conn
         conn.connect()
         sock = conn._sock  # redis-py's own attribute; test_redis_restart would catch a change
-        sock.settimeout(None)
-        if conn.socket_timeout:
-            t = float(conn.socket_timeout)
-            timeval = struct.pack("ll", int(t), int(t % 1 * 1e6))
-            for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
-                sock.setsockopt(socket.SOL_SOCKET, option, timeval)
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        if self.tls:
+            self.timeout = sock.gettimeout()
+        else:
+            sock.settimeout(None)
+            if conn.socket_timeout:
+                t = float(conn.socket_timeout)
+                timeval = struct.pack("ll", int(t), int(t % 1 * 1e6))
+                for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+                    sock.setsockopt(socket.SOL_SOCKET, option, timeval)
         enc = conn.encoder
         decoding = {"encoding": enc.encoding, "errors": enc.encoding_errors} if enc.decode_responses else {}
         assert _PARSE_ERROR is not None  # FAST_PATH: only then is this class used
@@ -67,7 +77,7 @@ class _Link:
     def write(self, data: bytes) -> None:
         try:
             (self.sock or self._open()).sendall(data)
-        except BlockingIOError:
+        except (BlockingIOError, TimeoutError):
             raise redis.TimeoutError("Timeout writing to socket") from None
         except OSError as e:
             raise redis.ConnectionError(f"Error while writing to socket: {e}") from None
@@ -96,8 +106,11 @@ class _Link:
         while (r := self.reader.gets()) is False:
             polling = not block or (spin_until and time.perf_counter() < spin_until)
             try:
-                data = self.sock.recv(65536, socket.MSG_DONTWAIT if polling else 0)
-            except BlockingIOError:
+                if self.tls:
+                    data = self._recv_tls(bool(polling))
+                else:
+                    data = self.sock.recv(65536, socket.MSG_DONTWAIT if polling else 0)
+            except (BlockingIOError, ssl.SSLWantReadError, TimeoutError):
                 if not block:
                     return PENDING
                 if polling:
@@ -109,6 +122,17 @@ class _Link:
                 raise redis.ConnectionError("Connection closed by server.")
             self.reader.feed(data)
         return r
+
+    def _recv_tls(self, polling: bool) -> bytes:
+        sock = self.sock
+        assert sock is not None
+        if not polling:
+            return sock.recv(65536)
+        sock.settimeout(0.0)  # ssl takes no MSG_DONTWAIT
+        try:
+            return sock.recv(65536)
+        finally:
+            sock.settimeout(self.timeout)
 
 
 def _internals() -> Callable[[str], Exception] | None:
@@ -142,10 +166,12 @@ def _plain(client: Any) -> bool:
     return _plain_pool(getattr(client, "connection_pool", None))
 
 
-def _plain_pool(pool: Any) -> bool:
-    """A pool of plain TCP or unix-socket connections, as _plain() says."""
+def _plain_pool(pool: Any, tls: bool = False) -> bool:
+    """A pool of plain TCP or unix-socket connections, as _plain() says; with `tls`, of TLS
+    connections too."""
+    kinds = (redis.Connection, redis.UnixDomainSocketConnection, *((redis.SSLConnection,) if tls else ()))
     return (FAST_PATH and type(pool) is redis.ConnectionPool and getattr(pool, "cache", None) is None
-            and pool.connection_class in (redis.Connection, redis.UnixDomainSocketConnection))
+            and pool.connection_class in kinds)
 
 
 def _cpus() -> int:
@@ -224,8 +250,9 @@ class Channel:
     answers once they have all come. The worker's syncs: Redis runs one while the worker
     reads its children, instead of each waiting on the other. Nothing is ever sent again:
     a batch whose answers were lost may have run, and the caller reconciles. The client's
-    socket_timeout bounds the wait for an answer (deadline()). Plain pools only, as
-    Direct: of() gives None otherwise."""
+    socket_timeout bounds the wait for an answer (deadline()). Pools of plain or TLS
+    connections to one server (not Sentinel or Cluster, no client-side cache): of() gives
+    None otherwise."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.link = _Link(client.connection_pool)
@@ -235,7 +262,7 @@ class Channel:
 
     @classmethod
     def of(cls, client: Any) -> Channel | None:
-        return cls(client) if _plain(client) else None
+        return cls(client) if _plain_pool(getattr(client, "connection_pool", None), tls=True) else None
 
     def send(self, commands: list[tuple[Any, ...]]) -> None:
         try:
@@ -297,12 +324,15 @@ class Probe:
     TCP handshake) held the caller there, a worker's loop among them, reading no child.
     Opening connections once this has answered only narrows that window to what passes
     between the two (a round trip, unless the server hangs just then); the host name's
-    lookup (getaddrinfo) blocks here as in redis-py. `deadline`: socket_timeout after it
-    began (monotonic), when the caller counts it unanswered."""
+    lookup (getaddrinfo) blocks here as in redis-py. Over TLS the server takes the PING for
+    a bad handshake and closes the connection (a reset: the PING was not all read), which is
+    its answer. `deadline`: socket_timeout after it began (monotonic), when the caller counts
+    it unanswered."""
 
     def __init__(self, conn: Any) -> None:
         timeout = conn.socket_timeout
         self.deadline = time.monotonic() + float(timeout) if timeout else float("inf")
+        self.tls = isinstance(conn, redis.SSLConnection)
         if isinstance(conn, redis.UnixDomainSocketConnection):
             self.addresses: list[tuple[int, Any]] = [(socket.AF_UNIX, conn.path)]
         else:
@@ -361,9 +391,11 @@ class Probe:
             return False
         except OSError as e:
             self.close()
+            if self.tls and isinstance(e, ConnectionResetError):
+                return True
             raise redis.ConnectionError(f"Error while reading from socket: {e}") from None
         self.close()
-        if not data:
+        if not data and not self.tls:
             raise redis.ConnectionError("Connection closed by server.")
         return True
 
