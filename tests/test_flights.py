@@ -23,7 +23,7 @@ from tests import apps
 from tests.conftest import free_port, wait_for
 from tests.test_prefetch import events, ledger
 from tests.test_scripts import claim
-from tests.topologies import DATA_NODE, Topology
+from tests.topologies import DATA_NODE, Topology, sentinel_group
 
 
 def start(app) -> Worker:
@@ -394,6 +394,18 @@ def test_over_tls_the_loop_stops_an_over_time_job_while_redis_answers_nothing(ap
         monkeypatch.setenv("TASKRUNNER_REDIS_SSL_CERT_REQS", "none")
         app.configure(redis_url=f"rediss://127.0.0.1:{tls}/0?socket_timeout=120")
         stops_an_over_time_job_while_redis_answers_nothing(app, node.proc.pid, drop=drop)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_through_sentinel_the_loop_stops_an_over_time_job_while_the_primary_answers_nothing(app, tmp_path, drop):
+    """Through Sentinel the heartbeats and syncs were redis-py's round trips on the loop: a
+    primary that answers nothing (SIGSTOP) held it for socket_timeout at each. They go in
+    flight on a channel to the primary the sentinels name now. The sentinels here take a
+    minute to call the primary down: no failover meanwhile."""
+    with Topology(tmp_path / "nodes") as topology:
+        group = sentinel_group(topology, down_after_ms=60_000)
+        app.configure(redis_url=group.url() + "?socket_timeout=120")
+        stops_an_over_time_job_while_redis_answers_nothing(app, group.primary.proc.pid, drop=drop)
 
 def answered(probe: Probe) -> bool:
     """Wait on the probe as the worker's loop does (for writing while it connects): True

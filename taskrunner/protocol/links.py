@@ -2,8 +2,9 @@
 enqueue's one command), Channel (a worker's batches in flight on one server) and
 ClusterChannel (the same over a Redis Cluster's primaries). Each packs commands with hiredis
 and parses replies itself on a connection redis-py opened with the client's settings; where
-this redis-py lacks what they need (FAST_PATH), or the client is not a plain one (Sentinel;
-TLS but for Channel), of() gives None and callers take redis-py's public path.
+this redis-py lacks what they need (FAST_PATH), or the client is not a plain one (TLS or
+Sentinel, which Channel takes but for TLS through Sentinel), of() gives None and callers take
+redis-py's public path.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import hiredis
 import redis
 import redis.cluster
 import redis.crc
+import redis.sentinel
+
+from taskrunner.protocol.connection import SentinelPool
 
 PENDING = object()  # a reply not (all) come yet
 
@@ -174,6 +178,13 @@ def _plain_pool(pool: Any, tls: bool = False) -> bool:
             and pool.connection_class in kinds)
 
 
+def _sentinel_pool(pool: Any) -> bool:
+    """A pool of plain TCP connections to the primary Sentinel names (taskrunner's own
+    SentinelPool, which rechecks it), where this redis-py has what Channel needs."""
+    return (FAST_PATH and type(pool) is SentinelPool and pool.is_master and getattr(pool, "cache", None) is None
+            and pool.connection_class is redis.sentinel.SentinelManagedConnection)
+
+
 def _cpus() -> int:
     """CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -251,21 +262,26 @@ class Channel:
     reads its children, instead of each waiting on the other. Nothing is ever sent again:
     a batch whose answers were lost may have run, and the caller reconciles. The client's
     socket_timeout bounds the wait for an answer (deadline()). Pools of plain or TLS
-    connections to one server (not Sentinel or Cluster, no client-side cache): of() gives
-    None otherwise."""
+    connections to one server, or of plain ones to the primary Sentinel names (_follow);
+    not Cluster, no client-side cache: of() gives None otherwise."""
 
     def __init__(self, client: redis.Redis) -> None:
-        self.link = _Link(client.connection_pool)
+        self.pool: Any = client.connection_pool  # a SentinelPool's methods are used too
+        self.link = _Link(self.pool)
+        self.sentinel = isinstance(self.pool, SentinelPool)
         self.sizes: deque[int] = deque()  # commands per batch in flight, oldest first
         self.got: list[Any] = []  # the oldest batch's answers come so far
         self.heard = 0.0  # monotonic; the last answer, or the send that ended a silence
 
     @classmethod
     def of(cls, client: Any) -> Channel | None:
-        return cls(client) if _plain_pool(getattr(client, "connection_pool", None), tls=True) else None
+        pool = getattr(client, "connection_pool", None)
+        return cls(client) if _plain_pool(pool, tls=True) or _sentinel_pool(pool) else None
 
     def send(self, commands: list[tuple[Any, ...]]) -> None:
         try:
+            if self.sentinel:
+                self._follow()
             self.link.write(b"".join(hiredis.pack_command(c) for c in commands))
         except BaseException:
             self.close()
@@ -273,6 +289,24 @@ class Channel:
         if not self.sizes:
             self.heard = time.monotonic()
         self.sizes.append(len(commands))
+
+    def _follow(self) -> None:
+        """Through Sentinel: ask the sentinels which node is the primary, at most every
+        RECHECK (a round trip to a sentinel, as SentinelPool makes for redis-py's
+        connections), and leave a node that is no longer it (a failover that left the old
+        primary up: writes there are thrown away once Sentinel demotes it). Nothing in
+        flight: the next write opens a connection to the new primary. Batches in flight:
+        ConnectionError, and the caller reconciles with the new primary, which may lack
+        what the old one took."""
+        if self.link.sock is None:  # opening one asks the sentinels
+            return
+        if self.pool._due():
+            with contextlib.suppress(redis.ConnectionError):  # none known just now: the connection will tell
+                self.pool.get_master_address()
+        if not self.pool.owns_connection(self.link.conn):
+            if self.sizes:
+                raise redis.ConnectionError("the Redis primary moved")
+            self.link.close()
 
     def deadline(self) -> float:
         """When what is in flight counts as lost, if no answer comes before (monotonic)."""
@@ -283,8 +317,9 @@ class Channel:
         return self.link.sock.fileno()  # type: ignore[union-attr]  # open while batches are in flight
 
     def probe(self) -> Probe:
-        """A PING to our server on a socket of its own, waited for without blocking (Probe)."""
-        return Probe(self.link.conn)
+        """A PING to our server on a socket of its own, waited for without blocking (Probe);
+        through Sentinel, to the primary the sentinels name now (a round trip to them)."""
+        return Probe(self.link.conn, self.pool.get_master_address() if self.sentinel else None)
 
     def take(self, block: bool = False) -> list[list[Any]]:
         """The batches answered whole since the last call, oldest first (block: wait for
@@ -329,17 +364,19 @@ class Probe:
     its answer. `deadline`: socket_timeout after it began (monotonic), when the caller counts
     it unanswered."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, address: tuple[str, int] | None = None) -> None:
+        """A PING to `conn`'s server, or (TCP) to `address`."""
         timeout = conn.socket_timeout
         self.deadline = time.monotonic() + float(timeout) if timeout else float("inf")
         self.tls = isinstance(conn, redis.SSLConnection)
         if isinstance(conn, redis.UnixDomainSocketConnection):
             self.addresses: list[tuple[int, Any]] = [(socket.AF_UNIX, conn.path)]
         else:
+            host, port = address or (conn.host, conn.port)
             try:
-                found = socket.getaddrinfo(conn.host, conn.port, conn.socket_type, socket.SOCK_STREAM)
+                found = socket.getaddrinfo(host, port, conn.socket_type, socket.SOCK_STREAM)
             except OSError as e:
-                raise redis.ConnectionError(f"Error connecting to {conn.host}:{conn.port}: {e}") from None
+                raise redis.ConnectionError(f"Error connecting to {host}:{port}: {e}") from None
             self.addresses = [(family, address) for family, _, _, _, address in found]
         self.sock: socket.socket | None = None
         self.connecting = False

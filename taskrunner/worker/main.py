@@ -142,12 +142,12 @@ class Worker:
         self._served(self.served.counts)
         self.ctl = Blocker(self.redis, [self.keys.control(self.name)])
         # Syncs and heartbeats go on a connection of our own (on a cluster, one per primary),
-        # answered while we read our children, over TLS too (with Sentinel through redis-py,
-        # one at a time, waiting for each).
+        # answered while we read our children, over TLS and through Sentinel too (else, as
+        # with TLS through Sentinel, through redis-py, one at a time, waiting for each).
         self.channel: Channel | ClusterChannel | None = Channel.of(self.redis) or ClusterChannel.of(self.redis)
         self.flights: deque[Flight] = deque()  # oldest first
         # A connection of ours broke since Redis last answered: none is opened again before a
-        # probe's PING is answered (_reachable). On one server only (a Channel: plain or TLS).
+        # probe's PING is answered (_reachable). On one server only (a Channel, not a cluster's).
         self.unsure = False
         self.probe: Probe | None = None
         self.proc = psutil.Process()
@@ -553,7 +553,7 @@ class Worker:
 
     def _send(self, f: Flight) -> None:
         """Send a flight's batch on the channel: its answers are acted on once they come
-        (_land). Without a channel (Sentinel), it runs now, the usual way, waiting."""
+        (_land). Without a channel (TLS through Sentinel), it runs now, the usual way, waiting."""
         self.flights.append(f)
         if self.channel is None:
             self._land(block=True)
