@@ -532,6 +532,24 @@ def test_enqueue_many_a_script_refuses_says_which_jobs_redis_took(app):
     assert [j.queue for j in e.value.refused] == ["few~7"] and e.value.unsure == []
 
 
+def test_enqueue_many_a_script_refuses_on_a_server_without_the_scripts_says_which_jobs_redis_took(app):
+    """(Review of 825dc47; before it too.) A chunk that meets a server without the scripts
+    (FUNCTION FLUSH here; a restart without persistence; by EVALSHA, any restart) has each
+    call run again alone, and a refusal there was raised at once instead of left in its
+    place: the calls after it were not run again, and every job of the chunk was said unsure,
+    those Redis took too. It is counted as on a server that had them."""
+    from taskrunner.errors import InvalidName
+    from taskrunner.ops import queue
+
+    queue.create(app, "few", shards=2)
+    given = [{"task": "tests.apps.add", "args": [i, 0], "queue": q} for i, q in enumerate(("qa", "few~7", "qb"))]
+    app.redis.function_flush()
+    with pytest.raises(InvalidName, match="^1 jobs refused: queue few~7: queue few~7 is not a shard") as e:
+        app.enqueue_many(given)
+    assert [app.job(j.id).to_dict()["args"] for j in e.value.enqueued] == [[0, 0], [2, 0]], str(e.value)
+    assert [j.queue for j in e.value.refused] == ["few~7"] and e.value.unsure == []
+
+
 def test_enqueue_many_a_script_that_failed_midway_says_its_jobs_unsure_not_refused(app):
     """(Review.) A script's error that is no refusal (WRONGTYPE here: a key of the wrong type
     met after the job's record was written) may leave what it wrote: its jobs are unsure,

@@ -35,6 +35,11 @@ def refusal(e: Exception) -> Exception:
     return _KINDS.get(m[1], ValueError)(m[2]) if m else e
 
 
+#: What a script called alone (Script.__call__) raises for an error reply: refusal() of it.
+#: Batch.settle() leaves it in its place where its caller asked so, as a reply in the batch.
+_ERROR_REPLIES: tuple[type[Exception], ...] = (ResponseError, ValueError, InvalidName, NotJSONError, PayloadTooLarge)
+
+
 #: Lua's comments, strings and names: what the names of a piece of Lua are read from (a name
 #: in a comment or a string is no use of it).
 _LUA_TOKEN = re.compile(r"""--\[(=*)\[.*?\]\1\]|--[^\n]*|\[(=*)\[.*?\]\2\]|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'"""
@@ -267,7 +272,12 @@ class Batch:
                 raise ConnectionError(f"the cluster's layout changed under a sync ({r})")
         for index, script, keys, args in self._scripts:
             if isinstance(results[index], Exception) and missing(results[index]):
-                results[index] = script(self.client, keys, args)
+                try:
+                    results[index] = script(self.client, keys, args)
+                except _ERROR_REPLIES as e:  # in its place, as had it run in the batch: the others run too
+                    if raise_on_error:
+                        raise
+                    results[index] = e
         self._scripts = []
         for k, r in enumerate(results):
             if isinstance(r, (ResponseError, ConnectionError)):
