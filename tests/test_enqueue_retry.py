@@ -550,6 +550,51 @@ def test_enqueue_many_a_script_refuses_on_a_server_without_the_scripts_says_whic
     assert [j.queue for j in e.value.refused] == ["few~7"] and e.value.unsure == []
 
 
+def test_enqueue_many_interrupted_while_redis_holds_its_chunk_stops_at_once(app, own_redis):
+    """(Review of 825dc47; before it too.) Ctrl-C while a chunk's answers are awaited, Redis
+    not answering (here it holds writes, CLIENT PAUSE; a hung or failing-over server): the
+    call, to keep its link in step, read the chunk's answers, and that read having been cut
+    short, sent the chunk again through the pool and waited for that, up to the socket
+    timeout and redis-py's retries (each a chunk sent again), before the interrupt was
+    raised. The link is closed instead: nothing is sent again nor waited for."""
+    import os
+    import signal
+
+    app.configure(redis_url=own_redis.url + "?socket_timeout=120")
+    app.enqueue_many([{"task": "tests.apps.add", "args": [0, 0], "id": "warm"}])  # the link open, the scripts loaded
+    other = redis.Redis.from_url(own_redis.url)
+    me = other.client_id()
+    held = threading.Event()  # Redis is made to answer: the call had not stopped by itself
+
+    def interrupt() -> None:
+        wait_for(lambda: any("b" in c["flags"] and c["cmd"] == "fcall" for c in other.client_list()
+                             if int(c["id"]) != me), what="the chunk to wait on Redis")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def unpause() -> None:
+        held.set()
+        other.execute_command("CLIENT", "UNPAUSE")
+
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    other.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+    ends = threading.Timer(30, unpause)  # generous: the interrupt takes effect at once
+    ends.start()
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            app.enqueue_many([{"task": "tests.apps.add", "args": [i, 0], "id": f"held-{i}"} for i in range(2)],
+                             chunk=2)
+        waited = held.is_set()
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        ends.cancel()
+        other.execute_command("CLIENT", "UNPAUSE")
+    assert not waited, "the interrupt waited for Redis"
+    assert [j.id for j in stopped.value.unsure] == ["held-0", "held-1"]
+    assert apps.add.delay(1, 1).created  # the thread's link in step: its own answer
+    other.close()
+
+
 def test_enqueue_many_a_script_that_failed_midway_says_its_jobs_unsure_not_refused(app):
     """(Review.) A script's error that is no refusal (WRONGTYPE here: a key of the wrong type
     met after the job's record was written) may leave what it wrote: its jobs are unsure,

@@ -15,7 +15,6 @@ One call is several concerns, each a part here, so that each can be read on its 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -151,7 +150,7 @@ class Flight:
         says why that is safe), up to enqueue_retry seconds from the first error (as
         riding(): a first try that waited out a hung Redis's socket timeout took none of it)."""
         backoff: Backoff | None = None
-        batch = self.batch  # that one stays, for unsure() to read what it sent on the link
+        batch = self.batch  # that one stays, for unsure() to abandon what it sent on the link
         try:
             while True:
                 try:
@@ -176,14 +175,13 @@ class Flight:
                 backoff.give_up()
 
     def unsure(self, callbacks: set[str]) -> list[Job]:
-        """Its jobs, as the call stopped before their answers came (each may be enqueued);
-        the answers still on this thread's link are read, or its next lone enqueue would
-        take one of them for its own. A chunk not sent (no such link) is not sent now."""
+        """Its jobs, as the call stopped before their answers came (each may be enqueued).
+        The answers owed on this thread's link are abandoned with it (Batch.abandon()), or
+        its next lone enqueue would take one of them for its own: not read, as the call may
+        be stopping because Redis does not answer (Ctrl-C), nor sent again."""
         queue_of = {i: q for q, items in self.by_queue.items() for i, _, _ in items}
         unsure = [Job(self.app, i, queue_of[i]) for i in self.order if i not in callbacks]
-        if self.batch.sent:
-            with contextlib.suppress(Exception):
-                self.batch.execute()
+        self.batch.abandon()
         return unsure
 
 

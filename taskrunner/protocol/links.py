@@ -254,6 +254,14 @@ class Direct:
         """The answers to the last n commands sent; an error reply is returned, not raised."""
         return self._on_link(lambda link: [link.reply() for _ in range(n)])
 
+    def drop(self) -> None:
+        """Close this thread's link, the answers it is owed unread (its next command opens
+        another): a caller that no longer wants them neither waits for them nor leaves
+        them to be taken for a later command's."""
+        link = getattr(self.local, "link", None)
+        if link is not None:
+            link.close()
+
 
 class Channel:
     """A connection of its own on which batches of commands stay in flight: send() returns

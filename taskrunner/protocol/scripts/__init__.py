@@ -231,6 +231,13 @@ class Batch:
         if self.direct is not None and len(self.pipe):
             self.sent = self.direct.send(self.commands())
 
+    def abandon(self) -> None:
+        """Give up what send() sent, its answers unread: its link is closed (Direct.drop()),
+        so nothing is waited for nor sent again (Redis may still run it, or may have)."""
+        if self.sent:
+            self.direct.drop()
+            self.sent = 0
+
     def commands(self) -> list[tuple[Any, ...]]:
         """The batch's commands, to send another way (then settle() their answers)."""
         if isinstance(self.pipe, ClusterPipeline):  # PipelineCommand objects, since 6.3 its strategy's
