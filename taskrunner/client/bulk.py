@@ -285,6 +285,10 @@ class BulkEnqueue:
         self.failed: BaseException | None = None  # a job's own check or hook refused it (it was not sent)
 
     def run(self, jobs: Iterable[dict[str, Any]]) -> list[Job]:
+        """The call: `jobs` read once, one at a time (a generator is never held whole), the
+        last chunk sent once they ran out. Returns the Jobs Redis took, in the order given;
+        whatever stops it is raised said and carrying the jobs so far (Tally.stopped()), the
+        chunk in flight abandoned (Flight.unsure())."""
         n = 0  # the job given that the call is at
         try:
             for spec in jobs:
