@@ -385,8 +385,8 @@ class BulkEnqueue:
     def send(self) -> None:
         """Send the chunk (its answers are read by settle()) and start the next."""
         flight = Flight(self.app, self.chunk, self.callbacks)
+        self.flight = flight  # before it goes: stopped while it is sent (Ctrl-C), its jobs may be in Redis
         flight.send()
-        self.flight = flight
         self.chunk = Chunk()
 
     def settle(self) -> None:

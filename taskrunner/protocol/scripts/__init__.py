@@ -229,7 +229,9 @@ class Batch:
         execute() reads the answers. For idempotent calls only: if reading fails, execute()
         sends the batch again, the usual way (with redis-py's retries)."""
         if self.direct is not None and len(self.pipe):
-            self.sent = self.direct.send(self.commands())
+            commands = self.commands()
+            self.sent = len(commands)  # first: interrupted as they go, execute() or abandon() still knows
+            self.direct.send(commands)
 
     def abandon(self) -> None:
         """Give up what send() sent, its answers unread: its link is closed (Direct.drop()),
