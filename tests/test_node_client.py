@@ -1061,3 +1061,78 @@ def test_the_node_producer_sends_expires_and_a_python_worker_never_runs_the_job_
         assert (r.returncode, r.stdout) == (2, "")
         assert r.stderr == f"Error: --expires must be a number of seconds > 0, not {json.dumps(bad)}\n"
     assert not app.redis.sismember(app.keys.queues, "badexp")
+
+
+def test_a_node_job_claimed_as_the_stop_arrives_gets_the_grace_and_goes_back(app, stack):
+    """A stop that arrives while a claim is in flight (here: as its answer comes back, before
+    the consumer runs the job it brings) gives that job the rest of shutdown_grace (5 s
+    here), then puts it back next in line, as a worker's claim in flight lands under its
+    stop_at. The grace was armed only for a job running at the stop: this one ran on, and
+    at shutdown_grace + kill_grace + 10 s the consumer gave up on a Redis that answered
+    ("Redis did not answer"), leaving the job claimed by a consumer gone."""
+    job = app.enqueue("node.held", [])
+    got = node_script(stack, """
+      const c = new Consumer(tr, { 'node.held': (args, kwargs, ctx) => new Promise((resolve) => {
+        ctx.signal.addEventListener('abort', resolve); // runs until stopped
+      }) }, { name: 'late-c' });
+      const claim = c.claim.bind(c);
+      c.claim = async () => { const d = await claim(); if (d) c.stop(); return d; };
+      await c.start();
+      console.log(JSON.stringify({ abandoned: c.abandoned, processed: c.processed }));
+    """)
+    assert got == {"abandoned": None, "processed": 1}
+    d = job.refresh().to_dict()
+    assert (d["state"], d["attempts"]) == ("pending", 1) and "late-c shutting down" in job.data["end:1"]
+    assert app.redis.zscore(app.keys.workers, "late-c") is None
+
+
+def test_a_node_consumer_given_up_on_redis_sends_nothing_after(app, tmp_path):
+    """A program that runs a Consumer (the library, not consumer.js), stopped while its Redis
+    is stopped (SIGSTOP), goes on once start() has ended and closes its connection: nothing
+    the consumer sent is left to fail, and the stop's line is its last. It sent its leave
+    after giving up on Redis and no longer listened for the answer: the close failed the
+    request, unhandled, and Node ended the program ("Error: Connection is closed.", exit 1; a
+    Redis down: at ioredis's 20th try). Then its kill requests' BRPOP, never closed, kept the
+    program from ending, and the heartbeats sent one a beat on the silent Redis each said
+    "trying again" after the stop's line."""
+    server = RedisServer(tmp_path / "redis", appendonly=False, port=free_port()).start()
+    program = """
+      const { TaskRunner, Consumer, sleep } = require('./taskrunner');
+      (async () => {
+        const tr = new TaskRunner();
+        const c = new Consumer(tr, {}, { name: 'lib-c' });
+        const started = c.start();
+        for (const until = Date.now() + 30000; Date.now() < until;) { // its first beat, 30 s at most
+          if (await tr.redis.zscore(tr.g + 'workers', 'lib-c')) break;
+          await sleep(0.02);
+        }
+        console.log('beaten');
+        await new Promise((resolve) => process.stdin.once('data', resolve)); // Redis stopped
+        process.stdin.destroy();
+        c.stop();
+        await started;
+        tr.redis.disconnect(); // what it held fails as the socket closes (the program lives until then)
+        console.log(JSON.stringify({ abandoned: c.abandoned }));
+      })();
+    """
+    try:
+        p = subprocess.Popen(["node", "-e", program], cwd=NODE_DIR, env=Stack(app, server.url).env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdin is not None and p.stdout is not None
+        try:
+            assert p.stdout.readline() == "beaten\n"
+            server.proc.send_signal(signal.SIGSTOP)
+            try:
+                out, err = p.communicate("go\n", timeout=60)
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+        finally:
+            p.kill()
+            p.wait()
+        assert p.returncode == 0, err
+        assert json.loads(out) == {"abandoned": "leaving the worker list: Redis did not answer for 5s (the "
+                                                "dispatcher finds us dead)"}, err
+        assert err == ("lib-c: stopping without leaving the worker list: Redis did not answer for 5s (the "
+                       "dispatcher finds us dead)\n"), err
+    finally:
+        server.stop()

@@ -855,6 +855,7 @@ class Consumer {
     this.processed = 0;
     this.stopping = false;
     this.ended = false; // start() has ended
+    this.stopAt = null; // when the running job's grace ends (Date.now() ms), once stopping
     this.graceTimer = null; // stop()'s: the running job's grace, and its watch on Redis
     this.lookTimer = null;
     // Why the consumer gave up on Redis while stopping (stop()), once it did: what waits for
@@ -959,6 +960,9 @@ class Consumer {
   async run(d) {
     d.controller = new AbortController();
     this.current = d;
+    // A job whose claim was in flight as the stop came runs under the stop's grace too, as a
+    // worker's claim in flight lands under its stop_at: it ran on unbounded.
+    if (this.stopping) this.graceFor(d);
     try {
       await this.runCurrent(d);
     } finally {
@@ -1001,14 +1005,15 @@ class Consumer {
 
   // Kill messages: {"kill": id, "attempt": n, "reason": "killed"|"timeout"} on control:<name>.
   // One for a delivery we do not run just ended, or never reached us: look for orphans.
-  async listen() {
-    const conn = this.tr.connection();
+  // On `conn`, a connection of its own (serve() closes it when it gives up on Redis).
+  async listen(conn) {
     try {
       while (!this.stopping) {
         let got;
         try {
           got = await conn.brpop(this.tr.g + 'control:' + this.name, 1);
         } catch (e) { // Redis unavailable: no one awaits this loop's promise, so a throw ended the process
+          if (this.stopping) break; // closed by serve(), or no more to read
           this.tr.failed('reading kill requests', e);
           await sleep(1);
           continue;
@@ -1090,9 +1095,17 @@ class Consumer {
 
   // The main loop: claim, run, and when there is nothing, block on the queues' wake lists.
   async serve() {
-    const beats = setInterval(() => this.heartbeat().catch((e) => this.tr.failed('heartbeat', e)),
-      this.beatEvery * 1000);
-    const control = this.listen();
+    // One heartbeat at a time, as a worker's: on a Redis stopped or hung they piled up, one a
+    // beat, each failed and said at the end ("trying again", after the stop's last line).
+    let beating = false;
+    const beats = setInterval(() => {
+      if (beating) return;
+      beating = true;
+      this.heartbeat().catch((e) => { if (this.abandoned === null) this.tr.failed('heartbeat', e); })
+        .finally(() => { beating = false; });
+    }, this.beatEvery * 1000);
+    const listener = this.tr.connection();
+    const control = this.listen(listener);
     const blocker = this.tr.connection();
     try {
       while (!this.stopping) {
@@ -1120,7 +1133,10 @@ class Consumer {
       clearInterval(beats);
       blocker.disconnect();
       await this.answered(control);
-      await this.answered(this.leave());
+      listener.disconnect(); // given up on Redis: its BRPOP, unanswered, kept the program running
+      // Given up on Redis, we said we do not leave: sent anyway and no longer waited for, the
+      // leave failed unhandled once the connection closed, and Node ended the program.
+      if (this.abandoned === null) await this.answered(this.leave());
     }
   }
 
@@ -1134,8 +1150,8 @@ class Consumer {
     if (this.stopping) return;
     this.stopping = true;
     if (this.ended) return;
-    const d = this.current;
-    if (d) this.graceTimer = setTimeout(() => this.abort(d, 'shutdown'), this.shutdownGrace * 1000).unref();
+    this.stopAt = Date.now() + this.shutdownGrace * 1000;
+    if (this.current) this.graceFor(this.current);
     const bound = this.shutdownGrace + this.killGrace + 10;
     const giveUpAt = Date.now() + bound * 1000;
     let asked = null; // when the PING not answered yet was sent
@@ -1158,6 +1174,11 @@ class Consumer {
       }
     };
     this.lookTimer = setTimeout(look, this.beatEvery * 1000).unref();
+  }
+
+  // The stop's grace for `d`: until stopAt, then it goes back to its queue (run()'s finish).
+  graceFor(d) {
+    this.graceTimer = setTimeout(() => this.abort(d, 'shutdown'), Math.max(0, this.stopAt - Date.now())).unref();
   }
 
   // Leaving cleanly: nothing held any more (run() finished it), so leave the worker list;
