@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -999,8 +1000,9 @@ def test_the_node_consumer_keeps_nothing_of_the_requests_it_waited_for(stack):
 def test_the_node_producer_says_why_it_could_not_read_a_tasks_declaration(app, tmp_path):
     """Redis's answer to the read of a task's declaration (its queue, its parameters) is told,
     as Python's producer tells it: here a user whose ACL does not cover the declarations, one
-    line, exit 2. The error was taken for "nothing declared": the job went to default, where
-    the task's workers do not look, unchecked (exit 0)."""
+    line, exit 1 as the CLI's (an error Redis answered with), for the enqueue's own NOPERM
+    too. The error was taken for "nothing declared": the job went to default, where the task's
+    workers do not look, unchecked (exit 0); a NOPERM exited 2, a mistake in what was given."""
     server = RedisServer(tmp_path / "redis", appendonly=False, port=free_port()).start()
     try:
         r = redis.Redis(unix_socket_path=str(server.socket), decode_responses=True)
@@ -1009,11 +1011,15 @@ def test_the_node_producer_says_why_it_could_not_read_a_tasks_declaration(app, t
         r.acl_setuser("producer", enabled=True, passwords=["+pw"], commands=["+@all"],
                       keys=[f"{p}:{{default}}:*", f"{p}:{{reports}}:*", f"{p}:{{_}}:queues"])
         env = {**os.environ, "TASKRUNNER_PREFIX": p, "REDIS_URL": f"redis://producer:pw@127.0.0.1:{server.port}/0"}
-        got = subprocess.run(["node", "producer.js", "shop.report", "[7]"], cwd=NODE_DIR, env=env,
-                             capture_output=True, text=True, timeout=60)
-        assert (got.returncode, got.stdout) == (2, ""), got
-        assert got.stderr.startswith("Error: NOPERM ") and got.stderr.count("\n") == 1, got.stderr
+        for given in ([], ["--queue", "other"]):
+            got = subprocess.run(["node", "producer.js", *given, "shop.report", "[7]"], cwd=NODE_DIR, env=env,
+                                 capture_output=True, text=True, timeout=60)
+            assert (got.returncode, got.stdout) == (1, ""), got
+            assert got.stderr.startswith("Error: NOPERM ") and got.stderr.count("\n") == 1, got.stderr
         assert not r.exists(f"{p}:{{default}}:pending")
+        cli = subprocess.run([sys.executable, "-m", "taskrunner", "enqueue", "shop.report", "--args", "[7]"],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert (cli.returncode, cli.stderr.startswith("Error: Redis answered with an error: ")) == (1, True), cli
     finally:
         server.stop()
 

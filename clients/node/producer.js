@@ -25,7 +25,8 @@ const USAGE = `usage: node producer.js [options] TASK [ARGS_JSON [KWARGS_JSON]]
   -h, --help                this text
   Redis and key prefix from REDIS_URL and TASKRUNNER_PREFIX. Exit codes (as taskrunner's CLI):
   0 enqueued (with --wait: completed); 1 refused or failed: a closed or full queue, no such
-  job (--depends-on, --wait), the job failed, was killed or canceled; 2 a mistake in what was
+  job (--depends-on, --wait), the job failed, was killed or canceled, an error Redis answered
+  with (a NOPERM: the URL's user may not use the task's keys); 2 a mistake in what was
   given (bad options, arguments that are not JSON or do not fit the task, a bad URL, a wrong
   password), or with --wait the job still not ended after S seconds; 3 Redis unreachable for
   now: not answering for TASKRUNNER_ENQUEUE_RETRY seconds (default 15; 0: at the first try),
@@ -88,7 +89,14 @@ function giveUpWhenUnreachable(tr) {
 
 // The exit code of a failure, as taskrunner's CLI sorts them (README, Exit codes): 1 the
 // answer is no, 3 Redis unavailable for now, 2 a mistake in what was given.
-const exitCode = (e) => (e instanceof Refused ? 1 : unavailable(e) ? 3 : 2);
+const exitCode = (e) => (e instanceof Refused || answeredWith(e) ? 1 : unavailable(e) ? 3 : 2);
+
+// An error Redis answered with (a NOPERM, an OOM, a WRONGTYPE): 1, as the CLI's "Redis
+// answered with an error" (it was 2, a mistake in what was given); not a refusal of what was
+// given: taskrunner's scripts' ("ERR taskrunner: ..."), a credential's or the URL's database's.
+const GIVEN = /^(ERR taskrunner: |WRONGPASS|NOAUTH|ERR invalid password|ERR DB index is out of range)/;
+const answeredWith = (e) => e !== null && typeof e === 'object' && e.name === 'ReplyError' && !unavailable(e)
+  && !GIVEN.test(String(e.message));
 
 // ARGS_JSON or KWARGS_JSON read: a JSON array or object (`kind`), else an error naming it,
 // before Redis is asked (it answered "ERR taskrunner: NotJSON: ... args is not a JSON array").
