@@ -1027,11 +1027,13 @@ def test_the_node_producer_says_why_it_could_not_read_a_tasks_declaration(app, t
 def test_the_node_consumer_refuses_a_name_a_live_worker_holds(app, stack):
     """A second consumer given the name of a live one is refused in one line (exit 2), as a
     worker is: both ran, popping each other's kill requests, and one handed the other's job
-    back as never begun, so that a job killed while running ran again."""
-    consumer(stack, "twin")
+    back as never begun, so that a job killed while running ran again. dead_after is 60 s here:
+    with the tests' 1.5 s, the first one stalled that long on a loaded machine counts as dead."""
+    live = {"TASKRUNNER_DEAD_AFTER": "60"}
+    consumer(stack, "twin", env=live)
     wait_for(lambda: app.redis.zscore(app.keys.workers, "twin"), what="the first consumer's heartbeat")
-    r = subprocess.run(["node", "consumer.js", "--name", "twin", "examples/handlers.js"], cwd=NODE_DIR, env=stack.env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["node", "consumer.js", "--name", "twin", "examples/handlers.js"], cwd=NODE_DIR,
+                       env={**stack.env, **live}, capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout) == (2, "consumer twin: queues default\n"), r
     assert re.fullmatch(r'Error: worker name "twin" is in use by a live worker \(heartbeat \d+\.\ds ago\); '
                         r"pick another name \(--name\)\n", r.stderr), r.stderr
