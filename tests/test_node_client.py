@@ -1094,6 +1094,12 @@ def test_a_node_job_claimed_as_the_stop_arrives_gets_the_grace_and_goes_back(app
     assert app.redis.zscore(app.keys.workers, "late-c") is None
 
 
+def led_node(app, server: RedisServer, program: str) -> subprocess.Popen:
+    """`program` run by node on `server`, led a step at a time: lines to its stdin, from its stdout."""
+    return subprocess.Popen(["node", "-e", program], cwd=NODE_DIR, env=Stack(app, server.url).env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_a_node_consumer_given_up_on_redis_sends_nothing_after(app, tmp_path):
     """A program that runs a Consumer (the library, not consumer.js), stopped while its Redis
     is stopped (SIGSTOP), goes on once start() has ended and closes its connection: nothing
@@ -1124,11 +1130,9 @@ def test_a_node_consumer_given_up_on_redis_sends_nothing_after(app, tmp_path):
       })();
     """
     try:
-        p = subprocess.Popen(["node", "-e", program], cwd=NODE_DIR, env=Stack(app, server.url).env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert p.stdin is not None and p.stdout is not None
+        p = led_node(app, server, program)
         try:
-            assert p.stdout.readline() == "beaten\n"
+            assert p.stdout is not None and p.stdout.readline() == "beaten\n"
             server.proc.send_signal(signal.SIGSTOP)
             try:
                 out, err = p.communicate("go\n", timeout=60)
@@ -1142,5 +1146,60 @@ def test_a_node_consumer_given_up_on_redis_sends_nothing_after(app, tmp_path):
                                                 "dispatcher finds us dead)"}, err
         assert err == ("lib-c: stopping without leaving the worker list: Redis did not answer for 5s (the "
                        "dispatcher finds us dead)\n"), err
+    finally:
+        server.stop()
+
+
+def test_a_node_consumer_stopped_once_redis_is_back_leaves(app, tmp_path):
+    """A stop once Redis is back, while a connection of the consumer's (its kill requests',
+    its wake lists') still waits to try again, leaves the worker list: the outage lasts until
+    every connection is back, and the consumer took it for Redis unavailable and gave up
+    without leaving (a job it had just reported killed stayed listed under a consumer gone).
+    Those connections try again every 6 s here, the one that leaves at once (ioredis's)."""
+    server = RedisServer(tmp_path / "redis", appendonly=True, appendfsync="always").start()
+    program = """
+      const { TaskRunner, Consumer, sleep } = require('./taskrunner');
+      const line = () => new Promise((resolve) => process.stdin.once('data', resolve));
+      const until = async (what) => { // 30 s at most
+        for (const end = Date.now() + 30000; Date.now() < end && !(await what());) await sleep(0.02);
+      };
+      (async () => {
+        const tr = new TaskRunner();
+        const duplicate = tr.connection.bind(tr);
+        const slow = (times) => (times === 1 ? 50 : 6000); // first try: Redis down; the next: Redis back
+        tr.connection = () => { const conn = duplicate(); conn.options.retryStrategy = slow; return conn; };
+        const c = new Consumer(tr, {}, { name: 'back-c' });
+        const started = c.start();
+        await until(async () => await tr.redis.zscore(tr.g + 'workers', 'back-c'));
+        console.log('beaten');
+        await line(); // Redis stopped
+        await until(() => tr.outage.down.size === 3); // the one that leaves, the kill requests', the wake lists'
+        console.log('unavailable');
+        await line(); // Redis started again
+        process.stdin.destroy();
+        await until(() => tr.redis.status === 'ready');
+        c.stop();
+        await started;
+        const left = await tr.redis.zscore(tr.g + 'workers', 'back-c') === null;
+        tr.redis.disconnect();
+        console.log(JSON.stringify({ abandoned: c.abandoned, left }));
+      })();
+    """
+    try:
+        p = led_node(app, server, program)
+        try:
+            assert p.stdout is not None and p.stdout.readline() == "beaten\n"
+            server.stop()
+            assert p.stdin is not None
+            p.stdin.write("stopped\n")
+            p.stdin.flush()
+            assert p.stdout.readline() == "unavailable\n"
+            server.start()
+            out, err = p.communicate("started\n", timeout=60)
+        finally:
+            p.kill()
+            p.wait()
+        assert p.returncode == 0, err
+        assert json.loads(out) == {"abandoned": None, "left": True}, err
     finally:
         server.stop()

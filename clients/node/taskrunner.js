@@ -1141,11 +1141,13 @@ class Consumer {
   }
 
   // Stop: no more claims; the running job has shutdownGrace seconds, then goes back to its
-  // queue next in line. start() then leaves. While Redis is unavailable (an outage told, or a
-  // PING unanswered for SILENT_S: a Redis stopped or hung fires no error), the consumer gives up
-  // on it and stops, the dispatcher finding it dead: at the next beat when it has nothing to
-  // report; else (a job running, or stopped, killed or ended meanwhile, its outcome not sent)
-  // killGrace + 10 s after the grace at most, as a worker gives up (README.md: SIGTERM).
+  // queue next in line. start() then leaves. While Redis is unavailable (an outage told and the
+  // connection that leaves not ready: Redis back, another connection, as the kill requests',
+  // may wait seconds to try again; or a PING unanswered for SILENT_S: a Redis stopped or hung
+  // fires no error), the consumer gives up on it and stops, the dispatcher finding it dead: at
+  // the next beat when it has nothing to report; else (a job running, or stopped, killed or
+  // ended meanwhile, its outcome not sent) killGrace + 10 s after the grace at most, as a
+  // worker gives up (README.md: SIGTERM).
   stop() {
     if (this.stopping) return;
     this.stopping = true;
@@ -1161,7 +1163,7 @@ class Consumer {
         asked = sent;
         this.tr.redis.ping().then(() => { if (asked === sent) asked = null; }, () => {});
       }
-      const down = this.tr.outage.since !== null ? 'Redis is unavailable'
+      const down = this.tr.outage.since !== null && this.tr.redis.status !== 'ready' ? 'Redis is unavailable'
         : asked !== null && Date.now() - asked >= SILENT_S * 1000 ? `Redis did not answer for ${SILENT_S}s` : null;
       if (down && !this.current) {
         this.abandon(`leaving the worker list: ${down} (the dispatcher finds us dead)`);
