@@ -56,6 +56,18 @@ def until_logged(p: subprocess.Popen, text: str) -> None:
 JVM_FILES = {"test_analyze.py": "jvm-1", "test_spark_enqueue.py": "jvm-2", "test_spark_tasks.py": "jvm-2"}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The processes the tests start take Ctrl-C and Ctrl-\\ as a terminal's foreground
+    command does, however the suite was started. A shell starts a background command of a
+    script (`make test &`, nohup) with SIGINT and SIGQUIT ignored, which every process
+    started inherits, and Python then installs no KeyboardInterrupt: `taskrunner wait` was
+    deaf to test_ctrl_c_exits_130's SIGINT, and the test hung 30 s and failed."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without it (-p no:xdist) must still collect
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`make test` runs 4 pytest processes (pytest-xdist): each test file goes whole to one
