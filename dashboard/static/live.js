@@ -1,17 +1,24 @@
 // Live pages: every element with data-live="URL" is refreshed from that URL (an HTML
 // fragment) every 2 s while the tab is visible. Never a new request while one is pending;
-// no refresh while the pointer is over the element (a button must not move under a click).
+// no refresh while the pointer is over the element or focus in it (a button must not move
+// under a click): looked at before the fetch, and again when its answer comes.
 (function () {
   "use strict";
   var PERIOD = 2000;
   function live(el) {
     var busy = false;
+    function engaged() { return el.matches(":hover") || el.contains(document.activeElement); }
     setInterval(function () {
-      if (busy || document.hidden || el.matches(":hover") || el.contains(document.activeElement)) return;
+      if (busy || document.hidden || engaged()) return;
       busy = true;
       fetch(el.getAttribute("data-live"), {credentials: "same-origin", headers: {"Accept": "text/html"}})
         .then(function (r) { return r.ok ? r.text() : Promise.reject(r.status); })
-        .then(function (html) { el.innerHTML = html; el.classList.remove("stale"); })
+        .then(function (html) {
+          // The pointer came meanwhile: set aside (data-held: what shows is older than the
+          // server's), for the next refresh once it leaves.
+          if (engaged()) return el.setAttribute("data-held", "");
+          el.innerHTML = html; el.classList.remove("stale"); el.removeAttribute("data-held");
+        })
         .catch(function () { el.classList.add("stale"); })
         .then(function () { busy = false; });
     }, PERIOD);
@@ -88,13 +95,12 @@
         .then(function (v) {
           delay = WATCH; note.classList.remove("stale");
           if (v.version === since) return;
-          if (note.hasAttribute("data-auto") && !engaged()) return redraw();
-          text.textContent = v["new"] > 0 ? v["new"] + " new \u2014" : "This list changed \u2014";
-          note.hidden = false;
+          if (note.hasAttribute("data-auto") && !engaged()) return redraw(true);
+          tell(v["new"] > 0 ? v["new"] + " new \u2014" : "This list changed \u2014");
         })
         .catch(function (status) {
           delay = Math.min(delay * 2, WATCH_MAX); note.classList.add("stale");
-          if (status === 404) { text.textContent = "Gone (a worker that left, a queue deleted) \u2014"; note.hidden = false; }
+          if (status === 404) tell("Gone (a worker that left, a queue deleted) \u2014");
         })
         .then(function () { busy = false; schedule(delay); });
     }
@@ -103,13 +109,17 @@
       return !!(main.querySelector('input[name="id"]:checked, input[data-kept]') || (focus && focus !== document.body && main.contains(focus))
                 || main.querySelector("table:hover, form:hover, button:hover, a:hover"));
     }
-    function redraw() {
+    function tell(what) { text.textContent = what; note.hidden = false; }
+    // The page anew, in place. `auto` (not asked for): the user may have come to it while
+    // the page was fetched, so it is looked at again then, and left with the note if so.
+    function redraw(auto) {
       var main = note.closest("main");
-      var ticked = Array.prototype.map.call(main.querySelectorAll('input[name="id"]:checked, input[name="id"][data-kept]'), function (c) { return c.value; });
-      var x = window.scrollX, y = window.scrollY;
       return fetch(window.location.href, {credentials: "same-origin", headers: {"Accept": "text/html"}})
         .then(function (r) { return r.ok ? r.text() : Promise.reject(r.status); })
         .then(function (html) {
+          if (auto && engaged()) return tell("This list changed \u2014");
+          var ticked = Array.prototype.map.call(main.querySelectorAll('input[name="id"]:checked, input[name="id"][data-kept]'), function (c) { return c.value; });
+          var x = window.scrollX, y = window.scrollY;
           var fresh = new DOMParser().parseFromString(html, "text/html").querySelector("main");
           var freshNote = fresh && fresh.querySelector(".live-note");
           if (!freshNote) return Promise.reject("no page");
