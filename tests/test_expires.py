@@ -159,6 +159,64 @@ def test_a_chain_step_that_expires_cancels_the_rest_and_runs_the_on_failure_call
     assert_expired(app, alone)
 
 
+def expired_batch(app: TaskRunner, task: str, n: int) -> list:
+    """n jobs of `task` enqueued in one call with an expiry of 0.05 s, waited past."""
+    jobs = app.enqueue_many([{"task": task, "args": [i], "expires": 0.05} for i in range(n)])
+    past(app, jobs[-1])  # one call: one now, the same expiry for all
+    return jobs
+
+
+def test_a_flow_pass_reads_on_past_a_window_of_expired_jobs(app):
+    """A flow-controlled queue whose oldest 100 jobs (a pass's window) expired: expired jobs
+    do not count in the window, the pass ends them and delivers the live job behind them. It
+    answered none, with no wake token left: its worker slept (up to its idle block) with the
+    job pending."""
+    p = app.keys.q("default")
+    jobs = expired_batch(app, flow_apps.limited.name, 150)
+    live = flow_apps.limited.delay(999)
+    assert [d.id for d in Consumer(app, ["default"]).claim(1)] == [live.id]
+    assert app.redis.zcard(p + "killed:error:Expired") == 150 and app.redis.llen(p + "pending") == 0
+    assert_expired(app, jobs[0])
+
+
+@pytest.mark.parametrize("task", [apps.echo.name, flow_apps.limited.name])
+def test_a_claim_ends_a_bounded_number_of_expired_jobs_and_leaves_a_wake_token(app, task):
+    """Each costs a finalize(): a backlog of expired jobs (20,000: 1.3 s) was ended in one
+    claim that held Redis. A claim ends about 200 at most (a plain queue's batch, a flow
+    pass), then answers short with a wake token left, so that its claimer comes back at once;
+    the claims after it end the rest and deliver the live job behind them."""
+    p = app.keys.q("default")
+    expired_batch(app, task, 500)
+    live = app.enqueue(task, [7])
+    consumer = Consumer(app, ["default"])
+    app.redis.delete(p + "wake")  # the enqueues' token: a claim cut short leaves its own
+    assert consumer.claim(1) == []
+    assert 200 <= app.redis.zcard(p + "killed") < 300 and app.redis.llen(p + "wake") == 1
+    got: list = []
+    for _ in range(10):  # bounded: 2 more claims suffice
+        app.redis.delete(p + "wake")
+        got = consumer.claim(1)
+        if got:
+            break
+        assert app.redis.llen(p + "wake") == 1
+    assert [d.id for d in got] == [live.id] and app.redis.zcard(p + "killed") == 500
+
+
+@pytest.mark.parametrize("worker_app, task, n", [("tests.apps", apps.echo.name, 500),
+                                                  ("tests.flow_apps", flow_apps.limited.name, 350)])
+def test_a_worker_behind_a_backlog_of_expired_jobs_runs_the_live_job_without_idling(app, stack, worker_app, task, n):
+    """A worker whose claims meet more expired jobs than one claim ends (plain queue) or than
+    a flow pass reads (flow-controlled; more than two: the wake token the enqueue left woke
+    it once): it claims on at once, rather than waiting for its idle block (here 600 s) to
+    end, and runs the job behind them."""
+    jobs = expired_batch(app, task, n)
+    live = app.enqueue(task, [7])
+    stack.worker(app=worker_app, env={"TASKRUNNER_IDLE_BLOCK": "600"})
+    assert live.wait(30) == 7
+    assert_expired(app, jobs[-1])
+    assert app.redis.zcard(app.keys.q("default") + "killed:error:Expired") == n
+
+
 def test_an_expired_job_of_a_rate_limited_task_spends_no_token(app):
     """A flow pass takes an expired job without its task's token: the job behind it, of the
     same task (one token an hour), gets the token and is delivered in the same claim."""

@@ -30,7 +30,9 @@
 -- now is not delivered: it leaves processing and ends killed, error_type Expired, through
 -- finalize() as kill.lua ends a pending job (unique lock, workflow children, history), and
 -- the claim goes on to the next job. It is not counted in consumed_messages/bytes (those
--- count deliveries); a flow pass takes it without a token or a slot.
+-- count deliveries); a flow pass takes it without a token or a slot, and not in its window
+-- of FLOW_WINDOW jobs. A call ends EXPIRED_MAX at most (about, on a plain queue: a batch
+-- read is ended whole), then stops and leaves a wake token (its claimer claims on).
 -- Counts meta consumed_messages/consumed_bytes; a bounded queue signals room (notfull). A
 -- queue found with no job left (not a flow-controlled one) loses its wake token: it is stale.
 -- Returns {queue index, id, attempt, task, args, kwargs, max_duration, timeout_policy,
@@ -172,16 +174,19 @@ local function flow_control()
   -- many again as were read, while jobs are still wanted and held back): a
   -- job whose task's rate limit has no token now, or whose concurrency key is full, stays
   -- where it is and the jobs behind it go ahead; the queue's own limit (`qlim`) stops the
-  -- pass once spent. Stale ids (see the claim) are dropped, as by the plain claim.
-  function flow_pick(p, k, qlim, pending)
+  -- pass once spent. Stale ids (see the claim) are dropped, as by the plain claim. [expires]
+  -- A job past its expiry is taken (the claim ends it) and counts neither among the k nor in
+  -- the window, up to `budget` of them (the pass then stops): a window of expired jobs hid
+  -- the live ones behind it, and the claim answered none with them pending.
+  function flow_pick(p, k, qlim, pending, budget)
     if qlim and qlim.tat > t then
       if redis.call('LLEN', pending) > 0 then held_back(qlim.tat - t) end
       return {}
     end
-    -- picked: the ids in fresh that are to run (the others expired: not counted towards k)
-    local fresh, keep, seen, done, looked, picked = {}, {}, {}, false, 0, 0
-    while not done and looked < FLOW_WINDOW do
-      local c = math.min(math.max(k - picked, looked), FLOW_WINDOW - looked)  -- k, then doubling
+    -- picked: the ids in fresh that are to run; expired: the others (they are not in the window)
+    local fresh, keep, seen, done, looked, picked, expired = {}, {}, {}, false, 0, 0, 0
+    while not done and looked - expired < FLOW_WINDOW do
+      local c = math.min(math.max(k - picked, looked), FLOW_WINDOW - looked + expired)  -- k, then doubling
       local ids = redis.call('LRANGE', pending, -looked - c, -looked - 1)
       if #ids == 0 then break end
       looked = looked + #ids
@@ -217,6 +222,8 @@ local function flow_control()
           end
           if gone then  -- the claim ends it (Expired)
             fresh[#fresh + 1] = id
+            expired = expired + 1
+            done = expired >= budget  -- the call ends no more: the jobs behind stay
           elseif ok then
             fresh[#fresh + 1] = id
             picked = picked + 1
@@ -265,6 +272,13 @@ local bucket_names = {}
 local out = want > 1 and want <= 100 and {unpack({}, 1, 10 * want)} or {}
 local n_out = 0
 local n = 0
+-- [expires] The most jobs one call ends Expired, about (a batch read is ended whole): each
+-- costs a finalize() (~65 us), and a backlog of them (no worker while they passed) was ended
+-- in one call that held Redis for seconds (20,000: 1.3 s; 100,000: past a client's socket
+-- timeout, other clients answered BUSY). A call that reaches it stops there and leaves the
+-- queue a wake token: its claimer, found short, is woken at once and claims on.
+local EXPIRED_MAX = 200
+local expired_all = 0
 for qi = 1, #KEYS do
   local p = KEYS[qi]
   local pending, processing, items = p .. 'pending', p .. 'processing', p .. 'items'
@@ -284,11 +298,11 @@ for qi = 1, #KEYS do
   local taken, bytes, expired = 0, 0, 0
   local entries, buckets = {}, {}
   local more  -- jobs are left in `pending` (nil: not known, LLEN asks)
-  while n < limit do
+  while n < limit and expired_all < EXPIRED_MAX do
     local fresh
     local moved = false  -- fresh already moved from items to processing
     if flow then
-      fresh = flow_pick(p, limit - n, qlim, pending)
+      fresh = flow_pick(p, limit - n, qlim, pending, EXPIRED_MAX - expired_all)
     else
       -- One id more than wanted, left in the list: whether jobs are left, without an LLEN.
       -- A number argument is formatted by the call's bridge ('%.17g', ~2.5k instructions): an
@@ -397,6 +411,7 @@ for qi = 1, #KEYS do
         finalize(p, id, job, load(job), 'killed', t, 604800, {'error_type', 'Expired',
           'error', 'not started before it expired at ' .. when}, 'Expired')
         expired = expired + 1
+        expired_all = expired_all + 1
       else
         n = n + 1
         taken = taken + 1
@@ -471,6 +486,10 @@ for qi = 1, #KEYS do
     signal_room(p, tonumber(meta[1]) or 0, meta[6])
   elseif expired > 0 then  -- [expires] they left the queue too: room for a producer
     signal_room(p, tonumber(meta[1]) or 0, meta[6])
+  end
+  if expired_all >= EXPIRED_MAX and n < limit then  -- [expires] cut short: its claimer comes back for the rest
+    wake(p)
+    break
   end
   if n >= want then
     if more == nil or lists then more = (lists and backlog(p, meta[6]) or redis.call('LLEN', pending)) > 0 end
