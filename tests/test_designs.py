@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -18,7 +19,7 @@ from taskrunner.client.aio import AsyncClient
 from taskrunner.client.consumer import Consumer
 from taskrunner.ops import queue
 from tests import apps
-from tests.conftest import wait_for
+from tests.conftest import until_logged, wait_for
 
 # -- pressure: bounded, closed, exclusive queues, counters, identities -----------------
 
@@ -224,6 +225,114 @@ def test_consume_whose_command_a_kill_stopped_exits_1_whatever_it_exited(app, st
     out, _ = p.communicate(timeout=60)
     assert p.returncode == 1 and f"job {victim.id} stopped: killed on request" in out, (p.returncode, out)
     assert victim.refresh().state == "killed"
+
+
+#: A command for `consume` that marks its start in the folder it is given, answers 7 once told
+#: to (a file `go` there), and marks a SIGTERM (exiting 0 on it); bounded: 2 minutes at most.
+PATIENT = [sys.executable, "-c", "import pathlib, signal, sys, time\n"
+           "d = pathlib.Path(sys.argv[1])\n"
+           "sys.stdin.read()\n"
+           "signal.signal(signal.SIGTERM, lambda *_: ((d / 'termed').touch(), sys.exit(0)))\n"
+           "(d / 'started').touch()\n"
+           "for _ in range(2400):\n"
+           "    if (d / 'go').exists(): print(7); sys.exit(0)\n"
+           "    time.sleep(0.05)"]
+
+
+def test_consume_on_sigterm_lets_its_command_finish_within_the_shutdown_grace(app, stack, tmp_path):
+    """SIGTERM (a platform stopping the process, `kill PID`) is a worker's stop for consume's
+    one job: CMD finishes within the shutdown grace, untouched, and its outcome is recorded
+    (exit 0, acked); a repeated SIGTERM changes nothing. consume died on SIGTERM, leaving CMD
+    running on its own and the job held, to be run again once the consumer was found dead."""
+    job = apps.add.delay(3, 4)
+    p = stack.spawn("consume", "-q", "default", "--", *PATIENT, str(tmp_path),
+                    env={"TASKRUNNER_SHUTDOWN_GRACE": "120"})
+    wait_for((tmp_path / "started").exists, what="the command to start")
+    p.send_signal(signal.SIGTERM)
+    until_logged(p, "SIGTERM: letting the command finish")
+    p.send_signal(signal.SIGTERM)
+    until_logged(p, "SIGTERM again")
+    (tmp_path / "go").touch()
+    out, _ = p.communicate(timeout=60)
+    assert (p.returncode, out.strip()) == (0, "7"), (p.returncode, out)
+    assert not (tmp_path / "termed").exists()
+    assert job.refresh().state == "completed" and job.to_dict()["result"] == 7
+
+
+def test_consume_on_sigterm_stops_its_command_past_the_grace_and_hands_the_job_back(app, stack, tmp_path):
+    """Past the shutdown grace CMD gets SIGTERM (a worker's stop of a job that did not finish)
+    and the job goes back to its queue, next in line: exit 143 (128 + SIGTERM), whatever CMD
+    exited, as 130 says Ctrl-C handed it back."""
+    victim, behind = apps.add.delay(1, 1), apps.add.delay(2, 2)
+    p = stack.spawn("consume", "-q", "default", "--", *PATIENT, str(tmp_path),
+                    env={"TASKRUNNER_SHUTDOWN_GRACE": "0.5"})
+    wait_for((tmp_path / "started").exists, what="the command to start")
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM and f"job {victim.id} is back in its queue" in out, (p.returncode, out)
+    assert (tmp_path / "termed").exists()
+    assert victim.refresh().state == "pending" and victim.data["attempts"] == "1", victim.data
+    assert [w for w in json.loads(stack.cli("workers", "--json", check=True).stdout) if w["state"] == "alive"] == []
+    assert [d.id for d in Consumer(app, ["default"]).claim(2)] == [victim.id, behind.id]  # next in line
+
+
+def test_consume_exits_as_its_job_was_recorded_when_a_kill_comes_as_its_command_exits(app, stack, tmp_path,
+                                                                                      monkeypatch):
+    """A kill request read just as CMD exits 0: the job is recorded either stopped (exit 1) or
+    acked (exit 0), and the exit code says which. The watcher could decide to stop CMD after
+    consume had read "not stopped" and acked the job, then the exit code read its decision:
+    exit 1 for an acked job. Forced here: the watcher's look at "CMD exited" is held until
+    consume records the outcome, and answers what it saw before (the race's interleaving)."""
+    from taskrunner.cli import consume
+
+    job = apps.add.delay(3, 4)
+    armed, recording = threading.Event(), threading.Event()
+
+    class SeenLate(threading.Event):
+        """CMD's exit as the watcher sees it once armed: what it was at the first look,
+        answered once consume records the outcome."""
+
+        seen: bool | None = None
+
+        def is_set(self) -> bool:
+            if threading.current_thread() is threading.main_thread() or not armed.is_set():
+                return super().is_set()
+            if self.seen is None:
+                self.seen = super().is_set()
+                recording.wait(30)
+            return self.seen
+
+    class Recorded(consume.Held):
+        def watch(self, *args):  # type: ignore[no-untyped-def]
+            self.watcher = threading.current_thread()
+            super().watch(*args)
+
+        def record(self, *args):  # type: ignore[no-untyped-def]
+            recording.set()
+            self.watcher.join(30)  # the watcher decided, late
+            return super().record(*args)
+
+    monkeypatch.setattr(consume, "threading", SimpleNamespace(Event=SeenLate, Thread=threading.Thread,
+                                                              Lock=threading.Lock))
+    c = Consumer(app, ["default"])
+    [delivery] = c.claim(1)
+    held, exited = Recorded(app, c, delivery), []
+
+    def run() -> None:
+        try:
+            held.hand_to((*PATIENT, str(tmp_path)))
+        except SystemExit as e:
+            exited.append(e.code)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    wait_for((tmp_path / "started").exists, what="the command to start")
+    armed.set()
+    job.kill()
+    (tmp_path / "go").touch()
+    runner.join(60)
+    state = job.refresh().state
+    assert exited == [0 if state == "completed" else 1] and state == "completed", (exited, state)
 
 
 def test_consume_with_no_job_leaves_no_worker_behind(app, stack):

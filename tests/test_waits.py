@@ -6,6 +6,8 @@ rather than polling, and outlives a Redis outage: it reconnects and looks again.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -187,37 +189,67 @@ def test_every_client_has_a_socket_timeout_unless_its_url_sets_one():
     assert ClusterURL.parse("redis+cluster://127.0.0.1:1?socket_timeout=0.5")._options({})["socket_timeout"] == 0.5
 
 
-def test_consume_reports_a_command_that_ended_while_redis_was_down(app, own_redis, tmp_path):
+@pytest.fixture
+def by_hand(app, own_redis):
+    """A stack on own_redis and a job in queue `byhand`, for consume_by_hand()."""
+    app.configure(redis_url=own_redis.url)
+    stack = Stack(app, own_redis.url)
+    try:
+        yield stack, app.enqueue("tests.apps.nap", [0], queue="byhand")
+    finally:
+        stack.stop()
+
+
+def consume_by_hand(stack: Stack, script: str, new_session: bool = False) -> subprocess.Popen:
+    """`taskrunner consume -q byhand -- sh -c SCRIPT`, stdout and stderr piped apart."""
+    args = [sys.executable, "-m", "taskrunner", "consume", "-q", "byhand", "--", "sh", "-c", script]
+    consume = subprocess.Popen(args, cwd=ROOT, env=stack.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=new_session)
+    stack.procs.append(consume)
+    return consume
+
+
+def test_consume_reports_a_command_that_ended_while_redis_was_down(by_hand, own_redis, tmp_path):
     """`taskrunner consume -- CMD`: CMD ends while Redis is down for longer than redis-py's own
     retries. The consumer keeps its outcome and reports it once Redis answers: exit 0, the job
     completed (it exited 1, "cannot reach Redis", and the job went back to run again)."""
-    app.configure(redis_url=own_redis.url)
-    stack = Stack(app, own_redis.url)
+    stack, job = by_hand
     ended = tmp_path / "ended"
-    try:
-        job = app.enqueue("tests.apps.nap", [0], queue="byhand")
-        consume = subprocess.Popen([sys.executable, "-m", "taskrunner", "consume", "-q", "byhand", "--", "sh", "-c",
-                                    f"read -r line; while [ ! -e {tmp_path}/go ]; do sleep 0.05; done; echo 7; "
-                                    f"touch {ended}"],
-                                   cwd=ROOT, env=stack.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        stack.procs.append(consume)
-        wait_for(lambda: job.state == "running", what="the job to be taken")
-        err: list[str] = []
-        reader = threading.Thread(target=lambda: err.extend(consume.stderr), daemon=True)
-        reader.start()
-        own_redis.stop()
-        (tmp_path / "go").touch()
-        wait_for(lambda: ended.exists(), what="the command to end")
-        wait_for(lambda: consume.poll() is not None or any(f"reporting job {job.id}" in line for line in err),
-                 timeout=60, what="the consumer to give up or to wait for Redis")
-        own_redis.start()
-        out = consume.stdout.read()
-        consume.wait(timeout=60)
-        reader.join(timeout=10)
-        assert (consume.returncode, out.strip()) == (0, "7"), "".join(err)
-        assert job.refresh().data["state"] == "completed" and job.data["attempts"] == "1", job.data
-    finally:
-        stack.stop()
+    consume = consume_by_hand(stack, f"read -r line; while [ ! -e {tmp_path}/go ]; do sleep 0.05; done; echo 7; "
+                                     f"touch {ended}")
+    wait_for(lambda: job.state == "running", what="the job to be taken")
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(consume.stderr), daemon=True)
+    reader.start()
+    own_redis.stop()
+    (tmp_path / "go").touch()
+    wait_for(lambda: ended.exists(), what="the command to end")
+    wait_for(lambda: consume.poll() is not None or any(f"reporting job {job.id}" in line for line in err),
+             timeout=60, what="the consumer to give up or to wait for Redis")
+    own_redis.start()
+    out = consume.stdout.read()
+    consume.wait(timeout=60)
+    reader.join(timeout=10)
+    assert (consume.returncode, out.strip()) == (0, "7"), "".join(err)
+    assert job.refresh().data["state"] == "completed" and job.data["attempts"] == "1", job.data
+
+
+def test_consume_interrupted_while_redis_is_down_exits_130_saying_where_its_job_is(by_hand, own_redis, tmp_path):
+    """Ctrl-C while CMD runs and Redis is down: consume cannot hand the job back, and says so
+    (it stays held until the dispatcher finds this consumer dead and requeues it), exit 130.
+    Handing it back raised: exit 3 ("cannot reach Redis"), nothing said of the job."""
+    stack, job = by_hand
+    started = tmp_path / "started"
+    consume = consume_by_hand(stack, f"read -r line; touch {started}; i=0; "
+                                     "while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done", new_session=True)
+    wait_for(started.exists, what="the command to start")
+    own_redis.stop()
+    os.killpg(consume.pid, signal.SIGINT)  # as a terminal does: to its foreground process group
+    _, err = consume.communicate(timeout=120)
+    assert consume.returncode == 130, err
+    assert "interrupted: Redis unreachable" in err and f"job {job.id} goes back to its queue once" in err, err
+    own_redis.start()
+    assert job.refresh().data["state"] == "running"  # held, for the dispatcher to requeue
 
 
 def test_a_cancellable_blocker_asks_its_client_id_again_on_a_new_socket(app):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -34,7 +36,8 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
             app_spec: str | None, redis_url: str | None) -> None:
     """Take one job from the shell. With `-- CMD ...`, CMD gets the job as JSON on stdin;
     exit 0 acks it (CMD's stdout, JSON if it parses, is the result), anything else fails
-    it. Without CMD the job's JSON is printed and acked. Exit: CMD's code, 2 if no job."""
+    it. Without CMD the job's JSON is printed and acked. Exit: CMD's code, 2 if no job; 130 on
+    Ctrl-C and 143 on SIGTERM once CMD outlived the shutdown grace: the job went back."""
     logs.configure(log_level, log_format)  # what it logs: waiting out a Redis outage
     app = app_from(app_spec, redis_url)
     c = Consumer(app, [q.strip() for q in queue_list.split(",") if q.strip()])
@@ -49,20 +52,70 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
         click.echo("no job", err=True)
         sys.exit(EXIT_NOT_YET)
     held = Held(app, c, delivery)
+    signal.signal(signal.SIGTERM, held.on_sigterm)
     if not command:
         return held.print_and_ack()
     held.hand_to(command)
+
+
+class Stop:
+    """Whether the watcher stopped CMD, and why, decided once. The watcher stops CMD only
+    while consume has not yet read how CMD ended (stop()); consume reads it once (settle())
+    for both the record and the exit code. A kill read just as CMD exits 0 so either stopped
+    it (the job ends killed: exit 1) or came too late (acked: exit 0), never acked and exit 1."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.exited = threading.Event()  # CMD exited: the watcher's waits end
+        self.settled = False
+        self.reason: str | None = None
+
+    def stop(self, reason: str) -> bool:
+        """The watcher's decision to stop CMD for `reason`: False once CMD's end was read."""
+        with self.lock:
+            if self.settled:
+                return False
+            self.reason = reason
+            return True
+
+    def settle(self) -> str | None:
+        """CMD exited: why the watcher stopped it (None: it did not), read once."""
+        with self.lock:
+            self.settled = True
+            self.exited.set()
+            return self.reason
 
 
 class Held:
     """The job `consume` claimed, held until its outcome is recorded: printed and acked, or
     handed to a command that is watched while it runs (watch()) and whose exit is the
     outcome (record()). The outcome is only here, so each write of it rides out a Redis
-    outage (report()), and the consumer leaves the list of workers last (leave())."""
+    outage (report()), and the consumer leaves the list of workers last (leave()).
+    SIGTERM is a worker's stop for this one job (on_sigterm())."""
 
     def __init__(self, app: TaskRunner, consumer: Consumer, delivery: Delivery) -> None:
         self.app, self.c, self.delivery = app, consumer, delivery
         self.payload = json.dumps(delivery.to_dict())
+        self.term_at: float | None = None  # monotonic: past it, a SIGTERM stops CMD
+        self.printed = False  # no CMD: the job is printed and acked
+
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM stops consume as it stops a worker (README, *Run it in production*): CMD
+        has shutdown_grace to finish, its outcome recorded as usual; past it, the watcher stops
+        CMD and the job goes back to its queue. A repeated SIGTERM changes nothing (platforms
+        signal every process, supervisors pass it on). It died of it: CMD ran on alone while
+        the job, held until the dispatcher found the consumer dead, was run again. Without
+        CMD the job is printed and acked at once: there is nothing to wait for. Written with
+        os.write: the handler may run inside a write to stderr."""
+        if self.printed:
+            note = "SIGTERM: the job was printed; acking it first"
+        elif self.term_at is None:
+            grace = self.app.settings.shutdown_grace
+            self.term_at = time.monotonic() + grace
+            note = f"SIGTERM: letting the command finish ({grace:g} s at most), then its job goes back to its queue"
+        else:
+            note = "SIGTERM again: already stopping, the command keeps its grace"
+        os.write(2, (note + "\n").encode())
 
     def report(self, call: Callable[[], Any], deadline: float | None = None) -> Any:
         """The outcome is only here: ride out a Redis outage (with backoff) to record it,
@@ -88,8 +141,22 @@ class Held:
         except REDIS_ERRORS as e:
             click.echo(f"could not leave the list of workers ({e}); the dispatcher will drop this consumer", err=True)
 
+    def hand_back(self, why: str, code: int) -> NoReturn:
+        """Give the job back, next in line (Consumer.close()), and exit with `code`, saying
+        what became of it: with Redis unreachable it stays held until the dispatcher finds
+        this consumer dead and requeues it (close() raised: exit 3, nothing said of the job)."""
+        try:
+            self.c.close()
+        except REDIS_ERRORS as e:
+            click.echo(f"{why}: Redis unreachable ({e}): job {self.delivery.id} goes back to its queue once the "
+                       "dispatcher finds this consumer dead", err=True)
+        else:
+            click.echo(f"{why}: job {self.delivery.id} is back in its queue", err=True)
+        sys.exit(code)
+
     def print_and_ack(self) -> None:
         """No command: the job's JSON goes to stdout, and the job is acked."""
+        self.printed = True
         click.echo(self.payload)
         if not self.report(lambda: self.c.ack([self.delivery])[0]):
             click.echo(f"job {self.delivery.id} was requeued or killed meanwhile: it was not acked", err=True)
@@ -100,7 +167,9 @@ class Held:
     def hand_to(self, command: tuple[str, ...]) -> None:
         """Run `command` with the job's JSON on stdin, watched (watch()) until it exits, pass
         on its output, record its outcome, and exit with its code (EXIT_REFUSED for a 0 that
-        was not recorded as one: a stopped job, or one requeued or killed meanwhile)."""
+        was not recorded as one: a stopped job, or one requeued or killed meanwhile). Ctrl-C,
+        or CMD still running past a SIGTERM's grace: the job goes back (hand_back()), exit 130
+        or 143 (128 + SIGTERM)."""
         c, delivery = self.c, self.delivery
         try:
             proc = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -110,43 +179,45 @@ class Held:
             c.fail(delivery, "CommandFailed", f"{' '.join(command)}: {e}")
             c.close()
             sys.exit(127)
-        done = threading.Event()  # CMD exited
-        stopped: list[str] = []  # why watch() stopped CMD, if it did
-        threading.Thread(target=self.watch, args=(proc, done, stopped), daemon=True).start()
+        stop = Stop()
+        threading.Thread(target=self.watch, args=(proc, stop), daemon=True).start()
         try:
             out, err = proc.communicate(self.payload)
         except KeyboardInterrupt:  # Ctrl-C reached CMD too: the job goes back, next in line
+            stop.settle()
             proc.kill()
             proc.wait()
-            c.close()
-            click.echo(f"interrupted: job {delivery.id} is back in its queue", err=True)
-            sys.exit(130)
-        finally:
-            done.set()
+            self.hand_back("interrupted", 130)
+        why = stop.settle()
         sys.stdout.write(out)
         sys.stderr.write(err)
+        if why == "shutdown":
+            click.echo(f"job {delivery.id} stopped: still running {self.app.settings.shutdown_grace:g} s after "
+                       "SIGTERM", err=True)
+            self.hand_back("stopped (SIGTERM)", 128 + signal.SIGTERM)
         code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode  # as a shell says it
-        acked = self.record(command, code, out, err, stopped[0] if stopped else None)
+        acked = self.record(command, code, out, err, why)
         if not acked:
             click.echo(f"job {delivery.id} was requeued or killed meanwhile: this outcome was not recorded", err=True)
         self.leave()
-        sys.exit(EXIT_REFUSED if code == 0 and (stopped or not acked) else code)  # 0 says the job was acked
+        sys.exit(EXIT_REFUSED if code == 0 and (why or not acked) else code)  # 0 says the job was acked
 
-    def watch(self, proc: subprocess.Popen, done: threading.Event, stopped: list[str]) -> None:
+    def watch(self, proc: subprocess.Popen, stop: Stop) -> None:
         """Keep the job ours while CMD runs (heartbeats, through a Redis outage too) and
         stop CMD as a worker stops a job: on a kill request (its message, or the record's
         kill_requested read at each beat), once the job is ours no more (requeued, or we
-        were found dead), or at its max duration when its policy is kill (SIGTERM, SIGKILL
-        after kill_grace). Why it stopped CMD goes in `stopped`; it returns once `done` is
-        set (CMD exited)."""
+        were found dead), at its max duration when its policy is kill, or at the end of a
+        SIGTERM's grace, "shutdown" (seen within a beat of the SIGTERM) (SIGTERM, SIGKILL
+        after kill_grace). Why it stopped CMD goes in `stop`; it returns once CMD exited."""
         c, delivery, s = self.c, self.delivery, self.app.settings
         backoff = Backoff(f"consumer {c.name}", None)
         deadline = time.monotonic() + delivery.max_duration if delivery.timeout_policy == "kill" else math.inf
         beat_at, reason = 0.0, None
-        while not done.is_set() and reason is None:
+        while not stop.exited.is_set() and reason is None:
             now = time.monotonic()
-            if now >= deadline:
-                reason = "timeout"
+            term_at = math.inf if self.term_at is None else self.term_at
+            if now >= min(deadline, term_at):
+                reason = "timeout" if now >= deadline else "shutdown"
                 break
             try:
                 if now >= beat_at:
@@ -154,13 +225,12 @@ class Held:
                     beat_at = now + s.heartbeat
                     reason = c.still_ours(delivery)
                 if reason is None:
-                    reason = c.kill_request(delivery, max(0.01, min(beat_at, deadline) - now))
+                    reason = c.kill_request(delivery, max(0.01, min(beat_at, deadline, term_at) - now))
                 backoff.ok()
             except REDIS_ERRORS as e:
-                done.wait(min(backoff.after(e), s.heartbeat))
-        if reason is None or done.is_set():
+                stop.exited.wait(min(backoff.after(e), s.heartbeat))
+        if reason is None or not stop.stop(reason):
             return
-        stopped.append(reason)
         proc.terminate()
         try:
             proc.wait(s.kill_grace)
