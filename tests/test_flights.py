@@ -426,3 +426,34 @@ def test_a_probe_counts_any_answer_and_fails_where_nothing_serves(tmp_path):
     with pytest.raises(redis.ConnectionError):
         probe = Probe(redis.Connection(host="127.0.0.1", port=free_port(), socket_timeout=5))
         wait_for(lambda: answered(probe), what="the probe's refusal")
+
+
+def test_a_child_forked_while_a_probe_is_out_leaves_no_connection_to_redis_open(app, tmp_path):
+    """(Review.) A child forked while a probe is out (the over-time job's replacement, forked
+    while Redis answers nothing) inherits the probe's socket. The worker closed its own once
+    answered, so the connection stayed open in the child for as long as the child lived, one
+    more at each outage; shut down for every process, as redis-py's disconnect() does, the
+    server sees it end."""
+    port = free_port()
+    with RedisServer(tmp_path, appendonly=False, port=port) as server:
+        app.configure(redis_url=f"redis://127.0.0.1:{port}?socket_timeout=120")
+        w = start(app)
+        try:
+            app.redis.client_kill_filter(_type="normal")  # all but this one (SKIPME yes): the worker probes
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                probe = wait_for(lambda: w._step() or (w.probe if w.probe and not w.probe.connecting else None),
+                                 what="the worker's probe to be out")
+                host, local = probe.sock.getsockname()
+                old = w.crew.children[0]
+                os.kill(old.pid, signal.SIGKILL)
+                wait_for(lambda: w._step() or (old not in w.crew.children and len(w.crew.children) == 2),
+                         what="a child forked in the dead one's place")
+                assert w.probe is probe, "the probe ended before the child was forked"
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            wait_for(lambda: w._step() or not w.unsure, what="the probe's answer")
+            wait_for(lambda: f"{host}:{local}" not in {c["addr"] for c in app.redis.client_list()}, timeout=10,
+                     what="the probe's connection to end")
+        finally:
+            stop(w)

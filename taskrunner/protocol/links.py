@@ -445,7 +445,12 @@ class Probe:
         return True
 
     def close(self) -> None:
+        """Shut the connection down, then close: a child forked while it was out holds the
+        socket too, and close() alone leaves the connection open for as long as the child
+        lives (redis-py's disconnect() shuts down for the same reason)."""
         if self.sock is not None:
+            with contextlib.suppress(OSError):  # never connected, or the server reset it
+                self.sock.shutdown(socket.SHUT_RDWR)
             self.sock.close()
             self.sock = None
 
