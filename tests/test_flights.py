@@ -457,3 +457,35 @@ def test_a_child_forked_while_a_probe_is_out_leaves_no_connection_to_redis_open(
                      what="the probe's connection to end")
         finally:
             stop(w)
+
+
+def test_a_worker_told_to_stop_while_redis_answers_nothing_gives_its_wake_tokens_back_in_flight(app, tmp_path):
+    """(Review.) An idle worker told to stop (SIGTERM) gave back the wake tokens its BRPOPs
+    may have taken with a round trip of redis-py's, on the loop: with Redis answering
+    nothing (SIGSTOP) it sat there for socket_timeout at each of redis-py's tries, reading
+    no child and stopping no job at its max duration. They go with the next sync now, in
+    flight. socket_timeout outlasts a watchdog process that resumes Redis after 30 s
+    whatever happens: the step must return while Redis is still stopped."""
+    port = free_port()
+    with RedisServer(tmp_path, appendonly=False, port=port) as server:
+        app.configure(redis_url=f"redis://127.0.0.1:{port}?socket_timeout=120")
+        w = start(app)
+        watchdog = None
+        try:
+            wait_for(lambda: w._step() or all(b.armed for b in w.wakes), what="the idle worker's BRPOPs on its wakes")
+            wakes = [b.keys[0] for b in w.wakes]
+            app.redis.delete(*wakes)
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                watchdog = subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {server.proc.pid}"])
+                w._on_signal(signal.SIGTERM, None)
+                w._step()
+                assert stopped(server.proc.pid), "the step waited for Redis until the watchdog resumed it"
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            wait_for(lambda: w._step() or all(app.redis.llen(k) == 1 for k in wakes), what="the tokens given back")
+        finally:
+            if watchdog is not None:
+                watchdog.kill()
+                watchdog.wait()
+            stop(w)

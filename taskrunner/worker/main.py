@@ -243,14 +243,11 @@ class Worker:
             log.info("worker %s: SIGTERM again: already stopping, running jobs keep their grace", self.name)
 
     def _give_back_wake(self) -> None:
-        """We may have taken a wake token we will not use: leave one for others."""
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            for p in self.prefixes:
-                give_back_in(pipe, p + "wake")
-            pipe.execute()
-        except _REDIS_ERRORS:
-            pass
+        """We may have taken a wake token we will not use: leave one for others, with the
+        next sync (due at once, in flight; the goodbye's at the latest). A round trip of
+        redis-py's here held the loop for socket_timeout at each try while Redis answered
+        nothing, stopping no job at its max duration."""
+        self.gifts += [p + "wake" for p in self.prefixes if p + "wake" not in self.gifts]
 
     def _drained(self) -> bool:
         """Nothing left to run or report, and no claim in flight: one sent just before the
