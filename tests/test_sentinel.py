@@ -5,6 +5,8 @@ on, without a restart, after the primary dies (SIGKILL) or is demoted (SENTINEL 
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 
 import pytest
 import redis
@@ -154,3 +156,58 @@ def test_sentinel_url_parts():
     assert u.sentinels == (("10.0.0.1", 26379), ("::1", 26380))
     assert (u.service, u.db, u.password, u.options) == ("cache", 2, "p@ss", {"socket_timeout": 3.0})
     assert u.sentinel_options["password"] == "s"
+
+
+class ClosingListener:
+    """A TCP port on loopback that takes each connection and closes it at once (a sentinel
+    that is not serving), counting them."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.taken = 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.done.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.taken += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join()
+        self.sock.close()
+
+
+def test_a_lookup_of_the_primary_asks_each_sentinel_once():
+    """(Review.) Each sentinel's client kept redis-py's retry policy (redis-py 8: 10 tries,
+    backing off up to 1 s): with every sentinel down, one lookup of the primary took 12 s,
+    and the worker's loop makes one before a probe and up to once a second before a send
+    (Channel._follow), on the loop. The sentinels are each other's retry: one try each."""
+    listeners = [ClosingListener() for _ in range(3)]
+    try:
+        url = "redis+sentinel://" + ",".join(f"127.0.0.1:{s.port}" for s in listeners) + "/mymaster"
+        with pytest.raises(redis.ConnectionError):
+            connect(url).connection_pool.get_master_address()
+        assert [s.taken for s in listeners] == [1, 1, 1]
+
+        async def lookup() -> None:
+            client = connect_async(url)
+            try:
+                with pytest.raises(redis.ConnectionError):
+                    await client.connection_pool.get_master_address()
+            finally:
+                await close_async(client)
+
+        asyncio.run(lookup())
+        assert [s.taken for s in listeners] == [2, 2, 2]
+    finally:
+        for s in listeners:
+            s.close()

@@ -34,8 +34,11 @@ from typing import Any, TypeAlias
 import redis
 import redis.asyncio
 import redis.asyncio.cluster
+import redis.asyncio.retry
 import redis.asyncio.sentinel
+import redis.backoff
 import redis.cluster
+import redis.retry
 import redis.sentinel
 
 from taskrunner.errors import BadURL
@@ -94,13 +97,19 @@ class SentinelURL:
                 "socket_connect_timeout": 5.0, "socket_timeout": SOCKET_TIMEOUT, **self.options, **options}
 
     def master(self, **options: Any) -> Client:
-        """A client of the current primary (found anew by each connection it opens)."""
-        sentinel = redis.sentinel.Sentinel(self.sentinels, sentinel_kwargs=self.sentinel_options)
+        """A client of the current primary (found anew by each connection it opens). Each
+        sentinel is asked once per lookup, without redis-py's retries (redis-py 8: 10 tries,
+        backing off up to 1 s): the other sentinels are its retry, and with every sentinel
+        down a lookup took 12 s, on a worker's loop among others (before a probe, and at
+        most once a second before a send)."""
+        once = {"retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0)}
+        sentinel = redis.sentinel.Sentinel(self.sentinels, sentinel_kwargs={**once, **self.sentinel_options})
         return sentinel.master_for(self.service, connection_pool_class=SentinelPool, **self._master_options(options))
 
     def master_async(self, **options: Any) -> AsyncClient:
         """The same for redis.asyncio."""
-        sentinel = redis.asyncio.sentinel.Sentinel(self.sentinels, sentinel_kwargs=self.sentinel_options)
+        once = {"retry": redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 0)}
+        sentinel = redis.asyncio.sentinel.Sentinel(self.sentinels, sentinel_kwargs={**once, **self.sentinel_options})
         return sentinel.master_for(self.service, connection_pool_class=AsyncSentinelPool,
                                    **self._master_options(options))
 
