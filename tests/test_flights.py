@@ -6,11 +6,13 @@ processes, its Redis is real."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -324,6 +326,21 @@ def stopped(pid: int) -> bool:
         return f.read().rpartition(")")[2].split()[0] == "T"
 
 
+@contextlib.contextmanager
+def hung(pid: int) -> Iterator[None]:
+    """The process stopped (SIGSTOP) for the block, and resumed after it whatever happens;
+    a watchdog process resumes it after 30 s in any case (this process killed, a step that
+    waits on it), so that a Redis found still stopped tells that we did not wait for it."""
+    os.kill(pid, signal.SIGSTOP)
+    watchdog = subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {pid}"], start_new_session=True)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        os.killpg(watchdog.pid, signal.SIGKILL)  # its sleep too
+        watchdog.wait()
+
+
 def stops_an_over_time_job_while_redis_answers_nothing(app, pid: int, drop: bool) -> None:
     """A worker of this process (its socket_timeout outlasting a watchdog process that resumes
     Redis after 30 s whatever happens) runs a job with a 3 s max duration; Redis (`pid`) stops
@@ -331,7 +348,6 @@ def stops_an_over_time_job_while_redis_answers_nothing(app, pid: int, drop: bool
     job's child must be stopped while Redis is still stopped, and its end reported once Redis
     answers again."""
     w = start(app)
-    watchdog = None
     try:
         # A job that does not use Redis (a dropped connection would fail it), begun once its
         # child has it; only our steps of the worker stop it.
@@ -341,21 +357,14 @@ def stops_an_over_time_job_while_redis_answers_nothing(app, pid: int, drop: bool
                          what="the job to begin")
         if drop:
             app.redis.client_kill_filter(_type="normal")  # all but this one (SKIPME yes)
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            watchdog = subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {pid}"])
+        with hung(pid):
             wait_for(lambda: w._step() or not child.proc.is_alive(), timeout=120,
                      what="the worker to stop the over-time job's child")
             assert stopped(pid), "Redis was resumed before the worker stopped the over-time job's child"
-        finally:
-            os.kill(pid, signal.SIGCONT)
         wait_for(lambda: w._step() or slow.refresh().state == "failed",
                  what="the job's end reported once Redis answers")
         assert "TimeLimitExceeded" in str(slow.refresh().to_dict())
     finally:
-        if watchdog is not None:
-            watchdog.kill()
-            watchdog.wait()
         stop(w)
 
 
@@ -440,8 +449,7 @@ def test_a_child_forked_while_a_probe_is_out_leaves_no_connection_to_redis_open(
         w = start(app)
         try:
             app.redis.client_kill_filter(_type="normal")  # all but this one (SKIPME yes): the worker probes
-            os.kill(server.proc.pid, signal.SIGSTOP)
-            try:
+            with hung(server.proc.pid):
                 probe = wait_for(lambda: w._step() or (w.probe if w.probe and not w.probe.connecting else None),
                                  what="the worker's probe to be out")
                 host, local = probe.sock.getsockname()
@@ -450,8 +458,6 @@ def test_a_child_forked_while_a_probe_is_out_leaves_no_connection_to_redis_open(
                 wait_for(lambda: w._step() or (old not in w.crew.children and len(w.crew.children) == 2),
                          what="a child forked in the dead one's place")
                 assert w.probe is probe, "the probe ended before the child was forked"
-            finally:
-                os.kill(server.proc.pid, signal.SIGCONT)
             wait_for(lambda: w._step() or not w.unsure, what="the probe's answer")
             wait_for(lambda: f"{host}:{local}" not in {c["addr"] for c in app.redis.client_list()}, timeout=10,
                      what="the probe's connection to end")
@@ -470,22 +476,14 @@ def test_a_worker_told_to_stop_while_redis_answers_nothing_gives_its_wake_tokens
     with RedisServer(tmp_path, appendonly=False, port=port) as server:
         app.configure(redis_url=f"redis://127.0.0.1:{port}?socket_timeout=120")
         w = start(app)
-        watchdog = None
         try:
             wait_for(lambda: w._step() or all(b.armed for b in w.wakes), what="the idle worker's BRPOPs on its wakes")
             wakes = [b.keys[0] for b in w.wakes]
             app.redis.delete(*wakes)
-            os.kill(server.proc.pid, signal.SIGSTOP)
-            try:
-                watchdog = subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {server.proc.pid}"])
+            with hung(server.proc.pid):
                 w._on_signal(signal.SIGTERM, None)
                 w._step()
                 assert stopped(server.proc.pid), "the step waited for Redis until the watchdog resumed it"
-            finally:
-                os.kill(server.proc.pid, signal.SIGCONT)
             wait_for(lambda: w._step() or all(app.redis.llen(k) == 1 for k in wakes), what="the tokens given back")
         finally:
-            if watchdog is not None:
-                watchdog.kill()
-                watchdog.wait()
             stop(w)
