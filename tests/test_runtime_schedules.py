@@ -218,6 +218,9 @@ def test_the_cron_help_puts_the_seconds_field_where_croniter_reads_it(stack):
     (["--every", "1.5s"], "whole number of seconds >= 1"),
     (["--every", "5s", "--tz", "UTC"], "time zone applies to cron"),
     (["--every", "5s", "--args", "{}"], "must be a JSON array"),
+    (["--every", "5s", "--expires", "0"], "expires must be a finite number of seconds > 0"),
+    (["--every", "5s", "--expires", "nan"], "expires must be a finite number of seconds > 0"),
+    (["--every", "5s", "--jitter", "5", "--expires", "5"], "expires (5.0 s) must be more than the jitter (5.0 s)"),
 ])
 def test_bad_schedules_are_refused_in_one_line(app, stack, args, error):
     r = stack.cli("schedule", "add", "bad", "tests.apps.add", *args)
@@ -412,3 +415,65 @@ def test_dashboard_schedule_actions(app):
     assert api.post("/api/schedules/nope/pause", headers={"Authorization": "Bearer tok"}).status_code == 404
     r = api.post("/api/schedules/web/delete", headers={"Authorization": "Bearer tok"})
     assert r.status_code == 200 and schedules.rows(app) == []
+
+
+def test_a_schedules_expires_makes_a_tick_no_worker_started_in_time_end_expired_unrun(app, stack):
+    """Celery beat's options={"expires": S}: each job a real dispatcher fires for the
+    schedule expires S seconds after it was enqueued (Redis's clock); with no worker serving
+    its queue until past that, the worker then started never runs it, it ends killed,
+    Expired. `schedule list` (and --json) show the option."""
+    r = stack.cli("schedule", "add", "late", "tests.apps.record", "--every", "1s", "--args", '["late"]',
+                  "--expires", "1.5")
+    assert r.returncode == 0 and "its jobs expire 1.5 s after firing" in r.stdout, r.stdout + r.stderr
+    [row] = json.loads(stack.cli("schedule", "list", "--json", check=True).stdout)
+    assert (row["name"], row["expires"]) == ("late", 1.5)
+    [line] = [x for x in stack.cli("schedule", "list", check=True).stdout.splitlines() if x.startswith("late")]
+    assert " 1.5 s " in line, line
+    dispatcher = stack.dispatcher()
+    p = app.keys.q("default")
+    wait_for(lambda: app.redis.llen(p + "pending") >= 1, timeout=30, what="a tick's job")
+    dispatcher.terminate()  # a clean stop: no tick fires once it has exited
+    dispatcher.wait(30)
+    fired = app.redis.lrange(p + "pending", 0, -1)
+    assert fired and all(i.startswith("cron.late.") for i in fired), fired
+    expiries = []
+    for job_id in fired:
+        rec = app.redis.hgetall(app.keys.job("default", job_id))
+        assert float(rec["expires"]) == pytest.approx(float(rec["enqueued_at"]) + 1.5, abs=1e-3), rec
+        expiries.append(float(rec["expires"]))
+    wait_for(lambda: server_time(app.redis) >= max(expiries), what="the ticks' jobs' expiry on Redis's clock")
+    stack.worker()
+    for job_id in fired:
+        wait_for(lambda j=job_id: app.redis.hget(app.keys.job("default", j), "state") == "killed", timeout=30,
+                 what=f"{job_id} ended")
+        d = app.job(job_id, "default").to_dict()
+        assert (d["state"], d["error_type"], d["attempts"]) == ("killed", "Expired", 0), d
+    assert app.redis.get(f"{app.settings.prefix}:ledger:late") is None  # never ran
+
+
+def test_periodic_takes_expires_checked_at_declaration_and_run_now_and_list_and_the_dashboard_show_it(app):
+    """`@app.periodic(..., expires=S)`: checked when declared (> 0, more than the jitter);
+    a tick's job and run-now's have it; the state a dispatcher publishes has it, so that
+    `schedule list` without -A and the dashboard's Schedules page show it."""
+    t = TaskRunner("pex", redis_url=app.settings.redis_url, prefix=app.settings.prefix + "pex")
+
+    @t.periodic("*/5 * * * *", name="tidy", expires=60)
+    @t.task(name="pex.tidy")
+    def tidy() -> None:
+        """A schedule's task."""
+
+    assert t.schedules["tidy"].expires == 60
+    for bad, error in [(0, "> 0"), (-1, "> 0"), (float("nan"), "> 0"), ("60", "> 0"), (30, "more than the jitter")]:
+        with pytest.raises(ValueError, match=error):
+            t.periodic("*/5 * * * *", name="bad", jitter=30, expires=bad)
+    d = Dispatcher(t)
+    base = 1_800_000_000.0  # a multiple of 300: a tick
+    d.fire_schedules(base - 1)  # first sight: nothing
+    assert d.fire_schedules(base + 1) == 1
+    for job in (t.job(f"cron.tidy.{int(base)}", "default"), schedules.run_now(t, "tidy")):
+        rec = t.redis.hgetall(t.keys.job("default", job.id))
+        assert float(rec["expires"]) == pytest.approx(float(rec["enqueued_at"]) + 60, abs=1e-3), rec
+    bare = TaskRunner("pex", redis_url=app.settings.redis_url, prefix=app.settings.prefix + "pex")  # no -A
+    assert [(r["name"], r["expires"]) for r in schedules.rows(bare)] == [("tidy", 60)]
+    page = create_app(bare, password="pw", token="tok").test_client().get("/schedules").get_data(as_text=True)
+    assert "expires 60 s after firing" in page

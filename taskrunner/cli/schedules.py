@@ -26,7 +26,7 @@ def schedule() -> None:
 
     \b
     taskrunner schedule add nightly --cron "0 3 * * *" --tz Europe/Berlin shop.report --args '[7]'
-    taskrunner schedule add poll --every 30s shop.poll --overlap skip --jitter 5
+    taskrunner schedule add poll --every 30s shop.poll --overlap skip --jitter 5 --expires 25
     taskrunner schedule list
     taskrunner schedule pause nightly; taskrunner schedule resume nightly
     taskrunner schedule run-now nightly; taskrunner schedule delete nightly"""
@@ -50,10 +50,13 @@ def schedule() -> None:
               help="skip: no tick while the previous tick's job is pending, delayed or running.")
 @click.option("--missed", type=click.Choice(["once", "skip"]), default="once", show_default=True,
               help="After a time without dispatchers: once fires the latest missed tick, skip none.")
+@click.option("--expires", type=float, metavar="S", help="Each tick's job expires S seconds (> 0, more than --jitter) "
+              "after it is fired: one no worker started by then never runs, it ends killed (Expired) rather than "
+              "late (Celery beat's options={\"expires\": S}).")
 @common
 def schedule_add(name: str, task: str, cron: str | None, every: str | None, tz: str | None, args_json: str | None,
                  kwargs_json: str | None, queue_name: str | None, jitter: float, overlap: str, missed: str,
-                 app_spec: str | None, redis_url: str | None) -> None:
+                 expires: float | None, app_spec: str | None, redis_url: str | None) -> None:
     """Add schedule NAME, enqueueing TASK at each tick (or replace the one of that name).
     With -A, a task APP does not declare is an error (exit 2); without, a name no worker
     declared is added with a warning on stderr, as `enqueue` does."""
@@ -63,16 +66,17 @@ def schedule_add(name: str, task: str, cron: str | None, every: str | None, tz: 
     undeclared = undeclared_tasks(app, app_spec, [task])
     s = schedules.add(app, name, task, cron=cron, every=every, tz=tz,
                       args=json_arg(args_json, list, "--args"), kwargs=json_arg(kwargs_json, dict, "--kwargs"),
-                      queue=queue_name, jitter=jitter, overlap=overlap, missed=missed)
+                      queue=queue_name, jitter=jitter, overlap=overlap, missed=missed, expires=expires)
     when = f"every {s.every} s" if s.every else f"cron {s.cron!r} ({s.tz or 'UTC'})"
-    click.echo(f"schedule {name}: {task} on queue {s.queue}, {when}")
+    expiry = f", its jobs expire {s.expires:g} s after firing" if s.expires else ""
+    click.echo(f"schedule {name}: {task} on queue {s.queue}, {when}{expiry}")
     if undeclared:
         warn_undeclared(task, [s.queue], "its jobs go to")
 
 
 @schedule.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Every schedule as JSON (a list): cron or every, time zone, "
-              "source, last and next tick, paused.")
+              "source, expires, last and next tick, paused.")
 @common
 def schedule_list(as_json: bool, app_spec: str | None, redis_url: str | None) -> None:
     """Every schedule: the app's (with -A), those added at runtime, those dispatchers fire;
@@ -83,11 +87,13 @@ def schedule_list(as_json: bool, app_spec: str | None, redis_url: str | None) ->
     if as_json:
         return emit_json(rows)
     width = column_width(4, [r["name"] for r in rows])
-    click.echo(f"{'NAME':{width}} {'WHEN':28} {'TASK':28} {'QUEUE':12} {'STATE':7} {'NEXT':24} LAST FIRED")
+    click.echo(f"{'NAME':{width}} {'WHEN':28} {'TASK':28} {'QUEUE':12} {'STATE':7} {'EXPIRES':9} {'NEXT':24} "
+               "LAST FIRED")
     for r in rows:
         when = f"every {r['every']} s" if r.get("every") else f"{r.get('cron', '?')} {r.get('tz') or 'UTC'}"
+        expires = f"{r['expires']:g} s" if isinstance(r.get("expires"), (int, float)) else "-"
         click.echo(f"{r['name']:{width}} {when[:28]:28} {str(r.get('task', '?'))[:28]:28} "
-                   f"{str(r.get('queue', '?'))[:12]:12} {'paused' if r['paused'] else 'active':7} "
+                   f"{str(r.get('queue', '?'))[:12]:12} {'paused' if r['paused'] else 'active':7} {expires[:9]:9} "
                    f"{timestamp(r.get('next')):24} {timestamp(r.get('last_fired_at'))}")
 
 

@@ -125,12 +125,16 @@ class Schedule:
     tz: str | None = None  # IANA time zone of the cron (None: UTC)
     jitter: float = 0.0  # each tick's job is delayed by up to this many seconds
     overlap: str = "allow"  # "skip": no tick while the previous tick's job has not ended
+    expires: float | None = None  # each tick's job expires this many seconds after it is fired
     source: str = "code"  # or "runtime": added with `taskrunner schedule add`
 
 
-def check_schedule_options(tz: str | None, missed: str, overlap: str, jitter: float) -> None:
+def check_schedule_options(tz: str | None, missed: str, overlap: str, jitter: float,
+                           expires: float | None = None) -> None:
     """A schedule's options, checked where it is declared or added (the dispatcher must
-    never meet a bad one): tz an IANA name (or None: UTC)."""
+    never meet a bad one): tz an IANA name (or None: UTC); `expires` seconds > 0, and more
+    than the jitter, which delays a tick's job after it is fired: else a tick's job could
+    expire before its delay ends, and never run."""
     if tz is not None:
         from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -144,6 +148,11 @@ def check_schedule_options(tz: str | None, missed: str, overlap: str, jitter: fl
         raise ValueError("overlap must be 'allow' or 'skip'")
     if not 0 <= jitter < 86400:
         raise ValueError("jitter must be seconds >= 0 and < 86400")
+    if expires is not None:
+        seconds("expires", expires, positive=True)
+        if expires <= jitter:
+            raise ValueError(f"expires ({expires} s) must be more than the jitter ({jitter} s): a tick's job is "
+                             "delayed by up to the jitter after it is fired, and would expire before it could run")
 
 
 def check_cron(cron: Any) -> str:
@@ -407,12 +416,13 @@ class TaskRunner:
 
     def periodic(self, cron: str, *, name: str | None = None, args: Iterable = (), kwargs: dict | None = None,
                  missed: str = "once", tz: str | None = None, jitter: float = 0.0, overlap: str = "allow",
-                 **task_options: Any) -> Callable[[Callable], Task]:
+                 expires: float | None = None, **task_options: Any) -> Callable[[Callable], Task]:
         """Declare a task and run it on a cron schedule, e.g. "*/5 * * * *", in UTC or in
-        `tz` (see taskrunner/ops/schedules.py for daylight-saving changes, `jitter` and
-        `overlap`). Each tick is enqueued exactly once, however many dispatchers run."""
+        `tz` (see taskrunner/ops/schedules.py for daylight-saving changes, `jitter`,
+        `overlap` and `expires`). Each tick is enqueued exactly once, however many
+        dispatchers run."""
         check_cron(cron)
-        check_schedule_options(tz, missed, overlap, jitter)
+        check_schedule_options(tz, missed, overlap, jitter, expires)
 
         def register(f: Callable) -> Task:
             t = f if isinstance(f, Task) else self.task(f, **task_options)
@@ -421,7 +431,8 @@ class TaskRunner:
             codec.check_id(cron_job_id(sname, 2**40))
             self._fields(t.name, args, kwargs, t.spec, None)
             self.schedules[sname] = Schedule(sname, cron, t.name, list(args), dict(kwargs or {}),
-                                             t.spec.queue, missed, tz=tz, jitter=jitter, overlap=overlap)
+                                             t.spec.queue, missed, tz=tz, jitter=jitter, overlap=overlap,
+                                             expires=expires)
             return t
 
         return register

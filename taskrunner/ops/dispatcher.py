@@ -455,14 +455,16 @@ class Dispatcher:
         if tick is not None:
             with arguments.unchecked():  # checked when the schedule was added
                 job = self.app.enqueue(s.task, s.args, s.kwargs, queue=s.queue, job_id=cron_job_id(s.name, tick),
-                                       delay=schedules.jitter_of(s, tick) or None, block_timeout=0)
+                                       delay=schedules.jitter_of(s, tick) or None, block_timeout=0,
+                                       expires=s.expires)
             fired, last_job, last_queue = int(job.created), job.id, job.queue
             if job.created:
                 log.info("dispatcher: fired %s for %s (job %s)", s.name,
                          datetime.fromtimestamp(tick, timezone.utc).isoformat(), job.id,
                          extra={**job_fields(Run(job.id, s.task, job.queue, 0)), "schedule": s.name})
         new = {"name": s.name, "cron": s.cron, "every": s.every, "tz": s.tz, "task": s.task, "queue": s.queue,
-               "args": s.args, "kwargs": s.kwargs, "source": s.source, "last": max(latest, last or 0), "next": nxt,
+               "args": s.args, "kwargs": s.kwargs, "expires": s.expires, "source": s.source,
+               "last": max(latest, last or 0), "next": nxt,
                "last_fired_at": now if tick is not None else state.get("last_fired_at"), "last_job": last_job,
                "last_queue": last_queue, "skipped": skipped}
         self.redis.hset(self.keys.schedules, s.name, codec.dumps(new))

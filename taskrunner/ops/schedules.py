@@ -26,7 +26,11 @@ Ticks, each fired at most once however many dispatchers run (its job id names th
 Options: `jitter` S delays each tick's job by up to S seconds (the same for every dispatcher:
 it derives from the tick); `overlap="skip"` skips a tick while the job of the previous tick
 is still pending, delayed or running; `missed` ("once" or "skip") what happens to ticks missed
-while no dispatcher ran (see Schedule)."""
+while no dispatcher ran (see Schedule); `expires` S: each tick's job expires S seconds after
+the dispatcher fired it (Celery beat's options={"expires": S}): one that no worker claimed by
+then (workers busy or down) never runs, it ends killed, Expired, rather than late. Counted
+from the firing, a late one's too (after downtime, with missed="once"), jitter's delay within
+it; `run-now`'s job has it as well."""
 
 from __future__ import annotations
 
@@ -121,7 +125,8 @@ def _from_json(name: str, raw: str) -> Schedule | None:
         return Schedule(name=name, cron=d.get("cron") or "", task=d["task"], args=list(d.get("args", [])),
                         kwargs=dict(d.get("kwargs", {})), queue=d.get("queue", "default"),
                         missed=d.get("missed", "once"), every=d.get("every"), tz=d.get("tz"),
-                        jitter=float(d.get("jitter", 0)), overlap=d.get("overlap", "allow"), source="runtime")
+                        jitter=float(d.get("jitter", 0)), overlap=d.get("overlap", "allow"), expires=d.get("expires"),
+                        source="runtime")
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -142,7 +147,7 @@ def effective(app: TaskRunner) -> tuple[list[Schedule], set[str]]:
 
 def add(app: TaskRunner, name: str, task: str, *, cron: str | None = None, every: str | int | None = None,
         tz: str | None = None, args: list | None = None, kwargs: dict | None = None, queue: str | None = None,
-        jitter: float = 0.0, overlap: str = "allow", missed: str = "once") -> Schedule:
+        jitter: float = 0.0, overlap: str = "allow", missed: str = "once", expires: float | None = None) -> Schedule:
     """Add (or replace) a runtime schedule; checked here, so the dispatcher never meets a bad one.
     `queue` None: the task's, as an enqueue without one takes it (declared here, else by its
     workers, else "default"), looked up now: the schedule keeps it."""
@@ -159,12 +164,13 @@ def add(app: TaskRunner, name: str, task: str, *, cron: str | None = None, every
     seconds = parse_every(str(every)) if every is not None else None
     if cron is not None:
         check_cron(cron)
-    check_schedule_options(tz, missed, overlap, jitter)
+    check_schedule_options(tz, missed, overlap, jitter, expires)
     if not isinstance(args or [], list) or not isinstance(kwargs or {}, dict):
         raise ValueError("args must be a JSON array and kwargs a JSON object")
     arguments.check(task, app._shape_of(task, look_up=True), list(args or []), dict(kwargs or {}), False)
     s = Schedule(name=name, cron=cron or "", task=task, args=list(args or []), kwargs=dict(kwargs or {}),
-                 queue=queue, missed=missed, every=seconds, tz=tz, jitter=jitter, overlap=overlap, source="runtime")
+                 queue=queue, missed=missed, every=seconds, tz=tz, jitter=jitter, overlap=overlap, expires=expires,
+                 source="runtime")
     definition = {k: v for k, v in asdict(s).items() if k not in ("name", "source") and v not in (None, "")}
     app.redis.hset(_defs_key(app), name, codec.dumps(definition))
     return s
@@ -283,9 +289,10 @@ def pause(app: TaskRunner, name: str, paused: bool = True) -> None:
 
 
 def run_now(app: TaskRunner, name: str) -> Job:
-    """Enqueue the schedule's job once, now (outside its ticks, paused or not)."""
+    """Enqueue the schedule's job once, now (outside its ticks, paused or not), as a tick
+    fires it: with its expiry."""
     s = _must_exist(app, name)
-    return app.enqueue(s.task, s.args, s.kwargs, queue=s.queue)
+    return app.enqueue(s.task, s.args, s.kwargs, queue=s.queue, expires=s.expires)
 
 
 def rows(app: TaskRunner) -> list[dict[str, Any]]:
