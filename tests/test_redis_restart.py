@@ -47,15 +47,21 @@ def test_redis_restart_mid_run(app, own_redis, crash):
 def test_a_restart_without_persistence_loses_the_library_and_the_worker_loads_it_again(app, tmp_path):
     """Functions persist with the data (AOF, RDB) and reach replicas; a Redis restarted with
     neither has none: the worker's next claims and finishes (batched) and the producer's
-    enqueues meet "Function not found", load the library and go on."""
+    enqueues meet "Function not found", load the library and go on. The worker is held
+    (SIGSTOP) across the restart, so that the library's absence is seen before it loads it
+    again (CI: under load it had, before the test looked)."""
     server = RedisServer(tmp_path, appendonly=False).start()
     app.configure(redis_url=server.url)
     stack = Stack(app, server.url)
     try:
-        stack.worker()
+        w = stack.worker()
         assert apps.add.delay(1, 1).wait(30) == 2
-        server.restart()
-        assert app.redis.function_list() == []
+        os.killpg(w.pid, signal.SIGSTOP)
+        try:
+            server.restart()
+            assert app.redis.function_list() == []
+        finally:
+            os.killpg(w.pid, signal.SIGCONT)
         jobs = [apps.add.delay(i, 1) for i in range(100)]
         assert [j.wait(60) for j in jobs] == [i + 1 for i in range(100)]
         assert app.redis.function_list(library=scripts.LIBRARY_NAME)
