@@ -188,14 +188,18 @@ def test_a_claim_ends_a_bounded_number_of_expired_jobs_and_leaves_a_wake_token(a
     p = app.keys.q("default")
     expired_batch(app, task, 500)
     live = app.enqueue(task, [7])
-    consumer = Consumer(app, ["default"])
+    argv = claim_args(app, "c1", "h", "127.0.0.1", [os.getpid(), ""])
+
+    def claim() -> list:  # one call of the script (Consumer.claim() claims on: see the test after)
+        return decode(scripts.CLAIM(app.redis, [p], argv), ["default"])[0]
+
     app.redis.delete(p + "wake")  # the enqueues' token: a claim cut short leaves its own
-    assert consumer.claim(1) == []
+    assert claim() == []
     assert 200 <= app.redis.zcard(p + "killed") < 300 and app.redis.llen(p + "wake") == 1
     got: list = []
     for _ in range(10):  # bounded: 2 more claims suffice
         app.redis.delete(p + "wake")
-        got = consumer.claim(1)
+        got = claim()
         if got:
             break
         assert app.redis.llen(p + "wake") == 1
@@ -349,3 +353,28 @@ def test_eager_mode_ignores_expires():
 
     job = double.apply_async([21], expires=0.001)
     assert job.wait() == 42 and "expires" not in job.data
+
+
+@pytest.mark.parametrize("task", [apps.echo.name, flow_apps.limited.name])
+def test_consume_without_a_timeout_takes_the_live_job_behind_a_backlog_of_expired_jobs(app, stack, task):
+    """`taskrunner consume` (its --timeout 0: Consumer.claim(block=0)) behind more expired
+    jobs than one claim ends: the claims cut short leave a wake token, which a claim that may
+    not wait takes at once, as a BRPOP would, and claims on. It said "no job" (exit 2) with
+    the live job pending, after one claim that ended 200 of them."""
+    expired_batch(app, task, 450)
+    live = app.enqueue(task, [7])
+    consumer = Consumer(app, ["default"])
+    try:
+        got = consumer.claim(1)
+        assert [d.id for d in got] == [live.id]
+        consumer.ack(got)
+    finally:
+        consumer.close()
+    assert app.redis.zcard(app.keys.q("default") + "killed") == 450
+    again = app.enqueue(task, [8])
+    expired_batch(app, task, 250)  # behind the live one this time: the CLI takes it first
+    more = app.enqueue(task, [9])
+    r = stack.cli("consume", "-q", "default")
+    assert r.returncode == 0 and json.loads(r.stdout)["id"] == again.id, r.stderr
+    r = stack.cli("consume", "-q", "default")
+    assert r.returncode == 0 and json.loads(r.stdout)["id"] == more.id, r.stderr

@@ -54,7 +54,8 @@ class Consumer:
 
     def claim(self, count: int = 1, block: float = 0) -> list[Delivery]:
         """Up to `count` jobs, queues in priority order; waits up to `block` seconds in
-        Redis (BRPOP on the wake lists) when there is none."""
+        Redis (BRPOP on the wake lists) when there is none. A claim cut short by a backlog of
+        expired jobs is followed by the next at once, `block` 0 too (_token())."""
         self.heartbeat()
         if time.monotonic() >= self._counts_at:  # the shard counts, at most once per shards.KEEP seconds
             pipe = self.app.redis.pipeline(transaction=False)
@@ -100,12 +101,29 @@ class Consumer:
                 raise
             out, wait = claim_rest(self.app, order, argv, raw)
             left = deadline - time.monotonic()
-            if out or left <= 0:
+            if out:
                 return out
+            if left <= 0:
+                # A claim cut short (it ended its most expired jobs: claim.lua, EXPIRED_MAX)
+                # left a wake token for its claimer to claim on: one that may not wait takes
+                # it at once, as a BRPOP would. Else `consume` (--timeout 0) said "no job" with
+                # live jobs behind a backlog of expired ones. No token: the queues are empty.
+                woken = None if wait is not None else self._token()
+                if woken is None:
+                    return out
+                continue
             if wait is not None and wait < _SHORT:  # a rate limit's next token: Redis times a BRPOP out to 0.1 s
                 time.sleep(min(wait, left))
             else:
                 woken = self._woken(max(0.01, min(left, 5, wait or 5)))
+
+    def _token(self) -> str | None:
+        """Take a wake token without waiting, from the first of our queues' wake lists (in
+        priority order) that has one: the queue it came on, or None."""
+        for q in self.served.physical:
+            if self.app.redis.rpop(self.keys.q(q) + "wake") is not None:
+                return q
+        return None
 
     def _woken(self, timeout: float) -> str | None:
         """Wait up to `timeout` s for a wake token: the queue it came on, or None. On a cluster
