@@ -276,6 +276,19 @@ def test_consume_on_sigterm_stops_its_command_past_the_grace_and_hands_the_job_b
     assert [d.id for d in Consumer(app, ["default"]).claim(2)] == [victim.id, behind.id]  # next in line
 
 
+def test_consume_on_sigterm_while_it_waits_for_a_job_leaves_the_workers_and_exits_143(app, stack):
+    """SIGTERM while consume waits for its job (--timeout): it stops waiting, hands back
+    anything its claim held (a claim answered as the signal came) and leaves the list of
+    workers, exit 143. Its handler came only with the job: it died of the signal, listed
+    among the workers (then as a dead one), a job its claim had taken held until found dead."""
+    p = stack.spawn("consume", "-q", "default", "--timeout", "120", "--", "cat")
+    wait_for(lambda: app.redis.zcard(app.keys.workers) == 1, what="consume to beat")
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM and "SIGTERM" in out, (p.returncode, out)
+    assert app.redis.zcard(app.keys.workers) == 0
+
+
 def test_consume_exits_as_its_job_was_recorded_when_a_kill_comes_as_its_command_exits(app, stack, tmp_path,
                                                                                       monkeypatch):
     """A kill request read just as CMD exits 0: the job is recorded either stopped (exit 1) or

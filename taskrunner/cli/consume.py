@@ -41,21 +41,46 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
     logs.configure(log_level, log_format)  # what it logs: waiting out a Redis outage
     app = app_from(app_spec, redis_url)
     c = Consumer(app, [q.strip() for q in queue_list.split(",") if q.strip()])
+    signal.signal(signal.SIGTERM, terminated)  # until the job is held (Held.on_sigterm)
     try:
         claimed = c.claim(1, block=timeout)
         delivery = claimed[0] if claimed else None
+        if delivery is None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving already
+        else:
+            held = Held(app, c, delivery)
+            signal.signal(signal.SIGTERM, held.on_sigterm)
     except KeyboardInterrupt:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving already
         c.close()
         raise
+    except Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            c.close()  # a claim answered as the signal came: its job goes back too
+        except REDIS_ERRORS as e:
+            click.echo(f"stopped (SIGTERM) before it had a job: Redis unreachable ({e}); the dispatcher requeues "
+                       "anything it held once it finds this consumer dead", err=True)
+        else:
+            click.echo("stopped (SIGTERM) before it had a job", err=True)
+        sys.exit(128 + signal.SIGTERM)
     if delivery is None:
         c.close()  # else listed among the workers, then as a dead one for an hour
         click.echo("no job", err=True)
         sys.exit(EXIT_NOT_YET)
-    held = Held(app, c, delivery)
-    signal.signal(signal.SIGTERM, held.on_sigterm)
     if not command:
         return held.print_and_ack()
     held.hand_to(command)
+
+
+class Terminated(Exception):
+    """SIGTERM before consume held a job (waiting for one, --timeout): it stops there, as a
+    worker stops claiming, rather than die of it listed among the workers (then as a dead
+    one for an hour), a job its claim had just taken held until the dispatcher found it dead."""
+
+
+def terminated(signum: int, frame: Any) -> NoReturn:
+    raise Terminated
 
 
 class Stop:
