@@ -37,7 +37,8 @@ def consume(queue_list: str, timeout: float, command: tuple[str, ...], log_level
     """Take one job from the shell. With `-- CMD ...`, CMD gets the job as JSON on stdin;
     exit 0 acks it (CMD's stdout, JSON if it parses, is the result), anything else fails
     it. Without CMD the job's JSON is printed and acked. Exit: CMD's code, 2 if no job; 130 on
-    Ctrl-C and 143 on SIGTERM once CMD outlived the shutdown grace: the job went back."""
+    Ctrl-C and 143 on SIGTERM once CMD outlived the shutdown grace: the job went back (143
+    too on SIGTERM while waiting for a job)."""
     logs.configure(log_level, log_format)  # what it logs: waiting out a Redis outage
     app = app_from(app_spec, redis_url)
     c = Consumer(app, [q.strip() for q in queue_list.split(",") if q.strip()])
