@@ -301,6 +301,7 @@ def test_sigkilled_up_takes_its_stack_along_and_the_next_up_starts(tmp_path):
     family = psutil.Process(p.pid).children(recursive=True)
     try:
         [server] = [q for q in family if q.name() == "redis-server"]
+        server.suspend()  # else the SIGTERM it gets as `up` dies (die_with_parent) may shut it down cleanly first
         os.killpg(p.pid, signal.SIGKILL)  # everything but Redis, which has its own session
         server.kill()
         _, alive = psutil.wait_procs([server, *family], timeout=60)
