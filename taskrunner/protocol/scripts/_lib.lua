@@ -73,6 +73,22 @@ local function fmt(x)
   return fmt_s
 end
 
+-- Epoch seconds as a UTC time to the second, e.g. "2026-11-27 08:39:18 UTC" (Redis's Lua
+-- has no os.date): the civil date of a day count (H. Hinnant's days_from_civil, inverted).
+local function utc_text(x)
+  local s = math.floor(x)
+  local z = math.floor(s / 86400) + 719468
+  local doe = z % 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local month = mp < 10 and mp + 3 or mp - 9
+  local year = yoe + (z - doe) / 146097 * 400 + (month <= 2 and 1 or 0)
+  local sec = s % 86400
+  return string.format('%04d-%02d-%02d %02d:%02d:%02d UTC', year, month, doy - math.floor((153 * mp + 2) / 5) + 1,
+    math.floor(sec / 3600), math.floor(sec % 3600 / 60), sec % 60)
+end
+
 -- A number read from a record or an argument, or `default` when it is not a finite one
 -- >= 0 (tonumber() takes "nan", "inf" and "0x10", which another client may have written).
 local function amount(text, default)

@@ -393,23 +393,9 @@ for qi = 1, #KEYS do
           'error', 'job record missing or without a task field'}, 'CorruptJob')
       elseif at then  -- [expires] not delivered: it ends killed, Expired, as a kill of a pending job
         redis.call('SREM', processing, id)
-        -- Its expiry in words, UTC to the second (Redis's Lua has no os.date): the civil date
-        -- of a day count (H. Hinnant's days_from_civil, inverted).
-        local s = math.floor(at)
-        local z = math.floor(s / 86400) + 719468
-        local doe = z % 146097
-        local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096))
-          / 365)
-        local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
-        local mp = math.floor((5 * doy + 2) / 153)
-        local month = mp < 10 and mp + 3 or mp - 9
-        local year = yoe + (z - doe) / 146097 * 400 + (month <= 2 and 1 or 0)
-        local sec = s % 86400
-        local when = string.format('%04d-%02d-%02d %02d:%02d:%02d UTC', year, month,
-          doy - math.floor((153 * mp + 2) / 5) + 1, math.floor(sec / 3600), math.floor(sec % 3600 / 60), sec % 60)
         -- kept for the default failed TTL (claim.lua is not told the setting) unless its record has its own
         finalize(p, id, job, load(job), 'killed', t, 604800, {'error_type', 'Expired',
-          'error', 'not started before it expired at ' .. when}, 'Expired')
+          'error', 'not started before it expired at ' .. utc_text(at)}, 'Expired')
         expired = expired + 1
         expired_all = expired_all + 1
       else
